@@ -1,0 +1,357 @@
+"""RunSpec: the frozen dataclass tree that defines a run, loaded from TOML.
+
+A run is everything participants must agree on: model, data, inner and outer optimisers, codec,
+window timing, validator keys and storage. Its canonical hash (:meth:`RunSpec.hash`) names the
+run; every signed object carries it, so objects of another run or another version are rejected.
+
+Each component receives only its own subtree (``spec.codec``, ``spec.inner`` ...). Unknown keys in
+the TOML are errors, and there are no defaults scattered at call sites: the defaults live here.
+
+    spec = RunSpec.load("run.toml")          # or RunSpec.default() / RunSpec.from_dict({...})
+    spec.hash()                              # 64 hex chars
+    spec.replace(inner={"steps": 30})        # a modified copy (tests, sweeps)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping, TypeVar
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from protocol.errors import ConfigError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """LLaMA-style decoder shape. ``preset`` is informational once the fields are resolved."""
+
+    preset: str = "tiny"
+    vocab_size: int = 256
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    ffn_dim: int = 688
+    max_seq_len: int = 256
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    init_seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.dim % self.n_heads == 0, "model.dim must be divisible by model.n_heads")
+        _require((self.dim // self.n_heads) % 2 == 0, "model head dim must be even (RoPE)")
+        _require(min(self.vocab_size, self.dim, self.n_layers, self.ffn_dim) > 0, "model sizes must be > 0")
+
+
+# Named sizes. `512m` is the paper's model (hidden 1536, 12 layers, 12 heads, FFN 5440, ctx 2048).
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=256),
+    "small": dict(dim=512, n_layers=8, n_heads=8, ffn_dim=1376, max_seq_len=512),
+    "150m": dict(dim=768, n_layers=12, n_heads=12, ffn_dim=2048, max_seq_len=1024, vocab_size=32000),
+    "512m": dict(dim=1536, n_layers=12, n_heads=12, ffn_dim=5440, max_seq_len=2048, vocab_size=32000),
+    "1b": dict(dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, max_seq_len=2048, vocab_size=32000),
+}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how they are cut into batches.
+
+    ``source``: ``builtin:stdlib`` (the Python standard library's source, no download), a shard
+    directory, or a text file/directory. ``tokenizer``: ``bytes`` or a path to a tokenizer.json.
+    ``batch_size`` sequences of ``seq_len`` tokens per inner step per replica.
+    """
+
+    source: str = "builtin:stdlib"
+    tokenizer: str = "bytes"
+    seq_len: int = 128
+    batch_size: int = 8
+    micro_batch_size: int = 0  # 0 = no gradient accumulation
+    val_fraction: float = 0.02
+    eval_sequences: int = 32
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        _require(self.seq_len > 1 and self.batch_size > 0, "data.seq_len > 1 and data.batch_size > 0")
+        _require(0.0 < self.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """Inner AdamW (per replica): H steps per window, warm-up then cosine to ``min_lr_ratio``."""
+
+    steps: int = 15
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    warmup_steps: int = 30
+    total_steps: int = 3000  # length of the cosine schedule, in inner steps
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _require(self.steps > 0, "inner.steps must be > 0")
+        _require(self.lr > 0, "inner.lr must be > 0")
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Chunk-wise Top-k + quantization of pseudo-gradients.
+
+    2-D tensors are cut in ``block``×``block`` tiles (largest divisor ≤ block per dimension when a
+    dimension is not a multiple), 1-D in contiguous chunks of ≤ ``chunk_1d``. ``k`` values are kept
+    per 4096 values, scaled for smaller chunks. ``value_bits``: 2 (default), 8 or 16 (research).
+    ``index_coding``: ``rice`` (compact, near the information bound) or ``packed12`` (baseline).
+    """
+
+    block: int = 64
+    chunk_1d: int = 4096
+    k: int = 64
+    value_bits: int = 2
+    index_coding: str = "rice"
+
+    def __post_init__(self) -> None:
+        _require(self.block > 0 and self.chunk_1d > 0, "codec.block and codec.chunk_1d must be > 0")
+        _require(0 < self.k <= 4096, "codec.k must be in 1..4096")
+        _require(self.value_bits in (2, 8, 16), "codec.value_bits must be 2, 8 or 16")
+        _require(self.index_coding in ("rice", "packed12"), "codec.index_coding must be rice|packed12")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Outer step. ``method``: sparseloco | diloco. α is applied once (θ ← θ − α·Δ̄)."""
+
+    method: str = "sparseloco"
+    alpha: float = 1.0
+    beta: float = 0.95  # error-feedback decay
+    aggregation: str = "contributors"  # contributors | all  (mean over contributors / over all R)
+    clip: str = "median"  # median | none
+    momentum: float = 0.9  # DiLoCo only (Nesterov)
+
+    def __post_init__(self) -> None:
+        _require(self.method in ("sparseloco", "diloco"), "outer.method must be sparseloco|diloco")
+        _require(self.aggregation in ("contributors", "all"), "outer.aggregation must be contributors|all")
+        _require(self.clip in ("median", "none"), "outer.clip must be median|none")
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    """Window timing. A window opens when aggregate t−1 is published (or at genesis)."""
+
+    upload_deadline_s: float = 600.0  # after the window opens
+    gather_grace_s: float = 5.0  # validator waits this long past the deadline for slow listings
+    poll_interval_s: float = 1.0
+    checkpoint_every: int = 5
+    max_windows: int = 0  # 0 = run forever
+
+
+@dataclass(frozen=True)
+class ValidatorConfig:
+    """Who may sign aggregates and how contributions are checked and scored."""
+
+    public_keys: tuple[str, ...] = ()  # hex Ed25519 public keys allowed to sign aggregates/checkpoints
+    max_contribution_bytes: int = 64 * 1024 * 1024
+    max_aggregate_bytes: int = 512 * 1024 * 1024
+    max_gather_concurrency: int = 16
+    eval_peers_per_window: int = 8  # loss-scoring budget
+    eval_sequences: int = 16
+    eval_scale: float = 1.0  # update scale applied when measuring loss after
+    norm_max_ratio: float = 10.0  # reject norms above ratio × window median
+    copy_overlap_threshold: float = 0.6
+    reputation_decay: float = 0.9
+    exclude_after_failures: int = 3
+    exclude_windows: int = 5
+    max_contributors: int = 64
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Where objects live: ``file:///path``, ``s3://bucket/prefix``, ``dht://`` or ``memory://``."""
+
+    url: str = "file://./swarm"
+    dht_bootstrap: tuple[str, ...] = ()
+    s3_endpoint: str = ""
+    s3_region: str = "auto"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str = "local"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    windows: WindowConfig = field(default_factory=WindowConfig)
+    validator: ValidatorConfig = field(default_factory=ValidatorConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def default(cls) -> "RunSpec":
+        return cls()
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "RunSpec":
+        raw = dict(raw)
+        model = raw.get("model")
+        if isinstance(model, Mapping):
+            raw["model"] = resolve_model_preset(model)
+        return _build(cls, raw, "")
+
+    @classmethod
+    def loads(cls, text: str) -> "RunSpec":
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"RunSpec TOML does not parse: {exc}") from exc
+        return cls.from_dict(raw)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunSpec":
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"RunSpec file not found: {p}")
+        return cls.loads(p.read_text())
+
+    # ---------------------------------------------------------------- identity
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    def canonical_json(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
+    def hash(self) -> str:
+        """sha256 of the canonical JSON form; names the run in every signed object."""
+        return hashlib.sha256(self.canonical_json()).hexdigest()
+
+    def to_toml(self) -> str:
+        return _dict_to_toml(self.to_dict())
+
+    def replace(self, **sections: Any) -> "RunSpec":
+        """Copy with some fields replaced. Section values may be dicts of field overrides."""
+        raw = self.to_dict()
+        for key, value in sections.items():
+            if key not in raw:
+                raise ConfigError(f"unknown RunSpec field {key!r}")
+            if isinstance(value, Mapping) and isinstance(raw[key], dict):
+                raw[key] = {**raw[key], **value}
+            elif dataclasses.is_dataclass(value):
+                raw[key] = _to_plain(value)
+            else:
+                raw[key] = value
+        return _build(RunSpec, raw, "")
+
+
+def resolve_model_preset(model: Mapping[str, Any]) -> dict[str, Any]:
+    """Expand ``preset = "small"`` into its fields; explicit fields override the preset."""
+    model = dict(model)
+    name = model.get("preset", "tiny")
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; known: {', '.join(MODEL_PRESETS)}")
+    return {**MODEL_PRESETS[name], **model, "preset": name}
+
+
+def model_config(preset: str, **overrides: Any) -> ModelConfig:
+    return _build(ModelConfig, resolve_model_preset({"preset": preset, **overrides}), "model.")
+
+
+# -------------------------------------------------------------------- helpers
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _build(cls: type[T], raw: Mapping[str, Any], prefix: str) -> T:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'RunSpec'} must be a table")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) in RunSpec: {', '.join(prefix + k for k in unknown)}")
+    kwargs: dict[str, Any] = {}
+    for name, value in raw.items():
+        kwargs[name] = _coerce(hints[name], value, prefix + name)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"bad RunSpec section {prefix or 'root'}: {exc}") from exc
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        if dataclasses.is_dataclass(value):
+            return value
+        return _build(tp, value, where + ".")
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be an array")
+        args = typing.get_args(tp)
+        item_tp = args[0]
+        if len(args) == 2 and args[1] is Ellipsis or len(args) == 1:
+            return tuple(_coerce(item_tp, v, where) for v in value)
+        if len(args) != len(value):
+            raise ConfigError(f"{where} must have {len(args)} items")
+        return tuple(_coerce(a, v, where) for a, v in zip(args, value))
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true/false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise ConfigError(f"cannot write {v!r} to TOML")
+
+
+def _dict_to_toml(d: Mapping[str, Any]) -> str:
+    lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
+    for k, v in d.items():
+        if isinstance(v, dict):
+            lines.append(f"\n[{k}]")
+            lines.extend(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items())
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,133 @@
+"""The exception hierarchy of the protocol.
+
+Every error caused by bytes that came from somewhere else (a peer, a store, a file) is a
+:class:`ProtocolError` with a short machine-readable ``reason`` (a stable snake_case name that the
+validator writes into the contribution log) and a human-readable message. Callers at a window
+boundary turn these into recorded outcomes; they never crash a peer or a validator.
+
+Configuration and local identity problems are :class:`ConfigError`; they stop the process.
+"""
+
+from __future__ import annotations
+
+
+class SparseLocoError(Exception):
+    """Base of every exception this project raises on purpose."""
+
+
+class ConfigError(SparseLocoError):
+    """A RunSpec, CLI option or local file is wrong. Stops the process with a clear message."""
+
+
+class ProtocolError(SparseLocoError):
+    """Bytes from outside broke a rule of the protocol.
+
+    ``reason`` is a stable identifier (``"bad_signature"``, ``"too_large"`` ...) used in logs and in
+    the contribution log; ``str(err)`` is the readable explanation.
+    """
+
+    reason: str = "protocol_error"
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {super().__str__()}"
+
+
+class MalformedPayload(ProtocolError):
+    """Structure does not parse: truncated, extended, bad lengths, bad header fields."""
+
+    reason = "malformed"
+
+
+class PayloadTooLarge(ProtocolError):
+    """A declared or actual size exceeds the configured maximum."""
+
+    reason = "too_large"
+
+
+class UnsupportedVersion(ProtocolError):
+    """Unknown magic, format version or object kind."""
+
+    reason = "unsupported_version"
+
+
+class BadSignature(ProtocolError):
+    """Signature does not verify, or the signer is not who the object claims."""
+
+    reason = "bad_signature"
+
+
+class UnknownSigner(ProtocolError):
+    """Valid signature by a key that is not allowed to sign this object."""
+
+    reason = "unknown_signer"
+
+
+class WrongRun(ProtocolError):
+    """The object names another RunSpec hash (another run or another version of it)."""
+
+    reason = "wrong_run"
+
+
+class WrongWindow(ProtocolError):
+    """The object names another window than the one it was found under or expected for."""
+
+    reason = "wrong_window"
+
+
+class StaleBase(ProtocolError):
+    """A contribution trained from another aggregate than the current one (sync check, replay)."""
+
+    reason = "stale_base"
+
+
+class SchemaMismatch(ProtocolError):
+    """Unknown, missing or duplicate tensors, or a shape/dtype that does not match the model."""
+
+    reason = "schema_mismatch"
+
+
+class InvalidIndices(ProtocolError):
+    """Index stream decodes to out-of-range, unsorted or duplicate positions, or wrong counts."""
+
+    reason = "invalid_indices"
+
+
+class NonFiniteValues(ProtocolError):
+    """NaN or Inf in scales, values or an input tensor to encode."""
+
+    reason = "non_finite"
+
+
+class DigestMismatch(ProtocolError):
+    """Content does not match the hash that names or accompanies it."""
+
+    reason = "digest_mismatch"
+
+
+class StoreError(SparseLocoError):
+    """A storage backend failed (network, permissions, server). Retryable unless stated."""
+
+    reason: str = "store_error"
+
+
+class ObjectNotFound(StoreError):
+    """The key does not exist in the store."""
+
+    reason = "not_found"
+
+
+class ObjectExists(StoreError):
+    """A conditional create found the key already present."""
+
+    reason = "exists"
+
+
+class AccessDenied(StoreError):
+    """The credential may not read or write this key."""
+
+    reason = "access_denied"
