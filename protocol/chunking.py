@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
+
+import numpy as np
+import numpy.typing as npt
 
 import torch
 from torch import Tensor
@@ -75,6 +78,16 @@ class Geometry:
         if self.n_chunks == 0:
             return 0
         return (self.n_chunks - 1) * self.k_full + self.k_last
+
+    @cached_property
+    def sizes_np(self) -> npt.NDArray[np.int64]:
+        """Real size of each chunk (numpy, cached: the packers need it per tensor)."""
+        return self.chunk_sizes().numpy()
+
+    @cached_property
+    def ks_np(self) -> npt.NDArray[np.int64]:
+        """Values kept in each chunk (numpy, cached)."""
+        return self.chunk_ks().numpy()
 
     def chunk_sizes(self) -> Tensor:
         """int64 (n_chunks,): real (unpadded) size of each chunk."""

@@ -188,6 +188,33 @@ class StorageConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline replicas (stages of small GPUs) and subspace compression of their activations.
+
+    ``enabled``: pipeline replicas may join this run. Activations crossing a stage boundary are
+    projected on a fixed rank-k subspace, k = model.dim // ``compression_ratio`` (1 = uncompressed).
+    ``selective``: only pipeline replicas compress (the paper's choice); false makes full replicas
+    train under the same constraint with virtual boundaries after every ``stages``-way split.
+    ``micro_batches`` per inner step (GPipe); ``timeout_s`` bounds every wait on another stage once
+    the stages have met, ``rendezvous_timeout_s`` how long they wait for each other at a window start.
+    """
+
+    enabled: bool = False
+    compression_ratio: int = 32
+    selective: bool = True
+    stages: int = 2
+    micro_batches: int = 4
+    timeout_s: float = 60.0
+    rendezvous_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        _require(self.compression_ratio >= 1, "pipeline.compression_ratio must be >= 1")
+        _require(self.stages >= 2, "pipeline.stages must be >= 2")
+        _require(self.micro_batches >= 1, "pipeline.micro_batches must be >= 1")
+        _require(self.timeout_s > 0, "pipeline.timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
 class RunSpec:
     name: str = "local"
     seed: int = 0
@@ -199,6 +226,7 @@ class RunSpec:
     windows: WindowConfig = field(default_factory=WindowConfig)
     validator: ValidatorConfig = field(default_factory=ValidatorConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     # ---------------------------------------------------------------- construction
     @classmethod

@@ -131,3 +131,28 @@ class AccessDenied(StoreError):
     """The credential may not read or write this key."""
 
     reason = "access_denied"
+
+
+class InvalidKey(StoreError, ValueError):
+    """An object key or prefix breaks the key rules (empty, absolute, ``..``, odd characters)."""
+
+    reason = "invalid_key"
+
+
+class PipelineFailure(SparseLocoError):
+    """A pipeline stage could not finish a window with the other stages of its replica.
+
+    ``reason``: ``peer_lost`` (a stage died or the link broke), ``timeout`` (no answer within
+    ``pipeline.timeout_s``), ``rendezvous`` (the stages never met), ``mismatch`` (another window,
+    base or subspace). The replica skips the window; it is an outcome, not a crash.
+    """
+
+    reason: str = "pipeline_failed"
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {super().__str__()}"

@@ -1,0 +1,119 @@
+"""Storage backends behind one interface, chosen by URL.
+
+    open_store("memory://")                     # private, in-process (tests)
+    open_store("memory://swarm")                # shared by every handle named "swarm" in-process
+    open_store("file:///var/lib/sparseloco")    # a local directory (also file://./relative)
+    open_store("s3://bucket/prefix", endpoint_url="https://...", region="auto",
+               access_key="...", secret_key="...")   # or credentials from the AWS env/profile
+    open_store("s3://bucket/prefix?endpoint=http://127.0.0.1:8333&region=us-east-1")
+    open_store("dht://", initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."])
+
+Options go to the backend's constructor (:class:`LocalStore`, :class:`S3Store`, ``DHTStore``).
+A RunSpec's ``[storage]`` section opens with :func:`store_from_config`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
+
+from protocol.errors import ConfigError
+from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
+from protocol.store.local import LocalStore
+from protocol.store.memory import MemoryStore
+
+if TYPE_CHECKING:
+    from protocol.config import StorageConfig
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "LocalStore",
+    "MemoryStore",
+    "ObjectStore",
+    "check_key",
+    "check_prefix",
+    "open_store",
+    "store_from_config",
+]
+
+# Query parameters an s3:// URL may carry (never secrets: URLs end up in logs).
+_S3_QUERY = {"endpoint": "endpoint_url", "endpoint_url": "endpoint_url", "region": "region",
+             "profile": "profile", "addressing_style": "addressing_style"}  # fmt: skip
+
+
+def open_store(url: str, **options: Any) -> ObjectStore:
+    """Open the store named by ``url``; raises :class:`ConfigError` for an unusable URL."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ConfigError(f"store URL needs a scheme (memory://, file://, s3://, dht://): {url!r}")
+    scheme = scheme.lower()
+    if scheme == "memory":
+        return _build(MemoryStore, rest.strip("/"), **options)
+    if scheme == "file":
+        if not rest:
+            raise ConfigError(f"file:// URL without a path: {url!r}")
+        return _build(LocalStore, rest, **options)
+    if scheme == "s3":
+        return _open_s3(url, options)
+    if scheme == "dht":
+        return _open_dht(url, options)
+    raise ConfigError(f"unknown store scheme {scheme!r} in {url!r}")
+
+
+def _build(cls: type[ObjectStore], *args: Any, **options: Any) -> ObjectStore:
+    """``cls(*args, **options)``, with a misspelt option reported as a ConfigError."""
+    try:
+        inspect.signature(cls).bind(*args, **options)
+    except TypeError as exc:
+        raise ConfigError(f"{cls.__name__}: {exc}") from exc
+    return cls(*args, **options)
+
+
+def _query(url: str) -> dict[str, str]:
+    parsed = parse_qs(urlsplit(url).query, keep_blank_values=False, strict_parsing=False)
+    return {name: values[-1] for name, values in parsed.items()}
+
+
+def _open_s3(url: str, options: dict[str, Any]) -> ObjectStore:
+    from protocol.store.s3 import S3Store  # boto3 import costs ~0.3 s; only when asked
+
+    parts = urlsplit(url)
+    if not parts.netloc:
+        raise ConfigError(f"s3:// URL without a bucket: {url!r}")
+    merged: dict[str, Any] = {}
+    for name, value in _query(url).items():
+        if name not in _S3_QUERY:
+            raise ConfigError(f"unknown s3:// URL parameter {name!r} (credentials go in options)")
+        merged[_S3_QUERY[name]] = value
+    merged.update(options)  # explicit options win over the URL
+    return _build(S3Store, parts.netloc, parts.path.strip("/"), **merged)
+
+
+def _open_dht(url: str, options: dict[str, Any]) -> ObjectStore:
+    try:
+        from protocol.store.dht import DHTStore
+    except ImportError as exc:
+        raise ConfigError(f"the DHT backend is not available: {exc}") from exc
+    peers = list(options.pop("initial_peers", []))
+    query = _query(url)
+    if "peers" in query:
+        peers += [p for p in query.pop("peers").split(",") if p]
+    if query:
+        raise ConfigError(f"unknown dht:// URL parameters {sorted(query)}")
+    return _build(DHTStore, peers, **options)
+
+
+def store_from_config(cfg: StorageConfig, **options: Any) -> ObjectStore:
+    """Open the store of a RunSpec's ``[storage]`` section; ``options`` add or override."""
+    scheme = cfg.url.partition("://")[0].lower()
+    merged: dict[str, Any] = {}
+    if scheme == "s3":
+        if cfg.s3_endpoint:
+            merged["endpoint_url"] = cfg.s3_endpoint
+        if cfg.s3_region:
+            merged["region"] = cfg.s3_region
+    elif scheme == "dht":
+        merged["initial_peers"] = list(cfg.dht_bootstrap)
+    merged.update(options)
+    return open_store(cfg.url, **merged)

@@ -13,9 +13,45 @@ backend allows it.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 
+from protocol.errors import InvalidKey
+
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+
+#: Longest key in UTF-8 bytes (S3's own limit).
+MAX_KEY_BYTES = 1024
+
+# One path segment: portable on every file system and URL-safe in S3 without escaping. A leading
+# dot is refused so that "." / ".." cannot traverse and so backends may keep hidden temp files.
+_SEGMENT = re.compile(r"[A-Za-z0-9_~=+@,-][A-Za-z0-9._~=+@,-]*")
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a valid object key, else raise :class:`InvalidKey`.
+
+    A key is 1-1024 bytes of ``/``-separated segments, no leading or trailing ``/``, no empty
+    segment, no segment starting with ``.``, characters ``A-Z a-z 0-9 . _ ~ = + @ , -`` only.
+    Keys may come from the network (manifests list keys), so this is enforced by every backend.
+    """
+    if not isinstance(key, str):
+        raise InvalidKey(f"key must be str, got {type(key).__name__}")
+    if not key or len(key.encode()) > MAX_KEY_BYTES:
+        raise InvalidKey(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key.encode())}")
+    for segment in key.split("/"):
+        if not _SEGMENT.fullmatch(segment):
+            raise InvalidKey(f"bad key {key!r}: segment {segment!r} is empty or not allowed")
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """Return ``prefix`` if it is ``""`` or a valid key optionally followed by one ``/``."""
+    if not isinstance(prefix, str):
+        raise InvalidKey(f"prefix must be str, got {type(prefix).__name__}")
+    if prefix:
+        check_key(prefix[:-1] if prefix.endswith("/") else prefix)
+    return prefix
 
 
 class ObjectStore(ABC):
@@ -24,7 +60,8 @@ class ObjectStore(ABC):
     ``put(..., if_absent=True)`` is a conditional create: it raises ``ObjectExists`` when the key is
     already there. Backends without an atomic primitive emulate it best-effort and say so in
     ``atomic_create``. Missing keys raise ``ObjectNotFound``; oversized ones ``PayloadTooLarge``;
-    permission failures ``AccessDenied``; anything else a ``StoreError``.
+    permission failures ``AccessDenied``; keys that break :func:`check_key` ``InvalidKey``;
+    anything else a ``StoreError``.
     """
 
     #: True when ``put(if_absent=True)`` is atomic against concurrent writers.

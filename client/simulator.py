@@ -1,0 +1,185 @@
+"""In-process swarm: R replicas on one machine, through exactly the code real participants run.
+
+Per round (window) t, for ``sparseloco``::
+
+    θ_r   ← InnerTrainer.train_window(assigned_batches(data, seed, r, t, H, B, T))   # client/trainer
+    Δ_r    = pseudo_gradient(θ_t, θ_r)
+    bytes  = compress_and_pack(e_r, Δ_r, β, codec)     # feedback.compress_step + codec.pack (the wire payload)
+    sparse = unpack_sparse(bytes, schema, codec)        # codec.unpack + to_sparse, as the validator does
+    Δ̄      = aggregate(sparse_1..R, mode, clip)         # protocol/aggregate
+    θ_t+1  = apply_outer(θ_t, Δ̄, α)
+
+``diloco`` averages the dense fp32 Δ_r and takes a Nesterov outer step (protocol/outer);
+``ddp`` is one AdamW run whose gradient each step is the mean over the R replicas' batches (the same
+tokens per step as the other methods). Validation loss on held-out data after every round.
+
+    sim = Simulator(model_cfg, dataset, SimConfig(method="sparseloco", replicas=4, rounds=24, ...))
+    result = sim.run()          # SimResult: per-round val loss, bytes, seconds
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from client.trainer import InnerTrainer, load_params, pseudo_gradient, snapshot
+from protocol.aggregate import SparseDict, aggregate, apply_outer, sparse_of
+from protocol.codec import pack, unpack
+from protocol.config import CodecConfig, InnerConfig, ModelConfig, OuterConfig
+from protocol.data import TokenDataset, assigned_batches, validation_batches
+from protocol.errors import ConfigError
+from protocol.feedback import FeedbackState, compress_step
+from protocol.model import build_model, eval_loss, fingerprint, parameters_of
+from protocol.outer import NesterovOuter, dense_mean
+
+__all__ = ["METHODS", "RoundRecord", "SimConfig", "SimResult", "Simulator", "compress_and_pack", "unpack_sparse"]
+
+METHODS = ("ddp", "diloco", "sparseloco")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run. ``outer.alpha`` is DiLoCo's outer lr when ``method == "diloco"``."""
+
+    method: str = "sparseloco"
+    replicas: int = 4
+    rounds: int = 24
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    batch_size: int = 8
+    seq_len: int = 128
+    micro_batch_size: int = 0
+    eval_sequences: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.replicas < 1 or self.rounds < 1:
+            raise ConfigError("replicas and rounds must be >= 1")
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    round: int
+    val_loss: float
+    train_loss: float  # mean inner-step loss over replicas
+    bytes_per_replica: int  # what one replica sent this round
+    seconds: float
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    initial_val_loss: float
+    rounds: list[RoundRecord]
+    fingerprint: str  # of the final global parameters
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.rounds[-1].val_loss
+
+    @property
+    def bytes_per_replica_per_round(self) -> float:
+        return sum(r.bytes_per_replica for r in self.rounds) / len(self.rounds)
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.seconds for r in self.rounds)
+
+
+def compress_and_pack(
+    state: FeedbackState, delta: Mapping[str, Tensor], beta: float, cfg: CodecConfig
+) -> dict[str, bytes]:
+    """The peer's sparse path up to the wire: error feedback, Top-k + quantization, payload bytes.
+
+    Byte-for-byte the per-tensor payloads ``wire.encode_contribution`` packs for the same state.
+    """
+    encoded = compress_step(state, dict(delta), beta, cfg)
+    return {name: pack(e) for name, e in encoded.items()}
+
+
+def unpack_sparse(payloads: Mapping[str, bytes], shapes: Mapping[str, tuple[int, ...]], cfg: CodecConfig) -> SparseDict:
+    """What the validator sees: strict ``codec.unpack`` of each payload, then flat sparse form."""
+    return sparse_of({name: unpack(data, shapes[name], cfg) for name, data in payloads.items()})
+
+
+class Simulator:
+    """Runs one :class:`SimConfig` on ``dataset`` with a model built from ``model_cfg``."""
+
+    def __init__(
+        self, model_cfg: ModelConfig, dataset: TokenDataset, cfg: SimConfig, device: torch.device | str = "cpu"
+    ) -> None:
+        if dataset.vocab_size > model_cfg.vocab_size:
+            raise ConfigError(f"dataset vocab {dataset.vocab_size} exceeds model vocab {model_cfg.vocab_size}")
+        self.cfg = cfg
+        self.data = dataset
+        self.device = torch.device(device)
+        self.model = build_model(model_cfg).to(self.device)
+        self.params = parameters_of(self.model)
+        self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
+        self.val = validation_batches(dataset, cfg.eval_sequences, cfg.batch_size, cfg.seq_len)
+        n_workers = 1 if cfg.method == "ddp" else cfg.replicas
+        self.workers = [build_model(model_cfg).to(self.device) for _ in range(n_workers)] if cfg.method != "ddp" else [self.model]
+        # DDP: one optimizer; each step's batch is the R replicas' batches, gradient averaged by accumulation.
+        mb = cfg.batch_size if cfg.method == "ddp" else cfg.micro_batch_size
+        self.trainers = [InnerTrainer(m, cfg.inner, self.device, micro_batch_size=mb) for m in self.workers]
+        self.feedback = [FeedbackState() for _ in range(cfg.replicas)]
+        self.outer = NesterovOuter(cfg.outer.alpha, cfg.outer.momentum)
+        self.numel = sum(p.numel() for p in self.params.values())
+
+    def run(self, on_round: Callable[[RoundRecord], None] | None = None) -> SimResult:
+        initial = eval_loss(self.model, self.val, self.device)
+        records = []
+        for t in range(self.cfg.rounds):
+            t0 = time.perf_counter()
+            step = {"ddp": self._round_ddp, "diloco": self._round_diloco, "sparseloco": self._round_sparse}
+            train_loss, sent = step[self.cfg.method](t)
+            val = eval_loss(self.model, self.val, self.device)
+            rec = RoundRecord(t, val, train_loss, sent, time.perf_counter() - t0)
+            records.append(rec)
+            if on_round is not None:
+                on_round(rec)
+        return SimResult(self.cfg, initial, records, fingerprint(self.model))
+
+    # ------------------------------------------------------------------ methods
+    def _batches(self, replica: int, window: int) -> list[Tensor]:
+        c = self.cfg
+        return assigned_batches(self.data, c.seed, replica, window, c.inner.steps, c.batch_size, c.seq_len)
+
+    def _local_rounds(self, t: int) -> tuple[dict[str, Tensor], list[dict[str, Tensor]], float]:
+        """Every replica trains H steps from θ_t; returns (θ_t, pseudo-gradients, mean train loss)."""
+        base = snapshot(self.model)
+        deltas, losses = [], []
+        for r, (worker, trainer) in enumerate(zip(self.workers, self.trainers)):
+            load_params(worker, base)
+            losses.append(trainer.train_window(self._batches(r, t)).mean_loss)
+            deltas.append(pseudo_gradient(base, worker))
+        return base, deltas, sum(losses) / len(losses)
+
+    def _round_sparse(self, t: int) -> tuple[float, int]:
+        c = self.cfg
+        _, deltas, loss = self._local_rounds(t)
+        contribs, sent = [], 0
+        for state, delta in zip(self.feedback, deltas):
+            payloads = compress_and_pack(state, delta, c.outer.beta, c.codec)
+            sent = max(sent, sum(len(p) for p in payloads.values()))
+            contribs.append(unpack_sparse(payloads, self.shapes, c.codec))
+        apply_outer(self.params, aggregate(contribs, c.outer.aggregation, c.outer.clip), c.outer.alpha)
+        return loss, sent
+
+    def _round_diloco(self, t: int) -> tuple[float, int]:
+        _, deltas, loss = self._local_rounds(t)
+        self.outer.step(self.params, dense_mean(deltas))
+        return loss, 4 * self.numel  # dense fp32 pseudo-gradient
+
+    def _round_ddp(self, t: int) -> tuple[float, int]:
+        per_replica = [self._batches(r, t) for r in range(self.cfg.replicas)]
+        steps = [torch.cat([b[i] for b in per_replica]) for i in range(self.cfg.inner.steps)]
+        loss = self.trainers[0].train_window(steps).mean_loss
+        return loss, 4 * self.numel * self.cfg.inner.steps  # one fp32 gradient all-reduce per step

@@ -1,0 +1,244 @@
+"""Staying bit-identical with the swarm: find the current window, load checkpoints, replay aggregates.
+
+A peer holds θ as CPU float32 tensors (the *master copy*; the trainer's model may live on a GPU).
+Every change to θ goes through this module, and only from objects signed by a key in
+``spec.validator.public_keys``::
+
+    sync = Sync(spec, store)
+    pos = sync.bootstrap(params)                 # newest checkpoint + replay of the aggregates after it
+    pos = sync.advance(params, pos)              # apply every aggregate published since ``pos``
+    sync.wait_until_published(pos.window, stop_at=deadline)
+
+``Position`` is where a peer stands: θ opens window ``window``; ``base`` is the digest of aggregate
+``window − 1`` (``GENESIS`` at window 0), ``fingerprint`` the sha256 of θ, ``opened_at`` the
+validator's signed ``published_at`` of that aggregate (when the window opened).
+
+Recovery rules: an aggregate that does not chain onto ``base`` or whose resulting fingerprint
+differs from the one it carries means this peer diverged; :meth:`Sync.advance` then reloads the
+newest checkpoint (:meth:`Sync.resync`) and replays from there. Aggregates that fail verification are
+never applied.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from torch import Tensor
+
+from protocol import layout
+from protocol.config import RunSpec
+from protocol.errors import (
+    DigestMismatch,
+    MalformedPayload,
+    ObjectNotFound,
+    ProtocolError,
+    SchemaMismatch,
+    StaleBase,
+    StoreError,
+)
+from protocol.aggregate import apply_outer
+from protocol.model import build_model, fingerprint, param_schema
+from protocol.store.base import ObjectStore
+from protocol.wire import Aggregate, CheckpointManifest, decode_aggregate, decode_checkpoint
+
+MAX_MANIFEST_BYTES = 1 << 20
+
+
+class NotReady(ProtocolError):
+    """The run has no signed genesis checkpoint yet (the validator has not started)."""
+
+    reason = "not_ready"
+
+
+@dataclass(frozen=True)
+class Position:
+    """θ opens ``window``; see the module docstring."""
+
+    window: int
+    base: str
+    fingerprint: str
+    opened_at: float | None = None
+
+
+class Sync:
+    """Reads signed aggregates and checkpoints of one run from a store and applies them to θ."""
+
+    def __init__(self, spec: RunSpec, store: ObjectStore, *, poll_interval_s: float | None = None) -> None:
+        self.spec = spec
+        self.store = store
+        self.run = layout.run_id(spec.hash())
+        self.run_hash = spec.hash()
+        self.schema = param_schema(spec.model)
+        self.signers = spec.validator.public_keys
+        self.poll_s = spec.windows.poll_interval_s if poll_interval_s is None else poll_interval_s
+
+    # ------------------------------------------------------------------ discovery
+    def checkpoint_windows(self) -> list[int]:
+        """Windows that have a checkpoint manifest, ascending."""
+        keys = self.store.list(layout.checkpoints_prefix(self.run))
+        out = set()
+        for key in keys:
+            try:
+                parsed = layout.parse_key(key, run=self.run)
+            except MalformedPayload:
+                continue
+            if parsed.file == layout.CHECKPOINT_MANIFEST and parsed.window is not None:
+                out.add(parsed.window)
+        return sorted(out)
+
+    # ------------------------------------------------------------------ aggregates
+    def fetch_aggregate(self, window: int) -> Aggregate | None:
+        """The verified aggregate of ``window``, or None when it is not published yet."""
+        try:
+            blob = self.store.get(layout.aggregate_key(self.run, window), max_bytes=self.spec.validator.max_aggregate_bytes)
+        except ObjectNotFound:
+            return None
+        return decode_aggregate(
+            blob,
+            run_hash=self.run_hash,
+            max_bytes=self.spec.validator.max_aggregate_bytes,
+            allowed_signers=self.signers,
+            window=window,
+            # No schema: an aggregate may cover a subset of tensors (pipeline stages, empty
+            # windows); apply_outer checks every name, index and value against θ before writing.
+        )
+
+    def aggregate_published(self, window: int) -> bool:
+        return self.store.exists(layout.aggregate_key(self.run, window))
+
+    def wait_until_published(
+        self, window: int, *, stop_at: float | None = None, should_stop: Callable[[], bool] = lambda: False
+    ) -> bool:
+        """Poll until aggregate ``window`` exists (True), ``stop_at`` passes or ``should_stop()`` (False)."""
+        while not should_stop():
+            if self.aggregate_published(window):
+                return True
+            if stop_at is not None and time.time() >= stop_at:
+                return False
+            time.sleep(self.poll_s)
+        return False
+
+    def apply(self, params: Mapping[str, Tensor], pos: Position, agg: Aggregate) -> Position:
+        """θ ← θ − α·Δ̄ for the aggregate that follows ``pos``; checks base and resulting fingerprint.
+
+        Raises StaleBase when ``agg`` does not chain onto ``pos`` (θ is untouched) and
+        DigestMismatch when θ after the step differs from the signed fingerprint (θ is then
+        diverged and must be resynchronised).
+        """
+        if agg.window != pos.window:
+            raise StaleBase(f"aggregate is for window {agg.window}, peer is at window {pos.window}")
+        if agg.base != pos.base:
+            raise StaleBase(f"aggregate {agg.window} builds on {agg.base[:16]}, peer holds {pos.base[:16]}")
+        delta = {name: (t.indices, t.values) for name, t in agg.tensors.items()}
+        apply_outer(params, delta, agg.alpha)
+        got = fingerprint(params)
+        if got != agg.fingerprint:
+            raise DigestMismatch(f"θ after aggregate {agg.window} is {got[:16]}, validator signed {agg.fingerprint[:16]}")
+        opened = agg.metadata.get("published_at")
+        return Position(agg.window + 1, agg.digest, got, float(opened) if isinstance(opened, (int, float)) else None)
+
+    # ------------------------------------------------------------------ checkpoints
+    def load_checkpoint(self, window: int) -> tuple[Position, dict[str, Tensor]]:
+        """θ from the signed checkpoint of ``window`` (files checked against the manifest)."""
+        blob = self.store.get(layout.checkpoint_manifest_key(self.run, window), max_bytes=MAX_MANIFEST_BYTES)
+        manifest = decode_checkpoint(
+            blob, run_hash=self.run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=self.signers, window=window
+        )
+        params = self._checkpoint_params(manifest)
+        got = fingerprint(params)
+        if got != manifest.fingerprint:
+            raise DigestMismatch(f"checkpoint {window} weights hash to {got[:16]}, manifest says {manifest.fingerprint[:16]}")
+        return Position(window, manifest.aggregate, got, self._opened_at(window)), params
+
+    def _checkpoint_params(self, manifest: CheckpointManifest) -> dict[str, Tensor]:
+        if manifest.window == 0:
+            # θ₀ is a pure function of the RunSpec: build it instead of downloading it, and let the
+            # fingerprint comparison in load_checkpoint prove that we built the same bytes.
+            return {n: p.detach().clone() for n, p in build_model(self.spec.model).named_parameters()}
+        params: dict[str, Tensor] = {}
+        for f in manifest.files:
+            key = f.key if "/" in f.key else layout.checkpoint_key(self.run, manifest.window, f.key)
+            data = self.store.get(key, max_bytes=max(f.size, 1))
+            if len(data) != f.size or hashlib.sha256(data).hexdigest() != f.sha256:
+                raise DigestMismatch(f"checkpoint file {f.key} does not match its manifest entry")
+            try:
+                params.update(st_load(data))
+            except (SafetensorError, ValueError) as exc:
+                raise MalformedPayload(f"checkpoint file {f.key} is not safetensors: {exc}") from exc
+        if {n: tuple(t.shape) for n, t in params.items()} != self.schema:
+            raise SchemaMismatch(f"checkpoint {manifest.window} does not hold exactly the run's parameters")
+        return {n: t.to(torch.float32).contiguous() for n, t in params.items()}
+
+    def _opened_at(self, window: int) -> float | None:
+        if window == 0:
+            return None
+        try:
+            agg = self.fetch_aggregate(window - 1)
+        except ProtocolError:
+            return None
+        opened = agg.metadata.get("published_at") if agg else None
+        return float(opened) if isinstance(opened, (int, float)) else None
+
+    # ------------------------------------------------------------------ catch-up
+    def bootstrap(
+        self, params: dict[str, Tensor], *, on_apply: Callable[[Aggregate, Position], None] | None = None
+    ) -> Position:
+        """Load the newest valid checkpoint into ``params`` and replay every aggregate after it."""
+        pos = self.resync(params)
+        return self.advance(params, pos, on_apply=on_apply)
+
+    def resync(self, params: dict[str, Tensor]) -> Position:
+        """Replace ``params`` by the newest checkpoint that verifies (older ones as fallback)."""
+        windows = self.checkpoint_windows()
+        if not windows:
+            raise NotReady("no signed checkpoint in the store yet (is the validator running?)")
+        last_error: ProtocolError | StoreError | None = None
+        for window in reversed(windows):
+            try:
+                pos, loaded = self.load_checkpoint(window)
+            except (ProtocolError, StoreError) as exc:
+                last_error = exc  # a damaged or forged checkpoint: try the one before it
+                continue
+            params.clear()
+            params.update(loaded)
+            return pos
+        assert last_error is not None
+        raise last_error
+
+    def advance(
+        self,
+        params: dict[str, Tensor],
+        pos: Position,
+        *,
+        on_apply: Callable[[Aggregate, Position], None] | None = None,
+        on_resync: Callable[[Position, ProtocolError], None] | None = None,
+        max_resyncs: int = 2,
+    ) -> Position:
+        """Apply every published aggregate after ``pos``; resync from a checkpoint on divergence.
+
+        ``on_apply(aggregate, new_position)`` is called after each applied aggregate,
+        ``on_resync(checkpoint_position, error)`` after each reload.
+        """
+        resyncs = 0
+        while True:
+            agg = self.fetch_aggregate(pos.window)
+            if agg is None:
+                return pos
+            try:
+                pos = self.apply(params, pos, agg)
+            except (StaleBase, DigestMismatch) as exc:
+                if resyncs >= max_resyncs:
+                    raise
+                resyncs += 1
+                pos = self.resync(params)
+                if on_resync is not None:
+                    on_resync(pos, exc)
+                continue
+            if on_apply is not None:
+                on_apply(agg, pos)

@@ -1,0 +1,168 @@
+"""Sparse aggregation and the outer step (pure; shared by the validator, peers and the simulator).
+
+A contribution is ``{name: (flat_indices, values)}`` as from ``codec.to_sparse``: int64 indices,
+strictly increasing, into the flattened tensor, and float32 values. The validator turns accepted
+contributions into one sparse Δ̄ and every participant applies it::
+
+    contribs = [sparse_of(enc) for enc in accepted]            # canonical order, e.g. by peer id
+    delta = aggregate(contribs, mode="contributors", clip="median")
+    apply_outer(params, delta, alpha)                          # θ ← θ − α·Δ̄, in place
+
+Determinism: every reduction runs on CPU in float64 in the order given, then rounds to float32, so
+the same inputs give the same bytes everywhere. ``apply_outer`` scales on CPU and performs exactly one
+float32 subtraction per touched element on the parameter's device (IEEE-exact on CPU and GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from protocol.codec import Encoded, to_sparse
+from protocol.errors import InvalidIndices, NonFiniteValues, SchemaMismatch
+
+__all__ = [
+    "Sparse",
+    "SparseDict",
+    "aggregate",
+    "apply_outer",
+    "check_sparse",
+    "clip_to_median_norm",
+    "mean_over_all",
+    "mean_over_contributors",
+    "sparse_nbytes",
+    "sparse_of",
+]
+
+Sparse = tuple[Tensor, Tensor]
+SparseDict = dict[str, Sparse]
+
+MODES = ("contributors", "all")
+CLIPS = ("median", "none")
+
+
+def sparse_of(encoded: Mapping[str, Encoded]) -> SparseDict:
+    """``{name: codec.to_sparse(e)}`` (on CPU) for a contribution's per-tensor ``Encoded`` values."""
+    return {name: _as_cpu(to_sparse(e)) for name, e in encoded.items()}
+
+
+def _as_cpu(sp: tuple[Tensor, Tensor]) -> Sparse:
+    idx, vals = sp
+    return idx.to("cpu", torch.int64), vals.to("cpu", torch.float32)
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def clip_to_median_norm(contribs: Sequence[SparseDict]) -> list[SparseDict]:
+    """Scale each contribution's tensor down (never up) to the median L2 norm of that tensor.
+
+    One outsized update cannot dominate the mean: with ≥ 3 contributors at most half of them
+    can move the median.
+    """
+    names = sorted({n for c in contribs for n in c})
+    out: list[SparseDict] = [dict(c) for c in contribs]
+    for name in names:
+        holders = [i for i, c in enumerate(contribs) if name in c]
+        norms = [float(torch.linalg.vector_norm(contribs[i][name][1].double())) for i in holders]
+        med = _median(norms)
+        for i, norm in zip(holders, norms):
+            if norm > med and norm > 0.0:
+                idx, vals = contribs[i][name]
+                out[i][name] = (idx, (vals.double() * (med / norm)).float())
+    return out
+
+
+def _sum_by_index(contribs: Sequence[SparseDict], name: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(unique sorted indices, float64 sums, contributor counts) for one tensor."""
+    parts = [c[name] for c in contribs if name in c]
+    idx = torch.cat([p[0].to("cpu", torch.int64) for p in parts])
+    vals = torch.cat([p[1].to("cpu", torch.float64) for p in parts])
+    uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
+    sums = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, vals)
+    counts = torch.bincount(inverse, minlength=len(uniq))
+    return uniq, sums, counts
+
+
+def mean_over_contributors(contribs: Sequence[SparseDict]) -> SparseDict:
+    """Per coordinate, the mean over the contributions that selected it (the production rule)."""
+    names = sorted({n for c in contribs for n in c})
+    out: SparseDict = {}
+    for name in names:
+        uniq, sums, counts = _sum_by_index(contribs, name)
+        out[name] = (uniq, (sums / counts.double()).float())
+    return out
+
+
+def mean_over_all(contribs: Sequence[SparseDict], n: int | None = None) -> SparseDict:
+    """Per coordinate, the sum divided by ``n`` (default: the number of contributions, R)."""
+    n = len(contribs) if n is None else n
+    if n < 1:
+        raise ValueError("mean_over_all needs n >= 1")
+    names = sorted({name for c in contribs for name in c})
+    out: SparseDict = {}
+    for name in names:
+        uniq, sums, _ = _sum_by_index(contribs, name)
+        out[name] = (uniq, (sums / n).float())
+    return out
+
+
+def aggregate(contribs: Sequence[SparseDict], mode: str = "contributors", clip: str = "median") -> SparseDict:
+    """Δ̄ from accepted contributions: optional median-norm clip, then the chosen mean.
+
+    ``mode``: ``contributors`` (mean over the contributors of each coordinate) or ``all`` (mean
+    over all R). ``clip``: ``median`` or ``none``. No contributions → empty Δ̄.
+    """
+    if mode not in MODES or clip not in CLIPS:
+        raise ValueError(f"aggregate(mode={mode!r}, clip={clip!r}): mode in {MODES}, clip in {CLIPS}")
+    if not contribs:
+        return {}
+    if clip == "median":
+        contribs = clip_to_median_norm(contribs)
+    return mean_over_contributors(contribs) if mode == "contributors" else mean_over_all(contribs)
+
+
+def check_sparse(delta: Mapping[str, Sparse], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise a ProtocolError unless every entry names a known tensor with valid indices and values."""
+    for name, (idx, vals) in delta.items():
+        if name not in shapes:
+            raise SchemaMismatch(f"unknown tensor {name!r}")
+        numel = math.prod(shapes[name])
+        if idx.dtype != torch.int64 or idx.ndim != 1 or vals.ndim != 1 or len(idx) != len(vals):
+            raise SchemaMismatch(f"{name}: indices/values must be 1-D int64/float of equal length")
+        if not vals.is_floating_point():
+            raise SchemaMismatch(f"{name}: values must be floating point")
+        if len(idx) == 0:
+            continue
+        if int(idx[0]) < 0 or int(idx[-1]) >= numel:
+            raise InvalidIndices(f"{name}: index outside [0, {numel})")
+        if len(idx) > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise InvalidIndices(f"{name}: indices must be strictly increasing")
+        if not bool(torch.isfinite(vals).all()):
+            raise NonFiniteValues(f"{name}: non-finite value")
+
+
+@torch.no_grad()
+def apply_outer(params: Mapping[str, Tensor], delta: Mapping[str, Sparse], alpha: float) -> None:
+    """θ ← θ − α·Δ̄ in place on float32 parameters; validates everything before touching anything."""
+    check_sparse(delta, {n: tuple(p.shape) for n, p in params.items()})
+    for name, (idx, vals) in delta.items():
+        p = params[name]
+        if p.dtype != torch.float32 or not p.is_contiguous():
+            raise SchemaMismatch(f"{name}: outer step needs contiguous float32 parameters")
+        # Scale on CPU so every participant rounds α·v identically, whatever its device.
+        step = (vals.to("cpu", torch.float32) * torch.tensor(alpha, dtype=torch.float32)).to(p.device)
+        flat = p.view(-1)
+        i = idx.to(p.device)
+        flat[i] = flat[i] - step
+
+
+def sparse_nbytes(delta: Mapping[str, Sparse]) -> int:
+    """Raw size of a sparse Δ̄ as int64 indices + float32 values (for reporting)."""
+    return sum(len(i) * 12 for i, _ in delta.values())

@@ -1,0 +1,98 @@
+"""Fixed-width bit packing of small unsigned integers (vectorized, numpy on the CPU).
+
+Bit order is little-endian throughout: value ``i`` occupies bits ``[i·w, (i+1)·w)`` of the stream,
+bit ``j`` of the stream is bit ``j % 8`` of byte ``j // 8``, least significant bit first. Unused
+bits of the last byte are zero, and :func:`unpack_bits` rejects streams where they are not, so
+every value sequence has exactly one byte representation.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+import numpy.typing as npt
+
+from protocol.errors import MalformedPayload
+
+U8 = npt.NDArray[np.uint8]
+I64 = npt.NDArray[np.int64]
+
+
+def packed_size(count: int, width: int) -> int:
+    """Bytes taken by ``count`` values of ``width`` bits."""
+    return (count * width + 7) // 8
+
+
+_SHIFTS8 = {w: np.arange(w, dtype=np.uint8) for w in range(1, 9)}
+
+
+def _group(width: int) -> int:
+    """Values per group of whole bytes (``group·width`` is a multiple of 8); 0 if over 64 bits."""
+    g = 8 // math.gcd(width, 8)
+    return g if g * width <= 64 else 0
+
+
+def pack_bits(values: npt.NDArray[np.integer], width: int) -> bytes:
+    """Pack non-negative integers ``< 2**width`` into ``width`` bits each."""
+    if width == 0 or values.size == 0:
+        return b""
+    if width == 1 or (width <= 8 and values.size <= 1024):  # few numpy calls: fastest when small
+        v8 = values.astype(np.uint8, copy=False).reshape(-1, 1)
+        bits = v8 if width == 1 else (v8 >> _SHIFTS8[width]) & np.uint8(1)
+        return np.packbits(bits, axis=None, bitorder="little").tobytes()
+    if 8 % width == 0:  # whole values per byte: OR them together in uint8
+        per = 8 // width
+        v8 = np.zeros(-(-values.size // per) * per, dtype=np.uint8)
+        v8[: values.size] = values.reshape(-1)
+        v8 = v8.reshape(-1, per)
+        acc = v8[:, 0].copy()
+        for j in range(1, per):
+            acc |= v8[:, j] << np.uint8(j * width)
+        return acc.tobytes()
+    g = _group(width)
+    if not g:
+        v = values.astype(np.uint32, copy=False).reshape(-1, 1)
+        bits = ((v >> np.arange(width, dtype=np.uint32)) & 1).astype(np.uint8)
+        return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
+    # Fast path: ``g`` values make one little-endian uint64 (a matmul with 2^(j·width): the fields
+    # do not overlap, so the sum is their OR); keep its ``g·width/8`` low bytes.
+    n = values.size
+    v = np.zeros(-(-n // g) * g, dtype=np.uint64)
+    v[:n] = values.reshape(-1)
+    acc = v.reshape(-1, g) @ _weights(width, g)
+    raw = acc.astype("<u8", copy=False).view(np.uint8).reshape(-1, 8)[:, : g * width // 8]
+    return raw.tobytes()[: packed_size(n, width)]
+
+
+@lru_cache(maxsize=None)
+def _weights(width: int, g: int) -> npt.NDArray[np.uint64]:
+    return np.uint64(1) << (np.arange(g, dtype=np.uint64) * np.uint64(width))
+
+
+def unpack_bits(data: bytes | memoryview, count: int, width: int, what: str = "field") -> I64:
+    """Inverse of :func:`pack_bits`; ``data`` must be exactly ``packed_size(count, width)`` bytes."""
+    if len(data) != packed_size(count, width):
+        raise MalformedPayload(f"{what}: {len(data)} bytes, expected {packed_size(count, width)}")
+    if width == 0 or count == 0:
+        return np.zeros(count, dtype=np.int64)
+    g = _group(width)
+    if not g:
+        bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
+        if bits[count * width :].any():
+            raise MalformedPayload(f"{what}: non-zero padding bits")
+        fields = bits[: count * width].reshape(count, width).astype(np.int64)
+        return fields @ (np.int64(1) << np.arange(width, dtype=np.int64))
+    group_bytes = g * width // 8
+    n_groups = -(-count // g)
+    raw = np.zeros((n_groups, 8), dtype=np.uint8)
+    flat = np.zeros(n_groups * group_bytes, dtype=np.uint8)
+    flat[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    raw[:, :group_bytes] = flat.reshape(n_groups, group_bytes)
+    acc = raw.view("<u8").reshape(n_groups, 1)
+    shifts = (np.arange(g, dtype=np.uint64) * np.uint64(width)).reshape(1, g)
+    fields = ((acc >> shifts) & np.uint64((1 << width) - 1)).reshape(-1)
+    if fields[count:].any():
+        raise MalformedPayload(f"{what}: non-zero padding bits")
+    return fields[:count].astype(np.int64)

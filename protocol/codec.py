@@ -1,0 +1,267 @@
+"""SparseLoCo codec: chunk-wise Top-k, 2-bit values, compact index coding. Pure functions.
+
+    enc = encode(x, spec.codec)          # Encoded: kept positions, codes, scales
+    dense = decode(enc)                  # float32 tensor of x.shape, zeros where nothing was kept
+    blob = pack(enc)                     # bytes of one tensor's payload
+    enc2 = unpack(blob, x.shape, spec.codec)   # strict: raises ProtocolError subclasses
+    flat_idx, values = to_sparse(enc)    # sorted flat indices + decoded float32 values
+
+Selection (see :mod:`protocol.chunking` for the chunk layout): in each chunk the ``k_c`` entries of
+largest magnitude are kept. **Ties**: among equal magnitudes the entry with the lower position
+inside the chunk wins, on every device (the common case has no tie at the boundary and uses a plain
+``topk``; rows with a tie are redone with keys ``(|x| bits, −position)`` that are all distinct).
+Zeros can be kept when a chunk has fewer than ``k_c`` non-zeros; they then decode to the chunk's low
+level, which error feedback corrects over the next windows.
+
+Value coding: :mod:`protocol.quantizer`. Index coding: :mod:`protocol.indexcoding`.
+
+Payload layout of one tensor (little-endian; every section's length follows from the geometry,
+except the Golomb unary stream, which must end exactly at the end of the payload)::
+
+    u8   tag        (FORMAT << 4) | (index coding << 2) | value mode     — must match ``cfg``
+    f32  base       per-tensor scale, finite and ≥ 0
+    u8   scale codes[n_chunks × L]       L = 2 (2-bit), 1 (8-bit), 0 (16-bit)
+         codes      2-bit: bit-packed 4 per byte; 8-bit: one byte each; 16-bit: fp16, |v| ≤ 1
+                    (absent for 2-bit + rice: each 2-bit code rides in the low bits of its A field)
+         indices    packed12: 12 bits each | rice: u16 M, stream A, bit stream B·U (indexcoding)
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from protocol.bitpack import pack_bits, packed_size, unpack_bits
+from protocol.chunking import Geometry, geometry
+from protocol.config import CodecConfig
+from protocol.errors import ConfigError, MalformedPayload, NonFiniteValues
+from protocol.indexcoding import decode_rice, encode_rice, pack12, unpack12
+from protocol.quantizer import dequantize, level_table, quantize, scale_count
+
+FORMAT = 1
+_VALUE_MODES = {2: 0, 8: 1, 16: 2}
+_INDEX_MODES = {"rice": 0, "packed12": 1}
+_HEAD = struct.Struct("<Bf")
+
+__all__ = ["Encoded", "encode", "decode", "pack", "unpack", "to_sparse", "geometry", "Geometry"]
+
+
+@dataclass(frozen=True, eq=False)
+class Encoded:
+    """One compressed tensor.
+
+    ``indices``: int64 (nnz,) chunk-local positions, chunks in order, ascending inside a chunk.
+    ``codes``: (nnz,) uint8 (2/8-bit) or float16 (16-bit), aligned with ``indices``.
+    ``scale_codes``: uint8 (n_chunks, L) log-coded per-chunk levels; ``base``: per-tensor scale.
+    """
+
+    shape: tuple[int, ...]
+    cfg: CodecConfig
+    indices: Tensor
+    codes: Tensor
+    scale_codes: Tensor
+    base: float
+
+    @property
+    def nnz(self) -> int:
+        """Number of kept values."""
+        return int(self.indices.numel())
+
+    @property
+    def geometry(self) -> Geometry:
+        return geometry(self.shape, self.cfg)
+
+    @property
+    def scales(self) -> Tensor:
+        """Decoded per-chunk levels, float32 (n_chunks, L) (2-bit: low, high; 8-bit: max)."""
+        return level_table(self.base, self.scale_codes.device)[self.scale_codes.long()]
+
+    def chunk_ids(self) -> Tensor:
+        """int64 (nnz,): the chunk of every kept value."""
+        g = self.geometry
+        ks = g.chunk_ks().to(self.indices.device)
+        return torch.repeat_interleave(torch.arange(g.n_chunks, device=self.indices.device), ks)
+
+    def values(self) -> Tensor:
+        """Decoded float32 kept values, aligned with ``indices``."""
+        return dequantize(self.codes, self.scale_codes, self.chunk_ids(), self.base, self.cfg.value_bits)
+
+
+# --------------------------------------------------------------------------- encode
+def encode(x: Tensor, cfg: CodecConfig) -> Encoded:
+    """Chunk-wise Top-k of ``x`` and quantization of the kept values. Raises NonFiniteValues."""
+    if not x.is_floating_point():
+        raise TypeError(f"encode needs a floating tensor, got {x.dtype}")
+    x = x.detach()
+    g = geometry(x.shape, cfg)
+    dev = x.device
+    if g.n_chunks == 0:
+        return _empty(g, cfg, dev)
+    chunks = g.to_chunks(x.float())
+    mags = chunks.abs()
+    if not bool(torch.isfinite(mags.amax())):  # amax propagates NaN; one pass instead of two
+        raise NonFiniteValues("input tensor has NaN or Inf")
+    if g.last_size < g.chunk_len:
+        mags[-1, g.last_size :] = -1.0  # padding is never selected before a real entry
+    ks = g.chunk_ks().to(dev)
+    pos = _select(mags, ks, g.k_full)
+    vals = chunks.gather(1, pos)
+    q = quantize(vals, ks, cfg.value_bits)
+    # Kept entries in ascending position order; entries past a short row's k go last and are dropped.
+    width = pos.shape[1]
+    cols = torch.arange(width, device=dev)
+    valid = cols < ks.unsqueeze(1)
+    pos, order = torch.sort(torch.where(valid, pos, g.chunk_len + cols), dim=1)
+    codes = q.codes.gather(1, order)
+    if g.k_last == g.k_full:
+        flat_pos, flat_codes = pos.reshape(-1), codes.reshape(-1)
+    else:
+        flat_pos, flat_codes = pos[valid], codes[valid]
+    return Encoded(tuple(x.shape), cfg, flat_pos, flat_codes, q.scale_codes, q.base)
+
+
+def _select(mags: Tensor, ks: Tensor, kmax: int) -> Tensor:
+    """Positions (rows of ``kmax``, descending magnitude) of the Top-k with lower-position ties."""
+    width = mags.shape[1]
+    k1 = min(kmax + 1, width)
+    top, pos = torch.topk(mags, k1, dim=1, sorted=True)
+    if k1 > kmax or (ks < kmax).any():
+        # The set is ambiguous only when the k-th and (k+1)-th magnitudes are equal.
+        inner = (ks < width).nonzero().squeeze(1)
+        kth = top[inner].gather(1, (ks[inner] - 1).unsqueeze(1))
+        nxt = top[inner].gather(1, ks[inner].clamp_max(k1 - 1).unsqueeze(1))
+        tied = inner[(kth == nxt).squeeze(1)]
+        if tied.numel():
+            pos = pos.clone()
+            pos[tied] = _select_exact(mags[tied], k1)
+    return pos[:, :kmax]
+
+
+def _select_exact(mags: Tensor, k: int) -> Tensor:
+    """Top-k by the distinct keys (|x| float bits, −position): lower positions win ties."""
+    width = mags.shape[1]
+    shift = max(width - 1, 1).bit_length()
+    rev = torch.arange(width - 1, -1, -1, device=mags.device, dtype=torch.int64)
+    keys = (mags.contiguous().view(torch.int32).to(torch.int64) << shift) | rev
+    top = torch.topk(keys, k, dim=1, sorted=True).values
+    return (width - 1) - (top & ((1 << shift) - 1))
+
+
+def _empty(g: Geometry, cfg: CodecConfig, dev: torch.device) -> Encoded:
+    idx = torch.zeros(0, dtype=torch.int64, device=dev)
+    code_dtype = torch.float16 if cfg.value_bits == 16 else torch.uint8
+    codes = torch.zeros(0, dtype=code_dtype, device=dev)
+    scales = torch.zeros((0, scale_count(cfg.value_bits)), dtype=torch.uint8, device=dev)
+    return Encoded(g.shape, cfg, idx, codes, scales, 0.0)
+
+
+# --------------------------------------------------------------------------- decode
+def to_sparse(e: Encoded) -> tuple[Tensor, Tensor]:
+    """Kept entries as (ascending flat indices into ``e.shape`` (int64), float32 values)."""
+    flat = e.geometry.flat_index(e.chunk_ids(), e.indices)
+    vals = e.values()
+    if e.geometry.tile_r > 1:  # tiles interleave rows; chunk order is not flat order
+        order = flat.argsort()
+        flat, vals = flat[order], vals[order]
+    return flat, vals
+
+
+def decode(e: Encoded) -> Tensor:
+    """Dense float32 tensor of ``e.shape`` on the device of ``e``; zeros where nothing was kept."""
+    g = e.geometry
+    out = torch.zeros(g.numel, dtype=torch.float32, device=e.indices.device)
+    if e.nnz:
+        out[g.flat_index(e.chunk_ids(), e.indices)] = e.values()
+    return out.reshape(e.shape)
+
+
+# --------------------------------------------------------------------------- bytes
+def _tag(cfg: CodecConfig) -> int:
+    return (FORMAT << 4) | (_INDEX_MODES[cfg.index_coding] << 2) | _VALUE_MODES[cfg.value_bits]
+
+
+def _check_packable(g: Geometry, cfg: CodecConfig) -> None:
+    if cfg.index_coding == "packed12" and g.chunk_len > 4096:
+        raise ConfigError("codec.index_coding = packed12 needs chunks of at most 4096 values")
+
+
+def pack(e: Encoded) -> bytes:
+    """Serialize one tensor's payload (layout in the module doc)."""
+    g, cfg = e.geometry, e.cfg
+    _check_packable(g, cfg)
+    parts = [_HEAD.pack(_tag(cfg), e.base), e.scale_codes.cpu().numpy().astype(np.uint8).tobytes()]
+    codes = e.codes.cpu().numpy()
+    local = e.indices.cpu().numpy().astype(np.int64, copy=False)
+    if _codes_in_index_section(cfg):
+        parts.append(encode_rice(local, g.ks_np, codes, 2))
+        return b"".join(parts)
+    if cfg.value_bits == 2:
+        parts.append(pack_bits(codes, 2))
+    elif cfg.value_bits == 8:
+        parts.append(codes.astype(np.uint8).tobytes())
+    else:
+        parts.append(codes.astype("<f2").tobytes())
+    parts.append(encode_rice(local, g.ks_np) if cfg.index_coding == "rice" else pack12(local))
+    return b"".join(parts)
+
+
+def _codes_in_index_section(cfg: CodecConfig) -> bool:
+    """2-bit codes + rice: the codes ride in the Golomb A field (one packing pass for both)."""
+    return cfg.value_bits == 2 and cfg.index_coding == "rice"
+
+
+def unpack(data: bytes, shape: tuple[int, ...], cfg: CodecConfig) -> Encoded:
+    """Parse and validate one tensor's payload; raises ProtocolError subclasses, never crashes."""
+    g = geometry(shape, cfg)
+    _check_packable(g, cfg)
+    view = memoryview(data)
+    n_scales = g.n_chunks * scale_count(cfg.value_bits)
+    code_bytes = {2: packed_size(g.nnz, 2), 8: g.nnz, 16: 2 * g.nnz}[cfg.value_bits]
+    if _codes_in_index_section(cfg):
+        code_bytes = 0
+    fixed = _HEAD.size + n_scales + code_bytes
+    if len(view) < fixed:
+        raise MalformedPayload(f"payload of {len(view)} bytes is shorter than its fixed part ({fixed})")
+    tag, base = _HEAD.unpack_from(view, 0)
+    if tag != _tag(cfg):
+        raise MalformedPayload(f"payload tag {tag:#x} does not match the codec config ({_tag(cfg):#x})")
+    if not np.isfinite(base):
+        raise NonFiniteValues("non-finite tensor scale")
+    if base < 0:
+        raise MalformedPayload("negative tensor scale")
+    pos = _HEAD.size
+    scales = np.frombuffer(view[pos : pos + n_scales], dtype=np.uint8).reshape(
+        g.n_chunks, scale_count(cfg.value_bits)
+    )
+    pos += n_scales
+    ks, sizes = g.ks_np, g.sizes_np
+    if _codes_in_index_section(cfg):
+        local, side = decode_rice(view[pos:], ks, sizes, 2)
+        codes = torch.from_numpy(side.astype(np.uint8))
+    else:
+        codes = _unpack_codes(view[pos : pos + code_bytes], g.nnz, cfg.value_bits)
+        rest = view[pos + code_bytes :]
+        local = decode_rice(rest, ks, sizes)[0] if cfg.index_coding == "rice" else unpack12(rest, ks, sizes)
+    return Encoded(
+        g.shape, cfg, torch.from_numpy(local.astype(np.int64)), codes, torch.from_numpy(scales.copy()), float(base)
+    )
+
+
+def _unpack_codes(raw: memoryview, nnz: int, bits: int) -> Tensor:
+    if bits == 2:
+        return torch.from_numpy(unpack_bits(raw, nnz, 2, "codes").astype(np.uint8))
+    if bits == 8:
+        codes = np.frombuffer(raw, dtype=np.uint8).copy()
+        if (codes > 254).any():
+            raise MalformedPayload("8-bit code 255 is not used")
+        return torch.from_numpy(codes)
+    vals = np.frombuffer(raw, dtype="<f2").astype(np.float16)
+    if not np.isfinite(vals).all():
+        raise NonFiniteValues("non-finite fp16 value")
+    if (np.abs(vals) > 1).any():
+        raise MalformedPayload("fp16 value outside [-1, 1]")
+    return torch.from_numpy(vals.copy())

@@ -1,0 +1,375 @@
+"""Object store on a hivemind DHT (Kademlia over libp2p): no server, no open bucket, records in RAM.
+
+    boot = DHTStore()                                    # first node of a run (or dht_serve)
+    store = DHTStore(initial_peers=boot.visible_maddrs(), expiration_s=3600)
+    store.put("run/contrib/00000003/peer", blob)
+    store.get("run/contrib/00000003/peer", max_bytes=64 << 20)
+    store.list("run/peers/")                             # the announcement index
+    store.close()
+
+How objects map onto DHT records (all under ``namespace``):
+
+- ``<ns>:obj:<key>``  the manifest (size, piece size, sha256 of the value and of every piece),
+  see :mod:`protocol.store.dht_pieces`. Read with ``latest=True`` so an overwrite is seen.
+- ``<ns>:piece:<sha256>/<piece_size>/<i>``  the pieces, content-addressed, one per RPC (hivemind
+  caps a message at 4 MiB, so a batched store would overflow it).
+- ``<ns>:dir:<folder>``  a directory record whose *subkeys* are the entries of ``folder``: the
+  object names and sub-folder names (with a trailing ``/``) — ``list`` walks it like a file tree,
+  so ``list("run/contrib/00000003/")`` reads one record whatever else the run holds.
+
+Every record carries an expiration of ``expiration_s`` from the last put; the DHT keeps the value
+with the latest expiration, so writes are last-writer-wins by expiration time (peers' clocks must
+agree within a few seconds, which hivemind requires anyway). What **delete** means on a DHT: the
+manifest is replaced by a tombstone and the directory entry marked deleted, both with a fresh
+expiration, so readers get ``ObjectNotFound`` at once; the pieces cannot be recalled and simply
+expire. ``put(if_absent=True)`` is best-effort (check, then write): ``atomic_create`` is False.
+
+Trust: a DHT has no write permissions. Any node can overwrite any key with a later expiration, so
+a reader can be shown other bytes than the writer stored (hashes here catch damage in transit and
+mismatched pieces, the signed envelopes of :mod:`protocol.wire` catch forgeries) or a value can be
+hidden. Records live in the RAM of the nodes nearest to their key until they expire.
+
+The store API is synchronous; the node runs on a private event loop thread (see
+:mod:`protocol.store.dht_loop` for why not ``hivemind.DHT``). ``close()`` and interpreter exit shut
+the node and its ``p2pd`` daemon down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import re
+import threading
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+from protocol.errors import (
+    ConfigError,
+    InvalidKey,
+    ObjectExists,
+    ObjectNotFound,
+    PayloadTooLarge,
+    ProtocolError,
+    StoreError,
+)
+from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
+from protocol.store.dht_loop import LoopThread
+from protocol.store.dht_pieces import (
+    DEFAULT_PIECE_SIZE,
+    Manifest,
+    assemble,
+    check_piece,
+    decode_manifest,
+    encode_manifest,
+    piece_name,
+    split,
+    tombstone,
+)
+
+T = TypeVar("T")
+V = TypeVar("V")
+log = logging.getLogger(__name__)
+
+DEFAULT_EXPIRATION_S = 3600.0
+_FILE, _FOLDER, _DELETED = b"f", b"d", b"-"  # directory entry markers
+# A bootstrap address must name the peer (".../p2p/<base58 peer id>"): hivemind pings peers by id.
+_BOOTSTRAP_MADDR = re.compile(r"/\S+/p2p/[1-9A-HJ-NP-Za-km-z]{20,}")
+# Strong references: a running node is a resource that lives until close() or interpreter exit.
+_LIVE: "set[DHTStore]" = set()
+
+
+class IncompleteObject(ObjectNotFound):
+    """The manifest is there but a piece is not (expired, lost with its nodes, or never written)."""
+
+    reason = "incomplete"
+
+
+class DHTStore(ObjectStore):
+    """:class:`ObjectStore` backed by one hivemind ``DHTNode`` that this object owns.
+
+    ``initial_peers``: multiaddrs of running nodes (``visible_maddrs()`` of another store, or the
+    bootstrap addresses of the RunSpec); none starts a new DHT. ``host``/``port``: where this node
+    listens (port 0 picks a free one). ``expiration_s``: lifetime of every record written.
+    ``piece_size``: bytes per DHT record. ``timeout_s``: limit for one put/get/list.
+    ``identity_path``: libp2p key file (created if missing) so that the node keeps its peer id, and
+    so its bootstrap address, across restarts. ``client_mode``: only make requests, store nothing
+    for others (for nodes behind NAT). ``start=False`` defers starting the node to :meth:`start`. A malformed bootstrap address is a
+    ``ConfigError``; peers that do not answer make :meth:`start` raise ``StoreError``.
+    """
+
+    atomic_create = False
+
+    def __init__(
+        self,
+        initial_peers: Iterable[str] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        expiration_s: float = DEFAULT_EXPIRATION_S,
+        start: bool = True,
+        namespace: str = "sparseloco",
+        piece_size: int = DEFAULT_PIECE_SIZE,
+        num_replicas: int = 5,
+        timeout_s: float = 60.0,
+        max_concurrency: int = 8,
+        client_mode: bool = False,
+        announce_maddrs: Iterable[str] | None = None,
+        identity_path: str | None = None,
+    ) -> None:
+        if expiration_s <= 0 or timeout_s <= 0 or max_concurrency < 1:
+            raise ValueError("expiration_s, timeout_s and max_concurrency must be positive")
+        split(b"", piece_size)  # validates piece_size early
+        self.initial_peers = [str(p) for p in initial_peers or ()]
+        bad = [p for p in self.initial_peers if not _BOOTSTRAP_MADDR.fullmatch(p)]
+        if bad:
+            raise ConfigError(f"DHT bootstrap addresses must look like /ip4/HOST/tcp/PORT/p2p/PEER_ID: {bad}")
+        self.host, self.port = host, port
+        self.expiration_s, self.timeout_s = float(expiration_s), float(timeout_s)
+        self.namespace, self.piece_size, self.num_replicas = namespace, piece_size, num_replicas
+        self.max_concurrency, self.client_mode = max_concurrency, client_mode
+        self.announce_maddrs = [str(a) for a in announce_maddrs or ()]
+        self.identity_path = identity_path
+        self._loop: LoopThread | None = None
+        self._node: Any = None  # hivemind.dht.node.DHTNode once started
+        self._maddrs: list[str] = []
+        self._lock = threading.Lock()
+        self._last_expiration = 0.0
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "DHTStore":
+        """Start the node (idempotent). Raises ``StoreError`` if no initial peer answers."""
+        if self._node is not None:
+            return self
+        self._loop = LoopThread(name=f"dht-{self.namespace}")
+        try:
+            self._node = self._loop.run(self._create_node(), self.timeout_s)
+            maddrs = self._loop.run(self._node.get_visible_maddrs(), self.timeout_s)
+        except BaseException as err:
+            self.close()
+            if isinstance(err, Exception):
+                raise StoreError(f"could not start a DHT node on {self.host}:{self.port}: {err}") from err
+            raise
+        self._maddrs = [str(m) for m in maddrs]
+        _LIVE.add(self)
+        return self
+
+    async def _create_node(self) -> Any:
+        from hivemind.dht.node import DHTNode  # ~3 s import: only when a DHT is really used
+
+        proto = "ip6" if ":" in self.host else "ip4"
+        loopback = self.host in ("127.0.0.1", "::1", "localhost")
+        return await DHTNode.create(
+            initial_peers=self.initial_peers or None,
+            host_maddrs=[f"/{proto}/{self.host}/tcp/{self.port}"],
+            announce_maddrs=self.announce_maddrs or None,
+            num_replicas=self.num_replicas,
+            client_mode=self.client_mode,
+            nat_port_map=not loopback,  # UPnP makes no sense on loopback and slows the start
+            identity_path=self.identity_path,
+        )
+
+    def __enter__(self) -> "DHTStore":
+        return self
+
+    def visible_maddrs(self) -> list[str]:
+        """Multiaddrs (``/ip4/.../tcp/.../p2p/<id>``) other nodes can pass as ``initial_peers``."""
+        return list(self._maddrs)
+
+    def close(self) -> None:
+        """Shut the node and its p2pd daemon down, stop the loop thread. Idempotent."""
+        _LIVE.discard(self)
+        node, loop, self._node, self._loop = self._node, self._loop, None, None
+        if loop is None:
+            return
+        if node is not None and loop.alive:
+            try:
+                loop.run(node.shutdown(), 15.0)
+            except Exception as err:  # noqa: BLE001 - shutdown must go on; p2pd dies with the loop
+                log.warning("DHT node shutdown failed: %r", err)
+        loop.stop()
+
+    # ------------------------------------------------------------------ ObjectStore
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        check_key(key)
+        if if_absent and self._live_manifest(key) is not None:
+            raise ObjectExists(f"{key!r} already exists on the DHT")
+        manifest, pieces = split(bytes(data), self.piece_size)
+        self._run(self._put(key, manifest, pieces), f"put {key!r}")
+
+    def get(self, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+        manifest = self.manifest(key)
+        if manifest.size > max_bytes:
+            raise PayloadTooLarge(f"{key!r} is {manifest.size} bytes, more than max_bytes={max_bytes}")
+        pieces = self._run(self._fetch_pieces(key, manifest), f"get {key!r}")
+        return assemble(manifest, pieces, key=key)
+
+    def size(self, key: str) -> int:
+        return self.manifest(key).size
+
+    def list(self, prefix: str) -> list[str]:
+        folder, _, partial = check_prefix(prefix).rpartition("/")
+        return sorted(self._run(self._walk(folder, partial), f"list {prefix!r}"))
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+        self._run(self._delete(key), f"delete {key!r}")
+
+    def manifest(self, key: str) -> Manifest:
+        """The live manifest of ``key`` (size and hashes); ``ObjectNotFound`` if absent or deleted."""
+        found = self._live_manifest(key)
+        if found is None:
+            raise ObjectNotFound(f"{key!r} not found on the DHT")
+        return found
+
+    # ------------------------------------------------------------------ coroutines on the loop
+    async def _put(self, key: str, manifest: Manifest, pieces: list[bytes]) -> None:
+        expiration = self._next_expiration()
+
+        async def store_piece(index: int) -> None:
+            await self._store(self._piece_key(manifest, index), pieces[index], expiration)
+
+        # Pieces first, then the manifest, then the index: whoever can see a name can read it.
+        await self._bounded(store_piece, range(len(pieces)))
+        await self._store(self._obj_key(key), encode_manifest(manifest), expiration)
+        entries = _ancestry(key)
+        await self._node.store_many(
+            [self._dir_key(folder) for folder, _ in entries],
+            [_FOLDER if name.endswith("/") else _FILE for _, name in entries],
+            expiration,
+            subkeys=[name for _, name in entries],
+        )
+
+    async def _delete(self, key: str) -> None:
+        expiration = self._next_expiration()
+        folder, name = _ancestry(key)[-1]
+        await self._store(self._obj_key(key), encode_manifest(tombstone()), expiration)
+        await self._node.store(self._dir_key(folder), _DELETED, expiration, subkey=name)
+
+    async def _store(self, dht_key: str, value: bytes, expiration: float) -> None:
+        # False means "a replica kept a newer value" or "no reply" and is unreliable (NOTES.md):
+        # readers verify everything, so it is logged, not raised.
+        if not await self._node.store(dht_key, value, expiration):
+            log.debug("DHT store of %s was not acknowledged", dht_key)
+
+    async def _get_manifest(self, key: str) -> Manifest | None:
+        found = await self._node.get(self._obj_key(key), latest=True)
+        return None if found is None else decode_manifest(found.value, key=key)
+
+    async def _fetch_pieces(self, key: str, manifest: Manifest) -> list[bytes]:
+        async def fetch(index: int) -> bytes:
+            found = await self._node.get(self._piece_key(manifest, index))
+            if found is None:
+                raise IncompleteObject(
+                    f"piece {index}/{manifest.n_pieces} of {key!r} is missing from the DHT (expired or lost)"
+                )
+            return check_piece(manifest, index, found.value, key=key)
+
+        return await self._bounded(fetch, range(manifest.n_pieces))
+
+    async def _walk(self, folder: str, partial: str) -> list[str]:
+        found = await self._node.get(self._dir_key(folder), latest=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        keys: list[str] = []
+        subfolders: list[str] = []
+        for name, item in entries.items():
+            marker = getattr(item, "value", None)
+            if not isinstance(name, str) or not name.startswith(partial) or not _valid_entry(name):
+                continue  # entries written by others are untrusted: ignore what is not a name
+            path = f"{folder}/{name}" if folder else name
+            if name.endswith("/") and marker == _FOLDER:
+                subfolders.append(path[:-1])
+            elif marker == _FILE:
+                keys.append(path)
+        for sub in await self._bounded(lambda folder: self._walk(folder, ""), subfolders):
+            keys.extend(sub)
+        return keys
+
+    async def _bounded(self, fn: Callable[[V], Awaitable[T]], items: Iterable[V]) -> list[T]:
+        """``[await fn(x) for x in items]``, at most ``max_concurrency`` at once; an error cancels the rest."""
+        limit = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(item: V) -> T:
+            async with limit:  # the coroutine is created only once it may run
+                return await fn(item)
+
+        tasks = [asyncio.ensure_future(one(item)) for item in items]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    # ------------------------------------------------------------------ helpers
+    def _live_manifest(self, key: str) -> Manifest | None:
+        check_key(key)
+        found = self._run(self._get_manifest(key), f"get manifest of {key!r}")
+        return None if found is None or found.deleted else found
+
+    def _run(self, coro: Awaitable[T], what: str) -> T:
+        loop = self._loop
+        if loop is None or self._node is None:
+            _close_awaitable(coro)
+            raise StoreError(f"DHT {what}: the store is closed")
+        try:
+            return loop.run(_as_coroutine(coro), self.timeout_s)
+        except (ProtocolError, StoreError):
+            raise
+        except TimeoutError:
+            raise StoreError(f"DHT {what} timed out after {self.timeout_s} s") from None
+        except Exception as err:
+            raise StoreError(f"DHT {what} failed: {err!r}") from err
+
+    def _next_expiration(self) -> float:
+        from hivemind.utils.timed_storage import get_dht_time
+
+        # Strictly increasing: the DHT rejects a record whose expiration is not later than the
+        # one it holds, so a delete right after a put must carry a later time.
+        with self._lock:
+            self._last_expiration = max(get_dht_time() + self.expiration_s, self._last_expiration + 1e-3)
+            return self._last_expiration
+
+    def _obj_key(self, key: str) -> str:
+        return f"{self.namespace}:obj:{key}"
+
+    def _piece_key(self, manifest: Manifest, index: int) -> str:
+        return f"{self.namespace}:piece:{piece_name(manifest, index)}"
+
+    def _dir_key(self, folder: str) -> str:
+        return f"{self.namespace}:dir:{folder}"
+
+
+def _valid_entry(name: str) -> bool:
+    """A directory entry is one key segment, with a trailing ``/`` for a folder."""
+    stem = name[:-1] if name.endswith("/") else name
+    try:
+        check_key(stem)
+    except InvalidKey:
+        return False
+    return "/" not in stem
+
+
+def _ancestry(key: str) -> list[tuple[str, str]]:
+    """(folder, entry) pairs from the root down: "a/b/c" -> [("", "a/"), ("a", "b/"), ("a/b", "c")]."""
+    parts = key.split("/")
+    entries = [("/".join(parts[:i]), parts[i] + "/") for i in range(len(parts) - 1)]
+    return [*entries, ("/".join(parts[:-1]), parts[-1])]
+
+
+async def _as_coroutine(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+def _close_awaitable(awaitable: Awaitable[Any]) -> None:
+    close = getattr(awaitable, "close", None)
+    if callable(close):
+        close()
+
+
+@atexit.register
+def _close_all() -> None:
+    """No p2pd outlives the interpreter: close every store still open at exit."""
+    for store in list(_LIVE):
+        store.close()

@@ -1,0 +1,88 @@
+"""The window clock: when a window opens, when uploads are due, when the validator closes it.
+
+Pure functions of the RunSpec's :class:`~protocol.config.WindowConfig` and the validator's signed
+``published_at`` time; no global clock, no I/O. Peers and the validator read the same rules:
+
+    opened = aggregate_t_minus_1.published_at            # or the genesis checkpoint's time
+    upload_deadline(opened, spec.windows)                # peers must have uploaded by then
+    gather_close(opened, spec.windows)                   # validator stops listing (deadline + grace)
+    phase_at(now, opened, spec.windows)                  # Phase.OPEN | Phase.GRACE | Phase.CLOSED
+    should_close(now, opened, spec.windows, expected=announced, uploaded=seen)
+
+Window ``t`` opens when the signed aggregate of window ``t − 1`` is published (``t = 0``: the
+genesis checkpoint). Its uploads are due ``upload_deadline_s`` later. The validator keeps listing for
+``gather_grace_s`` more (slow listings, clock skew) and closes early once every expected peer
+(announced and not excluded) has uploaded, so fast local swarms do not wait for the deadline.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection
+
+from protocol.config import WindowConfig
+
+__all__ = [
+    "Phase",
+    "gather_close",
+    "phase_at",
+    "seconds_left",
+    "should_close",
+    "upload_deadline",
+    "is_checkpoint_window",
+]
+
+
+class Phase(enum.Enum):
+    """Where a window stands at a given time."""
+
+    OPEN = "open"  # uploads accepted
+    GRACE = "grace"  # past the upload deadline, the validator may still be listing
+    CLOSED = "closed"  # the validator has stopped gathering this window
+
+
+def upload_deadline(opened_at: float, cfg: WindowConfig) -> float:
+    """Unix time by which a contribution for the window opened at ``opened_at`` must be uploaded."""
+    return opened_at + cfg.upload_deadline_s
+
+
+def gather_close(opened_at: float, cfg: WindowConfig) -> float:
+    """Unix time at which the validator stops gathering the window, at the latest."""
+    return upload_deadline(opened_at, cfg) + cfg.gather_grace_s
+
+
+def phase_at(now: float, opened_at: float, cfg: WindowConfig) -> Phase:
+    """The :class:`Phase` of the window opened at ``opened_at`` at time ``now``."""
+    if now < upload_deadline(opened_at, cfg):
+        return Phase.OPEN
+    if now < gather_close(opened_at, cfg):
+        return Phase.GRACE
+    return Phase.CLOSED
+
+
+def seconds_left(now: float, opened_at: float, cfg: WindowConfig) -> float:
+    """Seconds until the upload deadline (0 when past it)."""
+    return max(0.0, upload_deadline(opened_at, cfg) - now)
+
+
+def should_close(
+    now: float,
+    opened_at: float,
+    cfg: WindowConfig,
+    *,
+    expected: Collection[str],
+    uploaded: Collection[str],
+) -> bool:
+    """True when the validator may stop gathering: past the grace period, or every expected peer
+    has uploaded. ``expected`` empty never closes early (nobody is known to be coming)."""
+    if now >= gather_close(opened_at, cfg):
+        return True
+    return bool(expected) and set(expected) <= set(uploaded)
+
+
+def is_checkpoint_window(window: int, cfg: WindowConfig) -> bool:
+    """True when the parameters that open ``window`` (θ after aggregate ``window − 1``) are
+    published as a checkpoint: genesis (window 0) and every ``checkpoint_every`` windows after it."""
+    if window == 0:
+        return True
+    return cfg.checkpoint_every > 0 and window % cfg.checkpoint_every == 0

@@ -1,0 +1,144 @@
+"""protocol/data + tokenizer: shard format, sources, deterministic and disjoint assignment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from protocol.config import DataConfig
+from protocol.data import (
+    assigned_batches,
+    open_dataset,
+    open_shards,
+    random_batches,
+    validation_batches,
+    write_shards,
+)
+from protocol.errors import ConfigError
+from protocol.tokenizer import ByteTokenizer, load_tokenizer
+
+N_TRAIN, N_VAL = 60_000, 2_000
+
+
+@pytest.fixture(scope="module")
+def positional(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A shard directory whose token at stream position i is i (so a sequence names its start)."""
+    root = tmp_path_factory.mktemp("positional")
+    train = np.arange(N_TRAIN, dtype="<u2")
+    val = np.arange(N_TRAIN, N_TRAIN + N_VAL, dtype="<u2")
+    # two train shard files, to exercise reads across a file boundary
+    (root / "train-0.bin").write_bytes(train[:25_000].tobytes())
+    (root / "train-1.bin").write_bytes(train[25_000:].tobytes())
+    (root / "val-0.bin").write_bytes(val.tobytes())
+    index = {
+        "format": "sparseloco-shards", "version": 1, "dtype": "uint16", "vocab_size": 65536,
+        "tokenizer": "test", "eos_id": None,
+        "splits": {"train": [{"file": "train-0.bin", "tokens": 25_000}, {"file": "train-1.bin", "tokens": 35_000}],
+                   "val": [{"file": "val-0.bin", "tokens": N_VAL}]},
+    }  # fmt: skip
+    (root / "index.json").write_text(json.dumps(index))
+    return root
+
+
+def _ranges(batches: list[torch.Tensor]) -> set[int]:
+    """Every stream position a peer's batches cover."""
+    out: set[int] = set()
+    for b in batches:
+        for row in b:
+            assert torch.equal(row, torch.arange(int(row[0]), int(row[0]) + len(row)))  # contiguous
+            out.update(range(int(row[0]), int(row[0]) + len(row)))
+    return out
+
+
+def test_assignment_is_deterministic_and_disjoint_across_peers(positional: Path) -> None:
+    ds = open_shards(positional)
+    args = (4, 4, 15)  # steps, batch, seq_len
+    a = assigned_batches(ds, 7, 0, 3, *args)
+    assert len(a) == 4 and a[0].shape == (4, 16) and a[0].dtype == torch.int64
+    assert all(torch.equal(x, y) for x, y in zip(a, assigned_batches(ds, 7, 0, 3, *args)))
+    covered = [_ranges(assigned_batches(ds, 7, p, 3, *args)) for p in range(5)]
+    for i in range(5):
+        for j in range(i + 1, 5):
+            assert not covered[i] & covered[j], f"replicas {i} and {j} share tokens"
+    # another window or another run seed gives other data
+    assert _ranges(assigned_batches(ds, 7, 0, 4, *args)) != covered[0]
+    assert _ranges(assigned_batches(ds, 8, 0, 3, *args)) != covered[0]
+    # train only: positions never reach the validation split
+    assert max(max(c) for c in covered) < N_TRAIN
+
+
+def test_string_peer_ids_are_deterministic_and_differ(positional: Path) -> None:
+    ds = open_shards(positional)
+    a = assigned_batches(ds, 1, "peer-a", 0, 2, 4, 15)
+    b = assigned_batches(ds, 1, "peer-b", 0, 2, 4, 15)
+    assert all(torch.equal(x, y) for x, y in zip(a, assigned_batches(ds, 1, "peer-a", 0, 2, 4, 15)))
+    assert not _ranges(a) & _ranges(b)
+
+
+def test_assignment_rejects_impossible_requests(positional: Path) -> None:
+    ds = open_shards(positional)
+    with pytest.raises(ConfigError):
+        assigned_batches(ds, 0, 10_000, 0, 4, 4, 15)  # lane beyond the data
+    with pytest.raises(ConfigError):
+        assigned_batches(ds, 0, 0, 0, 1000, 64, 127)  # more sequences than the split holds
+
+
+def test_validation_and_random_batches(positional: Path) -> None:
+    ds = open_shards(positional)
+    val = validation_batches(ds, 20, 8, 15)
+    assert [b.shape[0] for b in val] == [8, 8, 4]
+    assert all(int(b.min()) >= N_TRAIN for b in val)  # held-out split only
+    r1, r2 = random_batches(ds, 5, 3, 4, 15), random_batches(ds, 5, 3, 4, 15)
+    assert all(torch.equal(x, y) for x, y in zip(r1, r2))
+    assert not torch.equal(torch.cat(r1), torch.cat(random_batches(ds, 6, 3, 4, 15)))
+
+
+def test_write_shards_round_trip_and_split(tmp_path: Path) -> None:
+    docs = [(f"doc{i}.txt", f"document number {i}\n".encode() * 20) for i in range(200)]
+    ds = write_shards(tmp_path / "shards", docs, ByteTokenizer(), val_fraction=0.1)
+    total = sum(len(d) + 1 for _, d in docs)  # + one separator per document
+    assert len(ds.train) + len(ds.val) == total
+    assert 0 < len(ds.val) < len(ds.train)
+    assert ds.vocab_size == 256 and ds.tokenizer == "bytes"
+    assert ByteTokenizer().decode(ds.train.read(0, 17).tolist()).startswith("document number")
+    assert open_shards(tmp_path / "shards").digest == ds.digest
+
+
+def test_open_dataset_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPARSELOCO_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "corpus"
+    text.mkdir()
+    (text / "a.txt").write_text("hello world\n" * 2000)
+    (text / "b.bin").write_bytes(b"\x00\x01binary")  # skipped
+    ds = open_dataset(DataConfig(source=str(text), val_fraction=0.4))
+    assert len(ds.train) + len(ds.val) == len("hello world\n" * 2000) + 1
+    again = open_dataset(DataConfig(source=str(text), val_fraction=0.4))
+    assert again.path == ds.path  # cached
+    with pytest.raises(ConfigError):
+        open_dataset(DataConfig(source=str(tmp_path / "missing")))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "index.json").write_text("{not json")
+    with pytest.raises(ConfigError):
+        open_dataset(DataConfig(source=str(tmp_path / "bad")))
+
+
+def test_builtin_stdlib_corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPARSELOCO_CACHE", str(tmp_path))
+    ds = open_dataset(DataConfig())
+    assert len(ds.train) > 1_000_000 and len(ds.val) > 10_000
+    assert open_dataset(DataConfig()).digest == ds.digest  # second open reads the cache
+    text = ByteTokenizer().decode(ds.train.read(0, 5000).tolist())
+    assert "def " in text or "import " in text
+
+
+def test_tokenizers() -> None:
+    tok = load_tokenizer("bytes")
+    assert tok.decode(tok.encode("héllo")) == "héllo" and tok.vocab_size == 256
+    with pytest.raises(ConfigError):
+        load_tokenizer("gpt2")
+    with pytest.raises(ConfigError):
+        load_tokenizer("/nonexistent/tokenizer.json")

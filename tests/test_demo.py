@@ -1,0 +1,108 @@
+"""``sparseloco demo`` as a user runs it: a subprocess, its JSON last line, and Ctrl-C with no orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from protocol.config import RunSpec
+from swarm.demo import PRESET
+from swarm.processes import ProcessGroup
+
+REQUIRED = {
+    "windows_completed", "val_loss_per_window", "accepted_per_window", "rejected_per_window",
+    "fingerprints_equal", "upload_bytes_per_peer_per_window", "compute_fraction", "seconds",
+}  # fmt: skip
+
+
+def small_preset(tmp_path: Path) -> Path:
+    spec = RunSpec.load(PRESET).replace(
+        model={"dim": 64, "n_layers": 2, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 64},
+        data={"seq_len": 64, "batch_size": 4, "eval_sequences": 16},
+        inner={"steps": 8, "warmup_steps": 4, "total_steps": 100},
+        validator={"eval_sequences": 8},
+    )
+    path = tmp_path / "small.toml"
+    path.write_text(spec.to_toml())
+    return path
+
+
+def demo_argv(tmp_path: Path, *extra: str) -> list[str]:
+    exe = Path(sys.executable).parent / "sparseloco"
+    return [str(exe), "demo", "--preset", str(small_preset(tmp_path)), "--dir", str(tmp_path / "run"), *extra]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose; its parent (the demo) has exited, so init reaps it soon.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.integration
+def test_demo_json_last_line(tmp_path: Path) -> None:
+    out = subprocess.run(demo_argv(tmp_path, "--peers", "2", "--windows", "2", "--json"),
+                         capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert REQUIRED <= set(summary)
+    assert summary["windows_completed"] == 2 and summary["fingerprints_equal"] is True
+    assert summary["accepted_per_window"] == [2, 2] and summary["rejected_per_window"] == [0, 0]
+    assert 0 < summary["upload_bytes_per_peer_per_window"] < summary["dense_fp32_bytes"] / 50
+    assert 0.0 < summary["compute_fraction"] < 1.0
+    assert Path(summary["contribution_log"]).is_file()
+    pids = json.loads((tmp_path / "run" / "logs" / "pids.json").read_text())
+    assert len(pids) == 3 and not [p for p in pids.values() if alive(p)]
+
+
+@pytest.mark.integration
+def test_demo_interrupt_leaves_no_orphans(tmp_path: Path) -> None:
+    proc = subprocess.Popen(demo_argv(tmp_path, "--peers", "2", "--windows", "50"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    pids_file = tmp_path / "run" / "logs" / "pids.json"
+    try:
+        deadline = time.monotonic() + 120
+        # Interrupt once the validator and both peers run (3 processes started).
+        while time.monotonic() < deadline and (not pids_file.exists() or len(json.loads(pids_file.read_text() or "{}")) < 3):
+            time.sleep(0.2)
+        time.sleep(2.0)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 130, proc.stderr.read()[-2000:] if proc.stderr else ""
+    pids = json.loads(pids_file.read_text())
+    assert len(pids) == 3
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(p) for p in pids.values()):
+        time.sleep(0.2)
+    assert not [n for n, p in pids.items() if alive(p)]
+
+
+def test_process_group_stops_children_and_grandchildren(tmp_path: Path) -> None:
+    """A child that spawned its own child: closing the group leaves neither behind."""
+    script = "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); print('up', flush=True); time.sleep(60)"
+    with ProcessGroup(tmp_path / "logs", grace_s=2.0) as group:
+        child = group.start("sleeper", [sys.executable, "-c", script])
+        deadline = time.monotonic() + 30
+        lines: list[str] = []
+        while time.monotonic() < deadline and "up" not in lines:
+            lines += [line for _, line in group.lines(timeout=0.2)]
+        assert "up" in lines
+        grandchildren = [int(p) for p in Path(f"/proc/{child.pid}/task/{child.pid}/children").read_text().split()]
+        assert grandchildren
+    assert not alive(child.pid) and not any(alive(p) for p in grandchildren)
+    assert (tmp_path / "logs" / "sleeper.log").read_text().strip() == "up"

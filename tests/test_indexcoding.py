@@ -1,0 +1,127 @@
+"""Index coding: Golomb-Rice gap streams and the 12-bit baseline."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.bitpack import pack_bits, packed_size, unpack_bits
+from protocol.errors import InvalidIndices, MalformedPayload, ProtocolError
+from protocol.indexcoding import (
+    check_positions,
+    choose_golomb,
+    decode_rice,
+    golomb_bits,
+    encode_rice,
+    from_gaps,
+    pack12,
+    to_gaps,
+    unpack12,
+)
+
+
+@st.composite
+def index_sets(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random chunks: sizes, ks and ascending positions (uniform k or a short last chunk)."""
+    n_chunks = draw(st.integers(0, 6))
+    size = draw(st.integers(1, 4096))
+    sizes = np.full(n_chunks, size, dtype=np.int64)
+    if n_chunks and draw(st.booleans()):
+        sizes[-1] = draw(st.integers(1, size))
+    ks = np.array([draw(st.integers(1, int(s))) for s in sizes], dtype=np.int64)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    local = [np.sort(rng.choice(int(s), int(k), replace=False)) for s, k in zip(sizes, ks)]
+    flat = np.concatenate(local).astype(np.int64) if local else np.zeros(0, np.int64)
+    return flat, ks, sizes
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=index_sets())
+def test_rice_and_packed12_roundtrip(case: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    local, ks, sizes = case
+    assert np.array_equal(from_gaps(to_gaps(local, ks).astype(np.int64), ks), local)
+    assert np.array_equal(decode_rice(encode_rice(local, ks), ks, sizes)[0], local)
+    side = (local % 4).astype(np.uint8)
+    back, got = decode_rice(encode_rice(local, ks, side, 2), ks, sizes, 2)
+    assert np.array_equal(back, local) and np.array_equal(got, side)
+    assert np.array_equal(unpack12(pack12(local), ks, sizes), local)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.integers(0, 2**16 - 1), max_size=50), width=st.integers(1, 16))
+def test_bitpack_roundtrip_little_endian(values: list[int], width: int) -> None:
+    v = np.array(values, dtype=np.int64) & ((1 << width) - 1)
+    data = pack_bits(v, width)
+    assert len(data) == packed_size(v.size, width)
+    assert np.array_equal(unpack_bits(data, v.size, width), v)
+    as_int = int.from_bytes(data, "little")
+    assert all((as_int >> (i * width)) & ((1 << width) - 1) == x for i, x in enumerate(v.tolist()))
+
+
+def test_bitpack_rejects_padding_and_length() -> None:
+    data = pack_bits(np.array([3, 1, 2]), 2)  # 6 bits used of 8
+    with pytest.raises(MalformedPayload, match="padding"):
+        unpack_bits(bytes([data[0] | 0x80]), 3, 2)
+    with pytest.raises(MalformedPayload):
+        unpack_bits(data + b"\x00", 3, 2)
+
+
+def test_rice_bits_per_index_near_the_bound() -> None:
+    """k = 64 of 4096: 7.36 bits/index is the bound; the Golomb code must stay within 0.15 of it."""
+    rng = np.random.default_rng(0)
+    n_chunks = 2000
+    local = np.concatenate([np.sort(rng.choice(4096, 64, replace=False)) for _ in range(n_chunks)])
+    ks = np.full(n_chunks, 64)
+    data = encode_rice(local, ks)
+    bits = len(data) * 8 / local.size
+    bound = math.log2(math.comb(4096, 64)) / 64
+    assert bound == pytest.approx(7.364, abs=1e-3)
+    assert bound < bits < bound + 0.15
+    assert choose_golomb(to_gaps(local, ks)) in range(40, 48)
+
+
+def test_rice_is_canonical_and_strict() -> None:
+    rng = np.random.default_rng(1)
+    local = np.concatenate([np.sort(rng.choice(4096, 64, replace=False)) for _ in range(4)])
+    ks, sizes = np.full(4, 64), np.full(4, 4096)
+    data = bytearray(encode_rice(local, ks))
+    m = int.from_bytes(data[:2], "little")
+    other = bytearray(data)
+    other[:2] = (m + 1).to_bytes(2, "little")
+    with pytest.raises(ProtocolError):
+        decode_rice(bytes(other), ks, sizes)
+    with pytest.raises(MalformedPayload):
+        decode_rice(bytes(data) + b"\x00", ks, sizes)
+    with pytest.raises(MalformedPayload):
+        decode_rice(bytes(data[:-1]), ks, sizes)
+    with pytest.raises(MalformedPayload, match="parameter 0"):
+        decode_rice(b"\x00\x00" + bytes(data[2:]), ks, sizes)
+    with pytest.raises(InvalidIndices):  # same stream read as chunks of 1000: positions overflow
+        decode_rice(bytes(data), ks, np.full(4, 1000))
+
+
+def test_check_positions_names_the_problem() -> None:
+    ks, sizes = np.array([3, 2]), np.array([10, 10])
+    check_positions(np.array([0, 4, 9, 0, 9]), ks, sizes)  # restart at a chunk boundary is fine
+    for bad in ([0, 4, 4, 0, 9], [0, 5, 4, 0, 9], [0, 4, 10, 0, 9], [0, 4, 9, -1, 9]):
+        with pytest.raises(InvalidIndices):
+            check_positions(np.array(bad), ks, sizes)
+    with pytest.raises(InvalidIndices, match="expects"):
+        check_positions(np.array([0, 1]), ks, sizes)
+
+
+def test_golomb_bits_predicts_the_stream_size() -> None:
+    rng = np.random.default_rng(2)
+    local = np.concatenate([np.sort(rng.choice(2752, 43, replace=False)) for _ in range(50)])
+    ks = np.full(50, 43)
+    gaps = to_gaps(local, ks).astype(np.int64)
+    m = choose_golomb(gaps)
+    a_bits = (m - 1).bit_length() - 1
+    predicted = golomb_bits(gaps, m)
+    # u16 parameter + byte-aligned A stream + B·U stream rounded up to a byte.
+    size = 2 + -(-local.size * a_bits // 8) + -(-(predicted - local.size * a_bits) // 8)
+    assert len(encode_rice(local, ks)) == size

@@ -1,0 +1,112 @@
+"""`sparseloco inspect`: the library function, the click command and the real console script."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from wire_samples import PEER, RUN, VALIDATOR, blobs
+
+from protocol.envelope import Kind
+from protocol.inspect import inspect_file, inspect_paths
+from swarm.cli import main
+
+
+@pytest.fixture()
+def objects(tmp_path: Path) -> dict[str, Path]:
+    files = {}
+    for kind, blob in blobs().items():
+        p = tmp_path / "ok" / kind.label
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(blob)
+        files[kind.label] = p
+    tampered = bytearray(blobs()[Kind.CONTRIBUTION])
+    tampered[120] ^= 0x04
+    files["tampered"] = tmp_path / "bad" / "tampered"
+    files["tampered"].parent.mkdir()
+    files["tampered"].write_bytes(bytes(tampered))
+    files["truncated"] = tmp_path / "bad" / "truncated"
+    files["truncated"].write_bytes(blobs()[Kind.AGGREGATE][:-10])
+    files["text"] = tmp_path / "bad" / "notes.txt"
+    files["text"].write_text("hello\nworld\n")
+    return files
+
+
+def test_ok_lines_describe_each_kind(objects) -> None:
+    lines = {k: inspect_file(objects[k]).line for k in ("contribution", "aggregate", "checkpoint", "announcement")}
+    assert lines["contribution"].startswith(f"OK contribution window=7 sender={PEER.peer_id} bytes=")
+    assert "tensors=3 nnz=" in lines["contribution"]
+    assert lines["aggregate"].startswith(f"OK aggregate window=7 sender={VALIDATOR.peer_id}")
+    assert "manifest=2" in lines["aggregate"]
+    assert "files=2" in lines["checkpoint"]
+    assert 'hardware="cpu x2" role=g1:1/3' in lines["announcement"]
+    size = objects["aggregate"].stat().st_size
+    assert f"bytes={size} " in lines["aggregate"]
+
+
+def test_invalid_lines_give_path_reason_and_message(objects) -> None:
+    r = inspect_file(objects["tampered"])
+    assert not r.ok and r.reason == "bad_signature"
+    assert r.line == f"INVALID {objects['tampered']} bad_signature: signature does not verify"
+    assert inspect_file(objects["truncated"]).reason == "malformed"
+    assert inspect_file(objects["text"]).reason == "unsupported_version"
+    assert inspect_file(objects["text"].parent / "missing").reason == "unreadable"
+    assert inspect_file(objects["aggregate"], max_bytes=100).reason == "too_large"
+
+
+def test_optional_run_and_signer_checks(objects) -> None:
+    assert inspect_file(objects["aggregate"], run_hash=RUN, allowed_signers=[VALIDATOR.public_key]).ok
+    assert inspect_file(objects["contribution"], run_hash="0" * 64).reason == "wrong_run"
+    assert inspect_file(objects["aggregate"], allowed_signers=[PEER.public_key]).reason == "unknown_signer"
+
+
+def test_directories_expand_to_their_files_in_order(objects) -> None:
+    results = list(inspect_paths([objects["aggregate"].parent]))
+    assert [Path(r.path).name for r in results] == sorted(["aggregate", "announcement", "checkpoint", "contribution"])
+    assert all(r.ok for r in results)
+
+
+def test_click_command_exit_codes(objects) -> None:
+    runner = CliRunner()
+    ok = runner.invoke(main, ["inspect", str(objects["aggregate"]), str(objects["checkpoint"])])
+    assert ok.exit_code == 0 and ok.output.count("\nOK ") + ok.output.startswith("OK ") == 2
+    bad = runner.invoke(main, ["inspect", str(objects["aggregate"]), str(objects["tampered"])])
+    assert bad.exit_code == 2
+    assert bad.output.splitlines()[1].startswith("INVALID ")
+    checked = runner.invoke(
+        main, ["inspect", "--run-hash", RUN, "--validator-key", VALIDATOR.public_key_hex, str(objects["aggregate"])]
+    )
+    assert checked.exit_code == 0, checked.output
+    assert runner.invoke(main, ["inspect", "--run-hash", "nothex", str(objects["aggregate"])]).exit_code == 2
+    assert runner.invoke(main, ["inspect", "--validator-key", "zz", str(objects["aggregate"])]).exit_code == 2
+
+
+def _script() -> str:
+    found = shutil.which("sparseloco", path=os.path.dirname(sys.executable)) or shutil.which("sparseloco")
+    if found is None:
+        pytest.skip("the sparseloco console script is not installed (pip install -e .)")
+    return found
+
+
+def test_real_console_script_never_prints_a_traceback(objects, tmp_path) -> None:
+    script = _script()
+    good = [str(objects[k]) for k in ("contribution", "aggregate", "checkpoint", "announcement")]
+    proc = subprocess.run([script, "inspect", *good], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split()[:2] for line in proc.stdout.splitlines()] == [
+        ["OK", "contribution"], ["OK", "aggregate"], ["OK", "checkpoint"], ["OK", "announcement"],
+    ]  # fmt: skip
+    weird = tmp_path / "dir-with-nothing"
+    weird.mkdir()
+    everything = [*good, str(objects["tampered"]), str(objects["text"]), str(tmp_path / "nope"), str(weird)]
+    proc = subprocess.run([script, "inspect", *everything], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == len(everything)
+    assert [line.split()[0] for line in lines] == ["OK"] * 4 + ["INVALID"] * 4

@@ -1,0 +1,327 @@
+"""The peer's local state, its sync rules and its window loop (in-process, memory store).
+
+A minimal in-test validator (genesis + gather + aggregate + sign, built from the same protocol
+functions the real validator uses) drives the real :class:`client.peer.Peer` through windows.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from client.peer import Peer
+from client.progress import PeerDisplay
+from client.state import LocalState, Snapshot, flatten, tensors_equal, unflatten
+from client.sync import NotReady, Sync
+from protocol import layout
+from protocol.aggregate import aggregate, apply_outer, sparse_of
+from protocol.config import RunSpec
+from protocol.errors import ConfigError, DigestMismatch, StaleBase, StoreError, UnknownSigner
+from protocol.identity import Identity
+from protocol.model import build_model, fingerprint
+from protocol.store import open_store
+from protocol.store.base import ObjectStore
+from protocol.wire import GENESIS, decode_contribution
+from validator.publish import encode_window_aggregate, publish_checkpoint
+
+TINY = {"preset": "tiny", "dim": 32, "n_layers": 2, "n_heads": 2, "ffn_dim": 64, "max_seq_len": 32}
+
+
+def tiny_spec(validator: Identity, **windows: float) -> RunSpec:
+    return RunSpec.from_dict(
+        {
+            "name": "peer-test",
+            "model": TINY,
+            "data": {"seq_len": 32, "batch_size": 4},
+            "inner": {"steps": 3, "warmup_steps": 2, "total_steps": 100},
+            "codec": {"k": 64},
+            "windows": {"poll_interval_s": 0.02, "checkpoint_every": 2, **windows},
+            "validator": {"public_keys": [validator.public_key_hex]},
+            "storage": {"url": "memory://"},
+        }
+    )
+
+
+class MiniValidator:
+    """Genesis, then per window: wait for ``expect`` contributions, aggregate, sign, publish."""
+
+    def __init__(self, spec: RunSpec, store, ident: Identity) -> None:
+        self.spec, self.store, self.ident = spec, store, ident
+        self.run = layout.run_id(spec.hash())
+        self.params = {n: p.detach().clone() for n, p in build_model(spec.model).named_parameters()}
+        self.base = GENESIS
+        self.window = 0
+        self.fingerprints: list[str] = []
+        publish_checkpoint(store, self.run, spec.hash(), 0, aggregate=GENESIS, params=self.params,
+                           identity=ident, published_at=time.time(), max_bytes=1 << 30)  # fmt: skip
+
+    def close_window(self, expect: int, timeout: float = 60.0) -> list[str]:
+        prefix = layout.contrib_prefix(self.run, self.window)
+        deadline = time.time() + timeout
+        while len(self.store.list(prefix)) < expect and time.time() < deadline:
+            time.sleep(0.02)
+        contribs = []
+        for key in self.store.list(prefix):
+            c = decode_contribution(self.store.get(key, max_bytes=1 << 26), run_hash=self.spec.hash(),
+                                    max_bytes=1 << 26, window=self.window, base=self.base)  # fmt: skip
+            contribs.append(c)
+        contribs.sort(key=lambda c: c.sender)
+        delta = aggregate([sparse_of(c.tensors) for c in contribs]) if contribs else {}
+        apply_outer(self.params, delta, self.spec.outer.alpha)
+        fp = fingerprint(self.params)
+        blob = encode_window_aggregate(
+            run_hash=self.spec.hash(), window=self.window, base=self.base, alpha=self.spec.outer.alpha,
+            delta=delta, shapes={n: tuple(p.shape) for n, p in self.params.items()},
+            manifest=[(c.sender, c.digest, 1.0) for c in contribs], fingerprint_next=fp,
+            metadata={"published_at": time.time()}, identity=self.ident,
+        )  # fmt: skip
+        self.store.put(layout.aggregate_key(self.run, self.window), blob, if_absent=True)
+        self.base = __import__("hashlib").sha256(blob).hexdigest()
+        self.window += 1
+        self.fingerprints.append(fp)
+        if self.window % self.spec.windows.checkpoint_every == 0:
+            publish_checkpoint(self.store, self.run, self.spec.hash(), self.window, aggregate=self.base,
+                               params=self.params, identity=self.ident, published_at=time.time(),
+                               max_bytes=1 << 30)  # fmt: skip
+        return [c.sender for c in contribs]
+
+
+class Recorder(PeerDisplay):
+    def __init__(self) -> None:
+        super().__init__(json_lines=True)
+        self.events: list[dict] = []
+
+    def event(self, kind: str, **fields) -> None:
+        self.events.append({"event": kind, **fields})
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["event"] == kind]
+
+
+@pytest.fixture
+def swarm(tmp_path: Path):
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident)
+    store = open_store(f"memory://peer-test-{time.time_ns()}")
+    return spec, store, MiniValidator(spec, store, vident), tmp_path
+
+
+def make_peer(spec: RunSpec, store, root: Path, name: str) -> tuple[Peer, Recorder]:
+    state = LocalState(root / name)
+    rec = Recorder()
+    return Peer(spec, store, Identity.load_or_create(state.key_path), state, display=rec), rec
+
+
+def run_peers(val: MiniValidator, peers: list[Peer], windows: int, expect: int | None = None) -> None:
+    threads = [threading.Thread(target=p.run, kwargs={"until_window": windows}, daemon=True) for p in peers]
+    for t in threads:
+        t.start()
+    while val.window < windows:
+        val.close_window(expect or len(peers))
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive()
+
+
+# ---------------------------------------------------------------------- state directory
+def test_state_round_trip_and_old_files_removed(tmp_path: Path) -> None:
+    state = LocalState(tmp_path)
+    assert state.load("a" * 64) is None
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3, 4))], betas=(0.9, 0.95))
+    opt.param_groups[0]["params"][0].grad = torch.randn(3, 4)
+    opt.step()
+    fb = {"w": torch.randn(3, 4)}
+    snap = Snapshot("a" * 64, 3, "b" * 64, "c" * 64, feedback=fb, optimizer={"step": 7, "optimizer": opt.state_dict()},
+                    pending=3, pending_blob=b"signed bytes")  # fmt: skip
+    state.save(snap)
+    state.save(snap)  # a second commit replaces the first one's files
+    back = state.load("a" * 64)
+    assert back is not None and back.window == 3 and back.pending == 3 and back.pending_blob == b"signed bytes"
+    assert tensors_equal(back.feedback, fb)
+    restored = back.optimizer["optimizer"]
+    assert back.optimizer["step"] == 7 and set(restored["state"]) == {0}
+    assert torch.equal(restored["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    opt.load_state_dict(restored)  # accepted by torch as is
+    assert len(list(tmp_path.glob("feedback-*"))) == 1 and len(list(tmp_path.glob("pending-*"))) == 1
+
+
+def test_state_keeps_tensor_files_when_unchanged(tmp_path: Path) -> None:
+    state = LocalState(tmp_path)
+    state.save(Snapshot("a" * 64, 1, "b" * 64, "c" * 64, feedback={"w": torch.ones(2)}))
+    before = sorted(p.name for p in tmp_path.glob("feedback-*"))
+    state.save(Snapshot("a" * 64, 2, "d" * 64, "e" * 64, feedback={"w": torch.ones(2)}), tensors_unchanged=True)
+    assert sorted(p.name for p in tmp_path.glob("feedback-*")) == before
+    back = state.load("a" * 64)
+    assert back is not None and back.window == 2 and tensors_equal(back.feedback, {"w": torch.ones(2)})
+
+
+def test_state_refuses_other_run_and_damage(tmp_path: Path) -> None:
+    state = LocalState(tmp_path)
+    state.save(Snapshot("a" * 64, 1, "b" * 64, "c" * 64, feedback={"w": torch.ones(2)}))
+    with pytest.raises(ConfigError, match="belongs to run"):
+        state.load("f" * 64)
+    meta = json.loads((tmp_path / "progress.json").read_text())
+    (tmp_path / meta["files"]["feedback"]["file"]).write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match="damaged"):
+        state.load("a" * 64)
+
+
+def test_flatten_round_trip_int_keys_and_lists() -> None:
+    tree = {"step": 3, "state": {0: {"m": torch.arange(3.0)}, 5: {"m": torch.zeros(1)}}, "groups": [{"betas": [0.9, 0.95]}]}
+    tensors, skeleton = flatten(tree)
+    json.dumps(skeleton)  # JSON-serialisable, no pickle anywhere
+    back = unflatten(tensors, skeleton)
+    assert set(back["state"]) == {0, 5} and torch.equal(back["state"][0]["m"], torch.arange(3.0))
+    assert back["groups"] == [{"betas": [0.9, 0.95]}] and back["step"] == 3
+
+
+# ---------------------------------------------------------------------- sync
+def test_sync_waits_for_genesis_then_replays(tmp_path: Path) -> None:
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident)
+    store = open_store(f"memory://sync-{time.time_ns()}")
+    with pytest.raises(NotReady):
+        Sync(spec, store).bootstrap({})
+    val = MiniValidator(spec, store, vident)
+    for _ in range(3):
+        val.close_window(0, timeout=0)  # empty windows still chain
+    params: dict[str, torch.Tensor] = {}
+    pos = Sync(spec, store).bootstrap(params)
+    assert pos.window == 3 and pos.fingerprint == val.fingerprints[-1] == fingerprint(params)
+
+
+def test_sync_rejects_aggregate_signed_by_unknown_key(swarm) -> None:
+    spec, store, val, _ = swarm
+    val.ident = Identity.generate()  # an impostor publishes window 0
+    val.close_window(0, timeout=0)
+    with pytest.raises(UnknownSigner):
+        Sync(spec, store).bootstrap({})
+
+
+def test_sync_apply_checks_chain_and_fingerprint(swarm) -> None:
+    spec, store, val, _ = swarm
+    val.close_window(0, timeout=0)
+    sync = Sync(spec, store)
+    params: dict[str, torch.Tensor] = {}
+    pos = sync.resync(params)
+    agg = sync.fetch_aggregate(0)
+    assert agg is not None
+    with pytest.raises(StaleBase):
+        sync.apply(params, type(pos)(0, "0" * 64, pos.fingerprint), agg)
+    params["head.out.weight" if "head.out.weight" in params else sorted(params)[0]].add_(1e-3)  # diverge
+    with pytest.raises(DigestMismatch):
+        sync.apply(params, pos, agg)
+
+
+# ---------------------------------------------------------------------- the peer loop
+def test_peers_train_and_stay_identical(swarm) -> None:
+    spec, store, val, root = swarm
+    (p1, r1), (p2, r2) = make_peer(spec, store, root, "a"), make_peer(spec, store, root, "b")
+    run_peers(val, [p1, p2], windows=3)
+    for p, r in ((p1, r1), (p2, r2)):
+        assert [e["fingerprint"] for e in r.of("applied")] == val.fingerprints
+        assert [e["outcome"] for e in r.of("window")] == ["uploaded"] * 3
+        assert all(e["included"] for e in r.of("applied"))
+        assert fingerprint(p.params) == val.fingerprints[-1]
+    assert fingerprint(val.params) != fingerprint(build_model(spec.model))  # θ moved
+
+
+def test_late_joiner_catches_up_from_checkpoint(swarm) -> None:
+    spec, store, val, root = swarm
+    (p1, _) = make_peer(spec, store, root, "a")
+    run_peers(val, [p1], windows=3)  # checkpoint_every = 2: checkpoint at window 2
+    (late, rec) = make_peer(spec, store, root, "late")
+    run_peers(val, [p1, late], windows=5)
+    joined = rec.of("joined")[0]
+    assert joined["replayed_from"] == 2 and joined["window"] == 3
+    assert fingerprint(late.params) == fingerprint(p1.params) == val.fingerprints[-1]
+
+
+def test_restart_resumes_feedback_and_reuploads_staged_bytes(swarm) -> None:
+    spec, store, val, root = swarm
+    (p1, _) = make_peer(spec, store, root, "a")
+    run_peers(val, [p1], windows=2)
+    fb = {n: b.clone() for n, b in p1.feedback.buffers.items()}
+    # Train window 2 and stage it, then "crash" before the put reaches the store.
+    trained = p1.train_and_compress(2)
+    assert trained is not None
+    p1.pending = trained
+    p1._commit()
+    again, rec = make_peer(spec, store, root, "a")
+    again.join()
+    assert rec.of("joined")[0]["resumed"] and rec.of("resumed_upload")[0]["outcome"] == "uploaded"
+    assert not tensors_equal(again.feedback.state_dict(), fb)  # e includes the staged window
+    assert tensors_equal(again.feedback.state_dict(), p1.feedback.state_dict())
+    assert store.get(layout.contrib_key(val.run, 2, again.identity.peer_id)) == trained.blob
+    assert again.trainer.step == p1.trainer.step
+
+
+def test_missed_deadline_skips_window_and_keeps_feedback(tmp_path: Path) -> None:
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident, upload_deadline_s=0.0)
+    store = open_store(f"memory://skip-{time.time_ns()}")
+    val = MiniValidator(spec, store, vident)
+    val.close_window(0, timeout=0)  # window 1 opens with published_at = now, deadline = now
+    peer, rec = make_peer(spec, store, tmp_path, "slow")
+    t = threading.Thread(target=peer.run, kwargs={"until_window": 2}, daemon=True)
+    t.start()
+    time.sleep(1.0)
+    val.close_window(0, timeout=0)
+    t.join(timeout=30)
+    assert not t.is_alive()
+    windows = rec.of("window")
+    assert windows and all(w["outcome"] == "skipped" for w in windows)
+    assert peer.feedback.buffers == {} and not store.list(layout.contrib_prefix(val.run, 1))
+
+
+class FlakyStore(ObjectStore):
+    """Delegates to ``inner`` but refuses every contribution put for ``window`` (fault injection)."""
+
+    def __init__(self, inner: ObjectStore, window: int) -> None:
+        self.inner, self.bad = inner, f"/contrib/{window:08d}/"
+        self.refused = 0
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        if self.bad in key:
+            self.refused += 1
+            raise StoreError(f"injected failure for {key}")
+        self.inner.put(key, data, if_absent=if_absent)
+
+    def get(self, key: str, *, max_bytes: int = 1 << 26) -> bytes:
+        return self.inner.get(key, max_bytes=max_bytes)
+
+    def list(self, prefix: str) -> list[str]:
+        return self.inner.list(prefix)
+
+    def size(self, key: str) -> int:
+        return self.inner.size(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+
+def test_failed_upload_is_an_outcome_and_feedback_is_undone(swarm) -> None:
+    spec, store, val, root = swarm
+    flaky = FlakyStore(store, window=1)
+    peer, rec = make_peer(spec, flaky, root, "flaky")
+    t = threading.Thread(target=peer.run, kwargs={"until_window": 3}, daemon=True)
+    t.start()
+    val.close_window(1)
+    fb_after_0 = {n: b.clone() for n, b in peer.feedback.buffers.items()}
+    deadline = time.time() + 60
+    while not [e for e in rec.of("window") if e["window"] == 1] and time.time() < deadline:
+        time.sleep(0.05)
+    assert tensors_equal(peer.feedback.state_dict(), fb_after_0)  # the unsent step was undone
+    val.close_window(0, timeout=0)  # window 1 closes without it
+    val.close_window(1)
+    t.join(timeout=60)
+    assert not t.is_alive() and flaky.refused == 3  # retried, then recorded
+    outcomes = {e["window"]: e["outcome"] for e in rec.of("window")}
+    assert outcomes == {0: "uploaded", 1: "failed", 2: "uploaded"}
+    assert [e["included"] for e in rec.of("applied")] == [True, False, True]
+    assert fingerprint(peer.params) == val.fingerprints[-1]

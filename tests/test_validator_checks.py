@@ -1,0 +1,219 @@
+"""Each cheap check is a pure function with its own test; plus copies, reputation and the window clock."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from protocol import codec
+from protocol.config import CodecConfig, RunSpec, ValidatorConfig, WindowConfig
+from protocol.identity import Identity
+from protocol.wire import GENESIS, Contribution, encode_contribution
+from protocol.windows import Phase, gather_close, is_checkpoint_window, phase_at, seconds_left, should_close, upload_deadline
+from validator import checks
+from validator.copies import find_copies, global_indices, overlap
+from validator.log import CheckRow
+from validator.reputation import EXCLUDED, Outcome, Standing, is_excluded, standings, update
+
+SCHEMA = {"w": (64, 64), "b": (64,)}
+CFG = CodecConfig()
+RUN = "12" * 32
+
+
+def blob(signer: Identity, *, window: int = 3, base: str = "ab" * 32, run: str = RUN, scale: float = 1.0,
+         tensors: dict[str, torch.Tensor] | None = None) -> bytes:  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    tensors = tensors or {n: torch.randn(s, generator=gen) * scale for n, s in SCHEMA.items()}
+    enc = {n: codec.encode(t, CFG) for n, t in tensors.items()}
+    return encode_contribution(Contribution(run, window, base, CFG, enc, {}), signer)
+
+
+@pytest.fixture(scope="module")
+def peer() -> Identity:
+    return Identity.generate()
+
+
+def ctx(peer: Identity, **kw: object) -> checks.Context:
+    base = dict(run_hash=RUN, window=3, expected_base="ab" * 32, codec=CFG, schema=SCHEMA, max_bytes=1 << 20,
+                registered=frozenset({peer.peer_id}))  # fmt: skip
+    base.update(kw)
+    return checks.Context(**base)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ single checks
+def test_single_checks() -> None:
+    assert checks.check_size(10, 10).passed and checks.check_size(11, 10).reason == "too_large"
+    assert checks.check_size(0, 10).reason == "empty"
+    assert checks.check_window(3, 3).passed and checks.check_window(2, 3).reason == "wrong_window"
+    assert checks.check_registered("p", {"p"}).passed and checks.check_registered("q", {"p"}).reason == "unregistered"
+    assert checks.check_codec(CFG, CFG).passed and checks.check_codec(CodecConfig(k=32), CFG).reason == "wrong_codec"
+    assert checks.check_schema({"w": (64, 64)}, SCHEMA).passed  # a subset (pipeline stage) is fine
+    assert checks.check_schema({"w": (64, 32)}, SCHEMA).reason == "schema_mismatch"
+    assert checks.check_schema({"x": (64,)}, SCHEMA).reason == "schema_mismatch"
+    assert checks.check_schema({}, SCHEMA).reason == "empty_contribution"
+    assert checks.check_sync("a", "a").passed and checks.check_sync(GENESIS, "a").reason == "stale_base"
+    assert checks.check_excluded(True).reason == "excluded" and checks.check_excluded(False).passed
+    nan = {"w": (torch.tensor([0, 1]), torch.tensor([1.0, float("nan")]))}
+    assert checks.check_finite(nan).reason == "non_finite"
+    assert checks.check_finite({"w": (torch.tensor([0]), torch.tensor([1.0]))}).passed
+
+
+def test_norm_check_uses_the_lower_median() -> None:
+    norms = [{"w": 1.0}, {"w": 1000.0}]
+    med = checks.window_medians(norms)
+    assert med == {"w": 1.0}  # with two contributions, the huge one cannot drag the reference up
+    assert checks.check_norm(norms[0], med, 10.0).passed
+    assert checks.check_norm(norms[1], med, 10.0).reason == "norm_outlier"
+    assert checks.check_norm({"w": float("inf")}, {"w": 1.0}, 10.0).reason == "norm_outlier"
+    assert checks.check_norm({"w": 1.0}, {"w": 0.0}, 10.0).reason == "norm_outlier"  # others sent zeros
+    assert checks.lower_median([3.0, 1.0, 2.0]) == 2.0
+
+
+def test_rows_for_error_name_the_failing_check() -> None:
+    rows = checks.rows_for_error("wrong_run")
+    assert rows[-1] == CheckRow("run", False, "wrong_run")
+    assert [r.name for r in rows if r.passed] == ["size", "format", "signature"]
+    assert checks.rows_for_error("invalid_indices")[-1] == CheckRow("schema", False, "invalid_indices")
+    assert checks.rows_for_error("something_new")[-1].name == "format"
+
+
+# ------------------------------------------------------------------ screen(): one contribution
+def test_screen_accepts_a_good_contribution(peer: Identity) -> None:
+    s = checks.screen(peer.peer_id, blob(peer), ctx(peer))
+    assert s.reason is None and s.contribution is not None and set(s.sparse) == set(SCHEMA)
+    assert [c.name for c in s.checks] == list(checks.CHECK_ORDER[: checks.CHECK_ORDER.index("excluded") + 1])
+
+
+@pytest.mark.parametrize(
+    "make, context, reason",
+    [
+        (lambda p: blob(p), dict(max_bytes=100), "too_large"),
+        (lambda p: blob(p)[:-1], {}, "malformed"),
+        (lambda p: b"\x00" * 200, {}, "unsupported_version"),
+        (lambda p: blob(Identity.generate()), {}, "bad_signature"),  # stored under p's id, signed by another
+        (lambda p: blob(p, run="34" * 32), {}, "wrong_run"),
+        (lambda p: blob(p, window=2), {}, "wrong_window"),
+        (lambda p: blob(p), dict(registered=frozenset()), "unregistered"),
+        (lambda p: blob(p), dict(codec=CodecConfig(k=32)), "wrong_codec"),
+        (lambda p: blob(p, tensors={"w": torch.randn(32, 64)}), {}, "schema_mismatch"),
+        (lambda p: blob(p, base=GENESIS), {}, "stale_base"),
+        (lambda p: blob(p), dict(excluded=frozenset()), None),
+    ],
+)
+def test_screen_rejects_with_the_named_reason(peer: Identity, make, context, reason) -> None:  # type: ignore[no-untyped-def]
+    s = checks.screen(peer.peer_id, make(peer), ctx(peer, **context))
+    assert s.reason == reason
+    if reason is not None:
+        assert s.checks[-1].reason == reason and not s.checks[-1].passed and s.detail
+
+
+def test_screen_never_raises_on_garbage(peer: Identity) -> None:
+    good = blob(peer)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        data = bytearray(good)
+        for i in rng.integers(0, len(data), size=3):
+            data[i] ^= int(rng.integers(1, 256))
+        s = checks.screen(peer.peer_id, bytes(data), ctx(peer))
+        assert s.reason is not None  # the signature covers every byte
+
+
+# ------------------------------------------------------------------ copies
+def test_overlap_and_global_indices() -> None:
+    g = global_indices({"a": np.array([0, 5]), "b": np.array([1])}, {"a": 0, "b": 10})
+    assert g.tolist() == [0, 5, 11]
+    assert overlap(np.array([1, 2, 3, 4]), np.array([3, 4, 5, 6])) == 0.5
+    assert overlap(np.array([], dtype=np.int64), np.array([1])) == 0.0
+
+
+def test_find_copies_later_upload_is_the_copier() -> None:
+    a = np.arange(0, 100)
+    idx = {"orig": a, "copier": a.copy(), "honest": np.arange(80, 180)}
+    v = find_copies(idx, {"orig": 1.0, "copier": 2.0, "honest": 1.5}, threshold=0.6)
+    assert set(v) == {"copier"} and v["copier"].original == "orig" and v["copier"].overlap == 1.0
+    # reversed order: now "orig" is the later one
+    v = find_copies(idx, {"orig": 3.0, "copier": 2.0, "honest": 1.5}, threshold=0.6)
+    assert set(v) == {"orig"}
+    from validator.copies import max_overlaps
+
+    assert max_overlaps(idx, {"orig": 1.0, "copier": 2.0, "honest": 1.5}, 0.6) == {"orig": 0.0, "honest": 0.2, "copier": 1.0}
+    # below the threshold nobody is a copier (honest overlap 0.2)
+    assert find_copies({"x": a, "y": np.arange(80, 180)}, {"x": 1.0, "y": 2.0}, 0.6) == {}
+
+
+def test_find_copies_same_listing_flags_both() -> None:
+    a = np.arange(50)
+    v = find_copies({"x": a, "y": a}, {"x": 1.0, "y": 1.0}, 0.6)
+    assert set(v) == {"x", "y"} and all(c.ambiguous for c in v.values())
+
+
+# ------------------------------------------------------------------ reputation
+def test_reputation_moving_average_and_exclusion() -> None:
+    cfg = ValidatorConfig(reputation_decay=0.5, exclude_after_failures=2, exclude_windows=3)
+    s = update(Standing(), Outcome(0, "p", True, score=0.2), cfg)
+    assert s.reputation == 0.5 and s.failures == 0
+    s = update(s, Outcome(1, "p", True, score=None), cfg)  # not scored: no evidence
+    assert s.reputation == 0.5
+    s = update(s, Outcome(2, "p", False, "stale_base"), cfg)
+    assert s.reputation == pytest.approx(-0.25) and s.failures == 1 and not is_excluded(s, 3)
+    s = update(s, Outcome(3, "p", False, "harmful"), cfg)
+    assert s.failures == 0 and s.excluded_until == 7
+    assert all(is_excluded(s, w) for w in (4, 5, 6)) and not is_excluded(s, 7)
+    assert update(s, Outcome(4, "p", False, EXCLUDED), cfg) == s  # exclusion does not extend itself
+    assert update(s, Outcome(4, "p", False, "late"), cfg) == s  # neither do late or surplus uploads
+    assert update(s, Outcome(4, "p", False, "over_capacity"), cfg) == s
+
+
+def test_standings_fold_is_order_independent_and_respects_before() -> None:
+    cfg = ValidatorConfig()
+    hist = [Outcome(w, p, w % 2 == 0, None if w % 2 == 0 else "copied", 0.1) for w in range(6) for p in ("a", "b")]
+    assert standings(hist, cfg) == standings(list(reversed(hist)), cfg)
+    assert standings(hist, cfg, before=2)["a"] == standings(hist[:4], cfg)["a"]
+
+
+# ------------------------------------------------------------------ the window clock
+def test_window_clock() -> None:
+    cfg = WindowConfig(upload_deadline_s=10.0, gather_grace_s=2.0, checkpoint_every=5)
+    assert upload_deadline(100.0, cfg) == 110.0 and gather_close(100.0, cfg) == 112.0
+    assert phase_at(105.0, 100.0, cfg) is Phase.OPEN
+    assert phase_at(111.0, 100.0, cfg) is Phase.GRACE
+    assert phase_at(112.0, 100.0, cfg) is Phase.CLOSED
+    assert seconds_left(104.0, 100.0, cfg) == 6.0 and seconds_left(200.0, 100.0, cfg) == 0.0
+    assert not should_close(101.0, 100.0, cfg, expected={"a", "b"}, uploaded={"a"})
+    assert should_close(101.0, 100.0, cfg, expected={"a", "b"}, uploaded={"a", "b", "c"})
+    assert not should_close(101.0, 100.0, cfg, expected=set(), uploaded={"a"})  # nobody known: wait
+    assert should_close(112.0, 100.0, cfg, expected={"a"}, uploaded=set())
+    assert [w for w in range(12) if is_checkpoint_window(w, cfg)] == [0, 5, 10]
+    assert RunSpec().windows.checkpoint_every > 0
+
+
+# ------------------------------------------------------------------ window-level checks
+def _screened(peer: str, idx: list[int], vals: list[float]) -> checks.Screened:
+    sparse = {"w": (torch.tensor(idx, dtype=torch.int64), torch.tensor(vals, dtype=torch.float32))}
+    return checks.Screened(peer, (CheckRow("size", True),), None, None, None, sparse)
+
+
+def test_window_checks_norm_copy_score_capacity() -> None:
+    from validator import window_checks as wc
+    from validator.scoring import LossScore
+
+    a = _screened("a", [0, 1, 2, 3], [1.0, 1.0, 1.0, 1.0])
+    b = _screened("b", [10, 11, 12, 13], [1.0, -1.0, 1.0, 1.0])
+    copy = _screened("c", [0, 1, 2, 3], [1.0, 1.0, 1.0, 1.1])
+    huge = _screened("h", [20, 21, 22, 23], [100.0, 100.0, 100.0, 100.0])
+    rejected = checks.Screened("r", (CheckRow("size", False, "too_large"),), "too_large")
+    out = wc.norms([a, b, copy, huge, rejected], 10.0)
+    assert [s.reason for s in out] == [None, None, None, "norm_outlier", "too_large"]
+    assert out[4] is rejected  # rejected ones pass through untouched
+    out = wc.copies(out, {"a": 1.0, "b": 2.0, "c": 3.0, "h": 0.0}, {"w": (64, 64)}, 0.6)
+    assert [s.reason for s in out] == [None, None, "copied", "norm_outlier", "too_large"]
+    assert "overlap 1.00 with a" in (out[2].detail or "")
+    out = wc.scores(out, {"a": LossScore(5.0, 4.0, 5.0, 4.5), "b": LossScore(5.0, 5.1, 5.0, 4.9)})
+    assert [s.reason for s in out[:2]] == [None, "harmful"]
+    assert out[0].checks[-1] == CheckRow("score", True)
+    two = [_screened(p, [i], [1.0]) for i, p in enumerate("xyz")]
+    kept = wc.capacity(two, {"x": 0.1, "y": 0.5, "z": -1.0}, 2)
+    assert [s.reason for s in kept] == [None, None, "over_capacity"]
+    assert wc.total_norm(a.sparse) == pytest.approx(2.0)
+    assert wc.offsets({"b": (2,), "a": (3, 2)}) == {"a": 0, "b": 6}

@@ -1,0 +1,358 @@
+"""The validator's window loop, in-process, against the memory store with hand-made contributions.
+
+Honest peers are accepted and their aggregate reproduces its fingerprint for any peer; every kind of
+hostile contribution is rejected with its named reason in the log and none stops the loop; a
+validator killed at the worst moments and restarted resumes without losing or double-counting.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from protocol import layout
+from protocol.aggregate import apply_outer
+from protocol.errors import ConfigError
+from protocol.identity import Identity
+from protocol.model import build_model, fingerprint, parameters_of
+from protocol.store.memory import SimulatedCrash
+from protocol.wire import GENESIS, decode_aggregate
+from tests.validator_fixtures import Swarm, tiny_spec, with_nan_scale
+from validator import publish
+from validator.node import Validator
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture()
+def vkey() -> Identity:
+    return Identity.generate()
+
+
+@pytest.fixture()
+def swarm(vkey: Identity) -> Iterator[Swarm]:
+    sw = Swarm(tiny_spec(vkey), 4)
+    sw.announce_all()
+    yield sw
+    sw.close()
+
+
+def make_validator(sw: Swarm, vkey: Identity, state_dir: os.PathLike[str] | str) -> Validator:
+    v = Validator(sw.spec, sw.handle(), vkey, state_dir)
+    v.resume()
+    return v
+
+
+def theta0(sw: Swarm) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in parameters_of(build_model(sw.spec.model)).items()}
+
+
+def test_honest_window_is_accepted_and_peers_reproduce_the_fingerprint(swarm: Swarm, vkey: Identity, tmp_path) -> None:
+    v = make_validator(swarm, vkey, tmp_path)
+    params = theta0(swarm)
+    digests = {}
+    for p in swarm.peers[:3]:
+        blob = swarm.honest(p, params, 0, GENESIS)
+        swarm.upload(p.peer_id, 0, blob)
+        digests[p.peer_id] = __import__("hashlib").sha256(blob).hexdigest()
+
+    report = v.run_window()
+    assert report is not None and report.accepted == 3 and report.rejected == 0
+
+    # a peer verifies the aggregate with the RunSpec's key and replays it bit-exactly
+    raw = swarm.store.get(layout.aggregate_key(swarm.run, 0), max_bytes=1 << 26)
+    agg = decode_aggregate(raw, run_hash=swarm.run_hash, max_bytes=1 << 26,
+                           allowed_signers=swarm.spec.validator.public_keys, window=0)  # fmt: skip
+    assert {m.peer_id: m.digest for m in agg.manifest} == digests
+    assert agg.base == GENESIS and float(agg.metadata["published_at"]) > 0
+    apply_outer(params, publish.delta_of(agg), agg.alpha)
+    assert fingerprint(params) == agg.fingerprint == report.fingerprint
+    assert v.state is not None and v.state.window == 1 and v.state.base == agg.digest
+
+    rows = v.log.rows(windows=(0, 0))
+    assert [r.accepted for r in rows] == [True] * 3
+    assert all(r.loss_own_after is not None and r.loss_own_after < r.loss_own_before for r in rows)
+    assert all(r.overlap is not None and r.overlap < swarm.spec.validator.copy_overlap_threshold for r in rows)
+    assert {c.name for c in rows[0].checks} >= {"signature", "run", "window", "schema", "sync", "norm", "copy", "score"}
+    assert v.log.window(0).status == "published"  # type: ignore[union-attr]
+    v.close()
+
+
+def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey: Identity, tmp_path) -> None:
+    spec = swarm.spec
+    v = make_validator(swarm, vkey, tmp_path)
+    honest_a, honest_b, honest_c, mallory = swarm.peers
+    params = theta0(swarm)
+    # window 0: honest, so that window 1 has a base other than genesis and old blobs to replay
+    old = {p.peer_id: swarm.honest(p, params, 0, GENESIS) for p in (honest_a, honest_b, honest_c)}
+    for pid, blob in old.items():
+        swarm.upload(pid, 0, blob)
+    assert v.run_window() is not None
+    params, base = v.state.params, v.state.base  # type: ignore[union-attr]
+
+    strangers = [Identity.generate() for _ in range(11)]
+    for s in strangers[:10]:
+        swarm.announce(s)  # registered, so only the attack itself can fail them
+    forged, replayed, stale, oversized, truncated, wrong_run, nan, huge, negated, empty = strangers[:10]
+    unregistered = strangers[10]
+    swarm.upload(empty.peer_id, 1, b"")
+    swarm.store.put(layout.contrib_prefix(swarm.run, 1) + "not-a-peer-id", b"junk")  # unattributable: ignored
+
+    delta_a = swarm.delta(honest_a, params, 1)
+    enc_a = swarm.encode(delta_a)
+    swarm.upload(honest_a.peer_id, 1, swarm.blob(honest_a, 1, base, enc_a))
+    swarm.upload(honest_b.peer_id, 1, swarm.honest(honest_b, params, 1, base))
+    swarm.upload(honest_c.peer_id, 1, swarm.honest(honest_c, params, 1, base))
+    # signed by mallory, stored under another peer's name
+    swarm.upload(forged.peer_id, 1, swarm.honest(mallory, params, 1, base))
+    # an old window's contribution uploaded again (signed for window 0)
+    swarm.upload(replayed.peer_id, 1, swarm.honest(replayed, theta0(swarm), 0, GENESIS))
+    # signed for window 1 but trained from genesis
+    swarm.upload(stale.peer_id, 1, swarm.honest(stale, theta0(swarm), 1, GENESIS))
+    swarm.upload(oversized.peer_id, 1, os.urandom(spec.validator.max_contribution_bytes + 1))
+    good = swarm.honest(truncated, params, 1, base)
+    swarm.upload(truncated.peer_id, 1, good[:-100])
+    swarm.upload(wrong_run.peer_id, 1, swarm.blob(wrong_run, 1, base, enc_a, run_hash="ab" * 32))
+    nan_enc = dict(swarm.encode(swarm.delta(nan, params, 1)))
+    name = sorted(nan_enc)[0]
+    nan_enc[name] = with_nan_scale(nan_enc[name])
+    swarm.upload(nan.peer_id, 1, swarm.blob(nan, 1, base, nan_enc))
+    huge_delta = {n: t * 1000 for n, t in swarm.delta(huge, params, 1).items()}
+    swarm.upload(huge.peer_id, 1, swarm.blob(huge, 1, base, swarm.encode(huge_delta)))
+    neg = {n: -t for n, t in swarm.delta(negated, params, 1).items()}
+    swarm.upload(negated.peer_id, 1, swarm.blob(negated, 1, base, swarm.encode(neg)))
+    swarm.upload(unregistered.peer_id, 1, swarm.honest(unregistered, params, 1, base))
+    # mallory copies honest_a's tensors under its own signature, uploaded later
+    v.log.note_received(1, honest_a.peer_id, received_at=1.0, nbytes=None)
+    swarm.announce(mallory)
+    swarm.upload(mallory.peer_id, 1, swarm.blob(mallory, 1, base, enc_a))
+
+    report = v.run_window()
+    assert report is not None
+    reasons = {r.peer: r.reason for r in v.log.rows(windows=(1, 1))}
+    expected = {
+        honest_a.peer_id: None, honest_b.peer_id: None, honest_c.peer_id: None,
+        forged.peer_id: "bad_signature", replayed.peer_id: "wrong_window", stale.peer_id: "stale_base",
+        oversized.peer_id: "too_large", truncated.peer_id: "malformed", wrong_run.peer_id: "wrong_run",
+        nan.peer_id: "non_finite", huge.peer_id: "norm_outlier", negated.peer_id: "harmful",
+        unregistered.peer_id: "unregistered", mallory.peer_id: "copied", empty.peer_id: "empty",
+    }  # fmt: skip
+    assert reasons == expected
+    assert report.accepted == 3 and report.rejected == len(expected) - 3
+    agg = publish.read_aggregate(swarm.store, swarm.run, swarm.run_hash, 1,
+                                 allowed_signers=spec.validator.public_keys, max_bytes=1 << 26)  # fmt: skip
+    assert agg is not None and {m.peer_id for m in agg.manifest} == {honest_a.peer_id, honest_b.peer_id, honest_c.peer_id}
+    rejected = v.log.rows(windows=(1, 1), rejected_only=True)
+    assert all(r.weight == 0.0 and r.detail for r in rejected)
+    failed = {r.peer: [c for c in r.checks if not c.passed] for r in rejected}
+    assert all(len(f) == 1 and f[0].reason == r for r, f in ((reasons[p], f) for p, f in failed.items()))
+    v.close()
+
+
+def test_killed_before_publishing_redoes_the_window_without_double_counting(swarm: Swarm, vkey: Identity, tmp_path) -> None:
+    v = make_validator(swarm, vkey, tmp_path)
+    params = theta0(swarm)
+    for p in swarm.peers[:3]:
+        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, GENESIS))
+    v.store.faults.crash_mid_upload(layout.aggregate_key(swarm.run, 0))  # type: ignore[attr-defined]
+    with pytest.raises(SimulatedCrash):
+        v.run_window()
+    assert v.log.window(0).status == "decided"  # type: ignore[union-attr]
+    assert not swarm.store.exists(layout.aggregate_key(swarm.run, 0))
+    first_seen = v.log.first_seen(0)
+    v.log.close()
+
+    v2 = make_validator(swarm, vkey, tmp_path)
+    assert v2.state is not None and v2.state.window == 0
+    swarm.upload(swarm.peers[3].peer_id, 0, swarm.honest(swarm.peers[3], params, 0, GENESIS))  # arrives meanwhile
+    report = v2.run_window()
+    assert report is not None and report.accepted == 4
+    rows = v2.log.rows(windows=(0, 0))
+    assert len(rows) == 4 and len({r.peer for r in rows}) == 4
+    assert all(v2.log.first_seen(0)[p] == t for p, t in first_seen.items())  # upload order survives
+    lb = {r.peer: r for r in v2.log.leaderboard()}
+    assert all(r.windows == 1 and r.accepted == 1 for r in lb.values())
+    v2.close()
+
+
+def test_killed_after_publishing_adopts_the_published_aggregate(swarm: Swarm, vkey: Identity, tmp_path) -> None:
+    spec = swarm.spec
+    v = make_validator(swarm, vkey, tmp_path)
+    params = theta0(swarm)
+    for p in swarm.peers[:3]:
+        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, GENESIS))
+    assert v.run_window() is not None
+    base1 = v.state.base  # type: ignore[union-attr]
+    for p in swarm.peers[:3]:
+        swarm.upload(p.peer_id, 1, swarm.honest(p, v.state.params, 1, base1))  # type: ignore[union-attr]
+    # window 2 opens with a checkpoint (checkpoint_every = 2): die while writing it, after the aggregate
+    v.store.faults.crash_mid_upload(layout.checkpoint_prefix(swarm.run, 2))  # type: ignore[attr-defined]
+    with pytest.raises(SimulatedCrash):
+        v.run_window()
+    published = publish.read_aggregate(swarm.store, swarm.run, swarm.run_hash, 1,
+                                       allowed_signers=spec.validator.public_keys, max_bytes=1 << 26)  # fmt: skip
+    assert published is not None
+    v.log.close()
+
+    v2 = make_validator(swarm, vkey, tmp_path)  # adopts aggregate 1, writes the checkpoint, opens window 2
+    assert v2.state is not None and v2.state.window == 2 and v2.state.base == published.digest
+    assert fingerprint(v2.state.params) == published.fingerprint
+    assert v2.log.window(1).status == "published"  # type: ignore[union-attr]
+    assert len(v2.log.rows(windows=(1, 1))) == 3
+    _, ckpt, _ = publish.load_checkpoint(swarm.store, swarm.run, swarm.run_hash, 2,
+                                         allowed_signers=spec.validator.public_keys, max_bytes=1 << 26)  # fmt: skip
+    assert fingerprint(ckpt) == published.fingerprint
+    v2.close()
+
+
+def test_lost_state_directory_replays_the_chain_from_the_store(swarm: Swarm, vkey: Identity, tmp_path) -> None:
+    v = make_validator(swarm, vkey, tmp_path / "a")
+    params = theta0(swarm)
+    for p in swarm.peers[:2]:
+        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, GENESIS))
+    report = v.run_window()
+    assert report is not None
+    v.close()
+    v2 = make_validator(swarm, vkey, tmp_path / "b")
+    assert v2.state is not None and v2.state.window == 1 and fingerprint(v2.state.params) == report.fingerprint
+    v2.close()
+
+
+def test_empty_window_closes_at_the_deadline_and_publishes(swarm: Swarm, vkey: Identity, tmp_path) -> None:
+    v = make_validator(swarm, vkey, tmp_path)
+    report = v.run_window()
+    assert report is not None and report.accepted == 0 and report.rejected == 0
+    assert report.fingerprint == fingerprint(theta0(swarm))
+    v.close()
+
+
+def test_a_key_missing_from_the_runspec_is_a_config_error(swarm: Swarm, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="public_keys"):
+        Validator(swarm.spec, swarm.handle(), Identity.generate(), tmp_path)
+
+
+
+def test_repeated_failure_excludes_then_readmits_and_late_uploads_are_logged(vkey: Identity, tmp_path) -> None:
+    sw = Swarm(tiny_spec(vkey, validator={"exclude_after_failures": 1, "exclude_windows": 1}), 4)
+    bad, a, b, latecomer = sw.peers
+    for p in (bad, a, b):
+        sw.announce(p)
+    v = make_validator(sw, vkey, tmp_path)
+    params = theta0(sw)
+    sw.upload(bad.peer_id, 0, sw.honest(bad, params, 0, "cd" * 32))  # stale base: one failure
+    for p in (a, b):
+        sw.upload(p.peer_id, 0, sw.honest(p, params, 0, GENESIS))
+    assert v.run_window() is not None
+    sw.announce(latecomer)
+    sw.upload(latecomer.peer_id, 0, sw.honest(latecomer, params, 0, GENESIS))  # after window 0 closed
+    for w in (1, 2):
+        st = v.state
+        assert st is not None
+        for p in sw.peers:
+            sw.upload(p.peer_id, w, sw.honest(p, st.params, w, st.base))
+        assert v.run_window() is not None
+    reasons = {(r.window, r.peer): r.reason for r in v.log.rows()}
+    assert reasons[(0, bad.peer_id)] == "stale_base"
+    assert reasons[(1, bad.peer_id)] == "excluded"
+    assert reasons[(2, bad.peer_id)] is None  # served its exclusion
+    assert reasons[(0, latecomer.peer_id)] == "late"
+    assert reasons[(1, latecomer.peer_id)] is None  # lateness is not held against it
+    assert len(reasons) == 4 + 4 + 4  # window 0: three on time + the late one
+    sw.close()
+    v.close()
+
+
+def test_peers_announcing_mid_window_are_waited_for_and_registered(vkey: Identity, tmp_path) -> None:
+    import threading
+    import time
+
+    sw = Swarm(tiny_spec(vkey, windows={"upload_deadline_s": 60.0}), 3)
+    a, b, c = sw.peers
+    sw.announce(a)
+    sw.announce(b)
+    v = make_validator(sw, vkey, tmp_path)
+    params = theta0(sw)
+    blobs = {p.peer_id: sw.honest(p, params, 0, GENESIS) for p in sw.peers}
+    sw.upload(a.peer_id, 0, blobs[a.peer_id])
+
+    def late_arrivals() -> None:
+        time.sleep(0.3)
+        sw.announce(c)  # joins while the window is being gathered
+        time.sleep(0.3)
+        sw.upload(b.peer_id, 0, blobs[b.peer_id])
+        time.sleep(0.3)
+        sw.upload(c.peer_id, 0, blobs[c.peer_id])
+
+    t = threading.Thread(target=late_arrivals)
+    start = time.monotonic()
+    t.start()
+    report = v.run_window()
+    t.join()
+    assert report is not None and report.accepted == 3, v.log.rows()
+    assert time.monotonic() - start < 30  # closed when everyone had uploaded, not at the deadline
+    sw.close()
+    v.close()
+
+
+def test_store_failures_are_retried_and_corrupted_reads_rejected(swarm: Swarm, vkey: Identity, tmp_path) -> None:
+    v = make_validator(swarm, vkey, tmp_path)
+    params = theta0(swarm)
+    for p in swarm.peers[:3]:
+        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, GENESIS))
+    swarm.upload(swarm.peers[3].peer_id, 0, swarm.honest(swarm.peers[3], params, 0, GENESIS))
+    faults = v.store.faults  # type: ignore[attr-defined]
+    faults.fail_put(1, layout.aggregate_key(swarm.run, 0))  # the first publish attempt fails
+    faults.corrupt(layout.contrib_key(swarm.run, 0, swarm.peers[3].peer_id))  # this reader sees flipped bits
+    reports = v.run(windows=1)
+    assert len(reports) == 1 and reports[0].accepted == 3 and reports[0].reasons == {"bad_signature": 1}
+    assert [f[0] for f in faults.fired].count("fail") == 1
+    assert len(v.log.rows(windows=(0, 0))) == 4 and v.state is not None and v.state.window == 1
+    assert fingerprint(parameters_of(v.model)) == reports[0].fingerprint  # the model holds θ_1
+    v.close()
+
+# ------------------------------------------------------------------ the real command, as the swarm runs it
+@pytest.mark.integration
+def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity, tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from protocol.store.local import LocalStore
+
+    store_dir = tmp_path / "store"
+    spec = tiny_spec(vkey, storage={"url": f"file://{store_dir}"}, windows={"upload_deadline_s": 30.0})
+    (tmp_path / "run.toml").write_text(spec.to_toml())
+    vkey.save(tmp_path / "v.pem")
+    sw = Swarm(spec, 2)
+    sw.store = LocalStore(store_dir)  # type: ignore[assignment]
+    sw.announce_all()
+    params = theta0(sw)
+    for p in sw.peers:
+        sw.upload(p.peer_id, 0, sw.honest(p, params, 0, GENESIS))
+    cmd = [sys.executable, "-m", "validator.cli", "run", "--run", str(tmp_path / "run.toml"),
+           "--key", str(tmp_path / "v.pem"), "--state", str(tmp_path / "st"), "--threads", "1"]  # fmt: skip
+
+    done = subprocess.run([*cmd, "--windows", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "window 0 published: accepted=2 rejected=0" in done.stdout
+
+    # window 1 has no uploads and a 30 s deadline: SIGTERM must end it promptly, publishing nothing
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("window 1 open"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "stopped" in out and "Traceback" not in err
+    assert not sw.store.exists(layout.aggregate_key(sw.run, 1))
+    sw.close()

@@ -1,0 +1,100 @@
+"""Small valid objects of every kind, shared by the wire, fuzz and inspect tests."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from protocol import codec
+from protocol.config import CodecConfig, RunSpec
+from protocol.envelope import Kind, seal
+from protocol.identity import Identity
+from protocol.layout import checkpoint_key, run_id
+from protocol.wire import (
+    Aggregate,
+    Announcement,
+    CheckpointFile,
+    CheckpointManifest,
+    Contribution,
+    ManifestEntry,
+    PipelineRole,
+    SparseDelta,
+    encode_aggregate,
+    encode_announcement,
+    encode_checkpoint,
+    encode_contribution,
+)
+
+RUN = RunSpec.default().hash()
+RUN_ID = run_id(RUN)
+CODEC = CodecConfig()
+SCHEMA = {"blocks.0.attn.wq.weight": (64, 96), "blocks.0.norm.weight": (100,), "conv.weight": (3, 5, 7)}
+PEER = Identity.from_seed(b"p" * 32)
+VALIDATOR = Identity.from_seed(b"v" * 32)
+BASE = hashlib.sha256(b"aggregate 6").hexdigest()
+
+
+def contribution(window: int = 7, base: str = BASE, seed: int = 0) -> Contribution:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {n: codec.encode(torch.randn(s, generator=g), CODEC) for n, s in SCHEMA.items()}
+    return Contribution(RUN, window, base, CODEC, tensors, {"loss": 3.25, "tokens": 4096, "stage": -1})
+
+
+def aggregate(window: int = 7, seed: int = 0) -> Aggregate:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in SCHEMA.items():
+        numel = int(torch.tensor(shape).prod())
+        idx = torch.randperm(numel, generator=g)[: numel // 10].sort().values
+        tensors[name] = SparseDelta(shape, idx, torch.randn(idx.numel(), generator=g))
+    manifest = (
+        ManifestEntry(PEER.peer_id, hashlib.sha256(b"c1").hexdigest(), 1.0),
+        ManifestEntry(VALIDATOR.peer_id, hashlib.sha256(b"c2").hexdigest(), 0.5),
+    )
+    fp = hashlib.sha256(b"theta").hexdigest()
+    return Aggregate(RUN, window, BASE, 1.0, fp, manifest, tensors, {"contributors": 2})
+
+
+def checkpoint(window: int = 10) -> CheckpointManifest:
+    files = (
+        CheckpointFile(checkpoint_key(RUN_ID, window, "model.safetensors"), hashlib.sha256(b"m").hexdigest(), 123456),
+        CheckpointFile(checkpoint_key(RUN_ID, window, "optimizer.safetensors"), hashlib.sha256(b"o").hexdigest(), 99),
+    )
+    return CheckpointManifest(RUN, window, BASE, hashlib.sha256(b"theta").hexdigest(), files)
+
+
+def announcement(window: int = 3) -> Announcement:
+    return Announcement(RUN, window, "0.1.0", "cpu x2", PipelineRole("g1", 1, 3), {"store": "file:///tmp/x"})
+
+
+def blobs() -> dict[Kind, bytes]:
+    """One valid signed object of each kind."""
+    return {
+        Kind.CONTRIBUTION: encode_contribution(contribution(), PEER),
+        Kind.AGGREGATE: encode_aggregate(aggregate(), VALIDATOR),
+        Kind.CHECKPOINT: encode_checkpoint(checkpoint(), VALIDATOR),
+        Kind.ANNOUNCEMENT: encode_announcement(announcement(), PEER),
+    }
+
+
+def resign(data: bytes, identity: Identity, *, body: bytes | None = None, payload: bytes | None = None) -> bytes:
+    """Rebuild an object around a new body and/or payload with a valid signature (crafted input)."""
+    from protocol.envelope import FIXED_HEADER_BYTES, _FIXED
+
+    _, _, kind, run_raw, window, _, body_len, payload_len = _FIXED.unpack_from(data, 0)
+    old_body = data[FIXED_HEADER_BYTES : FIXED_HEADER_BYTES + body_len]
+    old_payload = data[FIXED_HEADER_BYTES + body_len : FIXED_HEADER_BYTES + body_len + payload_len]
+    return seal(
+        Kind(kind),
+        run_raw.hex(),
+        window,
+        identity,
+        old_body if body is None else body,
+        old_payload if payload is None else payload,
+    )
+
+
+def sign_raw(unsigned: bytes, identity: Identity) -> bytes:
+    """Append a valid signature to arbitrary bytes (lengths in the header are left as they are)."""
+    return unsigned + identity.sign(hashlib.sha256(unsigned).digest())

@@ -1,0 +1,230 @@
+"""The cheap checks every contribution goes through, each a small pure function.
+
+A check returns a :class:`~validator.log.CheckRow` ``(name, passed, reason)``; ``reason`` is the
+stable name written to the contribution log. Order (the first failure decides the rejection
+reason; later checks are not run)::
+
+    size  format  signature  run  window  registered  codec  schema  finite  sync  excluded  norm  copy  score
+    capacity
+
+``size`` … ``finite`` are mostly enforced by :func:`protocol.wire.decode_contribution` and
+:func:`protocol.codec.unpack`; :func:`rows_for_error` maps the ``reason`` of the
+:class:`~protocol.errors.ProtocolError` they raise to the check that failed. ``screen`` runs the
+per-contribution checks on one received object; ``norm`` and ``copy`` need the whole window
+(:func:`check_norm`, :mod:`validator.copies`), ``score`` the loss evaluation
+(:mod:`validator.scoring`); those window-level checks live in :mod:`validator.window_checks`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from protocol.aggregate import SparseDict, sparse_of
+from protocol.config import CodecConfig
+from protocol.errors import ProtocolError
+from protocol.wire import Contribution, decode_contribution
+from validator.log import CheckRow
+
+__all__ = [
+    "CHECK_ORDER",
+    "Context",
+    "Screened",
+    "check_codec",
+    "check_excluded",
+    "check_finite",
+    "check_norm",
+    "check_registered",
+    "check_schema",
+    "check_size",
+    "check_sync",
+    "check_window",
+    "lower_median",
+    "rows_for_error",
+    "screen",
+    "tensor_norms",
+]
+
+CHECK_ORDER = (
+    "size", "format", "signature", "run", "window", "registered", "codec", "schema", "finite", "sync",
+    "excluded", "norm", "copy", "score", "capacity",
+)  # fmt: skip
+
+# ProtocolError.reason (raised while decoding) -> the check that failed
+_REASON_CHECK = {
+    "too_large": "size",
+    "malformed": "format",
+    "unsupported_version": "format",
+    "bad_signature": "signature",
+    "unknown_signer": "signature",
+    "wrong_run": "run",
+    "wrong_window": "window",
+    "schema_mismatch": "schema",
+    "invalid_indices": "schema",
+    "non_finite": "finite",
+    "stale_base": "sync",
+    "digest_mismatch": "format",
+}
+
+
+def ok(name: str) -> CheckRow:
+    return CheckRow(name, True, None)
+
+
+def fail(name: str, reason: str) -> CheckRow:
+    return CheckRow(name, False, reason)
+
+
+def rows_for_error(reason: str) -> tuple[CheckRow, ...]:
+    """Check rows for a decode failure: every check before the failing one passed."""
+    name = _REASON_CHECK.get(reason, "format")
+    before = CHECK_ORDER[: CHECK_ORDER.index(name)]
+    # decoding verifies neither registration nor codec before the signature etc.; only claim
+    # passes for checks decoding actually performed
+    done = tuple(ok(n) for n in before if n in ("size", "format", "signature", "run", "window"))
+    return (*done, fail(name, reason))
+
+
+# ---------------------------------------------------------------------------- single checks
+def check_size(nbytes: int, max_bytes: int) -> CheckRow:
+    return ok("size") if 0 < nbytes <= max_bytes else fail("size", "too_large" if nbytes > 0 else "empty")
+
+
+def check_window(claimed: int, window: int) -> CheckRow:
+    """A contribution signed for another window (a replay of an older one) is rejected."""
+    return ok("window") if claimed == window else fail("window", "wrong_window")
+
+
+def check_registered(peer: str, registered: Collection[str]) -> CheckRow:
+    """The signer must have published a signed announcement (its key is registered)."""
+    return ok("registered") if peer in registered else fail("registered", "unregistered")
+
+
+def check_codec(cfg: CodecConfig, run_cfg: CodecConfig) -> CheckRow:
+    return ok("codec") if cfg == run_cfg else fail("codec", "wrong_codec")
+
+
+def check_schema(shapes: Mapping[str, tuple[int, ...]], schema: Mapping[str, tuple[int, ...]]) -> CheckRow:
+    """Tensors must be a non-empty subset of the model's, each with the model's shape
+    (pipeline stages send only their slice)."""
+    if not shapes:
+        return fail("schema", "empty_contribution")
+    for name, shape in shapes.items():
+        if name not in schema or tuple(schema[name]) != tuple(shape):
+            return fail("schema", "schema_mismatch")
+    return ok("schema")
+
+
+def check_finite(sparse: SparseDict) -> CheckRow:
+    for _, vals in sparse.values():
+        if not bool(torch.isfinite(vals).all()):
+            return fail("finite", "non_finite")
+    return ok("finite")
+
+
+def check_sync(base: str, expected_base: str) -> CheckRow:
+    """The contribution must have trained from the current aggregate (or genesis at window 0)."""
+    return ok("sync") if base == expected_base else fail("sync", "stale_base")
+
+
+def check_excluded(excluded: bool) -> CheckRow:
+    return fail("excluded", "excluded") if excluded else ok("excluded")
+
+
+def tensor_norms(sparse: SparseDict) -> dict[str, float]:
+    return {name: float(torch.linalg.vector_norm(vals.double())) for name, (_, vals) in sparse.items()}
+
+
+def lower_median(xs: Collection[float]) -> float:
+    """The lower median: with two contributions it is the smaller one, so one huge update cannot
+    drag the reference up to half its own size."""
+    s = sorted(xs)
+    return s[(len(s) - 1) // 2]
+
+
+def window_medians(norms: Collection[Mapping[str, float]]) -> dict[str, float]:
+    """Per tensor, the lower median of the norms of the contributions that sent it."""
+    by_name: dict[str, list[float]] = {}
+    for n in norms:
+        for name, v in n.items():
+            by_name.setdefault(name, []).append(v)
+    return {name: lower_median(vs) for name, vs in by_name.items()}
+
+
+def check_norm(norms: Mapping[str, float], medians: Mapping[str, float], max_ratio: float) -> CheckRow:
+    """Every tensor's norm must be ≤ ``max_ratio`` × the window's median for that tensor."""
+    for name, v in norms.items():
+        med = medians.get(name, 0.0)
+        if not math.isfinite(v) or (med > 0.0 and v > max_ratio * med) or (med == 0.0 and v > 0.0):
+            return fail("norm", "norm_outlier")
+    return ok("norm")
+
+
+# ---------------------------------------------------------------------------- one contribution
+@dataclass(frozen=True)
+class Context:
+    """What the per-contribution checks compare against in this window."""
+
+    run_hash: str
+    window: int
+    expected_base: str
+    codec: CodecConfig
+    schema: Mapping[str, tuple[int, ...]]
+    max_bytes: int
+    registered: frozenset[str] = frozenset()
+    excluded: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Screened:
+    """A contribution after the per-contribution checks; ``reason`` None when all passed."""
+
+    peer: str
+    checks: tuple[CheckRow, ...]
+    reason: str | None
+    detail: str | None = None
+    contribution: Contribution | None = None
+    sparse: SparseDict = field(default_factory=dict)
+    overlap: float | None = None  # largest Top-k index overlap with an earlier upload
+
+
+def screen(peer: str, data: bytes, ctx: Context) -> Screened:
+    """Run ``size`` … ``excluded`` on the bytes found at ``contrib/<window>/<peer>``. Pure."""
+    rows: list[CheckRow] = [check_size(len(data), ctx.max_bytes)]
+    if not rows[0].passed:
+        return Screened(peer, tuple(rows), rows[0].reason, f"{len(data)} bytes, cap {ctx.max_bytes}")
+    try:
+        c = decode_contribution(data, run_hash=ctx.run_hash, max_bytes=ctx.max_bytes, sender=peer)
+    except ProtocolError as exc:
+        return Screened(peer, rows_for_error(exc.reason), exc.reason, str(exc))
+    rows += [ok("format"), ok("signature"), ok("run")]
+    sparse: SparseDict = {}
+    for check in (
+        lambda: check_window(c.window, ctx.window),
+        lambda: check_registered(peer, ctx.registered),
+        lambda: check_codec(c.codec, ctx.codec),
+        lambda: check_schema({n: tuple(e.shape) for n, e in c.tensors.items()}, ctx.schema),
+        lambda: check_finite(sparse),
+        lambda: check_sync(c.base, ctx.expected_base),
+        lambda: check_excluded(peer in ctx.excluded),
+    ):
+        row = check()
+        rows.append(row)
+        if not row.passed:
+            return Screened(peer, tuple(rows), row.reason, _detail(row, c, ctx), c)
+        if row.name == "schema":
+            sparse = sparse_of(c.tensors)  # decoded once, after the shapes are known to be sane
+    return Screened(peer, tuple(rows), None, None, c, sparse)
+
+
+def _detail(row: CheckRow, c: Contribution, ctx: Context) -> str:
+    if row.name == "window":
+        return f"signed for window {c.window}, expected {ctx.window}"
+    if row.name == "sync":
+        return f"trained from {c.base[:16]}, current is {ctx.expected_base[:16]}"
+    if row.name == "schema":
+        return "tensors not a subset of the model or shapes differ"
+    return row.reason or row.name

@@ -1,0 +1,329 @@
+"""The contribution log: one SQLite row per (window, peer) with every figure and the exact reason.
+
+It is also the validator's durable memory of decisions. Rows are keyed by (window, peer), so
+re-deciding a window after a crash overwrites instead of double-counting, and reputation is derived
+from the rows (see :mod:`validator.reputation`) rather than kept as a counter that a restart could
+bump twice. ``received_at`` is kept from the first time a contribution was seen (the copy check's
+upload order survives a restart).
+
+    log = ContributionLog("state/contributions.sqlite")
+    log.note_received(3, peer, received_at=time.time(), nbytes=n)
+    log.record_window(WindowRecord(window=3, ...), [ContributionRecord(...), ...])
+    log.mark_published(3, digest="…", published_at=time.time())
+    log.rows(peer=peer, windows=(0, 10), rejected_only=True)
+
+Tables: ``contributions``, ``checks`` (window, peer, check, passed, reason), ``windows``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+__all__ = ["CheckRow", "ContributionLog", "ContributionRecord", "LeaderRow", "WindowRecord"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS contributions (
+    window INTEGER NOT NULL,
+    peer TEXT NOT NULL,
+    received_at REAL,
+    bytes INTEGER,
+    digest TEXT,
+    accepted INTEGER NOT NULL DEFAULT 0,
+    reason TEXT,
+    detail TEXT,
+    norm REAL,
+    overlap REAL,
+    loss_own_before REAL,
+    loss_own_after REAL,
+    loss_random_before REAL,
+    loss_random_after REAL,
+    score REAL,
+    reputation REAL,
+    weight REAL NOT NULL DEFAULT 0,
+    decided INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (window, peer)
+);
+CREATE TABLE IF NOT EXISTS checks (
+    window INTEGER NOT NULL,
+    peer TEXT NOT NULL,
+    name TEXT NOT NULL,
+    passed INTEGER NOT NULL,
+    reason TEXT,
+    PRIMARY KEY (window, peer, name)
+);
+CREATE TABLE IF NOT EXISTS windows (
+    window INTEGER PRIMARY KEY,
+    status TEXT NOT NULL,
+    opened_at REAL,
+    closed_at REAL,
+    published_at REAL,
+    base TEXT,
+    aggregate_digest TEXT,
+    fingerprint TEXT,
+    val_loss REAL,
+    accepted INTEGER NOT NULL DEFAULT 0,
+    rejected INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS contributions_by_peer ON contributions (peer, window);
+"""
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    """One check's outcome for one contribution."""
+
+    name: str
+    passed: bool
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class ContributionRecord:
+    """Everything the validator decided about one peer's contribution in one window."""
+
+    window: int
+    peer: str
+    received_at: float | None = None
+    bytes: int | None = None
+    digest: str | None = None
+    accepted: bool = False
+    reason: str | None = None  # stable rejection reason (None when accepted)
+    detail: str | None = None  # human-readable explanation
+    norm: float | None = None
+    overlap: float | None = None  # largest Top-k index overlap with an earlier upload (copy margin)
+    loss_own_before: float | None = None
+    loss_own_after: float | None = None
+    loss_random_before: float | None = None
+    loss_random_after: float | None = None
+    score: float | None = None
+    reputation: float | None = None
+    weight: float = 0.0
+    checks: tuple[CheckRow, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["checks"] = {c.name: ("pass" if c.passed else f"fail:{c.reason}") for c in self.checks}
+        return out
+
+
+@dataclass(frozen=True)
+class WindowRecord:
+    """One window's outcome: status ``decided`` (before publishing) then ``published``."""
+
+    window: int
+    status: str = "decided"
+    opened_at: float | None = None
+    closed_at: float | None = None
+    published_at: float | None = None
+    base: str | None = None
+    aggregate_digest: str | None = None
+    fingerprint: str | None = None
+    val_loss: float | None = None
+    accepted: int = 0
+    rejected: int = 0
+
+
+@dataclass(frozen=True)
+class LeaderRow:
+    """A peer's standing over the selected windows (``logs --summary``)."""
+
+    peer: str
+    windows: int
+    accepted: int
+    acceptance_rate: float
+    mean_score: float | None
+    reputation: float | None
+    last_window: int
+
+
+_CONTRIB_COLS = [f.name for f in fields(ContributionRecord) if f.name != "checks"]
+_WINDOW_COLS = [f.name for f in fields(WindowRecord)]
+
+
+class ContributionLog:
+    """The SQLite contribution log. Safe to share between threads (one connection, one lock)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # a decided window must survive a power cut
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> "ContributionLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ writes
+    def note_received(self, window: int, peer: str, *, received_at: float, nbytes: int | None) -> float:
+        """Remember when a contribution was first seen; returns the first-seen time (kept across
+        restarts, so the later uploader of a copied pair stays the later one)."""
+        with self._lock:
+            self._db.execute(
+                "INSERT OR IGNORE INTO contributions (window, peer, received_at, bytes) VALUES (?, ?, ?, ?)",
+                (window, peer, received_at, nbytes),
+            )
+            row = self._db.execute(
+                "SELECT received_at FROM contributions WHERE window = ? AND peer = ?", (window, peer)
+            ).fetchone()
+        return float(row[0]) if row and row[0] is not None else received_at
+
+    def record_window(self, win: WindowRecord, rows: Iterable[ContributionRecord]) -> None:
+        """Write a window's decisions atomically: all rows and the window record, or nothing."""
+        rows = list(rows)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for rec in rows:
+                    self._upsert_contribution(rec)
+                self._db.execute(
+                    f"INSERT OR REPLACE INTO windows ({', '.join(_WINDOW_COLS)}) "
+                    f"VALUES ({', '.join('?' * len(_WINDOW_COLS))})",
+                    [getattr(win, c) for c in _WINDOW_COLS],
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def record_rows(self, rows: Iterable[ContributionRecord]) -> None:
+        """Add or replace decided rows outside a window's commit (late uploads)."""
+        rows = list(rows)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for rec in rows:
+                    self._upsert_contribution(rec)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def mark_published(self, window: int, *, digest: str, published_at: float) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE windows SET status = 'published', aggregate_digest = ?, published_at = ? WHERE window = ?",
+                (digest, published_at, window),
+            )
+
+    def _upsert_contribution(self, rec: ContributionRecord) -> None:
+        values = {c: getattr(rec, c) for c in _CONTRIB_COLS}
+        values["accepted"] = int(rec.accepted)
+        # keep the first-seen time recorded during gathering
+        old = self._db.execute(
+            "SELECT received_at FROM contributions WHERE window = ? AND peer = ?", (rec.window, rec.peer)
+        ).fetchone()
+        if old and old[0] is not None:
+            values["received_at"] = old[0]
+        cols = [*values, "decided"]
+        self._db.execute(
+            f"INSERT OR REPLACE INTO contributions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+            [*values.values(), 1],
+        )
+        self._db.execute("DELETE FROM checks WHERE window = ? AND peer = ?", (rec.window, rec.peer))
+        self._db.executemany(
+            "INSERT INTO checks (window, peer, name, passed, reason) VALUES (?, ?, ?, ?, ?)",
+            [(rec.window, rec.peer, c.name, int(c.passed), c.reason) for c in rec.checks],
+        )
+
+    # ------------------------------------------------------------------ reads
+    def window(self, window: int) -> WindowRecord | None:
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT {', '.join(_WINDOW_COLS)} FROM windows WHERE window = ?", (window,)
+            ).fetchone()
+        return WindowRecord(**dict(zip(_WINDOW_COLS, row))) if row else None
+
+    def windows(self) -> list[WindowRecord]:
+        with self._lock:
+            rows = self._db.execute(f"SELECT {', '.join(_WINDOW_COLS)} FROM windows ORDER BY window").fetchall()
+        return [WindowRecord(**dict(zip(_WINDOW_COLS, r))) for r in rows]
+
+    def first_seen(self, window: int) -> dict[str, float]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT peer, received_at FROM contributions WHERE window = ? AND received_at IS NOT NULL",
+                (window,),
+            ).fetchall()
+        return {peer: float(t) for peer, t in rows}
+
+    def rows(
+        self,
+        *,
+        peer: str | None = None,
+        windows: tuple[int | None, int | None] = (None, None),
+        rejected_only: bool = False,
+        decided_only: bool = True,
+    ) -> list[ContributionRecord]:
+        """Decided contributions ordered by (window, peer); filters combine with AND.
+        ``windows`` is an inclusive range, either end open (None)."""
+        where, args = self._filters(peer, windows, rejected_only, decided_only)
+        with self._lock:
+            raw = self._db.execute(
+                f"SELECT {', '.join(_CONTRIB_COLS)} FROM contributions {where} ORDER BY window, peer", args
+            ).fetchall()
+            checks = self._db.execute(
+                f"SELECT window, peer, name, passed, reason FROM checks WHERE (window, peer) IN "
+                f"(SELECT window, peer FROM contributions {where}) ORDER BY rowid",
+                args,
+            ).fetchall()
+        by_key: dict[tuple[int, str], list[CheckRow]] = {}
+        for w, p, name, passed, reason in checks:
+            by_key.setdefault((w, p), []).append(CheckRow(name, bool(passed), reason))
+        out = []
+        for r in raw:
+            values = dict(zip(_CONTRIB_COLS, r))
+            values["accepted"] = bool(values["accepted"])
+            out.append(ContributionRecord(**values, checks=tuple(by_key.get((values["window"], values["peer"]), ()))))
+        return out
+
+    def leaderboard(self, *, windows: tuple[int | None, int | None] = (None, None)) -> list[LeaderRow]:
+        """Per peer: windows contributed, accepted, acceptance rate, mean score, last reputation."""
+        where, args = self._filters(None, windows, False, True)
+        with self._lock:
+            raw = self._db.execute(
+                f"""SELECT peer, COUNT(*), SUM(accepted), AVG(score), MAX(window),
+                    (SELECT c2.reputation FROM contributions c2 WHERE c2.peer = c.peer AND c2.decided = 1
+                     ORDER BY c2.window DESC LIMIT 1)
+                    FROM contributions c {where} GROUP BY peer""",
+                args,
+            ).fetchall()
+        board = [
+            LeaderRow(peer, n, int(acc or 0), (acc or 0) / n, score, rep, last) for peer, n, acc, score, last, rep in raw
+        ]
+        return sorted(board, key=lambda r: (-(r.reputation or 0.0), -r.accepted, r.peer))
+
+    @staticmethod
+    def _filters(
+        peer: str | None, windows: tuple[int | None, int | None], rejected_only: bool, decided_only: bool
+    ) -> tuple[str, list[Any]]:
+        clauses: list[str] = []
+        args: list[Any] = []
+        if decided_only:
+            clauses.append("decided = 1")
+        if peer is not None:
+            clauses.append("peer LIKE ?")  # a prefix of a peer id is enough on the command line
+            args.append(peer + "%")
+        lo, hi = windows
+        if lo is not None:
+            clauses.append("window >= ?")
+            args.append(lo)
+        if hi is not None:
+            clauses.append("window <= ?")
+            args.append(hi)
+        if rejected_only:
+            clauses.append("accepted = 0")
+        return ("WHERE " + " AND ".join(clauses)) if clauses else "", args

@@ -1,0 +1,208 @@
+"""Publishing: the signed aggregate of a window, genesis and checkpoints.
+
+Checkpoint convention: ``checkpoint/<w>/`` holds θ_w, the parameters that *open* window ``w``
+(θ₀ at ``w = 0`` is genesis; otherwise θ after aggregate ``w − 1``). Its signed manifest names
+``aggregate`` = digest of aggregate ``w − 1`` (GENESIS for ``w = 0``), the fingerprint of θ_w and
+the files with their sha256. A late joiner loads the newest checkpoint ``w`` and applies aggregates
+``w, w + 1, …``. The weights file ``model.safetensors`` carries metadata ``window``, ``fingerprint``
+and ``published_at`` (covered by the signed manifest through the file's sha256): for genesis,
+``published_at`` is when window 0 opened.
+
+Every put is a conditional create; finding an identical object already there (a restarted
+validator republishing) is success.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Mapping, Sequence
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from protocol import layout
+from protocol.aggregate import SparseDict
+from protocol.errors import DigestMismatch, MalformedPayload, ObjectExists, ObjectNotFound
+from protocol.identity import Identity
+from protocol.model import fingerprint
+from protocol.store.base import ObjectStore
+from protocol.wire import (
+    Aggregate,
+    CheckpointFile,
+    CheckpointManifest,
+    SparseDelta as WireDelta,
+    decode_aggregate,
+    decode_checkpoint,
+    encode_aggregate,
+    encode_checkpoint,
+)
+from protocol.wire import ManifestEntry
+
+__all__ = [
+    "WEIGHTS_FILE",
+    "delta_of",
+    "encode_window_aggregate",
+    "load_checkpoint",
+    "publish_checkpoint",
+    "put_once",
+    "read_aggregate",
+    "weights_bytes",
+]
+
+WEIGHTS_FILE = "model.safetensors"
+MAX_MANIFEST_BYTES = 1 << 20
+
+
+def put_once(store: ObjectStore, key: str, data: bytes, *, max_bytes: int) -> None:
+    """Create ``key``; an identical object already there is fine, a different one is an error."""
+    try:
+        store.put(key, data, if_absent=True)
+    except ObjectExists:
+        if store.get(key, max_bytes=max_bytes) != data:
+            raise
+        return
+
+
+def weights_bytes(params: Mapping[str, torch.Tensor], *, window: int, published_at: float) -> bytes:
+    tensors = {n: t.detach().to("cpu").contiguous() for n, t in sorted(params.items())}
+    meta = {"window": str(window), "fingerprint": fingerprint(tensors), "published_at": repr(published_at)}
+    return bytes(st_save(tensors, metadata=meta))
+
+
+def publish_checkpoint(
+    store: ObjectStore,
+    run: str,
+    run_hash: str,
+    window: int,
+    *,
+    aggregate: str,
+    params: Mapping[str, torch.Tensor],
+    identity: Identity,
+    published_at: float,
+    max_bytes: int,
+) -> CheckpointManifest:
+    """Write θ_window and its signed manifest (weights first: a manifest never names a missing file).
+    If a manifest for this window is already there for the same θ, nothing is written."""
+    fp = fingerprint(params)
+    existing = _existing_manifest(store, run, run_hash, window, identity)
+    if existing is not None and existing.fingerprint == fp:
+        return existing
+    blob = weights_bytes(params, window=window, published_at=published_at)
+    key = layout.checkpoint_key(run, window, WEIGHTS_FILE)
+    store.put(key, blob)  # not if_absent: a weights file without a manifest is from a crashed attempt
+    files = (CheckpointFile(key, hashlib.sha256(blob).hexdigest(), len(blob)),)
+    manifest = CheckpointManifest(run_hash, window, aggregate, fp, files)
+    data = encode_checkpoint(manifest, identity)
+    put_once(store, layout.checkpoint_manifest_key(run, window), data, max_bytes=MAX_MANIFEST_BYTES)
+    return decode_checkpoint(
+        data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=[identity.public_key], window=window
+    )
+
+
+def _existing_manifest(
+    store: ObjectStore, run: str, run_hash: str, window: int, identity: Identity
+) -> CheckpointManifest | None:
+    try:
+        data = store.get(layout.checkpoint_manifest_key(run, window), max_bytes=MAX_MANIFEST_BYTES)
+        return decode_checkpoint(
+            data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=[identity.public_key], window=window
+        )
+    except ObjectNotFound:
+        return None
+
+
+def load_checkpoint(
+    store: ObjectStore,
+    run: str,
+    run_hash: str,
+    window: int,
+    *,
+    allowed_signers: Sequence[bytes | str],
+    max_bytes: int,
+) -> tuple[CheckpointManifest, dict[str, torch.Tensor], float]:
+    """(manifest, θ_window, published_at), every file checked against the signed manifest."""
+    data = store.get(layout.checkpoint_manifest_key(run, window), max_bytes=MAX_MANIFEST_BYTES)
+    manifest = decode_checkpoint(
+        data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=allowed_signers, window=window
+    )
+    entry = next((f for f in manifest.files if f.key.endswith("/" + WEIGHTS_FILE)), None)
+    if entry is None:
+        raise MalformedPayload(f"checkpoint {window} lists no {WEIGHTS_FILE}")
+    blob = store.get(entry.key, max_bytes=min(max_bytes, entry.size))
+    if hashlib.sha256(blob).hexdigest() != entry.sha256:
+        raise DigestMismatch(f"{entry.key} does not match its manifest")
+    try:
+        params = dict(st_load(blob))
+        published_at = float(_weights_metadata(blob).get("published_at", "0"))
+    except (SafetensorError, ValueError) as exc:
+        raise MalformedPayload(f"{entry.key}: {exc}") from exc
+    if fingerprint(params) != manifest.fingerprint:
+        raise DigestMismatch(f"checkpoint {window} weights do not have the manifest's fingerprint")
+    return manifest, params, published_at
+
+
+def _weights_metadata(blob: bytes) -> dict[str, str]:
+    # safetensors format: u64 header length, JSON header (already validated by st_load)
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    meta = header.get("__metadata__", {})
+    return {str(k): str(v) for k, v in meta.items()}
+
+
+def encode_window_aggregate(
+    *,
+    run_hash: str,
+    window: int,
+    base: str,
+    alpha: float,
+    delta: SparseDict,
+    shapes: Mapping[str, tuple[int, ...]],
+    manifest: Sequence[tuple[str, str, float]],
+    fingerprint_next: str,
+    metadata: Mapping[str, int | float | str | bool],
+    identity: Identity,
+) -> bytes:
+    """The signed aggregate of ``window``: Δ̄ (sparse), manifest [(peer, digest, weight)], fingerprint
+    of θ_{window+1}, metadata (``published_at`` …)."""
+    tensors = {name: WireDelta(tuple(shapes[name]), idx, vals) for name, (idx, vals) in sorted(delta.items())}
+    agg = Aggregate(
+        run_hash,
+        window,
+        base,
+        alpha,
+        fingerprint_next,
+        tuple(ManifestEntry(p, d, w) for p, d, w in sorted(manifest)),
+        tensors,
+        dict(metadata),
+    )
+    return encode_aggregate(agg, identity)
+
+
+def read_aggregate(
+    store: ObjectStore,
+    run: str,
+    run_hash: str,
+    window: int,
+    *,
+    allowed_signers: Sequence[bytes | str],
+    max_bytes: int,
+    schema: Mapping[str, tuple[int, ...]] | None = None,
+) -> Aggregate | None:
+    """The published aggregate of ``window``, or None when there is none yet."""
+    try:
+        data = store.get(layout.aggregate_key(run, window), max_bytes=max_bytes)
+    except ObjectNotFound:
+        return None
+    return decode_aggregate(
+        data, run_hash=run_hash, max_bytes=max_bytes, allowed_signers=allowed_signers, window=window
+    )
+
+
+def delta_of(agg: Aggregate) -> SparseDict:
+    """An aggregate's Δ̄ in :mod:`protocol.aggregate`'s form."""
+    return {name: (t.indices.to(torch.int64), t.values.to(torch.float32)) for name, t in agg.tensors.items()}
+

@@ -1,0 +1,86 @@
+"""Per-peer reputation and exclusion, derived from the contribution log by a pure fold.
+
+Reputation is an exponential moving average of an indicator per window:
+``+1`` when the peer's update was scored and lowered the loss on its own data more than on random
+data (score > 0), ``−1`` when it was scored with score ≤ 0 or rejected by a check; unscored,
+accepted windows leave it unchanged (no evidence either way)::
+
+    rep ← decay · rep + (1 − decay) · indicator
+
+``exclude_after_failures`` consecutive rejections exclude the peer for the next
+``exclude_windows`` windows; its uploads in those windows are logged with reason ``excluded`` and
+neither count as new failures nor extend the exclusion. Late uploads (``late``) and
+contributions beyond ``max_contributors`` (``over_capacity``) are neutral too.
+
+Because :func:`standings` recomputes everything from the (window, peer) rows, re-deciding a window
+after a crash cannot count a failure twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+from protocol.config import ValidatorConfig
+
+__all__ = ["EXCLUDED", "LATE", "Outcome", "Standing", "is_excluded", "standings", "update"]
+
+EXCLUDED = "excluded"
+LATE = "late"  # uploaded after the window closed: not evidence of bad faith, just missed
+NEUTRAL = frozenset({EXCLUDED, LATE, "over_capacity"})  # rejections that say nothing about the peer
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one window said about one peer (a projection of a log row)."""
+
+    window: int
+    peer: str
+    accepted: bool
+    reason: str | None = None
+    score: float | None = None
+
+
+@dataclass(frozen=True)
+class Standing:
+    reputation: float = 0.0
+    failures: int = 0  # consecutive rejected windows
+    excluded_until: int = 0  # excluded for windows < excluded_until
+    windows: int = 0
+
+
+def is_excluded(standing: Standing, window: int) -> bool:
+    return window < standing.excluded_until
+
+
+def update(prev: Standing, outcome: Outcome, cfg: ValidatorConfig) -> Standing:
+    """The standing after one more window's outcome."""
+    if outcome.reason in NEUTRAL:
+        return prev
+    failed = not outcome.accepted
+    if failed:
+        indicator: float | None = -1.0
+    elif outcome.score is not None:
+        indicator = 1.0 if outcome.score > 0 else -1.0
+    else:
+        indicator = None
+    rep = prev.reputation
+    if indicator is not None:
+        rep = cfg.reputation_decay * rep + (1.0 - cfg.reputation_decay) * indicator
+    failures = prev.failures + 1 if failed else 0
+    excluded_until = prev.excluded_until
+    if cfg.exclude_after_failures > 0 and failures >= cfg.exclude_after_failures:
+        excluded_until = outcome.window + 1 + cfg.exclude_windows
+        failures = 0
+    return replace(prev, reputation=rep, failures=failures, excluded_until=excluded_until, windows=prev.windows + 1)
+
+
+def standings(history: Iterable[Outcome], cfg: ValidatorConfig, *, before: int | None = None) -> dict[str, Standing]:
+    """Fold outcomes (any order; sorted by window here) into each peer's standing, using only
+    windows ``< before`` when given."""
+    out: dict[str, Standing] = {}
+    for o in sorted(history, key=lambda o: (o.window, o.peer)):
+        if before is not None and o.window >= before:
+            continue
+        out[o.peer] = update(out.get(o.peer, Standing()), o, cfg)
+    return out

@@ -1,0 +1,76 @@
+"""The validator's durable state: θ_t and where window t stands, in one safetensors file.
+
+``state.safetensors`` holds the parameters that open the current window plus metadata
+(window, the digest of the aggregate it trained from, when the window opened, the run hash). It is
+replaced atomically (temp file, fsync, rename) after every published aggregate, so a validator
+killed at any instant restarts either before or after a window, never in between; the store tells
+which (an aggregate already published for the saved window is adopted, not recomputed).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from protocol.errors import ConfigError
+
+__all__ = ["STATE_FILE", "ValidatorState", "load_state", "save_state"]
+
+STATE_FILE = "state.safetensors"
+
+
+@dataclass
+class ValidatorState:
+    run_hash: str
+    window: int  # the window now open; ``params`` = θ_window
+    base: str  # digest of aggregate window − 1, or GENESIS
+    opened_at: float  # published_at of aggregate window − 1 (or of genesis)
+    params: dict[str, torch.Tensor]
+
+
+def save_state(directory: str | Path, state: ValidatorState) -> None:
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "run_hash": state.run_hash,
+        "window": str(state.window),
+        "base": state.base,
+        "opened_at": repr(state.opened_at),
+    }
+    blob = st_save({n: t.detach().to("cpu").contiguous() for n, t in state.params.items()}, metadata=meta)
+    tmp = d / f".{STATE_FILE}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, d / STATE_FILE)
+
+
+def load_state(directory: str | Path, run_hash: str) -> ValidatorState | None:
+    """The saved state, or None when there is none. A state of another run is a ConfigError (the
+    operator pointed ``--state`` at the wrong directory)."""
+    path = Path(directory) / STATE_FILE
+    if not path.exists():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        params = st_load(path.read_bytes())
+        state = ValidatorState(
+            run_hash=meta["run_hash"],
+            window=int(meta["window"]),
+            base=meta["base"],
+            opened_at=float(meta["opened_at"]),
+            params=dict(params),
+        )
+    except (SafetensorError, KeyError, ValueError, OSError) as exc:
+        raise ConfigError(f"validator state {path} is unreadable: {exc}") from exc
+    if state.run_hash != run_hash:
+        raise ConfigError(f"validator state {path} belongs to run {state.run_hash[:16]}…, not {run_hash[:16]}…")
+    return state
