@@ -201,7 +201,7 @@ class Peer:
             # on the next try (θ may be half-updated, so it cannot be trusted any more).
             self.display.event("sync_failed", window=self.pos.window, reason=exc.reason, detail=str(exc))
             self._diverged = True
-            time.sleep(self.sync.poll_s)
+            time.sleep(max(self.sync.poll_s, 1.0))  # a persistent fault must not spin
             return
         if self.pending is not None and self.pending.window < self.pos.window:
             self.pending = None
@@ -212,6 +212,8 @@ class Peer:
         """Report aggregate ``agg`` (the fingerprint of θ after it, whether our contribution is in it)."""
         mine = [m for m in agg.manifest if m.peer_id == self.identity.peer_id]
         weight = mine[0].weight if mine else None
+        self.state.record({"window": agg.window, "fingerprint": pos.fingerprint, "aggregate": agg.digest,
+                           "included": bool(mine), "weight": weight, "time": round(time.time(), 3)})  # fmt: skip
         self.display.update(window=pos.window, fingerprint=pos.fingerprint, score=weight)
         self.display.event("applied", window=agg.window, fingerprint=pos.fingerprint, included=bool(mine),
                            weight=weight, contributors=len(agg.manifest))  # fmt: skip
@@ -308,6 +310,7 @@ class Peer:
         self._undo_unsent()
         self.display.event("window", window=self.pos.window, outcome="failed", reason=exc.reason, detail=str(exc))
         self._wait_window_closed(self.pos.window)
+        time.sleep(max(self.sync.poll_s, 1.0))  # a persistent fault (a forged aggregate) must not spin
 
     def _undo_unsent(self) -> None:
         """Put e back to its pre-window value if this window's step was never staged for upload."""

@@ -33,7 +33,6 @@ class PeerDisplay:
         self.console = console or Console(stderr=True)
         self.fields: dict[str, Any] = {}
         self._live: Live | None = None
-        self._last_render = 0.0
 
     def __enter__(self) -> "PeerDisplay":
         if not self.json_lines and self.console.is_terminal:
@@ -50,12 +49,10 @@ class PeerDisplay:
 
     # ------------------------------------------------------------------ API
     def update(self, **fields: Any) -> None:
-        """Merge ``fields`` into the panel (cheap; rendering is throttled)."""
+        """Merge ``fields`` into the panel (cheap: the live display redraws at most 4 times a second)."""
         self.fields.update(fields)
-        now = time.monotonic()
-        if self._live is not None and now - self._last_render > 0.2:
-            self._live.update(self._render())
-            self._last_render = now
+        if self._live is not None:
+            self._live.update(self._render(), refresh=False)
 
     def event(self, kind: str, **fields: Any) -> None:
         """Record one event: a JSON line (``{"event": kind, "time": ..., **fields}``) or a log line."""
@@ -64,9 +61,9 @@ class PeerDisplay:
             sys.stdout.write(json.dumps(record, sort_keys=True, default=str) + "\n")
             sys.stdout.flush()
             return
-        self.console.print(_describe(kind, fields))
         if self._live is not None:
-            self._live.update(self._render())
+            self._live.update(self._render(), refresh=False)
+        self.console.print(_describe(kind, fields))
 
     # ------------------------------------------------------------------ rendering
     def _render(self) -> Table:

@@ -10,7 +10,7 @@ same key, the same error-feedback buffer and the same inner optimizer moments::
       feedback-<w>.safetensors      error-feedback buffer e
       optimizer-<w>.safetensors     inner AdamW state (tensors; its scalars live in progress.json)
       pending-<w>.bin               a signed contribution staged for upload (write-ahead)
-      windows.jsonl                 one record per finished window (outcome, fingerprint, bytes …)
+      windows.jsonl                 one record per applied aggregate (θ fingerprint, our inclusion)
 
 Saving is crash-safe: the data files are written under new names first, then ``progress.json`` is
 replaced atomically (temp file + rename) and only then are the old files removed. A crash at any
@@ -35,6 +35,7 @@ from torch import Tensor
 from protocol.errors import ConfigError
 
 STATE_VERSION = 1
+_DATA_FILES = ("params-*.safetensors", "feedback-*.safetensors", "optimizer-*.safetensors", "pending-*.bin")
 _TENSOR_TAG = "__tensor__"
 
 
@@ -66,6 +67,8 @@ class LocalState:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(".*.tmp"):  # a write interrupted by a crash; never committed
+            stale.unlink(missing_ok=True)
 
     @property
     def key_path(self) -> Path:
@@ -157,7 +160,9 @@ class LocalState:
         }
         _atomic_write(self.root / "progress.json", json.dumps(meta, indent=1).encode())
         new = {f["file"] for f in files.values() if f}
-        for name in old - new:
+        # The previous commit's files, and any left by a save that crashed before its commit.
+        leftovers = {p.name for pattern in _DATA_FILES for p in self.root.glob(pattern)}
+        for name in (old | leftovers) - new:
             (self.root / name).unlink(missing_ok=True)
 
     def record(self, entry: dict[str, Any]) -> None:

@@ -11,7 +11,8 @@ Every change to θ goes through this module, and only from objects signed by a k
 
 ``Position`` is where a peer stands: θ opens window ``window``; ``base`` is the digest of aggregate
 ``window − 1`` (``GENESIS`` at window 0), ``fingerprint`` the sha256 of θ, ``opened_at`` the
-validator's signed ``published_at`` of that aggregate (when the window opened).
+validator's signed ``published_at`` of that aggregate, or of the checkpoint manifest θ was loaded
+from (when the window opened; for window 0, the genesis manifest's).
 
 Recovery rules: an aggregate that does not chain onto ``base`` or whose resulting fingerprint
 differs from the one it carries means this peer diverged; :meth:`Sync.advance` then reloads the
@@ -45,7 +46,7 @@ from protocol.errors import (
 from protocol.aggregate import apply_outer
 from protocol.model import build_model, fingerprint, param_schema
 from protocol.store.base import ObjectStore
-from protocol.wire import Aggregate, CheckpointManifest, decode_aggregate, decode_checkpoint
+from protocol.wire import Aggregate, CheckpointManifest, decode_aggregate, decode_checkpoint, published_at_of
 
 MAX_MANIFEST_BYTES = 1 << 20
 
@@ -105,8 +106,10 @@ class Sync:
             max_bytes=self.spec.validator.max_aggregate_bytes,
             allowed_signers=self.signers,
             window=window,
-            # No schema: an aggregate may cover a subset of tensors (pipeline stages, empty
-            # windows); apply_outer checks every name, index and value against θ before writing.
+            # Unknown tensors and wrong shapes are refused before the payload is read; a subset
+            # of θ is fine (parameters nobody sent, pipeline stages, empty windows).
+            schema=self.schema,
+            partial=True,
         )
 
     def aggregate_published(self, window: int) -> bool:
@@ -140,8 +143,7 @@ class Sync:
         got = fingerprint(params)
         if got != agg.fingerprint:
             raise DigestMismatch(f"θ after aggregate {agg.window} is {got[:16]}, validator signed {agg.fingerprint[:16]}")
-        opened = agg.metadata.get("published_at")
-        return Position(agg.window + 1, agg.digest, got, float(opened) if isinstance(opened, (int, float)) else None)
+        return Position(agg.window + 1, agg.digest, got, published_at_of(agg.metadata))
 
     # ------------------------------------------------------------------ checkpoints
     def load_checkpoint(self, window: int) -> tuple[Position, dict[str, Tensor]]:
@@ -154,7 +156,10 @@ class Sync:
         got = fingerprint(params)
         if got != manifest.fingerprint:
             raise DigestMismatch(f"checkpoint {window} weights hash to {got[:16]}, manifest says {manifest.fingerprint[:16]}")
-        return Position(window, manifest.aggregate, got, self._opened_at(window)), params
+        opened = published_at_of(manifest.metadata)  # signed by the validator: when ``window`` opened
+        if opened is None:
+            opened = self._opened_at(window)
+        return Position(window, manifest.aggregate, got, opened), params
 
     def _checkpoint_params(self, manifest: CheckpointManifest) -> dict[str, Tensor]:
         if manifest.window == 0:
@@ -176,14 +181,14 @@ class Sync:
         return {n: t.to(torch.float32).contiguous() for n, t in params.items()}
 
     def _opened_at(self, window: int) -> float | None:
+        """When ``window`` opened, from aggregate ``window − 1`` (manifests without ``published_at``)."""
         if window == 0:
             return None
         try:
             agg = self.fetch_aggregate(window - 1)
         except ProtocolError:
             return None
-        opened = agg.metadata.get("published_at") if agg else None
-        return float(opened) if isinstance(opened, (int, float)) else None
+        return published_at_of(agg.metadata) if agg else None
 
     # ------------------------------------------------------------------ catch-up
     def bootstrap(

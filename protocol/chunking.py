@@ -10,6 +10,10 @@ The rule both sides follow (the validator checks counts against it):
   shorter.
 * Rank ≥ 3: viewed as 2-D ``(prod(shape[:-1]), shape[-1])`` (the last dimension is the fastest
   one in memory, like the output dimension of a matrix), then tiled as above.
+* When the row count has no divisor in 2..block (one row, or a prime row count such as 1009) the
+  tiles would be single rows of ≤ block values holding one kept value each; such tensors are cut
+  like 1-D tensors instead (contiguous row-major chunks of ``chunk_1d``): the same density, and
+  gap coding is cheaper on long chunks.
 
 ``k`` is given per 4096 values and scaled to the chunk size: ``k_c = clamp(round(k·size/4096), 1,
 size)`` (round half up).
@@ -144,7 +148,7 @@ def _geometry(shape: tuple[int, ...], block: int, chunk_1d: int, k: int) -> Geom
             size = tr * tc
             kk = chunk_k(size, k)
             return Geometry(shape, rows, cols, tr, tc, (rows // tr) * (cols // tc), size, size, kk, kk)
-        # A prime row count would give 1-row tiles; contiguous chunks are the same thing, cheaper.
+        # No row divisor in 2..block: 1-row tiles; contiguous chunks keep the density (module doc).
     n = rows * cols
     length = min(n, chunk_1d)
     n_chunks = -(-n // length)

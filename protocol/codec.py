@@ -197,7 +197,7 @@ def pack(e: Encoded) -> bytes:
     codes = e.codes.cpu().numpy()
     local = e.indices.cpu().numpy().astype(np.int64, copy=False)
     if _codes_in_index_section(cfg):
-        parts.append(encode_rice(local, g.ks_np, codes, 2))
+        parts.append(encode_rice(local, g.ks_np, codes, 2, uniform=g.k_last == g.k_full, max_len=g.chunk_len))
         return b"".join(parts)
     if cfg.value_bits == 2:
         parts.append(pack_bits(codes, 2))
@@ -215,7 +215,13 @@ def _codes_in_index_section(cfg: CodecConfig) -> bool:
 
 
 def unpack(data: bytes, shape: tuple[int, ...], cfg: CodecConfig) -> Encoded:
-    """Parse and validate one tensor's payload; raises ProtocolError subclasses, never crashes."""
+    """Parse and validate one tensor's payload; raises ProtocolError subclasses, never crashes.
+
+    Every section's size is derived from ``shape`` and checked against ``len(data)`` before
+    anything proportional to the shape is allocated.
+    """
+    if any(int(d) < 0 for d in shape):
+        raise MalformedPayload(f"negative dimension in shape {tuple(shape)}")
     g = geometry(shape, cfg)
     _check_packable(g, cfg)
     view = memoryview(data)

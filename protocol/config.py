@@ -175,13 +175,18 @@ class ValidatorConfig:
     exclude_after_failures: int = 3
     exclude_windows: int = 5
     max_contributors: int = 64
+    # A window closes early once every *active* peer has uploaded: announced, not excluded, and
+    # either uploaded in one of the last ``active_windows`` windows or announced (first seen by
+    # the validator) less than ``announcement_ttl_s`` ago. A peer that left stops holding windows open.
+    active_windows: int = 3
+    announcement_ttl_s: float = 600.0
 
 
 @dataclass(frozen=True)
 class StorageConfig:
     """Where objects live: ``file:///path``, ``s3://bucket/prefix``, ``dht://`` or ``memory://``."""
 
-    url: str = "file://./swarm"
+    url: str = "file://./.sparseloco/store"
     dht_bootstrap: tuple[str, ...] = ()
     s3_endpoint: str = ""
     s3_region: str = "auto"

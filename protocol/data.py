@@ -375,3 +375,10 @@ def validation_batches(dataset: TokenDataset, n_sequences: int, batch_size: int,
     n = min(n_sequences, n_slots)
     starts = (np.arange(n, dtype=np.int64) * n_slots // n) * span
     return list(_stack(dataset.val, starts, span).split(batch_size))
+
+
+def pipeline_data_key(group: str) -> str:
+    """The name under which a pipeline replica's batches are assigned (for
+    :func:`assigned_batches`): every stage of replica ``group`` trains on the same batches, and
+    the validator scores each stage's contribution on them."""
+    return f"pipeline:{group}"

@@ -14,7 +14,9 @@ and unsorted positions cannot even be expressed) coded with a Golomb code of par
 interleaving them (same total size):
 
   A  the first ``b−1`` bits of each remainder, fixed width (``b = ceil(log2 M)``, ``u = 2^b − M``):
-     ``r`` itself when ``r < u``, else ``(r + u) >> 1``; byte-aligned;
+     ``r`` itself when ``r < u``, else ``(r + u) >> 1``; byte-aligned. An optional fixed-width
+     side value per position (the codec puts the 2-bit value codes there) fills the low bits of
+     each A field, so one packing pass writes both;
   B  one extra bit ``(r + u) & 1`` for each remainder with ``r ≥ u``, in order (the decoder knows
      how many from A), immediately followed by
   U  the quotients in unary: ``q`` zero bits then a one. B·U fill the rest of the payload and its
@@ -28,11 +30,13 @@ from __future__ import annotations
 
 import math
 import struct
+from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from protocol.bitpack import pack_bits, packed_size, unpack_bits
+from protocol.bitpack import _group, _weights, pack_bits, packed_size, unpack_bits
 from protocol.errors import InvalidIndices, MalformedPayload
 
 I64 = npt.NDArray[np.int64]
@@ -120,20 +124,169 @@ def choose_golomb(gaps: npt.NDArray[np.integer]) -> int:
     random subset, so the gaps are close to geometric: on a 25 M-parameter LLaMA-shaped set this
     costs 0.013 % more than the best parameter found by exhaustive search, for no search time.
     """
-    if gaps.size == 0:
+    return golomb_param(int(gaps.sum(dtype=np.int64)), gaps.size)
+
+
+def golomb_param(total: int, n: int) -> int:
+    """:func:`choose_golomb` from the sum and count of the gaps (the encoder gets the sum cheaply:
+    a chunk's gaps add up to its last position − (k − 1))."""
+    if n == 0:
         return 1
-    p = 1.0 / (int(gaps.sum(dtype=np.int64)) / gaps.size + 1.0)
+    p = 1.0 / (total / n + 1.0)
     if p >= 0.5:
         return 1
     return int(min(MAX_GOLOMB, math.ceil(math.log(2.0 - p) / -math.log1p(-p))))
 
 
-def encode_rice(local: I64, ks: I64, side: npt.NDArray[np.uint8] | None = None, side_bits: int = 0) -> bytes:
+def encode_rice(
+    local: I64,
+    ks: I64,
+    side: npt.NDArray[np.uint8] | None = None,
+    side_bits: int = 0,
+    *,
+    uniform: bool | None = None,
+    max_len: int | None = None,
+) -> bytes:
     """Golomb-code the gaps of ``local`` (see module doc). Few numpy calls: it runs per tensor.
 
     ``side``: optional ``side_bits``-wide values, one per position (the 2-bit value codes), carried
     in the low bits of the fixed-width A field so that one packing pass writes both.
+    ``uniform`` (every chunk keeps ``ks[0]``) and ``max_len`` (no chunk is longer) may be passed by a
+    caller that knows them from the geometry, to skip checking them; they are not validated.
+
+    Every per-position quantity is a function of the gap alone once ``M`` is known, so they come
+    from lookup tables indexed by ``gap + 1`` (cached per ``M``): no division, no per-element
+    arithmetic beyond one difference, one running sum and one scatter. Tiny index sets take a
+    plain Python path (numpy's per-call cost dominates there); huge chunks the arithmetic one.
     """
+    n = local.size
+    if n <= _SMALL:
+        return _encode_small(local, ks, side, side_bits)
+    nc = ks.size
+    k0 = int(ks[0])
+    d = np.empty(n, dtype=np.int64)  # gap + 1 = position step (chunk starts: position + 1)
+    np.subtract(local[1:], local[:-1], out=d[1:])
+    if uniform is None:
+        uniform = n == nc * k0 and bool((ks == k0).all())
+    if uniform:  # one k for every chunk: chunk starts are every k-th
+        np.add(local[::k0], 1, out=d[::k0])
+        lasts = local[k0 - 1 :: k0]
+    elif ks.all():
+        cum = np.cumsum(ks)
+        d[cum[:-1]] = local[cum[:-1]] + 1
+        d[0] = local[0] + 1
+        lasts = local[cum - 1]
+    else:  # empty chunks (not produced by the codec's geometry)
+        return _encode_rice_arith(local, ks, side, side_bits)
+    m = golomb_param(int(lasts.sum()) + nc - n, n)  # a chunk's gaps sum to its last position − (k − 1)
+    top = (int(lasts.max()) if max_len is None else max_len - 1) + 2  # every step is ≤ last position + 1
+    if top > _TABLE_MAX:
+        return _encode_rice_arith(local, ks, side, side_bits)
+    t = _tables(m, side_bits, 1 << (top - 1).bit_length())
+    b = t.b.take(d)  # the extra bit of a long remainder, 2 for none
+    extra = b.compress(b < 2)
+    n_big = extra.size
+    unary = t.q1.take(d)  # q + 1
+    unary[0] += n_big - 1  # the unary codes start after the n_big extra bits
+    ends = unary.cumsum(out=unary)  # B·U positions of the unary terminators
+    bits = np.zeros(int(ends[-1]) + 1, dtype=np.uint8)
+    bits[:n_big] = extra
+    bits[ends] = 1
+    return _U16.pack(m) + _pack_a(t, d, side, side_bits) + np.packbits(bits, bitorder="little").tobytes()
+
+
+def _pack_a(t: _Tables, d: I64, side: npt.NDArray[np.uint8] | None, side_bits: int) -> bytes:
+    """The A stream: table lookup straight into the uint64 lanes of :func:`pack_bits`' fast path."""
+    n, width = d.size, t.width
+    g = _group(width)
+    if not g or n % g:
+        a_field = t.a.take(d)
+        if side_bits:
+            np.bitwise_or(a_field, side, out=a_field, casting="unsafe")
+        return pack_bits(a_field, width)
+    lanes = t.a64.take(d)
+    if side_bits:
+        np.bitwise_or(lanes, side, out=lanes, casting="unsafe")
+    acc = lanes.reshape(-1, g) @ _weights(width, g)
+    return acc.view(np.uint8).reshape(-1, 8)[:, : g * width // 8].tobytes()[: packed_size(n, width)]
+
+
+_SMALL = 40  # index sets up to this size are coded in plain Python (faster below ≈ 48)
+_TABLE_MAX = 1 << 13  # longest chunk covered by lookup tables (the default chunks hold ≤ 4096)
+
+
+class _Tables(NamedTuple):
+    q1: I64  # q + 1 (length of the unary code)
+    a: npt.NDArray[np.unsignedinteger]  # A field without the side value, shifted by side_bits
+    b: npt.NDArray[np.uint8]  # extra bit of a remainder ≥ u, or 2
+    width: int  # bits of an A field, side value included
+    a64: npt.NDArray[np.uint64]  # ``a`` as uint64 (lanes of the packer)
+
+
+@lru_cache(maxsize=128)  # M is set by the density k/4096: a handful of values in practice
+def _tables(m: int, side_bits: int, size: int) -> _Tables:
+    """Per-step lookup tables for parameter ``m``, indexed by ``gap + 1`` in ``[1, size)`` (≤ 80 KiB)."""
+    gaps = np.maximum(np.arange(size, dtype=np.int64) - 1, 0)
+    q, r = np.divmod(gaps, m)
+    b, u = _params(m)
+    width = max(b - 1, 0) + side_bits
+    if m == 1:
+        a, extra = np.zeros(size, dtype=np.int64), np.full(size, 2, dtype=np.int64)
+    else:
+        a = np.minimum(r, (r + u) >> 1)
+        extra = np.where(r >= u, (r + u) & 1, 2)
+    a_dtype = np.uint8 if width <= 8 else np.uint16 if width <= 16 else np.uint32
+    a <<= side_bits
+    tables = _Tables(q + 1, a.astype(a_dtype), extra.astype(np.uint8), width, a.astype(np.uint64))
+    for arr in (tables.q1, tables.a, tables.b, tables.a64):
+        arr.flags.writeable = False
+    return tables
+
+
+def _encode_small(local: I64, ks: I64, side: npt.NDArray[np.uint8] | None, side_bits: int) -> bytes:
+    """:func:`encode_rice` for a few positions, with Python integers (same bytes)."""
+    pos = local.tolist()
+    steps = []
+    i = 0
+    for k in ks.tolist():
+        prev = -1
+        for p in pos[i : i + k]:
+            steps.append(p - prev - 1)
+            prev = p
+        i += k
+    n = len(steps)
+    m = golomb_param(sum(steps), n)
+    b, u = _params(m)
+    width = max(b - 1, 0) + side_bits
+    sides = side.tolist() if side_bits and side is not None else [0] * n
+    a_acc = extra_acc = n_big = unary_acc = unary_len = 0
+    for j, g in enumerate(steps):
+        q, r = divmod(g, m)
+        if m > 1:
+            if r < u:
+                f = r
+            else:
+                f = (r + u) >> 1
+                extra_acc |= ((r + u) & 1) << n_big
+                n_big += 1
+        else:
+            f = 0
+        a_acc |= ((f << side_bits) | sides[j]) << (j * width)
+        unary_len += q + 1
+        unary_acc |= 1 << (unary_len - 1)
+    total = n_big + unary_len
+    stream = extra_acc | (unary_acc << n_big)
+    return (
+        _U16.pack(m)
+        + a_acc.to_bytes(packed_size(n, width), "little")
+        + stream.to_bytes((total + 7) // 8, "little")
+    )
+
+
+def _encode_rice_arith(
+    local: I64, ks: I64, side: npt.NDArray[np.uint8] | None = None, side_bits: int = 0
+) -> bytes:
+    """:func:`encode_rice` by arithmetic (no tables): for chunks longer than ``_TABLE_MAX``."""
     gaps = to_gaps(local, ks)  # int32: numpy's int64 division is several times slower
     m = choose_golomb(gaps)
     q, r = np.divmod(gaps, np.int32(m))

@@ -74,7 +74,7 @@ def _log_code(level: Tensor, base: float, ceil: bool = False) -> Tensor:
 
 def _split_levels(mags: Tensor, ks: Tensor) -> tuple[Tensor, Tensor]:
     """Optimal 2-level split of each row's first ``ks`` magnitudes (sorted descending)."""
-    n_rows, width = mags.shape
+    width = mags.shape[1]
     top = mags[:, :1].clamp_min(torch.finfo(torch.float32).tiny)
     norm = mags / top  # normalised to [0, 1]: no overflow for huge finite inputs
     prefix = norm.cumsum(1)

@@ -3,8 +3,9 @@
 Also the parts every decoded object shares (:class:`Signed`: ``digest``, ``sender``,
 ``public_key``, ``size``) and the signer/window checks. :mod:`protocol.wire` re-exports all of it.
 
-    blob = encode_checkpoint(CheckpointManifest(run_hash, 10, agg_digest, fp, files), validator)
+    blob = encode_checkpoint(CheckpointManifest(run_hash, 10, agg_digest, fp, files, {"published_at": t}), validator)
     m = decode_checkpoint(blob, run_hash=run_hash, max_bytes=1 << 20, allowed_signers=keys)
+    published_at_of(m.metadata)                  # when window 10 opened (None if not recorded)
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class CheckpointManifest(Signed):
     aggregate: str  # digest of the aggregate whose result the checkpoint holds (or GENESIS)
     fingerprint: str
     files: tuple[CheckpointFile, ...]  # keys are full object keys: layout.checkpoint_key(...)
+    metadata: Metadata = field(default_factory=dict)  # e.g. published_at: when window ``window`` opened
     public_key: bytes = b""
     digest: str = ""
     size: int = 0
@@ -81,6 +83,14 @@ class Announcement(Signed):
 
 
 FILLED = ("public_key", "digest", "size")
+PUBLISHED_AT = "published_at"
+
+
+def published_at_of(metadata: Metadata) -> float | None:
+    """The validator's signed ``published_at`` (unix seconds) in an aggregate's or a checkpoint
+    manifest's metadata: when the window after the aggregate (the checkpoint's window) opened."""
+    value = metadata.get(PUBLISHED_AT)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def fill_signature(obj: object, env: Envelope) -> None:
@@ -110,6 +120,7 @@ def encode_checkpoint(m: CheckpointManifest, identity: Identity) -> bytes:
     w = Writer()
     write_base(w, m.aggregate)
     w.text(m.fingerprint, 128)
+    write_metadata(w, m.metadata)
     w.varint(len(m.files))
     for f in m.files:
         w.text(f.key, 1024)
@@ -133,6 +144,7 @@ def decode_checkpoint(
     r = Reader(env.body, "checkpoint manifest")
     agg = read_base(r)
     fingerprint = r.text(128)
+    metadata = read_metadata(r)
     files = tuple(
         CheckpointFile(r.text(1024), r.digest(), r.varint()) for _ in range(r.count(34, 1 << 16, "files"))
     )
@@ -146,7 +158,7 @@ def decode_checkpoint(
             raise MalformedPayload(f"file {f.key!r} is not a key of checkpoint {env.window}")
     if len({f.key for f in files}) != len(files):
         raise MalformedPayload("duplicate file in checkpoint manifest")
-    out = CheckpointManifest(env.run_hash, env.window, agg, fingerprint, files)
+    out = CheckpointManifest(env.run_hash, env.window, agg, fingerprint, files, metadata)
     fill_signature(out, env)
     return out
 

@@ -8,15 +8,17 @@ Contribution      the peer                    base, codec params, metadata, tens
 Aggregate         a validator key of the run  base, alpha, fingerprint of θ_{t+1}, metadata,
                                               manifest [(peer, digest, weight)], tensor table;
                                               payload = delta-coded flat indices + float32
-CheckpointManifest a validator key            aggregate digest, fingerprint, files
+CheckpointManifest a validator key            aggregate digest, fingerprint, metadata, files
 Announcement      the peer                    client version, hardware, pipeline role, metadata
 ================  ==========================  ===========================================
 
 Encoding::
 
     blob = encode_contribution(Contribution(run_hash, window, base, spec.codec, encoded, meta), ident)
-    c = decode_contribution(blob, run_hash=spec.hash(), max_bytes=cap, window=w, schema=shapes)
+    c = decode_contribution(blob, run_hash=spec.hash(), max_bytes=cap, window=w, schema=shapes,
+                            partial=True, codec_cfg=spec.codec)   # a stage may send a subset
     c.digest, c.sender, c.tensors["tok_emb.weight"]          # Encoded, ready for codec.decode
+    a = decode_aggregate(blob, run_hash=..., max_bytes=cap, allowed_signers=keys, schema=shapes)
 
 Decoding is strict: every failure is a :class:`protocol.errors.ProtocolError` subclass (see the
 ``decode_*`` docstrings); the signature is verified before the body is interpreted.
@@ -48,6 +50,7 @@ from protocol.records import (
     CheckpointFile,
     CheckpointManifest,
     PipelineRole,
+    PUBLISHED_AT,
     Signed,
     check_signer,
     check_window_sender,
@@ -56,6 +59,7 @@ from protocol.records import (
     encode_announcement,
     encode_checkpoint,
     fill_signature,
+    published_at_of,
 )
 from protocol.wirefields import (
     GENESIS,
@@ -83,7 +87,7 @@ __all__ = [
     "CheckpointManifest", "CheckpointFile",
     "Announcement", "PipelineRole", "encode_contribution", "decode_contribution", "encode_aggregate",
     "decode_aggregate", "encode_checkpoint", "decode_checkpoint", "encode_announcement",
-    "decode_announcement", "decode_object", "overhead_bytes",
+    "decode_announcement", "decode_object", "overhead_bytes", "published_at_of", "PUBLISHED_AT",
 ]  # fmt: skip
 
 Shape = tuple[int, ...]
@@ -218,7 +222,8 @@ def decode_contribution(
 
     Raises PayloadTooLarge, UnsupportedVersion, MalformedPayload, BadSignature (also when signed by
     another peer than ``sender``), WrongRun, WrongWindow, StaleBase (``base`` differs),
-    SchemaMismatch (tensor names/shapes vs ``schema``, codec params vs ``codec_cfg``) and whatever
+    SchemaMismatch (tensor names/shapes vs ``schema``; codec params vs ``codec_cfg`` with reason
+    ``wrong_codec``) and whatever
     ``codec.unpack`` raises for a bad tensor payload (InvalidIndices, NonFiniteValues ...).
     ``None`` skips the corresponding check. ``partial=True`` accepts a subset of ``schema``
     (pipeline stages). Pass ``schema`` when you can: shapes are then checked before the codec
@@ -235,7 +240,7 @@ def decode_contribution(
     if base is not None and c_base != base:
         raise StaleBase(f"trained from {c_base[:16]}, current aggregate is {base[:16]}")
     if codec_cfg is not None and cfg != codec_cfg:
-        raise SchemaMismatch(f"codec parameters {cfg} differ from the run's {codec_cfg}")
+        raise SchemaMismatch(f"codec parameters {cfg} differ from the run's {codec_cfg}", reason="wrong_codec")
     _check_schema(table, schema, partial)
     tensors = {}
     for t, blob in zip(table, _slices(env.payload, [t.lengths[0] for t in table])):
@@ -296,14 +301,18 @@ def decode_aggregate(
     allowed_signers: Collection[bytes | str] | None,
     window: int | None = None,
     schema: Schema | None = None,
-    partial: bool = False,
+    partial: bool = True,
 ) -> Aggregate:
     """Verify and parse an aggregate. ``allowed_signers`` (raw or hex public keys, e.g.
     ``spec.validator.public_keys``) is required; pass ``None`` explicitly to skip (inspection only).
 
-    Raises the envelope errors plus UnknownSigner, WrongWindow, SchemaMismatch (``partial=True``:
-    a subset of ``schema`` is fine), InvalidIndices (unsorted, duplicate or out-of-range
-    indices) and NonFiniteValues.
+    ``schema`` (the model's parameter shapes): every tensor of the aggregate must be one of them
+    with that shape, checked before any payload is read. An aggregate legitimately covers a
+    *subset* (parameters nobody sent this window, pipeline stages, an empty window), hence the
+    default ``partial=True``; ``partial=False`` demands every tensor.
+
+    Raises the envelope errors plus UnknownSigner, WrongWindow, SchemaMismatch, InvalidIndices
+    (unsorted, duplicate or out-of-range indices) and NonFiniteValues.
     """
     env = open_envelope(data, max_bytes=max_bytes, run_hash=run_hash, kind=Kind.AGGREGATE)
     check_signer(env, allowed_signers)

@@ -138,3 +138,11 @@ def test_rice_position_past_the_chunk_is_invalid_indices() -> None:
     blob[last:] = b"\x00" * 2 + bytes([blob[last]])
     with pytest.raises(InvalidIndices):
         unpack(bytes(blob), (64,), cfg)
+
+
+def test_huge_or_negative_shapes_fail_before_allocating() -> None:
+    blob = payload(CodecConfig())
+    with pytest.raises(MalformedPayload, match="shorter than its fixed part"):
+        unpack(blob, (1 << 20, 1 << 20), CodecConfig())  # 2^40 values: needs ~2^28 bytes of scales
+    with pytest.raises(MalformedPayload, match="negative"):
+        unpack(blob, (-128, 96), CodecConfig())

@@ -228,6 +228,7 @@ def test_peers_train_and_stay_identical(swarm) -> None:
         assert [e["outcome"] for e in r.of("window")] == ["uploaded"] * 3
         assert all(e["included"] for e in r.of("applied"))
         assert fingerprint(p.params) == val.fingerprints[-1]
+        assert [r["fingerprint"] for r in p.state.records()] == val.fingerprints  # durable history
     assert fingerprint(val.params) != fingerprint(build_model(spec.model))  # θ moved
 
 
@@ -325,3 +326,42 @@ def test_failed_upload_is_an_outcome_and_feedback_is_undone(swarm) -> None:
     assert outcomes == {0: "uploaded", 1: "failed", 2: "uploaded"}
     assert [e["included"] for e in rec.of("applied")] == [True, False, True]
     assert fingerprint(peer.params) == val.fingerprints[-1]
+
+
+def test_cli_refuses_a_runspec_without_validator_keys(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    spec = RunSpec.from_dict({"model": TINY, "storage": {"url": f"file://{tmp_path / 'store'}"}})
+    (tmp_path / "run.toml").write_text(spec.to_toml())
+    exe = Path(sys.executable).parent / "sparseloco-peer"
+    out = subprocess.run([str(exe), "join", "--run", str(tmp_path / "run.toml"), "--state", str(tmp_path / "s")],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and "validator.public_keys" in out.stderr
+    assert not (tmp_path / "store").exists()  # nothing was announced
+
+
+def test_forged_aggregate_is_recorded_and_never_applied(swarm) -> None:
+    spec, store, val, root = swarm
+    peer, rec = make_peer(spec, store, root, "a")
+    t = threading.Thread(target=peer.run, kwargs={"until_window": 2}, daemon=True)
+    t.start()
+    val.close_window(1)
+    key = layout.aggregate_key(val.run, 1)
+    while not store.list(layout.contrib_prefix(val.run, 1)):
+        time.sleep(0.02)
+    honest_fp = fingerprint(peer.params)
+    forged = encode_window_aggregate(
+        run_hash=spec.hash(), window=1, base=val.base, alpha=1.0, delta={}, shapes={}, manifest=[],
+        fingerprint_next=honest_fp, metadata={"published_at": time.time()}, identity=Identity.generate(),
+    )  # fmt: skip
+    store.put(key, forged)
+    deadline = time.time() + 30
+    while not rec.of("sync_failed") and time.time() < deadline:
+        time.sleep(0.05)
+    assert rec.of("sync_failed")[0]["reason"] == "unknown_signer"
+    assert peer.pos.window == 1 and 1 not in [e["window"] for e in rec.of("applied")]
+    store.delete(key)  # the operator removes the forgery; the real validator publishes
+    val.close_window(1)
+    t.join(timeout=60)
+    assert not t.is_alive() and fingerprint(peer.params) == val.fingerprints[-1]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from client.pipeline.boundary import Boundary, BoundaryTransformer
@@ -52,24 +53,37 @@ def _theta(spec: RunSpec) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- workers (child processes)
+# (stages, compression ratio) of the gradient checks: 2 stages with and without compression, and
+# 3 stages with it (the middle stage receives and sends in both directions).
+GRAD_CASES = ((2, 1), (2, 4), (3, 4))
+
+
 def _grads_worker(stage: int, port: int, out: str) -> None:
-    """One GPipe step per compression ratio; writes this stage's gradients and the loss."""
+    """One GPipe step per case this stage takes part in; writes its gradients and the loss."""
     torch.set_num_threads(1)
-    for ratio in (1, 4):
+    for stages, ratio in GRAD_CASES:
+        if stage >= stages:
+            continue
         spec = _spec(ratio)
-        ps = PipelineStage(spec, group="g", stage=stage, stages=2)
-        with StageLink(f"127.0.0.1:{port}", stage=stage, stages=2, window=ratio, timeout_s=TIMEOUT_S,
-                        rendezvous_timeout_s=40) as link:
+        ps = PipelineStage(spec, group="g", stage=stage, stages=stages)
+        with StageLink(f"127.0.0.1:{port}", stage=stage, stages=stages, window=100 * stages + ratio,
+                       timeout_s=TIMEOUT_S, rendezvous_timeout_s=40) as link:
             ps.start_window(_theta(spec))
             res = pipeline_step(ps.stage, link, ps.boundary, list(_batches(1)[0].chunk(2)))
         grads = {n: p.grad.contiguous() for n, p in ps.params.items()}
-        save_file(grads, f"{out}/grads_r{ratio}_s{stage}.safetensors", metadata={"loss": repr(res.loss),
-                  "grad_norm": repr(res.grad_norm)})
+        save_file(grads, f"{out}/grads_S{stages}_r{ratio}_s{stage}.safetensors",
+                  metadata={"loss": repr(res.loss), "grad_norm": repr(res.grad_norm)})
 
 
 def _grads_then_windows_worker(stage: int, port: int, out: str, windows: list[int], die_at_step: int) -> None:
     _grads_worker(stage, port, out)
     _window_worker(stage, port, out, windows, die_at_step, "")
+
+
+def _third_stage_then_restart_worker(port: int, out: str, wait_for: str) -> None:
+    """Stage 2 of the 3-stage gradient check, then the restarted stage 1 of the crash scenario."""
+    _grads_worker(2, port, out)
+    _window_worker(1, port, out, [3], -1, wait_for)
 
 
 def _window_worker(stage: int, port: int, out: str, windows: list[int], die_at_step: int, wait_for: str) -> None:
@@ -196,41 +210,40 @@ def two_stage_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     port = free_port()
     survivor = _spawn(_grads_then_windows_worker, 0, port, str(out), [0, 1, 2, 3], -1)
     crasher = _spawn(_grads_then_windows_worker, 1, port, str(out), [0, 1, 2], 5)  # 2 steps per window
-    restarted = _spawn(_window_worker, 1, port, str(out), [3], -1, str(out / "w2_s0.json"))
+    restarted = _spawn(_third_stage_then_restart_worker, port, str(out), str(out / "w2_s0.json"))
     _run([survivor, crasher, restarted], limit_s=150)
     assert (survivor.exitcode, crasher.exitcode, restarted.exitcode) == (0, 17, 0)
     return out
 
 
 @pytest.mark.integration
-def test_two_stage_pipeline_matches_unsplit_model(two_stage_run: Path) -> None:
+@pytest.mark.parametrize("stages,ratio", GRAD_CASES)
+def test_pipeline_matches_unsplit_model(two_stage_run: Path, stages: int, ratio: int) -> None:
     tmp_path = two_stage_run
     tokens = _batches(1)[0]
-    for ratio in (1, 4):
-        spec = _spec(ratio)
-        model = build_model(spec.model)
-        if ratio == 1:
-            reference = model
-        else:  # the unsplit model applying the same projection at the same boundary
-            sub = Subspace.for_run(spec.hash(), spec.model.dim, ratio)
-            local, fixed = localize(_theta(spec), sub, constrained_names(4, 2))
-            load_params(model, local)
-            reference = BoundaryTransformer.wrap(model, [2], Boundary(sub), fixed)
-        loss = lm_loss(reference, tokens)
-        loss.backward()
-        ref_grads = {n: p.grad for n, p in reference.named_parameters()}
-        got: dict[str, torch.Tensor] = {}
-        for s in (0, 1):
-            path = tmp_path / f"grads_r{ratio}_s{s}.safetensors"
-            got.update(load_file(str(path)))
-            from safetensors import safe_open
-
-            with safe_open(str(path), "pt") as f:
-                meta = f.metadata()
-            assert float(meta["loss"]) == pytest.approx(loss.item(), abs=1e-6)
-        assert set(got) == set(ref_grads)
-        for name, g in got.items():
-            assert torch.allclose(g, ref_grads[name], atol=1e-6, rtol=1e-4), (ratio, name)
+    spec = _spec(ratio)
+    model = build_model(spec.model)
+    cuts = [p.start for p in plan_stages(spec.model.n_layers, stages)[1:]]
+    if ratio == 1:
+        reference = model
+    else:  # the unsplit model applying the same projection at the same boundaries
+        sub = Subspace.for_run(spec.hash(), spec.model.dim, ratio)
+        local, fixed = localize(_theta(spec), sub, constrained_names(4, cuts[-1]))
+        load_params(model, local)
+        reference = BoundaryTransformer.wrap(model, cuts, Boundary(sub), fixed)
+    loss = lm_loss(reference, tokens)
+    loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    got: dict[str, torch.Tensor] = {}
+    for s in range(stages):
+        path = tmp_path / f"grads_S{stages}_r{ratio}_s{s}.safetensors"
+        got.update(load_file(str(path)))
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        assert float(meta["loss"]) == pytest.approx(loss.item(), abs=1e-6)
+    assert set(got) == set(ref_grads)
+    for name, g in got.items():
+        assert torch.allclose(g, ref_grads[name], atol=1e-6, rtol=1e-4), (ratio, name)
 
 
 @pytest.mark.integration

@@ -17,9 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import SeaweedS3
+from servers import SeaweedS3, peer_grants
 
 from protocol.errors import AccessDenied, ConfigError, ObjectExists, PayloadTooLarge
+from protocol.identity import Identity
+from protocol.layout import aggregate_key, contrib_key, peer_key
 from protocol.store import open_store
 from protocol.store.s3 import MiB, S3Store
 
@@ -248,3 +250,16 @@ def test_credential_with_several_grants(s3: SeaweedS3, root: str) -> None:
         for forged in ("peers/bob", "contrib/bob/00000001", "aggregate/00000001"):
             with pytest.raises(AccessDenied):
                 store.put(forged, b"x")
+
+
+def test_peer_grants_allow_own_contributions_and_announcement_only(s3: SeaweedS3, root: str) -> None:
+    alice, bob = (Identity.from_seed(bytes([i]) * 32).peer_id for i in (1, 2))
+    run = root.lower()
+    creds = s3.issue_credentials(*peer_grants(run, alice), name="alice")
+    with s3.store(credentials=creds) as store:
+        for key in (contrib_key(run, 0, alice), contrib_key(run, 7, alice), peer_key(run, alice)):
+            store.put(key, b"mine")
+        forged = (contrib_key(run, 0, bob), peer_key(run, bob), aggregate_key(run, 0), f"{run}/contrib/x/{alice}/y")
+        for key in forged:
+            with pytest.raises(AccessDenied):
+                store.put(key, b"forged")

@@ -217,3 +217,47 @@ def test_window_checks_norm_copy_score_capacity() -> None:
     assert [s.reason for s in kept] == [None, None, "over_capacity"]
     assert wc.total_norm(a.sparse) == pytest.approx(2.0)
     assert wc.offsets({"b": (2,), "a": (3, 2)}) == {"a": 0, "b": 6}
+
+
+# ------------------------------------------------------------------ hostile tensor tables
+def _crafted(signer: Identity, table: list[tuple[str, tuple[int, ...]]], payload: bytes) -> bytes:
+    """A validly signed contribution whose tensor table declares ``table`` over ``payload``."""
+    from protocol.envelope import Kind, seal
+    from protocol.wirefields import TensorEntry, Writer, write_base, write_codec, write_metadata, write_table
+
+    w = Writer()
+    write_base(w, "ab" * 32)
+    write_codec(w, CFG)
+    write_metadata(w, {})
+    share = len(payload) // len(table)
+    lengths = [share] * (len(table) - 1) + [len(payload) - share * (len(table) - 1)]
+    write_table(w, [TensorEntry(n, s, 0, (n_bytes,)) for (n, s), n_bytes in zip(table, lengths)])
+    return seal(Kind.CONTRIBUTION, RUN, 3, signer, w.getvalue(), payload)
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        [("evil", (1 << 20, 1 << 18))],  # 2^38 values: ~64 M chunks, one payload byte each would "fit"
+        [("w", (1 << 20, 1 << 18))],  # a model tensor name with a huge shape
+        [("b", (64,)), ("w", (64, 64)), ("zz", (1 << 30,))],  # valid tensors plus one stranger
+    ],
+)
+def test_huge_undeclared_shape_is_schema_mismatch_before_the_codec_runs(
+    peer: Identity, table: list[tuple[str, tuple[int, ...]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unpack_must_not_run(*args: object, **kw: object) -> None:
+        raise AssertionError("the codec was asked to build a tensor the schema does not allow")
+
+    monkeypatch.setattr(codec, "unpack", unpack_must_not_run)
+    data = _crafted(peer, table, bytes(range(256)) * 256)  # 64 KiB standing in for a 64 MB upload
+    s = checks.screen(peer.peer_id, data, ctx(peer))
+    assert s.reason == "schema_mismatch" and s.contribution is None and not s.sparse
+    assert [c.name for c in s.checks] == ["size", "format", "signature", "run", "window", "registered", "codec", "schema"]
+    assert s.checks[-1] == CheckRow("schema", False, "schema_mismatch")
+
+
+def test_undecodable_contribution_of_an_unregistered_peer_is_unregistered(peer: Identity) -> None:
+    data = _crafted(peer, [("evil", (1 << 20,))], b"x" * 64)
+    s = checks.screen(peer.peer_id, data, ctx(peer, registered=frozenset()))
+    assert s.reason == "unregistered" and s.checks[-1] == CheckRow("registered", False, "unregistered")

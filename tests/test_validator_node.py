@@ -297,6 +297,45 @@ def test_peers_announcing_mid_window_are_waited_for_and_registered(vkey: Identit
     v.close()
 
 
+def test_active_peers_are_recent_uploaders_or_recent_announcements() -> None:
+    from validator.gather import active_peers
+
+    first_seen = {"old": 0.0, "new": 95.0, "uploader": 0.0}
+    assert active_peers(first_seen, {"uploader", "unannounced"}, now=100.0, ttl_s=10.0) == {"new", "uploader"}
+    assert active_peers(first_seen, set(), now=200.0, ttl_s=10.0) == frozenset()
+
+
+def test_peers_that_left_stop_holding_windows_open(vkey: Identity, tmp_path) -> None:
+    deadline = 6.0
+    sw = Swarm(tiny_spec(vkey, windows={"upload_deadline_s": deadline},
+                         validator={"active_windows": 1, "announcement_ttl_s": 0.5}), 4)  # fmt: skip
+    a, b, left, never = sw.peers
+    sw.announce_all()  # ``never`` announces and leaves at once; ``left`` uploads in window 0 only
+    plan = [(a, b, left), (a, b), (a, b)]
+    # Trained before the clock starts (from θ₀: small steps that still help at θ₁, θ₂), so that
+    # each window's gather begins right after it opens and its length shows what it waited for.
+    encoded = {(w, p.peer_id): sw.encode(sw.delta(p, theta0(sw), w)) for w, ps in enumerate(plan) for p in ps}
+    v = make_validator(sw, vkey, tmp_path)
+    gathered = []
+    for w, uploaders in enumerate(plan):
+        st = v.state
+        assert st is not None
+        for p in uploaders:
+            sw.upload(p.peer_id, w, sw.blob(p, w, st.base, encoded[(w, p.peer_id)]))
+        report = v.run_window()
+        assert report is not None and report.accepted == len(uploaders), v.log.rows(windows=(w, w))
+        gathered.append(report.seconds["gather"])
+    # w0: ``never`` is waited for only while its announcement is new; w1: ``left`` uploaded in the
+    # last window, so it is waited for until the deadline; w2: nobody absent is active any more.
+    # w1's gather starts late by however long w0's scoring and publishing took (seconds on a busy
+    # machine), so it is compared with the other windows rather than with the deadline itself.
+    half = deadline / 2
+    assert gathered[0] < half and gathered[2] < half, gathered
+    assert gathered[1] > max(gathered[0], gathered[2]) + 1.0, gathered
+    sw.close()
+    v.close()
+
+
 def test_store_failures_are_retried_and_corrupted_reads_rejected(swarm: Swarm, vkey: Identity, tmp_path) -> None:
     v = make_validator(swarm, vkey, tmp_path)
     params = theta0(swarm)

@@ -30,6 +30,14 @@ def test_data_key_follows_pipeline_groups() -> None:
     assert data_key("p", {"pipeline_group": 3}) == "p"  # malformed metadata: the peer's own lane
 
 
+def test_validator_and_pipeline_replicas_share_one_data_key() -> None:
+    from client.pipeline.replica import pipeline_peer_key
+    from protocol.data import pipeline_data_key
+    from validator.scoring import data_key
+
+    assert data_key("p", {"pipeline_group": "g1"}) == pipeline_data_key("g1") == pipeline_peer_key("g1")
+
+
 def test_take_sequences_crosses_batches() -> None:
     batches = [torch.zeros(4, 9, dtype=torch.long), torch.ones(4, 9, dtype=torch.long)]
     got = take_sequences(batches, 6)

@@ -45,6 +45,7 @@ from protocol.wire import (
     encode_aggregate,
     encode_checkpoint,
     encode_contribution,
+    published_at_of,
 )
 from protocol.wirefields import (
     TensorEntry,
@@ -113,7 +114,8 @@ def test_checkpoint_and_announcement_roundtrip() -> None:
     dm = decode_checkpoint(
         blobs_[Kind.CHECKPOINT], run_hash=RUN, max_bytes=CAP, allowed_signers=[VALIDATOR.public_key], window=10
     )
-    assert (dm.files, dm.aggregate, dm.fingerprint) == (m.files, m.aggregate, m.fingerprint)
+    assert (dm.files, dm.aggregate, dm.fingerprint, dict(dm.metadata)) == (m.files, m.aggregate, m.fingerprint, dict(m.metadata))
+    assert published_at_of(dm.metadata) == 1_767_225_600.25
     an = announcement()
     da = decode_announcement(blobs_[Kind.ANNOUNCEMENT], run_hash=RUN, max_bytes=CAP, sender=PEER.peer_id)
     assert (da.client_version, da.hardware, da.role, dict(da.metadata)) == (
@@ -191,12 +193,23 @@ def test_schema_mismatch(schema) -> None:
     with pytest.raises(SchemaMismatch):
         dec_contrib(encode_contribution(contribution(), PEER), schema=schema)
     with pytest.raises(SchemaMismatch):
-        dec_agg(encode_aggregate(aggregate(), VALIDATOR), schema=schema)
+        dec_agg(encode_aggregate(aggregate(), VALIDATOR), schema=schema, partial=False)
+
+
+def test_aggregates_may_cover_a_subset_of_the_schema_by_default() -> None:
+    blob = encode_aggregate(aggregate(), VALIDATOR)
+    assert set(dec_agg(blob, schema={**SCHEMA, "extra.weight": (4,)}).tensors) == set(SCHEMA)
+    empty = encode_aggregate(type(aggregate())(**{**aggregate().__dict__, "tensors": {}}), VALIDATOR)
+    assert dec_agg(empty, schema=SCHEMA).nnz == 0  # a window nobody contributed to
+    for schema in ({k: v for k, v in SCHEMA.items() if k != "conv.weight"}, {**SCHEMA, "conv.weight": (3, 7, 5)}):
+        with pytest.raises(SchemaMismatch):
+            dec_agg(blob, schema=schema)  # unknown tensor, wrong shape
 
 
 def test_codec_parameters_must_match_the_run() -> None:
-    with pytest.raises(SchemaMismatch):
+    with pytest.raises(SchemaMismatch) as err:
         dec_contrib(encode_contribution(contribution(), PEER), codec_cfg=CodecConfig(k=128))
+    assert err.value.reason == "wrong_codec"
 
 
 def _contrib_body(rows: list[tuple[int, bytes, tuple[int, ...], int, int]]) -> bytes:
@@ -396,3 +409,14 @@ def test_partial_schema_accepts_a_subset_but_not_strangers() -> None:
         dec_contrib(blob, schema={"conv.weight": (3, 5, 7)}, partial=True)
     agg = encode_aggregate(aggregate(), VALIDATOR)
     assert dec_agg(agg, schema=bigger, partial=True).nnz > 0
+
+
+def test_checkpoint_metadata_is_signed_and_bounded() -> None:
+    m = checkpoint()
+    blob = encode_checkpoint(m, VALIDATOR)
+    bare = encode_checkpoint(type(m)(**{**m.__dict__, "metadata": {}}), VALIDATOR)
+    assert published_at_of(decode_checkpoint(bare, run_hash=RUN, max_bytes=CAP, allowed_signers=None).metadata) is None
+    assert blob != bare  # the metadata is covered by the signature
+    with pytest.raises(MalformedPayload):
+        encode_checkpoint(type(m)(**{**m.__dict__, "metadata": {f"k{i}": i for i in range(65)}}), VALIDATOR)
+    assert published_at_of({"published_at": True}) is None and published_at_of({"published_at": 3}) == 3.0

@@ -61,7 +61,8 @@ def checkpoint(window: int = 10) -> CheckpointManifest:
         CheckpointFile(checkpoint_key(RUN_ID, window, "model.safetensors"), hashlib.sha256(b"m").hexdigest(), 123456),
         CheckpointFile(checkpoint_key(RUN_ID, window, "optimizer.safetensors"), hashlib.sha256(b"o").hexdigest(), 99),
     )
-    return CheckpointManifest(RUN, window, BASE, hashlib.sha256(b"theta").hexdigest(), files)
+    meta = {"published_at": 1_767_225_600.25}
+    return CheckpointManifest(RUN, window, BASE, hashlib.sha256(b"theta").hexdigest(), files, meta)
 
 
 def announcement(window: int = 3) -> Announcement:

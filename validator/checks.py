@@ -7,8 +7,9 @@ reason; later checks are not run)::
     size  format  signature  run  window  registered  codec  schema  finite  sync  excluded  norm  copy  score
     capacity
 
-``size`` … ``finite`` are mostly enforced by :func:`protocol.wire.decode_contribution` and
-:func:`protocol.codec.unpack`; :func:`rows_for_error` maps the ``reason`` of the
+``size`` … ``finite`` are mostly enforced by :func:`protocol.wire.decode_contribution` (given the
+window, the run's codec and the model's schema, so a hostile tensor table is refused before the
+codec allocates anything) and :func:`protocol.codec.unpack`; :func:`rows_for_error` maps the ``reason`` of the
 :class:`~protocol.errors.ProtocolError` they raise to the check that failed. ``screen`` runs the
 per-contribution checks on one received object; ``norm`` and ``copy`` need the whole window
 (:func:`check_norm`, :mod:`validator.copies`), ``score`` the loss evaluation
@@ -67,7 +68,11 @@ _REASON_CHECK = {
     "non_finite": "finite",
     "stale_base": "sync",
     "digest_mismatch": "format",
+    "wrong_codec": "codec",
 }
+
+
+_DECODE_CHECKS = ("size", "format", "signature", "run", "window", "codec")
 
 
 def ok(name: str) -> CheckRow:
@@ -78,14 +83,22 @@ def fail(name: str, reason: str) -> CheckRow:
     return CheckRow(name, False, reason)
 
 
-def rows_for_error(reason: str) -> tuple[CheckRow, ...]:
-    """Check rows for a decode failure: every check before the failing one passed."""
+def rows_for_error(reason: str, registered: CheckRow | None = None) -> tuple[CheckRow, ...]:
+    """Check rows for a decode failure: every check before the failing one passed.
+
+    Only checks decoding performs are claimed (it is given the window, codec and schema);
+    ``registered``, when given, is the registration check's row and is placed in its turn (a
+    failed one ends the rows: it decides the rejection)."""
     name = _REASON_CHECK.get(reason, "format")
-    before = CHECK_ORDER[: CHECK_ORDER.index(name)]
-    # decoding verifies neither registration nor codec before the signature etc.; only claim
-    # passes for checks decoding actually performed
-    done = tuple(ok(n) for n in before if n in ("size", "format", "signature", "run", "window"))
-    return (*done, fail(name, reason))
+    rows: list[CheckRow] = []
+    for n in CHECK_ORDER[: CHECK_ORDER.index(name)]:
+        if n in _DECODE_CHECKS:
+            rows.append(ok(n))
+        elif n == "registered" and registered is not None:
+            rows.append(registered)
+            if not registered.passed:
+                return tuple(rows)
+    return (*rows, fail(name, reason))
 
 
 # ---------------------------------------------------------------------------- single checks
@@ -197,9 +210,14 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
     if not rows[0].passed:
         return Screened(peer, tuple(rows), rows[0].reason, f"{len(data)} bytes, cap {ctx.max_bytes}")
     try:
-        c = decode_contribution(data, run_hash=ctx.run_hash, max_bytes=ctx.max_bytes, sender=peer)
+        # With the window, codec and schema given, a hostile tensor table is refused before the
+        # codec allocates anything for it; a subset of the schema is fine (pipeline stages).
+        c = decode_contribution(
+            data, run_hash=ctx.run_hash, max_bytes=ctx.max_bytes, sender=peer, window=ctx.window,
+            schema=ctx.schema, partial=True, codec_cfg=ctx.codec,
+        )  # fmt: skip
     except ProtocolError as exc:
-        return Screened(peer, rows_for_error(exc.reason), exc.reason, str(exc))
+        return _undecodable(peer, exc, ctx)
     rows += [ok("format"), ok("signature"), ok("run")]
     sparse: SparseDict = {}
     for check in (
@@ -218,6 +236,15 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
         if row.name == "schema":
             sparse = sparse_of(c.tensors)  # decoded once, after the shapes are known to be sane
     return Screened(peer, tuple(rows), None, None, c, sparse)
+
+
+def _undecodable(peer: str, exc: ProtocolError, ctx: Context) -> Screened:
+    """A contribution that failed to decode; an unregistered sender is named as such when its
+    check comes before the failing one."""
+    rows = rows_for_error(exc.reason, check_registered(peer, ctx.registered))
+    if rows[-1].name == "registered":
+        return Screened(peer, rows, rows[-1].reason, "no signed announcement for this peer")
+    return Screened(peer, rows, exc.reason, str(exc))
 
 
 def _detail(row: CheckRow, c: Contribution, ctx: Context) -> str:

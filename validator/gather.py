@@ -4,7 +4,8 @@
 pool of ``max_gather_concurrency`` threads. Every object is size-checked (``store.size``) before its
 body is read, and read with ``max_bytes``, so one huge upload costs one HEAD request, not the
 window. It stops at :func:`protocol.windows.should_close`: past the deadline plus grace, or as soon
-as every expected (announced, not excluded) peer has uploaded. Store failures are values: a fetch
+as every expected peer has uploaded (the validator expects the *active* ones, :func:`active_peers`:
+announced, not excluded, and uploaded lately or announced lately). Store failures are values: a fetch
 that fails is retried on the next poll and, if the window closes first, recorded with its reason.
 
 The first time a key is listed is its *received* time (``on_seen`` lets the contribution log keep
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from protocol.store.base import ObjectStore
 from protocol.windows import should_close
 from protocol.wire import Announcement, decode_announcement
 
-__all__ = ["PeerRegistry", "Received", "fetch", "gather", "list_contributions"]
+__all__ = ["PeerRegistry", "Received", "active_peers", "fetch", "gather", "list_contributions"]
 
 log = logging.getLogger(__name__)
 MAX_ANNOUNCEMENT_BYTES = 64 * 1024
@@ -81,14 +82,28 @@ def fetch(store: ObjectStore, key: str, max_bytes: int) -> Fetched:
         return None, None, "store_error", str(exc)
 
 
+def active_peers(first_seen: Mapping[str, float], recent: Collection[str], now: float, ttl_s: float) -> frozenset[str]:
+    """The announced peers a window waits for: those that uploaded recently (``recent``) and those
+    whose announcement was first seen less than ``ttl_s`` ago (still joining). Pure."""
+    return frozenset(p for p, seen in first_seen.items() if p in recent or now - seen < ttl_s)
+
+
 class PeerRegistry:
     """Peers with a valid signed announcement under ``peers/``; refreshed on every call to
-    :meth:`refresh`, fetching only keys not seen before (a rejected announcement is logged once)."""
+    :meth:`refresh`, fetching only keys not seen before (a rejected announcement is logged once).
+    ``first_seen``: when this validator first accepted each announcement (its own clock; after a
+    restart every announcement counts as new, so departed peers are waited for one TTL more)."""
 
-    def __init__(self, store: ObjectStore, run: str, run_hash: str) -> None:
-        self.store, self.run, self.run_hash = store, run, run_hash
+    def __init__(self, store: ObjectStore, run: str, run_hash: str, clock: Callable[[], float] = time.time) -> None:
+        self.store, self.run, self.run_hash, self.clock = store, run, run_hash, clock
         self.announcements: dict[str, Announcement] = {}
+        self.first_seen: dict[str, float] = {}
         self._rejected: set[str] = set()
+
+    def active(self, recent: Collection[str], ttl_s: float) -> frozenset[str]:
+        """Refresh, then :func:`active_peers` of every accepted announcement."""
+        self.refresh()
+        return active_peers(self.first_seen, recent, self.clock(), ttl_s)
 
     def refresh(self) -> frozenset[str]:
         try:
@@ -107,6 +122,7 @@ class PeerRegistry:
                 self.announcements[peer] = decode_announcement(
                     blob, run_hash=self.run_hash, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=peer
                 )
+                self.first_seen[peer] = self.clock()
             except ProtocolError as exc:
                 log.warning("announcement %s rejected: %s", key, exc)
                 self._rejected.add(key)

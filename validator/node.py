@@ -4,13 +4,14 @@
     v.run(windows=10)            # resumes where the state directory and the store say it stopped
 
 Per window t (DESIGN.md §6): gather the contributions under ``contrib/<t>/`` until the deadline or
-until every announced peer has uploaded; run the cheap checks on all of them; score a budgeted
-sample by loss; decide; aggregate the accepted ones; publish the signed aggregate (opening window
-t + 1) and, every ``checkpoint_every`` windows, a checkpoint. Every decision is a row of the
-contribution log. Crash safety: decisions are written (status ``decided``) before the aggregate is
-put, and the state file moves to t + 1 after it; a restart adopts an aggregate it finds already
-published for its window, and otherwise re-decides the window (rows are keyed by (window, peer)
-and reputation is derived from them, so nothing is lost or counted twice).
+until every active peer (announced, and uploaded or announced lately) has uploaded; run the cheap
+checks on all of them; score a budgeted sample by loss; decide; aggregate the accepted ones;
+publish the signed aggregate (opening window t + 1) and, every ``checkpoint_every`` windows, a
+checkpoint. Every decision is a row of the contribution log. Crash safety: decisions are written
+(status ``decided``) before the aggregate is put, and the state file moves to t + 1 after it; a
+restart adopts an aggregate it finds already published for its window, and otherwise re-decides
+the window (rows are keyed by (window, peer) and reputation is derived from them, so nothing is
+lost or counted twice).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreErr
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, param_schema, parameters_of
 from protocol.store.base import ObjectStore
-from protocol.wire import GENESIS, Aggregate, decode_aggregate
+from protocol.wire import GENESIS, Aggregate, decode_aggregate, published_at_of
 from protocol.windows import is_checkpoint_window
 from validator import checks, publish, window_checks
 from validator.gather import PeerRegistry, Received, gather, list_contributions
@@ -103,7 +104,7 @@ class Validator:
         self.stop = threading.Event()
         self.on_window = on_window
         self.clock = clock
-        self.registry = PeerRegistry(store, self.run_id, self.run_hash)
+        self.registry = PeerRegistry(store, self.run_id, self.run_hash, clock)
         self.signers = sorted(set(spec.validator.public_keys))
         self.state: ValidatorState | None = None
 
@@ -196,7 +197,7 @@ class Validator:
             try:
                 agg = publish.read_aggregate(
                     self.store, self.run_id, self.run_hash, st.window,
-                    allowed_signers=self.signers, max_bytes=self.spec.validator.max_aggregate_bytes, schema=None,
+                    allowed_signers=self.signers, max_bytes=self.spec.validator.max_aggregate_bytes, schema=self.schema,
                 )  # fmt: skip
             except ProtocolError as exc:
                 raise ConfigError(f"the store's aggregate {st.window} is invalid; cannot continue the chain: {exc}") from exc
@@ -232,12 +233,20 @@ class Validator:
         )  # fmt: skip
 
     def _gather(self, t: int, opened_at: float, ctx: checks.Context) -> dict[str, Received]:
+        """Until the deadline, or until every active peer (see ``gather.active_peers``) uploaded."""
         cfg = self.spec.validator
+        rows = self.log.rows(windows=(max(0, t - cfg.active_windows), t - 1))
+        recent = {r.peer for r in rows if r.reason != "bad_signature"}  # forged uploads prove nothing
+
+        def seen(peer: str, now: float) -> float:
+            recent.add(peer)  # an upload in this window is activity too
+            return self.log.note_received(t, peer, received_at=now, nbytes=None)
+
         return gather(
             self.store, self.run_id, t, opened_at=opened_at, windows=self.spec.windows,
             max_bytes=cfg.max_contribution_bytes, concurrency=cfg.max_gather_concurrency,
-            expected=lambda: self.registry.refresh() - ctx.excluded, stop=self.stop, clock=self.clock,
-            on_seen=lambda peer, now: self.log.note_received(t, peer, received_at=now, nbytes=None),
+            expected=lambda: self.registry.active(recent, cfg.announcement_ttl_s) - ctx.excluded,
+            stop=self.stop, clock=self.clock, on_seen=seen,
         )  # fmt: skip
 
     def _screen(self, r: Received, ctx: checks.Context) -> checks.Screened:
@@ -387,5 +396,4 @@ class Validator:
 
 
 def _published_at(agg: Aggregate) -> float:
-    value = agg.metadata.get("published_at", 0.0)
-    return float(value) if isinstance(value, (int, float)) else 0.0
+    return published_at_of(agg.metadata) or 0.0

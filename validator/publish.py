@@ -4,9 +4,10 @@ Checkpoint convention: ``checkpoint/<w>/`` holds θ_w, the parameters that *open
 (θ₀ at ``w = 0`` is genesis; otherwise θ after aggregate ``w − 1``). Its signed manifest names
 ``aggregate`` = digest of aggregate ``w − 1`` (GENESIS for ``w = 0``), the fingerprint of θ_w and
 the files with their sha256. A late joiner loads the newest checkpoint ``w`` and applies aggregates
-``w, w + 1, …``. The weights file ``model.safetensors`` carries metadata ``window``, ``fingerprint``
-and ``published_at`` (covered by the signed manifest through the file's sha256): for genesis,
-``published_at`` is when window 0 opened.
+``w, w + 1, …``. The manifest's signed metadata holds ``published_at``: when window ``w`` opened
+(for genesis, when window 0 opened; peers take the window-0 deadline from it). The weights file
+``model.safetensors`` carries metadata ``window`` and ``fingerprint`` and is otherwise a pure
+function of θ_w.
 
 Every put is a conditional create; finding an identical object already there (a restarted
 validator republishing) is success.
@@ -15,8 +16,6 @@ validator republishing) is success.
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -40,7 +39,7 @@ from protocol.wire import (
     encode_aggregate,
     encode_checkpoint,
 )
-from protocol.wire import ManifestEntry
+from protocol.wire import PUBLISHED_AT, ManifestEntry, published_at_of
 
 __all__ = [
     "WEIGHTS_FILE",
@@ -67,9 +66,9 @@ def put_once(store: ObjectStore, key: str, data: bytes, *, max_bytes: int) -> No
         return
 
 
-def weights_bytes(params: Mapping[str, torch.Tensor], *, window: int, published_at: float) -> bytes:
+def weights_bytes(params: Mapping[str, torch.Tensor], *, window: int) -> bytes:
     tensors = {n: t.detach().to("cpu").contiguous() for n, t in sorted(params.items())}
-    meta = {"window": str(window), "fingerprint": fingerprint(tensors), "published_at": repr(published_at)}
+    meta = {"window": str(window), "fingerprint": fingerprint(tensors)}
     return bytes(st_save(tensors, metadata=meta))
 
 
@@ -91,11 +90,11 @@ def publish_checkpoint(
     existing = _existing_manifest(store, run, run_hash, window, identity)
     if existing is not None and existing.fingerprint == fp:
         return existing
-    blob = weights_bytes(params, window=window, published_at=published_at)
+    blob = weights_bytes(params, window=window)
     key = layout.checkpoint_key(run, window, WEIGHTS_FILE)
     store.put(key, blob)  # not if_absent: a weights file without a manifest is from a crashed attempt
     files = (CheckpointFile(key, hashlib.sha256(blob).hexdigest(), len(blob)),)
-    manifest = CheckpointManifest(run_hash, window, aggregate, fp, files)
+    manifest = CheckpointManifest(run_hash, window, aggregate, fp, files, {PUBLISHED_AT: float(published_at)})
     data = encode_checkpoint(manifest, identity)
     put_once(store, layout.checkpoint_manifest_key(run, window), data, max_bytes=MAX_MANIFEST_BYTES)
     return decode_checkpoint(
@@ -124,7 +123,8 @@ def load_checkpoint(
     allowed_signers: Sequence[bytes | str],
     max_bytes: int,
 ) -> tuple[CheckpointManifest, dict[str, torch.Tensor], float]:
-    """(manifest, θ_window, published_at), every file checked against the signed manifest."""
+    """(manifest, θ_window, published_at), every file checked against the signed manifest;
+    ``published_at`` comes from the manifest's signed metadata."""
     data = store.get(layout.checkpoint_manifest_key(run, window), max_bytes=MAX_MANIFEST_BYTES)
     manifest = decode_checkpoint(
         data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=allowed_signers, window=window
@@ -132,25 +132,19 @@ def load_checkpoint(
     entry = next((f for f in manifest.files if f.key.endswith("/" + WEIGHTS_FILE)), None)
     if entry is None:
         raise MalformedPayload(f"checkpoint {window} lists no {WEIGHTS_FILE}")
+    opened = published_at_of(manifest.metadata)
+    if opened is None:
+        raise MalformedPayload(f"checkpoint {window} has no published_at in its signed metadata")
     blob = store.get(entry.key, max_bytes=min(max_bytes, entry.size))
     if hashlib.sha256(blob).hexdigest() != entry.sha256:
         raise DigestMismatch(f"{entry.key} does not match its manifest")
     try:
         params = dict(st_load(blob))
-        published_at = float(_weights_metadata(blob).get("published_at", "0"))
     except (SafetensorError, ValueError) as exc:
         raise MalformedPayload(f"{entry.key}: {exc}") from exc
     if fingerprint(params) != manifest.fingerprint:
         raise DigestMismatch(f"checkpoint {window} weights do not have the manifest's fingerprint")
-    return manifest, params, published_at
-
-
-def _weights_metadata(blob: bytes) -> dict[str, str]:
-    # safetensors format: u64 header length, JSON header (already validated by st_load)
-    (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + n])
-    meta = header.get("__metadata__", {})
-    return {str(k): str(v) for k, v in meta.items()}
+    return manifest, params, opened
 
 
 def encode_window_aggregate(
@@ -192,14 +186,16 @@ def read_aggregate(
     max_bytes: int,
     schema: Mapping[str, tuple[int, ...]] | None = None,
 ) -> Aggregate | None:
-    """The published aggregate of ``window``, or None when there is none yet."""
+    """The published aggregate of ``window``, or None when there is none yet. With ``schema``, its
+    tensors must be a subset of it with the same shapes."""
     try:
         data = store.get(layout.aggregate_key(run, window), max_bytes=max_bytes)
     except ObjectNotFound:
         return None
     return decode_aggregate(
-        data, run_hash=run_hash, max_bytes=max_bytes, allowed_signers=allowed_signers, window=window
-    )
+        data, run_hash=run_hash, max_bytes=max_bytes, allowed_signers=allowed_signers, window=window,
+        schema=schema, partial=True,
+    )  # fmt: skip
 
 
 def delta_of(agg: Aggregate) -> SparseDict:

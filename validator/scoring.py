@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from protocol.aggregate import SparseDict, apply_outer
+from protocol.data import pipeline_data_key
 from protocol.model import eval_loss, parameters_of
 
 __all__ = ["LossScore", "data_key", "pick_sample", "score_update", "take_sequences"]
@@ -60,9 +61,10 @@ def pick_sample(peers: Sequence[str], budget: int, seed: int, window: int) -> li
 
 def data_key(peer: str, metadata: Mapping[str, object]) -> str:
     """Under which name the peer's batches were assigned: its peer id, or for a stage of a pipeline
-    replica the replica's shared key ``pipeline:<group>`` (every stage trains on the same batches)."""
+    replica the replica's shared key :func:`protocol.data.pipeline_data_key` (every stage trains
+    on the same batches)."""
     group = metadata.get("pipeline_group")
-    return f"pipeline:{group}" if isinstance(group, str) and group else peer
+    return pipeline_data_key(group) if isinstance(group, str) and group else peer
 
 
 def take_sequences(batches: Sequence[Tensor], n: int) -> list[Tensor]:

@@ -105,7 +105,9 @@ class BoundaryTransformer(Transformer):
         start = 0
         for stop in [*self.boundaries, len(self.blocks)]:
             if start > 0:
-                h = self.boundary.decode(self.boundary.encode(h, rows), rows)
+                # float32 at the boundary even under bf16 autocast, as the stages send it.
+                with torch.autocast(h.device.type, enabled=False):
+                    h = self.boundary.decode(self.boundary.encode(h.float(), rows), rows)
             h = self.forward_slice(h, start, stop)
             start = stop
         return self.logits(h)

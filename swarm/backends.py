@@ -1,0 +1,113 @@
+"""Where a local swarm keeps its objects: a directory, a SeaweedFS S3 server or hivemind DHT nodes.
+
+Each backend gives the URL every participant opens, the extra arguments and environment of the
+validator and of each peer (a peer's S3 credential may write only its own keys), and cleans up
+after itself::
+
+    with open_backend("s3", run_dir, processes) as backend:
+        backend.url                          # s3://sparseloco
+        backend.validator_env()              # admin credential
+        backend.peer_env(peer_id)            # a credential scoped to that peer's keys
+        backend.args()                       # ["--dht-peer", maddr, ...] for dht
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from protocol import layout
+from protocol.errors import ConfigError
+from swarm.processes import ProcessGroup
+from swarm.seaweed import INSTALL_HINT, SeaweedS3, peer_grants, weed_available
+
+KINDS = ("file", "s3", "dht")
+
+
+@dataclass
+class Backend:
+    """A started store for a local swarm (see the module docstring)."""
+
+    kind: str
+    url: str
+    storage: dict[str, Any] = field(default_factory=dict)  # RunSpec [storage] overrides
+    _args: list[str] = field(default_factory=list)
+    _validator_env: dict[str, str] = field(default_factory=dict)
+    _server: SeaweedS3 | None = None
+
+    def args(self) -> list[str]:
+        return list(self._args)
+
+    def validator_env(self) -> dict[str, str]:
+        return dict(self._validator_env)
+
+    def peer_env(self, run_hash: str, peer_id: str) -> dict[str, str]:
+        """Environment of one peer: for S3 a credential that may write only that peer's objects."""
+        if self.kind != "s3":
+            return {}
+        assert self._server is not None
+        grants = peer_grants(layout.run_id(run_hash), peer_id)  # its contributions and its announcement
+        creds = self._server.issue_credentials(*grants, name=peer_id[:8])
+        return creds.env(self._server.endpoint_url)
+
+
+@contextmanager
+def open_backend(kind: str, run_dir: Path, group: ProcessGroup) -> Iterator[Backend]:
+    """Start the store of kind ``file``, ``s3`` or ``dht`` for a swarm in ``run_dir``."""
+    if kind == "file":
+        yield Backend("file", f"file://{(run_dir / 'store').resolve()}")
+    elif kind == "s3":
+        with _seaweed() as server:
+            env = server.admin.env(server.endpoint_url)
+            storage = {"s3_endpoint": server.endpoint_url, "s3_region": "us-east-1"}
+            yield Backend("s3", server.url(), storage, _validator_env=env, _server=server)
+    elif kind == "dht":
+        maddrs = _dht_bootstrap(group)
+        yield Backend("dht", "dht://", {"dht_bootstrap": maddrs}, [a for m in maddrs for a in ("--dht-peer", m)])
+    else:
+        raise ConfigError(f"unknown store kind {kind!r}; choose one of {', '.join(KINDS)}")
+
+
+# ---------------------------------------------------------------------- S3 (SeaweedFS)
+@contextmanager
+def _seaweed() -> Iterator[SeaweedS3]:
+    if not weed_available():
+        raise ConfigError(
+            f"--store s3 runs a local SeaweedFS server and needs its `weed` binary: {INSTALL_HINT} "
+            "(or use --store file / --store dht)"
+        )
+    server = SeaweedS3()
+    try:
+        server.start()
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot start SeaweedFS: {exc}") from exc
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------- DHT (hivemind)
+def _dht_bootstrap(group: ProcessGroup, timeout_s: float = 60.0) -> list[str]:
+    """Start a bootstrap DHT node on 127.0.0.1 in ``group``; return its multiaddrs."""
+    group.start("dht-bootstrap", [sys.executable, "-m", "protocol.store.dht_serve", "--host", "127.0.0.1", "--port", "0"])
+    maddrs: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name, line in group.lines(timeout=0.2):
+            if name != "dht-bootstrap":
+                continue
+            if line.startswith("MADDR "):
+                maddrs.append(line.split(" ", 1)[1].strip())
+            elif line.strip() == "READY":
+                if not maddrs:
+                    raise ConfigError("the DHT bootstrap node printed no address")
+                return maddrs
+        if not group.running(["dht-bootstrap"]):
+            raise ConfigError(f"the DHT bootstrap node exited; see {group.children['dht-bootstrap'].log_path}")
+    raise ConfigError("the DHT bootstrap node did not become ready in time")

@@ -1,0 +1,54 @@
+"""``sparseloco``: shared utilities (``inspect``; the local swarm launcher ``demo``).
+
+Each subcommand is a thin click command; the work lives in the library. To add one: import it and
+``main.add_command(it)`` at the bottom of this file.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import click
+
+from protocol.errors import ConfigError
+from protocol.identity import public_key_from_hex
+from protocol.inspect import DEFAULT_MAX_BYTES, inspect_paths
+from swarm.democli import demo as demo_cmd
+
+EXIT_INVALID = 2
+
+
+@click.group()
+@click.version_option(package_name="sparseloco")
+def main() -> None:
+    """sparseloco: decentralized LLM pre-training with SparseLoCo."""
+
+
+@click.command("inspect")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(dir_okay=True, path_type=str))
+@click.option("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, show_default=True, help="Size cap per object.")
+@click.option("--run-hash", default=None, help="Also require this RunSpec hash (64 hex).")
+@click.option(
+    "--validator-key", "validator_keys", multiple=True, help="Hex public key allowed to sign aggregates (repeatable)."
+)
+def inspect_cmd(paths: tuple[str, ...], max_bytes: int, run_hash: str | None, validator_keys: tuple[str, ...]) -> None:
+    """Validate signed object files (signature, structure, payloads) and print one line per file.
+
+    Exit status 0 when every file is valid, 2 otherwise. A directory stands for all files below it.
+    """
+    if run_hash is not None and not re.fullmatch(r"[0-9a-f]{64}", run_hash):
+        raise click.BadParameter("must be 64 lowercase hex characters", param_hint="--run-hash")
+    try:
+        allowed = [public_key_from_hex(k) for k in validator_keys] or None
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--validator-key") from None
+    all_ok = True
+    for result in inspect_paths(paths, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed):
+        click.echo(result.line)
+        all_ok &= result.ok
+    sys.exit(0 if all_ok else EXIT_INVALID)
+
+
+main.add_command(inspect_cmd)
+main.add_command(demo_cmd)  # the local swarm launcher (swarm/democli.py)

