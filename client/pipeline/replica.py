@@ -34,7 +34,7 @@ from client.pipeline.schedule import clip_coefficient, pipeline_step
 from client.pipeline.stage import Stage, plan_stages
 from protocol.codec import Encoded
 from protocol.config import RunSpec
-from protocol.data import TokenDataset, assigned_batches
+from protocol.data import TokenDataset, assigned_batches, pipeline_data_key
 from protocol.errors import ConfigError, NonFiniteValues, PipelineFailure
 from protocol.feedback import FeedbackState, compress_step
 from protocol.model import build_model
@@ -53,7 +53,7 @@ def _digest(batches: Sequence[Tensor]) -> str:
 
 def pipeline_peer_key(group: str) -> str:
     """The identity under which a pipeline replica's batches are assigned (all stages share it)."""
-    return f"pipeline:{group}"
+    return pipeline_data_key(group)
 
 
 def replica_batches(dataset: TokenDataset, spec: RunSpec, group: str, window: int) -> list[Tensor]:
