@@ -124,10 +124,13 @@ class Simulator:
         self.params = parameters_of(self.model)
         self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self.val = validation_batches(dataset, cfg.eval_sequences, cfg.batch_size, cfg.seq_len)
-        n_workers = 1 if cfg.method == "ddp" else cfg.replicas
-        self.workers = [build_model(model_cfg).to(self.device) for _ in range(n_workers)] if cfg.method != "ddp" else [self.model]
-        # DDP: one optimizer; each step's batch is the R replicas' batches, gradient averaged by accumulation.
-        mb = cfg.batch_size if cfg.method == "ddp" else cfg.micro_batch_size
+        if cfg.method == "ddp":
+            # One model and optimizer; each step's batch is the R replicas' batches and accumulating
+            # over micro-batches of one replica's size averages their gradients (the all-reduce).
+            self.workers, mb = [self.model], cfg.batch_size
+        else:
+            self.workers = [build_model(model_cfg).to(self.device) for _ in range(cfg.replicas)]
+            mb = cfg.micro_batch_size
         self.trainers = [InnerTrainer(m, cfg.inner, self.device, micro_batch_size=mb) for m in self.workers]
         self.feedback = [FeedbackState() for _ in range(cfg.replicas)]
         self.outer = NesterovOuter(cfg.outer.alpha, cfg.outer.momentum)

@@ -24,6 +24,8 @@ interleaving them (same total size):
      one valid length.
 
 Decoding is ``np.flatnonzero`` on the unary stream plus fixed-width unpacking: no per-index loop.
+Encoding looks every per-position quantity (A field, extra bit, unary length) up in tables indexed
+by the gap, cached per ``M``: one difference, three lookups, one running sum, one scatter.
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ def encode_rice(
     top = (int(lasts.max()) if max_len is None else max_len - 1) + 2  # every step is ≤ last position + 1
     if top > _TABLE_MAX:
         return _encode_rice_arith(local, ks, side, side_bits)
-    t = _tables(m, side_bits, 1 << (top - 1).bit_length())
+    t = _tables(m, side_bits, top if max_len is not None else 1 << (top - 1).bit_length())
     b = t.b.take(d)  # the extra bit of a long remainder, 2 for none
     extra = b.compress(b < 2)
     n_big = extra.size

@@ -205,7 +205,11 @@ def run(params: str, k: int, device: str, repeats: int, pg_steps: int = 15) -> d
     blobs = {"ours": {n: pack(e) for n, e in encoded.items()}, "12bit": {n: pack(e) for n, e in encoded12.items()}}
     names = list(tensors)
     enc, enc12 = paired_medians(
-        names, (lambda n: pack(encode(tensors[n], ours)), lambda n: pack(encode(tensors[n], base12))), repeats, sync, clock
+        names,
+        (lambda n: pack(encode(tensors[n], ours)), lambda n: pack(encode(tensors[n], base12))),
+        repeats,
+        sync,
+        clock,
     )
     # The coding stage alone (pack of an already encoded tensor): the only code the variants do not share.
     pk, pk12 = paired_medians(names, (lambda n: pack(encoded[n]), lambda n: pack(encoded12[n])), repeats, sync, clock)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from protocol.bitpack import pack_bits, packed_size, unpack_bits
 from protocol.errors import InvalidIndices, MalformedPayload, ProtocolError
 from protocol.indexcoding import (
+    _encode_rice_arith,
     check_positions,
     choose_golomb,
     decode_rice,
@@ -125,3 +126,43 @@ def test_golomb_bits_predicts_the_stream_size() -> None:
     # u16 parameter + byte-aligned A stream + B·U stream rounded up to a byte.
     size = 2 + -(-local.size * a_bits // 8) + -(-(predicted - local.size * a_bits) // 8)
     assert len(encode_rice(local, ks)) == size
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=index_sets(), side_bits=st.sampled_from([0, 2]), hint=st.booleans())
+def test_rice_table_path_matches_the_arithmetic_coder(
+    case: tuple[np.ndarray, np.ndarray, np.ndarray], side_bits: int, hint: bool
+) -> None:
+    """The table-driven encoder (and its small-set Python path) writes the same bytes as the
+    arithmetic one, with or without the geometry hints the codec passes."""
+    local, ks, sizes = case
+    side = (local * 7 % 4).astype(np.uint8) if side_bits else None
+    kw = {"uniform": bool(ks.size and (ks == ks[0]).all()), "max_len": int(sizes.max())} if hint and ks.size else {}
+    assert encode_rice(local, ks, side, side_bits, **kw) == _encode_rice_arith(local, ks, side, side_bits)
+
+
+def test_rice_paths_agree_on_codec_shapes_and_edge_parameters() -> None:
+    rng = np.random.default_rng(3)
+    cases = [
+        (2752, 43, 256),  # 43×64 tiles of a 1376-row matrix
+        (4096, 64, 64),
+        (4096, 4000, 3),  # dense: Golomb parameter 1, no remainder bits
+        (4096, 1, 50),  # sparse: wide remainders (A field over 8 bits)
+        (20000, 300, 4),  # chunks longer than the lookup tables: arithmetic fallback
+        (512, 8, 1),  # small set: Python path
+    ]
+    for size, k, n_chunks in cases:
+        local = np.concatenate([np.sort(rng.choice(size, k, replace=False)) for _ in range(n_chunks)])
+        ks, sizes = np.full(n_chunks, k), np.full(n_chunks, size)
+        side = rng.integers(0, 4, local.size).astype(np.uint8)
+        for args in ((local, ks), (local, ks, side, 2)):
+            data = encode_rice(*args)
+            assert data == _encode_rice_arith(*args)
+            back, got = decode_rice(data, ks, sizes, 2 if len(args) > 2 else 0)
+            assert np.array_equal(back, local)
+            if len(args) > 2:
+                assert np.array_equal(got, side)
+    uneven = np.array([50, 0, 30])  # an empty chunk (not made by the codec): arithmetic path
+    local = np.concatenate([np.sort(rng.choice(4096, 50, replace=False)), np.sort(rng.choice(4096, 30, replace=False))])
+    assert encode_rice(local, uneven) == _encode_rice_arith(local, uneven)
+    assert np.array_equal(decode_rice(encode_rice(local, uneven), uneven, np.full(3, 4096))[0], local)

@@ -157,7 +157,7 @@ class Validator:
         clock.lap("scoring")
         rows = self._decide(screened, received, scores, t)  # reputation, weights
         self._record_late(t - 1)  # uploads that missed the previous window are accounted for too
-        accepted = [s for s in screened if s.reason is None]
+        accepted = sorted((s for s in screened if s.reason is None), key=lambda s: s.peer)  # order-free Δ̄
         delta = aggregate([s.sparse for s in accepted], self.spec.outer.aggregation, self.spec.outer.clip)
         return self._publish(t, st, rows, delta, clock)  # log, aggregate, checkpoint, state
 
