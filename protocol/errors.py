@@ -19,14 +19,10 @@ class ConfigError(SparseLocoError):
     """A RunSpec, CLI option or local file is wrong. Stops the process with a clear message."""
 
 
-class ProtocolError(SparseLocoError):
-    """Bytes from outside broke a rule of the protocol.
+class ReasonedError(SparseLocoError):
+    """An error with a stable machine-readable ``reason`` (logged, counted, shown to operators)."""
 
-    ``reason`` is a stable identifier (``"bad_signature"``, ``"too_large"`` ...) used in logs and in
-    the contribution log; ``str(err)`` is the readable explanation.
-    """
-
-    reason: str = "protocol_error"
+    reason: str = "error"
 
     def __init__(self, message: str, *, reason: str | None = None) -> None:
         super().__init__(message)
@@ -35,6 +31,16 @@ class ProtocolError(SparseLocoError):
 
     def __str__(self) -> str:
         return f"{self.reason}: {super().__str__()}"
+
+
+class ProtocolError(ReasonedError):
+    """Bytes from outside broke a rule of the protocol.
+
+    ``reason`` is a stable identifier (``"bad_signature"``, ``"too_large"`` ...) used in logs and in
+    the contribution log; ``str(err)`` is the readable explanation.
+    """
+
+    reason: str = "protocol_error"
 
 
 class MalformedPayload(ProtocolError):
@@ -139,7 +145,7 @@ class InvalidKey(StoreError, ValueError):
     reason = "invalid_key"
 
 
-class PipelineFailure(SparseLocoError):
+class PipelineFailure(ReasonedError):
     """A pipeline stage could not finish a window with the other stages of its replica.
 
     ``reason``: ``peer_lost`` (a stage died or the link broke), ``timeout`` (no answer within
@@ -148,11 +154,3 @@ class PipelineFailure(SparseLocoError):
     """
 
     reason: str = "pipeline_failed"
-
-    def __init__(self, message: str, *, reason: str | None = None) -> None:
-        super().__init__(message)
-        if reason is not None:
-            self.reason = reason
-
-    def __str__(self) -> str:
-        return f"{self.reason}: {super().__str__()}"
