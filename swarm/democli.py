@@ -37,8 +37,9 @@ def demo(peers: int, windows: int, store: str, run_dir: str | None, timeout_s: f
     """Run a validator and N peers as separate processes on this machine (the demo RunSpec preset:
     a small LLaMA-style model on the Python standard library's source, H = 30)."""
     install_signal_handlers()
-    err = Console(stderr=True, highlight=False)
-    out = err if as_json else Console(highlight=False)
+    # Piped output (CI, `| tee`) gets wide lines instead of rich's 80-column wrapping.
+    err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
+    out = err if as_json else Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     try:
         summary = run_demo(peers=peers, windows=windows, store=store, run_dir=run_dir, timeout_s=timeout_s,
                            on_line=_Progress(err), preset=preset)  # fmt: skip
@@ -48,7 +49,11 @@ def demo(peers: int, windows: int, store: str, run_dir: str | None, timeout_s: f
     except KeyboardInterrupt:
         err.print("interrupted: every process was stopped")
         sys.exit(130)
-    out.print(summary_table(summary))
+    table = summary_table(summary)
+    title, caption = table.title, table.caption
+    table.title = table.caption = None  # printed as whole lines: the narrow table would wrap them
+    for part in (title, table, caption):
+        out.print(part)
     out.print(f"contribution log: {summary['contribution_log']}  (sparseloco-validator logs --db …)")
     if as_json:
         sys.stdout.write(json.dumps(summary, sort_keys=True) + "\n")
