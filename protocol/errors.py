@@ -154,3 +154,10 @@ class PipelineFailure(ReasonedError):
     """
 
     reason: str = "pipeline_failed"
+
+
+class IncompleteObject(ObjectNotFound):
+    """A stored object is only partly there: its manifest is, a piece is not (expired, lost with its
+    DHT nodes, or never written)."""
+
+    reason = "incomplete"

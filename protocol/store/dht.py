@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 from protocol.errors import (
     ConfigError,
+    IncompleteObject,
     InvalidKey,
     ObjectExists,
     ObjectNotFound,
@@ -77,12 +78,6 @@ _FILE, _FOLDER, _DELETED = b"f", b"d", b"-"  # directory entry markers
 _BOOTSTRAP_MADDR = re.compile(r"/\S+/p2p/[1-9A-HJ-NP-Za-km-z]{20,}")
 # Strong references: a running node is a resource that lives until close() or interpreter exit.
 _LIVE: "set[DHTStore]" = set()
-
-
-class IncompleteObject(ObjectNotFound):
-    """The manifest is there but a piece is not (expired, lost with its nodes, or never written)."""
-
-    reason = "incomplete"
 
 
 class DHTStore(ObjectStore):
