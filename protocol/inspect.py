@@ -9,6 +9,7 @@ the aggregate signer are checked only when given, since an operator may inspect 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Collection, Iterable, Iterator
@@ -16,7 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.errors import PayloadTooLarge, ProtocolError
-from protocol.wire import Aggregate, Announcement, CheckpointManifest, Contribution, SignedObject, decode_object
+from protocol.wire import (
+    Aggregate,
+    Announcement,
+    CheckpointFile,
+    CheckpointManifest,
+    Contribution,
+    SignedObject,
+    decode_object,
+)
 
 DEFAULT_MAX_BYTES = 1 << 30
 
@@ -89,17 +98,52 @@ def inspect_file(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES, **chec
 
 
 def inspect_paths(paths: Iterable[str | Path], **options: object) -> Iterator[InspectResult]:
-    """Inspect files; a directory stands for every file below it, in sorted order."""
+    """Inspect files; a directory stands for every file below it, in sorted order.
+
+    Checkpoint weights are safetensors, not signed envelopes: a file that a valid checkpoint manifest
+    among the inspected files lists (same folder) is checked against the manifest's size and sha256.
+    """
+    results = [inspect_file(f, **options) if isinstance(f, Path) else f for f in _expand(paths)]  # type: ignore[arg-type]
+    listed = _listed_by_manifests(results)
+    for r in results:
+        yield _verify_listed(r.path, *listed[r.path]) if not r.ok and r.path in listed else r
+
+
+def _expand(paths: Iterable[str | Path]) -> Iterator[Path | InspectResult]:
     for path in paths:
         p = Path(path)
         if p.is_dir():
             files = sorted(f for f in p.rglob("*") if f.is_file())
-            for f in files:
-                yield inspect_file(f, **options)  # type: ignore[arg-type]
+            yield from files
             if not files:
                 yield _invalid(str(p), "unreadable", "directory holds no files")
         else:
-            yield inspect_file(p, **options)  # type: ignore[arg-type]
+            yield p
+
+
+def _listed_by_manifests(results: Iterable[InspectResult]) -> dict[str, tuple[int, CheckpointFile]]:
+    """path -> (window, entry) for every file named by a valid manifest, resolved beside it."""
+    listed: dict[str, tuple[int, CheckpointFile]] = {}
+    for r in results:
+        if r.ok and isinstance(r.obj, CheckpointManifest):
+            for entry in r.obj.files:
+                listed[str(Path(r.path).parent / entry.key.rsplit("/", 1)[-1])] = (r.obj.window, entry)
+    return listed
+
+
+def _verify_listed(path: str, window: int, entry: CheckpointFile) -> InspectResult:
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+                size += len(chunk)
+    except OSError as exc:
+        return _invalid(path, "unreadable", exc.strerror or str(exc))
+    if size != entry.size or digest.hexdigest() != entry.sha256:
+        return _invalid(path, "digest_mismatch", f"does not match its checkpoint manifest ({entry.key})")
+    line = f"OK checkpoint-file window={window} bytes={size} sha256={_short(entry.sha256)} path={path}"
+    return InspectResult(path, True, line)
 
 
 def _invalid(path: str, reason: str, message: str) -> InspectResult:

@@ -110,3 +110,32 @@ def test_real_console_script_never_prints_a_traceback(objects, tmp_path) -> None
     lines = proc.stdout.splitlines()
     assert len(lines) == len(everything)
     assert [line.split()[0] for line in lines] == ["OK"] * 4 + ["INVALID"] * 4
+
+
+def test_checkpoint_weights_are_checked_against_their_manifest(tmp_path: Path) -> None:
+    """Weights are safetensors, not envelopes: inspecting a checkpoint folder verifies them by the
+    manifest's size and sha256 instead of calling them invalid objects."""
+    import hashlib
+
+    from wire_samples import RUN_ID
+
+    from protocol.layout import checkpoint_key
+    from protocol.wire import CheckpointFile, CheckpointManifest, encode_checkpoint
+
+    weights = b"not an envelope, but the bytes the manifest signed"
+    entry = CheckpointFile(checkpoint_key(RUN_ID, 4, "model.safetensors"), hashlib.sha256(weights).hexdigest(), len(weights))
+    manifest = CheckpointManifest(RUN, 4, "genesis", "ab" * 32, (entry,), {})
+    folder = tmp_path / "checkpoint" / "00000004"
+    folder.mkdir(parents=True)
+    (folder / "manifest").write_bytes(encode_checkpoint(manifest, VALIDATOR))
+    (folder / "model.safetensors").write_bytes(weights)
+
+    lines = [r.line for r in inspect_paths([tmp_path])]
+    assert [line.split()[:2] for line in lines] == [["OK", "checkpoint"], ["OK", "checkpoint-file"]]
+
+    (folder / "model.safetensors").write_bytes(weights[:-1] + b"!")  # same size, other bytes
+    bad = [r for r in inspect_paths([tmp_path]) if not r.ok]
+    assert len(bad) == 1 and bad[0].reason == "digest_mismatch"
+    # Without its manifest a weights file is what it is: not a signed object.
+    alone = list(inspect_paths([folder / "model.safetensors"]))
+    assert not alone[0].ok and alone[0].reason == "unsupported_version"
