@@ -22,14 +22,10 @@ never applied.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
 from torch import Tensor
 
 from protocol import layout
@@ -37,18 +33,15 @@ from protocol.config import RunSpec
 from protocol.errors import (
     DigestMismatch,
     MalformedPayload,
-    ObjectNotFound,
     ProtocolError,
-    SchemaMismatch,
     StaleBase,
     StoreError,
 )
 from protocol.aggregate import apply_outer
+from protocol.chain import delta_of, read_aggregate, read_manifest, read_weights
 from protocol.model import build_model, fingerprint, param_schema
 from protocol.store.base import ObjectStore
-from protocol.wire import Aggregate, CheckpointManifest, decode_aggregate, decode_checkpoint, published_at_of
-
-MAX_MANIFEST_BYTES = 1 << 20
+from protocol.wire import Aggregate, CheckpointManifest, published_at_of
 
 
 class NotReady(ProtocolError):
@@ -96,21 +89,10 @@ class Sync:
     # ------------------------------------------------------------------ aggregates
     def fetch_aggregate(self, window: int) -> Aggregate | None:
         """The verified aggregate of ``window``, or None when it is not published yet."""
-        try:
-            blob = self.store.get(layout.aggregate_key(self.run, window), max_bytes=self.spec.validator.max_aggregate_bytes)
-        except ObjectNotFound:
-            return None
-        return decode_aggregate(
-            blob,
-            run_hash=self.run_hash,
-            max_bytes=self.spec.validator.max_aggregate_bytes,
-            allowed_signers=self.signers,
-            window=window,
-            # Unknown tensors and wrong shapes are refused before the payload is read; a subset
-            # of θ is fine (parameters nobody sent, pipeline stages, empty windows).
-            schema=self.schema,
-            partial=True,
-        )
+        return read_aggregate(
+            self.store, self.run, self.run_hash, window, allowed_signers=self.signers,
+            max_bytes=self.spec.validator.max_aggregate_bytes, schema=self.schema,
+        )  # fmt: skip
 
     def aggregate_published(self, window: int) -> bool:
         return self.store.exists(layout.aggregate_key(self.run, window))
@@ -138,8 +120,7 @@ class Sync:
             raise StaleBase(f"aggregate is for window {agg.window}, peer is at window {pos.window}")
         if agg.base != pos.base:
             raise StaleBase(f"aggregate {agg.window} builds on {agg.base[:16]}, peer holds {pos.base[:16]}")
-        delta = {name: (t.indices, t.values) for name, t in agg.tensors.items()}
-        apply_outer(params, delta, agg.alpha)
+        apply_outer(params, delta_of(agg), agg.alpha)
         got = fingerprint(params)
         if got != agg.fingerprint:
             raise DigestMismatch(f"θ after aggregate {agg.window} is {got[:16]}, validator signed {agg.fingerprint[:16]}")
@@ -148,37 +129,23 @@ class Sync:
     # ------------------------------------------------------------------ checkpoints
     def load_checkpoint(self, window: int) -> tuple[Position, dict[str, Tensor]]:
         """θ from the signed checkpoint of ``window`` (files checked against the manifest)."""
-        blob = self.store.get(layout.checkpoint_manifest_key(self.run, window), max_bytes=MAX_MANIFEST_BYTES)
-        manifest = decode_checkpoint(
-            blob, run_hash=self.run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=self.signers, window=window
-        )
+        manifest = read_manifest(self.store, self.run, self.run_hash, window, allowed_signers=self.signers)
         params = self._checkpoint_params(manifest)
-        got = fingerprint(params)
-        if got != manifest.fingerprint:
-            raise DigestMismatch(f"checkpoint {window} weights hash to {got[:16]}, manifest says {manifest.fingerprint[:16]}")
         opened = published_at_of(manifest.metadata)  # signed by the validator: when ``window`` opened
         if opened is None:
             opened = self._opened_at(window)
-        return Position(window, manifest.aggregate, got, opened), params
+        return Position(window, manifest.aggregate, manifest.fingerprint, opened), params
 
     def _checkpoint_params(self, manifest: CheckpointManifest) -> dict[str, Tensor]:
-        if manifest.window == 0:
-            # θ₀ is a pure function of the RunSpec: build it instead of downloading it, and let the
-            # fingerprint comparison in load_checkpoint prove that we built the same bytes.
-            return {n: p.detach().clone() for n, p in build_model(self.spec.model).named_parameters()}
-        params: dict[str, Tensor] = {}
-        for f in manifest.files:
-            key = f.key if "/" in f.key else layout.checkpoint_key(self.run, manifest.window, f.key)
-            data = self.store.get(key, max_bytes=max(f.size, 1))
-            if len(data) != f.size or hashlib.sha256(data).hexdigest() != f.sha256:
-                raise DigestMismatch(f"checkpoint file {f.key} does not match its manifest entry")
-            try:
-                params.update(st_load(data))
-            except (SafetensorError, ValueError) as exc:
-                raise MalformedPayload(f"checkpoint file {f.key} is not safetensors: {exc}") from exc
-        if {n: tuple(t.shape) for n, t in params.items()} != self.schema:
-            raise SchemaMismatch(f"checkpoint {manifest.window} does not hold exactly the run's parameters")
-        return {n: t.to(torch.float32).contiguous() for n, t in params.items()}
+        if manifest.window != 0:
+            return read_weights(self.store, manifest, schema=self.schema)
+        # θ₀ is a pure function of the RunSpec: build it instead of downloading it, and prove by the
+        # fingerprint that we built the bytes the validator signed.
+        params = {n: p.detach().clone() for n, p in build_model(self.spec.model).named_parameters()}
+        got = fingerprint(params)
+        if got != manifest.fingerprint:
+            raise DigestMismatch(f"checkpoint 0 weights hash to {got[:16]}, manifest says {manifest.fingerprint[:16]}")
+        return params
 
     def _opened_at(self, window: int) -> float | None:
         """When ``window`` opened, from aggregate ``window − 1`` (manifests without ``published_at``)."""

@@ -58,7 +58,7 @@ class MiniValidator:
         self.window = 0
         self.fingerprints: list[str] = []
         publish_checkpoint(store, self.run, spec.hash(), 0, aggregate=GENESIS, params=self.params,
-                           identity=ident, published_at=time.time(), max_bytes=1 << 30)  # fmt: skip
+                           identity=ident, published_at=time.time())  # fmt: skip
 
     def close_window(self, expect: int, timeout: float = 60.0) -> list[str]:
         prefix = layout.contrib_prefix(self.run, self.window)
@@ -86,8 +86,7 @@ class MiniValidator:
         self.fingerprints.append(fp)
         if self.window % self.spec.windows.checkpoint_every == 0:
             publish_checkpoint(self.store, self.run, self.spec.hash(), self.window, aggregate=self.base,
-                               params=self.params, identity=self.ident, published_at=time.time(),
-                               max_bytes=1 << 30)  # fmt: skip
+                               params=self.params, identity=self.ident, published_at=time.time())  # fmt: skip
         return [c.sender for c in contribs]
 
 

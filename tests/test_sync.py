@@ -31,7 +31,7 @@ def run() -> Iterator[tuple[RunSpec, ObjectStore]]:
     store = open_store(f"memory://sync-schema-{time.time_ns()}")
     params = {n: p.detach().clone() for n, p in build_model(spec.model).named_parameters()}
     publish_checkpoint(store, layout.run_id(spec.hash()), spec.hash(), 0, aggregate=GENESIS, params=params,
-                       identity=VALIDATOR, published_at=GENESIS_AT, max_bytes=1 << 30)  # fmt: skip
+                       identity=VALIDATOR, published_at=GENESIS_AT)  # fmt: skip
     yield spec, store
     store.close()
 

@@ -15,6 +15,7 @@ import torch
 
 from protocol import layout
 from protocol.aggregate import apply_outer
+from protocol.chain import delta_of, read_aggregate
 from protocol.errors import ConfigError
 from protocol.identity import Identity
 from protocol.model import build_model, fingerprint, parameters_of
@@ -68,7 +69,7 @@ def test_honest_window_is_accepted_and_peers_reproduce_the_fingerprint(swarm: Sw
                            allowed_signers=swarm.spec.validator.public_keys, window=0)  # fmt: skip
     assert {m.peer_id: m.digest for m in agg.manifest} == digests
     assert agg.base == GENESIS and float(agg.metadata["published_at"]) > 0
-    apply_outer(params, publish.delta_of(agg), agg.alpha)
+    apply_outer(params, delta_of(agg), agg.alpha)
     assert fingerprint(params) == agg.fingerprint == report.fingerprint
     assert v.state is not None and v.state.window == 1 and v.state.base == agg.digest
 
@@ -142,8 +143,8 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
     }  # fmt: skip
     assert reasons == expected
     assert report.accepted == 3 and report.rejected == len(expected) - 3
-    agg = publish.read_aggregate(swarm.store, swarm.run, swarm.run_hash, 1,
-                                 allowed_signers=spec.validator.public_keys, max_bytes=1 << 26)  # fmt: skip
+    agg = read_aggregate(swarm.store, swarm.run, swarm.run_hash, 1,
+                         allowed_signers=spec.validator.public_keys, max_bytes=1 << 26)  # fmt: skip
     assert agg is not None and {m.peer_id for m in agg.manifest} == {honest_a.peer_id, honest_b.peer_id, honest_c.peer_id}
     rejected = v.log.rows(windows=(1, 1), rejected_only=True)
     assert all(r.weight == 0.0 and r.detail for r in rejected)
@@ -192,8 +193,8 @@ def test_killed_after_publishing_adopts_the_published_aggregate(swarm: Swarm, vk
     v.store.faults.crash_mid_upload(layout.checkpoint_prefix(swarm.run, 2))  # type: ignore[attr-defined]
     with pytest.raises(SimulatedCrash):
         v.run_window()
-    published = publish.read_aggregate(swarm.store, swarm.run, swarm.run_hash, 1,
-                                       allowed_signers=spec.validator.public_keys, max_bytes=1 << 26)  # fmt: skip
+    published = read_aggregate(swarm.store, swarm.run, swarm.run_hash, 1,
+                               allowed_signers=spec.validator.public_keys, max_bytes=1 << 26)  # fmt: skip
     assert published is not None
     v.log.close()
 
@@ -203,7 +204,7 @@ def test_killed_after_publishing_adopts_the_published_aggregate(swarm: Swarm, vk
     assert v2.log.window(1).status == "published"  # type: ignore[union-attr]
     assert len(v2.log.rows(windows=(1, 1))) == 3
     _, ckpt, _ = publish.load_checkpoint(swarm.store, swarm.run, swarm.run_hash, 2,
-                                         allowed_signers=spec.validator.public_keys, max_bytes=1 << 26)  # fmt: skip
+                                         allowed_signers=spec.validator.public_keys)  # fmt: skip
     assert fingerprint(ckpt) == published.fingerprint
     v2.close()
 

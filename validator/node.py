@@ -28,6 +28,7 @@ import torch
 
 from protocol import layout
 from protocol.aggregate import SparseDict, aggregate, apply_outer
+from protocol.chain import delta_of, read_aggregate
 from protocol.config import RunSpec
 from protocol.data import assigned_batches, open_dataset, random_batches, validation_batches
 from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
@@ -173,7 +174,7 @@ class Validator:
         params = {n: p.detach().clone() for n, p in parameters_of(build_model(self.spec.model)).items()}
         try:
             _, stored, opened_at = publish.load_checkpoint(
-                self.store, self.run_id, self.run_hash, 0, allowed_signers=self.signers, max_bytes=self._max_ckpt()
+                self.store, self.run_id, self.run_hash, 0, allowed_signers=self.signers
             )
             if fingerprint(stored) != fingerprint(params):
                 raise ConfigError("the store's genesis checkpoint differs from θ₀ built from this RunSpec")
@@ -183,7 +184,7 @@ class Validator:
             opened_at = self.clock()
             publish.publish_checkpoint(
                 self.store, self.run_id, self.run_hash, 0, aggregate=GENESIS, params=params,
-                identity=self.identity, published_at=opened_at, max_bytes=self._max_ckpt(),
+                identity=self.identity, published_at=opened_at,
             )  # fmt: skip
         state = ValidatorState(self.run_hash, 0, GENESIS, opened_at, params)
         save_state(self.state_dir, state)
@@ -195,7 +196,7 @@ class Validator:
         while True:
             st = self._state()
             try:
-                agg = publish.read_aggregate(
+                agg = read_aggregate(
                     self.store, self.run_id, self.run_hash, st.window,
                     allowed_signers=self.signers, max_bytes=self.spec.validator.max_aggregate_bytes, schema=self.schema,
                 )  # fmt: skip
@@ -206,7 +207,7 @@ class Validator:
             if agg.base != st.base:
                 raise ConfigError(f"published aggregate {st.window} does not follow this validator's state")
             params = {n: p.detach().clone() for n, p in st.params.items()}
-            apply_outer(params, publish.delta_of(agg), agg.alpha)
+            apply_outer(params, delta_of(agg), agg.alpha)
             if fingerprint(params) != agg.fingerprint:
                 raise ConfigError(f"aggregate {st.window} does not reproduce its fingerprint from this state")
             self._adopt_rows(agg)
@@ -348,7 +349,7 @@ class Validator:
         if is_checkpoint_window(nxt.window, self.spec.windows):
             publish.publish_checkpoint(
                 self.store, self.run_id, self.run_hash, nxt.window, aggregate=agg.digest, params=params,
-                identity=self.identity, published_at=nxt.opened_at, max_bytes=self._max_ckpt(),
+                identity=self.identity, published_at=nxt.opened_at,
             )  # fmt: skip
         save_state(self.state_dir, nxt)
         self.state = nxt
@@ -390,9 +391,6 @@ class Validator:
         if not hasattr(self, "_val"):
             self._val = validation_batches(self.dataset, self.spec.validator.eval_sequences, d.batch_size, d.seq_len)
         return eval_loss(self.model, self._val, self.device)
-
-    def _max_ckpt(self) -> int:
-        return self.spec.validator.max_aggregate_bytes
 
 
 def _published_at(agg: Aggregate) -> float:

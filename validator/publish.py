@@ -19,13 +19,12 @@ import hashlib
 from collections.abc import Mapping, Sequence
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from protocol import layout
 from protocol.aggregate import SparseDict
-from protocol.errors import DigestMismatch, MalformedPayload, ObjectExists, ObjectNotFound
+from protocol.chain import MAX_MANIFEST_BYTES, WEIGHTS_FILE, read_checkpoint, read_manifest
+from protocol.errors import MalformedPayload, ObjectExists, ObjectNotFound
 from protocol.identity import Identity
 from protocol.model import fingerprint
 from protocol.store.base import ObjectStore
@@ -34,7 +33,6 @@ from protocol.wire import (
     CheckpointFile,
     CheckpointManifest,
     SparseDelta as WireDelta,
-    decode_aggregate,
     decode_checkpoint,
     encode_aggregate,
     encode_checkpoint,
@@ -43,17 +41,12 @@ from protocol.wire import PUBLISHED_AT, ManifestEntry, published_at_of
 
 __all__ = [
     "WEIGHTS_FILE",
-    "delta_of",
     "encode_window_aggregate",
     "load_checkpoint",
     "publish_checkpoint",
     "put_once",
-    "read_aggregate",
     "weights_bytes",
 ]
-
-WEIGHTS_FILE = "model.safetensors"
-MAX_MANIFEST_BYTES = 1 << 20
 
 
 def put_once(store: ObjectStore, key: str, data: bytes, *, max_bytes: int) -> None:
@@ -82,7 +75,6 @@ def publish_checkpoint(
     params: Mapping[str, torch.Tensor],
     identity: Identity,
     published_at: float,
-    max_bytes: int,
 ) -> CheckpointManifest:
     """Write θ_window and its signed manifest (weights first: a manifest never names a missing file).
     If a manifest for this window is already there for the same θ, nothing is written."""
@@ -106,10 +98,7 @@ def _existing_manifest(
     store: ObjectStore, run: str, run_hash: str, window: int, identity: Identity
 ) -> CheckpointManifest | None:
     try:
-        data = store.get(layout.checkpoint_manifest_key(run, window), max_bytes=MAX_MANIFEST_BYTES)
-        return decode_checkpoint(
-            data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=[identity.public_key], window=window
-        )
+        return read_manifest(store, run, run_hash, window, allowed_signers=[identity.public_key])
     except ObjectNotFound:
         return None
 
@@ -121,29 +110,13 @@ def load_checkpoint(
     window: int,
     *,
     allowed_signers: Sequence[bytes | str],
-    max_bytes: int,
 ) -> tuple[CheckpointManifest, dict[str, torch.Tensor], float]:
-    """(manifest, θ_window, published_at), every file checked against the signed manifest;
-    ``published_at`` comes from the manifest's signed metadata."""
-    data = store.get(layout.checkpoint_manifest_key(run, window), max_bytes=MAX_MANIFEST_BYTES)
-    manifest = decode_checkpoint(
-        data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=allowed_signers, window=window
-    )
-    entry = next((f for f in manifest.files if f.key.endswith("/" + WEIGHTS_FILE)), None)
-    if entry is None:
-        raise MalformedPayload(f"checkpoint {window} lists no {WEIGHTS_FILE}")
+    """(manifest, θ_window, published_at), every file checked against the signed manifest
+    (``protocol.chain``); the validator also requires the manifest's signed ``published_at``."""
+    manifest, params = read_checkpoint(store, run, run_hash, window, allowed_signers=allowed_signers)
     opened = published_at_of(manifest.metadata)
     if opened is None:
         raise MalformedPayload(f"checkpoint {window} has no published_at in its signed metadata")
-    blob = store.get(entry.key, max_bytes=min(max_bytes, entry.size))
-    if hashlib.sha256(blob).hexdigest() != entry.sha256:
-        raise DigestMismatch(f"{entry.key} does not match its manifest")
-    try:
-        params = dict(st_load(blob))
-    except (SafetensorError, ValueError) as exc:
-        raise MalformedPayload(f"{entry.key}: {exc}") from exc
-    if fingerprint(params) != manifest.fingerprint:
-        raise DigestMismatch(f"checkpoint {window} weights do not have the manifest's fingerprint")
     return manifest, params, opened
 
 
@@ -174,31 +147,3 @@ def encode_window_aggregate(
         dict(metadata),
     )
     return encode_aggregate(agg, identity)
-
-
-def read_aggregate(
-    store: ObjectStore,
-    run: str,
-    run_hash: str,
-    window: int,
-    *,
-    allowed_signers: Sequence[bytes | str],
-    max_bytes: int,
-    schema: Mapping[str, tuple[int, ...]] | None = None,
-) -> Aggregate | None:
-    """The published aggregate of ``window``, or None when there is none yet. With ``schema``, its
-    tensors must be a subset of it with the same shapes."""
-    try:
-        data = store.get(layout.aggregate_key(run, window), max_bytes=max_bytes)
-    except ObjectNotFound:
-        return None
-    return decode_aggregate(
-        data, run_hash=run_hash, max_bytes=max_bytes, allowed_signers=allowed_signers, window=window,
-        schema=schema, partial=True,
-    )  # fmt: skip
-
-
-def delta_of(agg: Aggregate) -> SparseDict:
-    """An aggregate's Δ̄ in :mod:`protocol.aggregate`'s form."""
-    return {name: (t.indices.to(torch.int64), t.values.to(torch.float32)) for name, t in agg.tensors.items()}
-
