@@ -10,7 +10,7 @@ from protocol.data import assigned_batches, random_batches
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, parameters_of
 from tests.validator_fixtures import Swarm, tiny_spec
-from validator.scoring import LossScore, pick_sample, score_update, take_sequences
+from validator.scoring import LossScore, pick_sample, score_update, scoring_units, take_sequences
 
 
 def test_pick_sample_is_deterministic_bounded_and_varies_by_window() -> None:
@@ -82,3 +82,16 @@ def test_honest_update_helps_its_own_data_and_negated_is_harmful(swarm: Swarm) -
 
     zero = score_update(model, {}, own=own, random=rand, random_before=rand_before, scale=1.0)
     assert zero.harmful and zero.score == 0.0  # doing nothing does not count as helping
+
+
+def test_pipeline_stages_are_scored_as_one_unit() -> None:
+    meta = {
+        "full-b": {},
+        "s1": {"pipeline_group": "g", "pipeline_stage": 1},
+        "full-a": {"pipeline_group": 7},  # malformed group: scored alone, on its own lane
+        "s0": {"pipeline_group": "g", "pipeline_stage": 0},
+        "h0": {"pipeline_group": "h", "pipeline_stage": 0},
+    }
+    assert scoring_units(meta) == {
+        "full-a": ["full-a"], "full-b": ["full-b"], "pipeline:g": ["s0", "s1"], "pipeline:h": ["h0"],
+    }  # fmt: skip

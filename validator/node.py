@@ -41,7 +41,7 @@ from validator import checks, publish, window_checks
 from validator.gather import PeerRegistry, Received, gather, list_contributions
 from validator.log import ContributionLog, ContributionRecord, WindowRecord
 from validator.reputation import LATE, Outcome, Standing, is_excluded, standings, update
-from validator.scoring import LossScore, data_key, pick_sample, score_update, take_sequences
+from validator.scoring import LossScore, pick_sample, score_update, scoring_units, take_sequences
 from validator.state import ValidatorState, load_state, save_state
 
 __all__ = ["Validator", "WindowReport"]
@@ -259,7 +259,8 @@ class Validator:
     def _score(self, screened: list[checks.Screened], t: int, base: str) -> dict[str, LossScore]:
         cfg, data = self.spec.validator, self.spec.data
         live = {s.peer: s for s in screened if s.reason is None}
-        sample = pick_sample(sorted(live), cfg.eval_peers_per_window, self.spec.seed, t)
+        units = scoring_units({p: s.contribution.metadata if s.contribution else {} for p, s in live.items()})
+        sample = pick_sample(sorted(units), cfg.eval_peers_per_window, self.spec.seed, t)
         if not sample:
             return {}
         seed = int.from_bytes(hashlib.sha256(f"{self.spec.seed}|{t}|{base}".encode()).digest()[:8], "little")
@@ -268,17 +269,16 @@ class Validator:
         rand_before = eval_loss(self.model, rand, self.device)
         scale = cfg.eval_scale * self.spec.outer.alpha
         out = {}
-        for peer in sample:
-            c = live[peer].contribution
-            key = data_key(peer, c.metadata if c else {})
+        for key in sample:  # a peer, or the stages of one pipeline replica (disjoint slices)
+            update = {name: v for peer in units[key] for name, v in live[peer].sparse.items()}
             own = take_sequences(
                 assigned_batches(self.dataset, self.spec.seed, key, t, self.spec.inner.steps, data.batch_size, data.seq_len),
                 cfg.eval_sequences,
             )  # fmt: skip
-            out[peer] = score_update(
-                self.model, live[peer].sparse, own=own, random=rand, random_before=rand_before, scale=scale,
-                device=self.device,
-            )  # fmt: skip
+            score = score_update(
+                self.model, update, own=own, random=rand, random_before=rand_before, scale=scale, device=self.device
+            )
+            out.update((peer, score) for peer in units[key])
         return out
 
     def _rank(self, t: int, scores: dict[str, LossScore]) -> dict[str, float]:

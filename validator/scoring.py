@@ -67,6 +67,16 @@ def data_key(peer: str, metadata: Mapping[str, object]) -> str:
     return pipeline_data_key(group) if isinstance(group, str) and group else peer
 
 
+def scoring_units(metadata: Mapping[str, Mapping[str, object]]) -> dict[str, list[str]]:
+    """Who is scored together: data key -> peers (sorted). A full peer is a unit of its own; the
+    stages of one pipeline replica trained one model jointly on one data key, and a single stage's
+    slice applied alone is not an update anybody trained, so its stages are scored as one update."""
+    units: dict[str, list[str]] = {}
+    for peer in sorted(metadata):
+        units.setdefault(data_key(peer, metadata[peer]), []).append(peer)
+    return units
+
+
 def take_sequences(batches: Sequence[Tensor], n: int) -> list[Tensor]:
     """The first ``n`` sequences of ``batches`` (a list of [B, T+1] tensors), as one batch list."""
     if n <= 0:
