@@ -34,7 +34,7 @@ from protocol.data import TokenDataset, assigned_batches, validation_batches
 from protocol.errors import ConfigError
 from protocol.feedback import FeedbackState, compress_step
 from protocol.model import build_model, eval_loss, fingerprint, parameters_of
-from protocol.outer import NesterovOuter, dense_mean
+from client.outer import NesterovOuter, dense_mean
 
 __all__ = ["METHODS", "RoundRecord", "SimConfig", "SimResult", "Simulator", "compress_and_pack", "unpack_sparse"]
 

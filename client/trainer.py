@@ -6,7 +6,7 @@
     delta = pseudo_gradient(base, model)       # Δ = θ_t − θ_local
     trainer.save(path)                         # optimizer moments + step survive a restart
 
-The learning rate follows :func:`protocol.schedule.lr_at` at the trainer's global inner-step
+The learning rate follows :func:`client.schedule.lr_at` at the trainer's global inner-step
 counter, so a restored trainer continues the schedule. Gradients are accumulated over micro-batches
 when ``micro_batch_size`` > 0. Autocast is bf16 on CUDA; CPU runs in fp32. Parameters stay fp32.
 """
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from protocol.config import InnerConfig
 from protocol.errors import ConfigError
 from protocol.model import autocast_for, lm_loss, parameters_of
-from protocol.schedule import lr_at
+from client.schedule import lr_at
 
 __all__ = ["InnerTrainer", "WindowStats", "load_params", "pseudo_gradient", "snapshot"]
 

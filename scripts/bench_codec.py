@@ -46,7 +46,7 @@ from protocol import wire
 from protocol.codec import Encoded, decode, encode, pack, to_sparse, unpack
 from protocol.config import MODEL_PRESETS, CodecConfig, model_config
 from protocol.identity import Identity
-from protocol.indexcoding import encode_rice
+from protocol.codec.indexcoding import encode_rice
 from protocol.model import build_model, lm_loss, param_schema
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])  # fixed text: the interpreter's own sources

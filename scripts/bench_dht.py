@@ -3,7 +3,7 @@
     python scripts/bench_dht.py            # rich table
     python scripts/bench_dht.py --json     # one JSON object
 
-Setup: a DHT server node runs in a child process (``python -m protocol.store.dht_serve``); this
+Setup: a DHT server node runs in a child process (``python -m protocol.store.dht.serve``); this
 process holds two *client-mode* nodes (they store nothing for others), so every put crosses to the
 child and every get comes back from it — nothing is served from a local replica or cache. ``put`` is
 timed on the writer, ``get`` (with every piece and the whole value hash-checked) on the reader.
@@ -28,14 +28,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from protocol.store.dht import DHTStore
+from protocol.store.dht.store import DHTStore
 
 SIZES = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 3 << 20, 8 << 20]
 RAW_LIMIT = 3 << 20  # raw single records above ~3.5 MiB do not round-trip (NOTES.md)
 
 
 def start_server() -> tuple[subprocess.Popen[str], list[str]]:
-    cmd = [sys.executable, "-m", "protocol.store.dht_serve", "--control"]  # stdin EOF stops it
+    cmd = [sys.executable, "-m", "protocol.store.dht.serve", "--control"]  # stdin EOF stops it
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
     maddrs: list[str] = []
     assert proc.stdout is not None

@@ -50,7 +50,7 @@ from protocol.config import CodecConfig, DataConfig, InnerConfig, ModelConfig, O
 from protocol.data import TokenDataset, assigned_batches, open_dataset, validation_batches
 from protocol.feedback import FeedbackState
 from protocol.model import Transformer, build_model, eval_loss, parameters_of
-from protocol.subspace import EMBEDDING, Subspace, constrained_names, localize, out_of_span_ratio
+from client.pipeline.subspace import EMBEDDING, Subspace, constrained_names, localize, out_of_span_ratio
 
 RUN_HASH = "bench-pipeline"  # seeds U; any fixed string works for a benchmark
 

@@ -1,4 +1,4 @@
-"""The SeaweedFS S3 server for tests: a re-export of :mod:`swarm.seaweed` (tests import ``servers``).
+"""The SeaweedFS S3 server for tests: a re-export of :mod:`client.demo.seaweed` (tests import ``servers``).
 
     with SeaweedS3() as s3:
         alice = s3.issue_credentials(*peer_grants(run, alice_id), name="alice")
@@ -8,7 +8,7 @@ As a pytest fixture: ``seaweed = pytest.fixture(scope="module")(seaweed_server)`
 
 from __future__ import annotations
 
-from swarm.seaweed import (
+from client.demo.seaweed import (
     REGION,
     Credentials,
     SeaweedS3,

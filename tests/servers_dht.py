@@ -2,7 +2,7 @@
 
     with start_dht_nodes(2) as bootstrap:              # in-process nodes, list of multiaddrs
         store = DHTStore(bootstrap)
-    with start_dht_processes(1, bootstrap) as [proc]:  # `python -m protocol.store.dht_serve --control`
+    with start_dht_processes(1, bootstrap) as [proc]:  # `python -m protocol.store.dht.serve --control`
         proc.call("put run/x 6291456 7")               # -> "OK <sha256> <seconds>"
 
 Every node listens on a free port. Child processes run in their own process group with stdin as a
@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from protocol.store.dht import DHTStore
+from protocol.store.dht.store import DHTStore
 
 
 @contextmanager
@@ -45,7 +45,7 @@ class DHTProcess:
 
     def __init__(self, initial_peers: Iterable[str] = (), *, expiration_s: float | None = None,
                  timeout: float = 60.0) -> None:  # fmt: skip
-        cmd = [sys.executable, "-m", "protocol.store.dht_serve", "--control"]
+        cmd = [sys.executable, "-m", "protocol.store.dht.serve", "--control"]
         cmd += [arg for peer in initial_peers for arg in ("--initial-peer", peer)]
         if expiration_s is not None:
             cmd += ["--expiration-s", str(expiration_s)]

@@ -16,8 +16,8 @@ from protocol.aggregate import (
 )
 from protocol.config import InnerConfig
 from protocol.errors import InvalidIndices, NonFiniteValues, SchemaMismatch
-from protocol.outer import NesterovOuter, dense_mean
-from protocol.schedule import lr_at
+from client.outer import NesterovOuter, dense_mean
+from client.schedule import lr_at
 
 
 def sp(idx: list[int], vals: list[float]) -> tuple[torch.Tensor, torch.Tensor]:

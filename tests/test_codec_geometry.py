@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from protocol.chunking import chunk_k, geometry, largest_divisor_at_most
+from protocol.codec.chunking import chunk_k, geometry, largest_divisor_at_most
 from protocol.config import CodecConfig
 
 CFG = CodecConfig()

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from protocol.config import RunSpec
-from swarm.demo import PRESET
-from swarm.processes import ProcessGroup
+from client.demo.swarm import PRESET
+from client.demo.processes import ProcessGroup
 
 REQUIRED = {
     "windows_completed", "val_loss_per_window", "accepted_per_window", "rejected_per_window",

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.bitpack import pack_bits, packed_size, unpack_bits
+from protocol.codec.bitpack import pack_bits, packed_size, unpack_bits
 from protocol.errors import InvalidIndices, MalformedPayload, ProtocolError
-from protocol.indexcoding import (
+from protocol.codec.indexcoding import (
     _encode_rice_arith,
     check_positions,
     choose_golomb,

@@ -12,9 +12,9 @@ import pytest
 from click.testing import CliRunner
 from wire_samples import PEER, RUN, VALIDATOR, blobs
 
-from protocol.envelope import Kind
-from protocol.inspect import inspect_file, inspect_paths
-from swarm.cli import main
+from protocol.wire.frame import Kind
+from client.inspect import inspect_file, inspect_paths
+from client.tools import main
 
 
 @pytest.fixture()

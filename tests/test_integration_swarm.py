@@ -1,7 +1,7 @@
 """The network for real: a validator and peers as separate OS processes over file, S3 and DHT stores.
 
 Every test runs ``sparseloco-validator run`` and ``sparseloco-peer join`` through
-:class:`swarm.demo.LocalSwarm` (the launcher behind ``sparseloco demo``) with a very small model,
+:class:`client.demo.swarm.LocalSwarm` (the launcher behind ``sparseloco demo``) with a very small model,
 then checks the outcome against the validator's SQLite contribution log and the peers' status
 lines: the loss falls, every participant holds the same θ after every window, every upload is
 accounted for, and faults (a peer killed mid-window, a late joiner, the validator killed) neither
@@ -19,8 +19,8 @@ import pytest
 from protocol.errors import AccessDenied
 from protocol.layout import aggregate_key, contrib_key, run_id
 from protocol.store import open_store
-from swarm.demo import VALIDATOR, LocalSwarm
-from swarm.seaweed import weed_available
+from client.demo.swarm import VALIDATOR, LocalSwarm
+from client.demo.seaweed import weed_available
 
 pytestmark = pytest.mark.integration
 

@@ -27,7 +27,7 @@ from client.trainer import load_params
 from protocol.config import RunSpec
 from protocol.errors import ConfigError
 from protocol.model import build_model, lm_loss
-from protocol.subspace import Subspace, constrained_names, localize, out_of_span_ratio
+from client.pipeline.subspace import Subspace, constrained_names, localize, out_of_span_ratio
 
 MODEL = dict(dim=32, n_layers=4, n_heads=2, ffn_dim=64, max_seq_len=32)
 TIMEOUT_S = 4.0
@@ -282,7 +282,7 @@ def test_stage_dying_mid_window_skips_the_window(two_stage_run: Path) -> None:
 def test_pipeline_replica_trains_in_the_swarm_beside_full_replicas(tmp_path: Path) -> None:
     """2 full peers + one 2-stage pipeline replica (2 `sparseloco-peer join --pipeline` processes)
     + the validator: every stage contributes its slice, everyone holds the same θ after every window."""
-    from swarm.demo import LocalSwarm
+    from client.demo.swarm import LocalSwarm
     from test_integration_swarm import TIMEOUT_S as SWARM_TIMEOUT_S
     from test_integration_swarm import small
 

@@ -12,7 +12,7 @@ import torch
 
 from protocol.codec import encode, to_sparse
 from protocol.config import CodecConfig
-from protocol.quantizer import TOP_CODE, dequantize, level_table, quantize
+from protocol.codec.quantizer import TOP_CODE, dequantize, level_table, quantize
 
 
 def bench() -> ModuleType:

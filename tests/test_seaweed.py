@@ -9,8 +9,8 @@ import pytest
 
 from protocol.errors import ConfigError, MalformedPayload
 from protocol.identity import Identity
-from swarm import backends, seaweed
-from swarm.processes import ProcessGroup
+from client.demo import backends, seaweed
+from client.demo.processes import ProcessGroup
 
 RUN = "0123456789abcdef"
 
@@ -40,13 +40,13 @@ def test_start_without_weed_raises_weed_missing(monkeypatch: pytest.MonkeyPatch)
         seaweed.SeaweedS3().start()
 
 
-def test_swarm_uses_no_test_code_and_no_private_launcher_parts() -> None:
+def test_demo_uses_no_test_code_no_validator_and_no_private_launcher_parts() -> None:
     root = Path(backends.__file__).parent
     for path in root.glob("*.py"):
         tree = ast.parse(path.read_text())
         modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        assert not {m for m in modules if m.split(".")[0] in ("tests", "servers", "client", "validator")}, path
+        assert not {m for m in modules if m.split(".")[0] in ("tests", "servers", "validator")}, path
     source = Path(backends.__file__).read_text()
     private = ("_new_credentials", "_Identity", "_write_identities", "_publish_identities", "_wait_for", "_identities")
     assert "tests/servers.py" not in source and not [name for name in private if name in source]

@@ -30,7 +30,7 @@ from protocol.errors import (
 )
 from protocol.store import LocalStore, MemoryStore, ObjectStore, open_store, store_from_config
 
-HAVE_DHT = importlib.util.find_spec("protocol.store.dht") is not None
+HAVE_DHT = importlib.util.find_spec("protocol.store.dht.store") is not None
 BACKENDS = [
     "memory",
     "local",
@@ -68,7 +68,7 @@ class Servers:
                 pytest.skip("protocol/store/dht.py does not exist yet")
             from servers_dht import start_dht_nodes
 
-            from protocol.store.dht import DHTStore
+            from protocol.store.dht.store import DHTStore
 
             self.dht_peers = self._stack.enter_context(start_dht_nodes(2))
             self.dht_store = self._stack.enter_context(DHTStore(self.dht_peers))

@@ -33,8 +33,8 @@ from protocol.errors import (
     StoreError,
     UnsupportedVersion,
 )
-from protocol.store.dht import DHTStore, IncompleteObject, _ancestry
-from protocol.store.dht_pieces import (
+from protocol.store.dht.store import DHTStore, IncompleteObject, _ancestry
+from protocol.store.dht.pieces import (
     MAX_MANIFEST_BYTES,
     assemble,
     check_piece,
@@ -43,7 +43,7 @@ from protocol.store.dht_pieces import (
     split,
     tombstone,
 )
-from protocol.store.dht_serve import payload
+from protocol.store.dht.serve import payload
 from servers_dht import DHTProcess, start_dht_nodes
 
 PIECE = 256 << 10  # small pieces so that modest payloads span several records

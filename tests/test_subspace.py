@@ -14,7 +14,7 @@ from client.trainer import load_params
 from protocol.config import RunSpec
 from protocol.errors import ConfigError
 from protocol.model import build_model, param_schema
-from protocol.subspace import (
+from client.pipeline.subspace import (
     EMBEDDING,
     Subspace,
     basis_seed,

@@ -222,8 +222,8 @@ def test_window_checks_norm_copy_score_capacity() -> None:
 # ------------------------------------------------------------------ hostile tensor tables
 def _crafted(signer: Identity, table: list[tuple[str, tuple[int, ...]]], payload: bytes) -> bytes:
     """A validly signed contribution whose tensor table declares ``table`` over ``payload``."""
-    from protocol.envelope import Kind, seal
-    from protocol.wirefields import TensorEntry, Writer, write_base, write_codec, write_metadata, write_table
+    from protocol.wire.frame import Kind, seal
+    from protocol.wire.fields import TensorEntry, Writer, write_base, write_codec, write_metadata, write_table
 
     w = Writer()
     write_base(w, "ab" * 32)

@@ -15,7 +15,7 @@ from wire_samples import checkpoint, contribution, resign
 
 from protocol import codec
 from protocol.config import CodecConfig, RunSpec, model_config
-from protocol.envelope import ENVELOPE_OVERHEAD, Kind, overhead_bytes, peek_kind
+from protocol.wire.frame import ENVELOPE_OVERHEAD, Kind, overhead_bytes, peek_kind
 from protocol.errors import (
     BadSignature,
     InvalidIndices,
@@ -47,7 +47,7 @@ from protocol.wire import (
     encode_contribution,
     published_at_of,
 )
-from protocol.wirefields import (
+from protocol.wire.fields import (
     TensorEntry,
     Writer,
     decode_indices,

@@ -22,11 +22,11 @@ from collections.abc import Callable
 import pytest
 from wire_samples import PEER, VALIDATOR, blobs, resign, sign_raw
 
-from protocol.envelope import FIXED_HEADER_BYTES, Kind
+from protocol.wire.frame import FIXED_HEADER_BYTES, Kind
 from protocol.errors import MalformedPayload, PayloadTooLarge, ProtocolError, UnsupportedVersion
 from protocol.identity import SIGNATURE_BYTES
 from protocol.wire import decode_object
-from protocol.wirefields import MAX_TENSORS, Writer
+from protocol.wire.fields import MAX_TENSORS, Writer
 
 CAP = 1 << 20
 RAW_PER_KIND = 3000

@@ -8,7 +8,7 @@ import torch
 
 from protocol import codec
 from protocol.config import CodecConfig, RunSpec
-from protocol.envelope import Kind, seal
+from protocol.wire.frame import Kind, seal
 from protocol.identity import Identity
 from protocol.layout import checkpoint_key, run_id
 from protocol.wire import (
@@ -81,7 +81,7 @@ def blobs() -> dict[Kind, bytes]:
 
 def resign(data: bytes, identity: Identity, *, body: bytes | None = None, payload: bytes | None = None) -> bytes:
     """Rebuild an object around a new body and/or payload with a valid signature (crafted input)."""
-    from protocol.envelope import FIXED_HEADER_BYTES, _FIXED
+    from protocol.wire.frame import FIXED_HEADER_BYTES, _FIXED
 
     _, _, kind, run_raw, window, _, body_len, payload_len = _FIXED.unpack_from(data, 0)
     old_body = data[FIXED_HEADER_BYTES : FIXED_HEADER_BYTES + body_len]

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from protocol.config import ModelConfig
 from protocol.model import Transformer
-from protocol.subspace import Subspace
+from client.pipeline.subspace import Subspace
 
 __all__ = ["Boundary", "BoundaryTransformer"]
 

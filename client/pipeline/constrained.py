@@ -29,7 +29,7 @@ from client.pipeline.stage import plan_stages
 from client.trainer import load_params
 from protocol.config import ModelConfig
 from protocol.model import build_model, parameters_of
-from protocol.subspace import Subspace, constrained_names, localize, project_parameters_
+from client.pipeline.subspace import Subspace, constrained_names, localize, project_parameters_
 
 __all__ = ["ConstrainedReplica"]
 

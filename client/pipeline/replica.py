@@ -38,8 +38,8 @@ from protocol.data import TokenDataset, assigned_batches, pipeline_data_key
 from protocol.errors import ConfigError, NonFiniteValues, PipelineFailure
 from protocol.feedback import FeedbackState, compress_step
 from protocol.model import build_model
-from protocol.schedule import lr_at
-from protocol.subspace import Subspace, constrained_names, localize, project_parameters_
+from client.schedule import lr_at
+from client.pipeline.subspace import Subspace, constrained_names, localize, project_parameters_
 
 __all__ = ["PipelineStage", "StageWindowResult", "pipeline_peer_key", "replica_batches", "run_stage_window"]
 

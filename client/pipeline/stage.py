@@ -5,7 +5,7 @@ parameters keep their global names (``embed.weight``, ``blocks.3.attn.wo.weight`
 its pseudo-gradient is a subset of the model's tensors and the validator aggregates it as such.
 
 With subspace compression every stage also holds the fixed embedding ``T_fix`` (a frozen buffer,
-rebuilt from the synchronised embedding at every window by :func:`protocol.subspace.localize`):
+rebuilt from the synchronised embedding at every window by :func:`client.pipeline.subspace.localize`):
 the first stage adds it to the trainable embedding, every stage uses its rows to rebuild the
 activations it receives.
 

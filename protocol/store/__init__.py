@@ -92,7 +92,7 @@ def _open_s3(url: str, options: dict[str, Any]) -> ObjectStore:
 
 def _open_dht(url: str, options: dict[str, Any]) -> ObjectStore:
     try:
-        from protocol.store.dht import DHTStore
+        from protocol.store.dht.store import DHTStore
     except ImportError as exc:
         raise ConfigError(f"the DHT backend is not available: {exc}") from exc
     peers = list(options.pop("initial_peers", []))

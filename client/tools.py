@@ -13,8 +13,8 @@ import click
 
 from protocol.errors import ConfigError
 from protocol.identity import public_key_from_hex
-from protocol.inspect import DEFAULT_MAX_BYTES, inspect_paths
-from swarm.democli import demo as demo_cmd
+from client.inspect import DEFAULT_MAX_BYTES, inspect_paths
+from client.demo.cli import demo as demo_cmd
 
 EXIT_INVALID = 2
 
@@ -51,4 +51,4 @@ def inspect_cmd(paths: tuple[str, ...], max_bytes: int, run_hash: str | None, va
 
 
 main.add_command(inspect_cmd)
-main.add_command(demo_cmd)  # the local swarm launcher (swarm/democli.py)
+main.add_command(demo_cmd)  # the local swarm launcher (client/demo/cli.py)

@@ -17,7 +17,7 @@ Layout (all integers little-endian)::
 :func:`open_envelope` checks, in this order and before allocating anything: the size cap, magic,
 version and kind, that the declared lengths add up to exactly the bytes present, then the
 signature. Only then are body and payload handed out (as zero-copy memoryviews) to the per-kind
-parsers in :mod:`protocol.wire`, which read them with :class:`protocol.wirefields.Reader`.
+parsers in :mod:`protocol.wire`, which read them with :class:`protocol.wire.fields.Reader`.
 
 The object's ``digest`` is the sha256 of all its bytes, signature included: what ``sha256sum``
 prints for the stored file, and the name other objects use for it (``base``, manifests).
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from protocol.errors import MalformedPayload, PayloadTooLarge, UnsupportedVersion, WrongRun
 from protocol.identity import SIGNATURE_BYTES, Identity, verify
-from protocol.wirefields import digest_to_bytes
+from protocol.wire.fields import digest_to_bytes
 
 MAGIC = b"SLoC"
 FORMAT_VERSION = 1

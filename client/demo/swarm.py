@@ -36,8 +36,8 @@ from protocol.config import RunSpec
 from protocol.errors import ConfigError
 from protocol.identity import Identity
 from protocol.model import param_schema
-from swarm.backends import Backend, open_backend
-from swarm.processes import ProcessGroup, python_console
+from client.demo.backends import Backend, open_backend
+from client.demo.processes import ProcessGroup, python_console
 
 PRESET = Path(protocol.__file__).parent / "presets" / "demo.toml"
 VALIDATOR = "validator"

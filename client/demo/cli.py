@@ -4,7 +4,7 @@
     sparseloco demo --peers 4 --store s3     # SeaweedFS on 127.0.0.1, one credential per peer
     sparseloco demo --store dht --json       # hivemind DHT on 127.0.0.1; last line is JSON
 
-Thin command: :func:`swarm.demo.run_demo` does the work; this module renders lines and tables.
+Thin command: :func:`client.demo.swarm.run_demo` does the work; this module renders lines and tables.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.table import Table
 
 from protocol.errors import ConfigError
-from swarm.backends import KINDS
-from swarm.demo import PRESET, run_demo
-from swarm.processes import install_signal_handlers
+from client.demo.backends import KINDS
+from client.demo.swarm import PRESET, run_demo
+from client.demo.processes import install_signal_handlers
 
 
 @click.command("demo")

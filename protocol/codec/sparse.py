@@ -6,14 +6,14 @@
     enc2 = unpack(blob, x.shape, spec.codec)   # strict: raises ProtocolError subclasses
     flat_idx, values = to_sparse(enc)    # sorted flat indices + decoded float32 values
 
-Selection (see :mod:`protocol.chunking` for the chunk layout): in each chunk the ``k_c`` entries of
+Selection (see :mod:`protocol.codec.chunking` for the chunk layout): in each chunk the ``k_c`` entries of
 largest magnitude are kept. **Ties**: among equal magnitudes the entry with the lower position
 inside the chunk wins, on every device (the common case has no tie at the boundary and uses a plain
 ``topk``; rows with a tie are redone with keys ``(|x| bits, −position)`` that are all distinct).
 Zeros can be kept when a chunk has fewer than ``k_c`` non-zeros; they then decode to the chunk's low
 level, which error feedback corrects over the next windows.
 
-Value coding: :mod:`protocol.quantizer`. Index coding: :mod:`protocol.indexcoding`.
+Value coding: :mod:`protocol.codec.quantizer`. Index coding: :mod:`protocol.codec.indexcoding`.
 
 Payload layout of one tensor (little-endian; every section's length follows from the geometry,
 except the Golomb unary stream, which must end exactly at the end of the payload)::
@@ -35,12 +35,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from protocol.bitpack import pack_bits, packed_size, unpack_bits
-from protocol.chunking import Geometry, geometry
+from protocol.codec.bitpack import pack_bits, packed_size, unpack_bits
+from protocol.codec.chunking import Geometry, geometry
 from protocol.config import CodecConfig
 from protocol.errors import ConfigError, MalformedPayload, NonFiniteValues
-from protocol.indexcoding import decode_rice, encode_rice, pack12, unpack12
-from protocol.quantizer import dequantize, level_table, quantize, scale_count
+from protocol.codec.indexcoding import decode_rice, encode_rice, pack12, unpack12
+from protocol.codec.quantizer import dequantize, level_table, quantize, scale_count
 
 FORMAT = 1
 _VALUE_MODES = {2: 0, 8: 1, 16: 2}

@@ -1,6 +1,6 @@
 """A standalone DHT node process: a bootstrap node for a run, or a scripted peer in tests/benchmarks.
 
-    python -m protocol.store.dht_serve --host 0.0.0.0 --port 31337 --identity dht.key
+    python -m protocol.store.dht.serve --host 0.0.0.0 --port 31337 --identity dht.key
     MADDR /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
     READY
 
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from protocol.errors import ProtocolError, StoreError
-from protocol.store.dht import DEFAULT_EXPIRATION_S, DHTStore
+from protocol.store.dht.store import DEFAULT_EXPIRATION_S, DHTStore
 
 
 def payload(nbytes: int, seed: int) -> bytes:
@@ -63,7 +63,7 @@ def _command(store: DHTStore, line: str) -> str:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m protocol.store.dht_serve", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m protocol.store.dht.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--initial-peer", action="append", default=[], help="multiaddr of a running node")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from protocol.bitpack import _group, _weights, pack_bits, packed_size, unpack_bits
+from protocol.codec.bitpack import _group, _weights, pack_bits, packed_size, unpack_bits
 from protocol.errors import InvalidIndices, MalformedPayload
 
 I64 = npt.NDArray[np.int64]

@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from protocol.envelope import Envelope, Kind, open_envelope, seal
+from protocol.wire.frame import Envelope, Kind, open_envelope, seal
 from protocol.errors import BadSignature, MalformedPayload, UnknownSigner, WrongWindow
 from protocol.identity import Identity, peer_id_of, public_key_from_hex
 from protocol.layout import parse_key
-from protocol.wirefields import Metadata, Reader, Writer, digest_to_bytes, read_base, read_metadata, write_base
-from protocol.wirefields import write_metadata
+from protocol.wire.fields import Metadata, Reader, Writer, digest_to_bytes, read_base, read_metadata, write_base
+from protocol.wire.fields import write_metadata
 
 
 class Signed:

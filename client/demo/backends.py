@@ -23,8 +23,8 @@ from typing import Any
 
 from protocol import layout
 from protocol.errors import ConfigError
-from swarm.processes import ProcessGroup
-from swarm.seaweed import INSTALL_HINT, SeaweedS3, peer_grants, weed_available
+from client.demo.processes import ProcessGroup
+from client.demo.seaweed import INSTALL_HINT, SeaweedS3, peer_grants, weed_available
 
 KINDS = ("file", "s3", "dht")
 
@@ -95,7 +95,7 @@ def _seaweed() -> Iterator[SeaweedS3]:
 # ---------------------------------------------------------------------- DHT (hivemind)
 def _dht_bootstrap(group: ProcessGroup, timeout_s: float = 60.0) -> list[str]:
     """Start a bootstrap DHT node on 127.0.0.1 in ``group``; return its multiaddrs."""
-    group.start("dht-bootstrap", [sys.executable, "-m", "protocol.store.dht_serve", "--host", "127.0.0.1", "--port", "0"])
+    group.start("dht-bootstrap", [sys.executable, "-m", "protocol.store.dht.serve", "--host", "127.0.0.1", "--port", "0"])
     maddrs: list[str] = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

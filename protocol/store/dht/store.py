@@ -10,7 +10,7 @@
 How objects map onto DHT records (all under ``namespace``):
 
 - ``<ns>:obj:<key>``  the manifest (size, piece size, sha256 of the value and of every piece),
-  see :mod:`protocol.store.dht_pieces`. Read with ``latest=True`` so an overwrite is seen.
+  see :mod:`protocol.store.dht.pieces`. Read with ``latest=True`` so an overwrite is seen.
 - ``<ns>:piece:<sha256>/<piece_size>/<i>``  the pieces, content-addressed, one per RPC (hivemind
   caps a message at 4 MiB, so a batched store would overflow it).
 - ``<ns>:dir:<folder>``  a directory record whose *subkeys* are the entries of ``folder``: the
@@ -30,7 +30,7 @@ mismatched pieces, the signed envelopes of :mod:`protocol.wire` catch forgeries)
 hidden. Records live in the RAM of the nodes nearest to their key until they expire.
 
 The store API is synchronous; the node runs on a private event loop thread (see
-:mod:`protocol.store.dht_loop` for why not ``hivemind.DHT``). ``close()`` and interpreter exit shut
+:mod:`protocol.store.dht.loop` for why not ``hivemind.DHT``). ``close()`` and interpreter exit shut
 the node and its ``p2pd`` daemon down.
 """
 
@@ -55,8 +55,8 @@ from protocol.errors import (
     StoreError,
 )
 from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
-from protocol.store.dht_loop import LoopThread
-from protocol.store.dht_pieces import (
+from protocol.store.dht.loop import LoopThread
+from protocol.store.dht.pieces import (
     DEFAULT_PIECE_SIZE,
     Manifest,
     assemble,

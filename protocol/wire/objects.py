@@ -1,7 +1,7 @@
 """The four signed objects of the protocol and their bytes.
 
 ================  ==========================  ===========================================
-object            signed by                   body (see :mod:`protocol.envelope` for the frame)
+object            signed by                   body (see :mod:`protocol.wire.frame` for the frame)
 ================  ==========================  ===========================================
 Contribution      the peer                    base, codec params, metadata, tensor table;
                                               payload = ``codec.pack`` of every tensor
@@ -35,7 +35,7 @@ import torch
 
 from protocol import codec
 from protocol.config import CodecConfig
-from protocol.envelope import Kind, open_envelope, overhead_bytes, peek_kind, seal
+from protocol.wire.frame import Kind, open_envelope, overhead_bytes, peek_kind, seal
 from protocol.errors import (
     MalformedPayload,
     NonFiniteValues,
@@ -45,7 +45,7 @@ from protocol.errors import (
     StaleBase,
 )
 from protocol.identity import Identity
-from protocol.records import (
+from protocol.wire.records import (
     Announcement,
     CheckpointFile,
     CheckpointManifest,
@@ -61,7 +61,7 @@ from protocol.records import (
     fill_signature,
     published_at_of,
 )
-from protocol.wirefields import (
+from protocol.wire.fields import (
     GENESIS,
     Metadata,
     Reader,

@@ -1,0 +1,19 @@
+"""Chunk-wise Top-k with 2-bit values and coded indices: ``encode``/``decode`` and the payload bytes."""
+
+from protocol.codec.sparse import (
+    Encoded,
+    encode,
+    decode,
+    to_sparse,
+    pack,
+    unpack,
+)
+
+__all__ = [
+    "Encoded",
+    "encode",
+    "decode",
+    "to_sparse",
+    "pack",
+    "unpack",
+]

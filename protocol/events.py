@@ -1,0 +1,283 @@
+"""What peers and validators report while they run: one typed event stream.
+
+Every process writes the same frozen records, either as JSON lines (``--status-json``, what
+``sparseloco demo`` and other programs read) or as human lines rendered from the same records::
+
+    emit = EventWriter(sys.stdout)                      # --status-json
+    emit(PeerWindow(window=3, outcome="uploaded", upload_bytes=48213, ...))
+    for event in read_events(lines):                   # the reader side (demo, tests)
+        if isinstance(event, WindowPublished): ...
+    describe(event)                                     # "window 3 published: accepted=3 ..."
+
+A JSON line is ``{"event": <kind>, "time": <unix s>, ...fields}``. Readers are lenient about lines
+that are not events (a stray log line) but strict about events: a known kind with wrong fields is
+an error, so a producer and a reader that drifted apart fail loudly in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any, ClassVar
+
+OUTCOMES = ("uploaded", "skipped", "failed", "rejected_by_store")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """Base of every event: ``time`` is unix seconds when it happened."""
+
+    kind: ClassVar[str] = ""
+    time: float = field(default_factory=lambda: round(time.time(), 3))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": self.kind, **dataclasses.asdict(self)}
+
+
+_KINDS: dict[str, type[Event]] = {}
+
+
+def _event(kind: str) -> Any:
+    """Register a frozen keyword-only event class under ``kind``."""
+
+    def wrap(cls: type[Event]) -> type[Event]:
+        cls.kind = kind
+        _KINDS[kind] = cls
+        return cls
+
+    return wrap
+
+
+# ---------------------------------------------------------------------- peer
+@_event("announced")
+@dataclass(frozen=True, kw_only=True)
+class Announced(Event):
+    peer_id: str
+
+
+@_event("joined")
+@dataclass(frozen=True, kw_only=True)
+class Joined(Event):
+    """The peer holds θ of ``window`` (restored state, newest checkpoint, replayed aggregates)."""
+
+    peer_id: str
+    window: int
+    fingerprint: str
+    replayed_from: int
+    resumed: bool
+    resumed_window: int | None = None
+    feedback_norm: float = 0.0
+    inner_step: int = 0
+    join_s: float = 0.0
+
+
+@_event("applied")
+@dataclass(frozen=True, kw_only=True)
+class Applied(Event):
+    """Aggregate ``window`` applied: θ now has ``fingerprint``; ``included``: our contribution is in it."""
+
+    window: int
+    fingerprint: str
+    included: bool
+    weight: float | None
+    contributors: int
+
+
+@_event("resync")
+@dataclass(frozen=True, kw_only=True)
+class Resynced(Event):
+    """θ did not reproduce an aggregate's fingerprint; rebuilt from the newest checkpoint."""
+
+    window: int
+    reason: str
+    detail: str = ""
+
+
+@_event("sync_failed")
+@dataclass(frozen=True, kw_only=True)
+class SyncFailed(Event):
+    window: int
+    reason: str
+    detail: str = ""
+
+
+@_event("window")
+@dataclass(frozen=True, kw_only=True)
+class PeerWindow(Event):
+    """One window's outcome on a peer: ``uploaded``, ``skipped`` (with a reason) or ``failed``."""
+
+    window: int
+    outcome: str
+    reason: str | None = None
+    detail: str = ""
+    loss_first: float | None = None
+    loss: float | None = None
+    tokens: int = 0
+    inner_s: float = 0.0
+    compress_s: float = 0.0
+    upload_bytes: int = 0
+    upload_s: float = 0.0
+    feedback_norm: float | None = None
+
+
+@_event("resumed_upload")
+@dataclass(frozen=True, kw_only=True)
+class ResumedUpload(Event):
+    """A contribution staged before a restart, uploaded (or not) after it."""
+
+    window: int
+    outcome: str
+    reason: str | None = None
+
+
+@_event("stopped")
+@dataclass(frozen=True, kw_only=True)
+class Stopped(Event):
+    """A peer or validator stopped; ``reason``: ``done``, ``interrupted`` or ``stopped``."""
+
+    role: str = "peer"
+    reason: str = "done"
+    window: int | None = None
+    windows_trained: int = 0
+    inner_s: float = 0.0
+    fingerprint: str = ""
+
+
+@_event("failed")
+@dataclass(frozen=True, kw_only=True)
+class Failed(Event):
+    """A process could not go on (cannot join, configuration error)."""
+
+    role: str = "peer"
+    reason: str
+    detail: str = ""
+
+
+# ---------------------------------------------------------------------- validator
+@_event("validator_started")
+@dataclass(frozen=True, kw_only=True)
+class ValidatorStarted(Event):
+    peer_id: str
+    run_id: str
+    run_hash: str
+    store: str
+    device: str
+
+
+@_event("window_opened")
+@dataclass(frozen=True, kw_only=True)
+class WindowOpened(Event):
+    """The validator is gathering ``window`` (after genesis, a publish, or a restart)."""
+
+    window: int
+    base: str
+    opened_at: float
+
+
+@_event("window_published")
+@dataclass(frozen=True, kw_only=True)
+class WindowPublished(Event):
+    """Aggregate ``window`` is in the store: the next window is open."""
+
+    window: int
+    accepted: int
+    rejected: int
+    val_loss: float
+    digest: str
+    fingerprint: str
+    published_at: float
+    reasons: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@_event("window_retry")
+@dataclass(frozen=True, kw_only=True)
+class WindowRetry(Event):
+    """A window could not be completed (a store error); the validator retries it."""
+
+    window: int
+    reason: str
+    detail: str = ""
+
+
+# ---------------------------------------------------------------------- reading and writing
+def to_json(event: Event) -> str:
+    return json.dumps(event.to_dict(), sort_keys=True, allow_nan=True)
+
+
+def from_dict(raw: dict[str, Any]) -> Event:
+    """The event ``raw`` describes; ValueError for an unknown kind or fields that do not fit it."""
+    kind = raw.get("event")
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"unknown event kind {kind!r}")
+    fields = {k: v for k, v in raw.items() if k != "event"}
+    try:
+        return cls(**fields)
+    except TypeError as exc:
+        raise ValueError(f"event {kind!r} does not fit its record: {exc}") from exc
+
+
+def parse_line(line: str) -> Event | None:
+    """The event on one line of a ``--status-json`` stream, or None for a line that is not one."""
+    text = line.strip()
+    if not text.startswith("{"):
+        return None
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(raw, dict) or "event" not in raw:
+        return None
+    return from_dict(raw)
+
+
+def read_events(lines: Iterable[str]) -> Iterator[Event]:
+    for line in lines:
+        event = parse_line(line)
+        if event is not None:
+            yield event
+
+
+class EventWriter:
+    """Writes events as JSON lines to ``stream`` (flushed per line, so a reader sees them at once)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def __call__(self, event: Event) -> None:
+        self.stream.write(to_json(event) + "\n")
+        self.stream.flush()
+
+
+# ---------------------------------------------------------------------- human lines
+def describe(event: Event) -> str:
+    """One human line for ``event`` (rich markup; the caller adds the timestamp)."""
+    if isinstance(event, PeerWindow):
+        return (
+            f"[bold]window {event.window}[/bold] {event.outcome}"
+            f"  loss {_num(event.loss, '{:.4f}')}"
+            f"  upload {_num(event.upload_bytes or None, '{:,}')} B"
+            f"  inner {event.inner_s:.1f} s" + (f"  ({event.reason})" if event.reason else "")
+        )
+    if isinstance(event, WindowPublished):
+        reasons = " ".join(f"{k}={v}" for k, v in sorted(event.reasons.items()))
+        phases = " ".join(f"{k} {v:.1f}s" for k, v in event.seconds.items())
+        return (
+            f"window {event.window} published: accepted={event.accepted} rejected={event.rejected} "
+            f"val_loss={event.val_loss:.4f} fingerprint={event.fingerprint[:16]} digest={event.digest[:16]} ({phases})"
+            + (f" rejected: {reasons}" if reasons else "")
+        )
+    if isinstance(event, WindowOpened):
+        return f"window {event.window} open (base {event.base[:16]})"
+    if isinstance(event, ValidatorStarted):
+        return f"validator {event.peer_id} run {event.run_id} store {event.store} device {event.device}"
+    fields = {k: v for k, v in dataclasses.asdict(event).items() if k != "time" and v not in (None, "")}
+    return f"[dim]{event.kind}[/dim] " + "  ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def _num(value: float | int | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
