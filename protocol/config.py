@@ -113,8 +113,9 @@ class CodecConfig:
 
     2-D tensors are cut in ``block``×``block`` tiles (largest divisor ≤ block per dimension when a
     dimension is not a multiple), 1-D in contiguous chunks of ≤ ``chunk_1d``. ``k`` values are kept
-    per 4096 values, scaled for smaller chunks. ``value_bits``: 2 (default), 8 or 16 (research).
-    ``index_coding``: ``rice`` (compact, near the information bound) or ``packed12`` (baseline).
+    per 4096 values, scaled for smaller chunks. ``value_bits``: 2, the only value width the codec
+    has (2-bit sign + level codes). ``index_coding``: ``rice`` (compact, near the information bound)
+    or ``packed12`` (baseline).
     """
 
     block: int = 64
@@ -126,7 +127,7 @@ class CodecConfig:
     def __post_init__(self) -> None:
         _require(self.block > 0 and self.chunk_1d > 0, "codec.block and codec.chunk_1d must be > 0")
         _require(0 < self.k <= 4096, "codec.k must be in 1..4096")
-        _require(self.value_bits in (2, 8, 16), "codec.value_bits must be 2, 8 or 16")
+        _require(self.value_bits == 2, "codec.value_bits must be 2 (2-bit codes are the only value mode)")
         _require(self.index_coding in ("rice", "packed12"), "codec.index_coding must be rice|packed12")
 
 

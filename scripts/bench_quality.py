@@ -11,8 +11,8 @@ step). Learning rates are tuned per method over a grid; the best of each is repo
         --lr-grid 1e-3,2e-3 --outer-lr-grid 0.3,0.5,0.7,1.0 --seeds 0,1
 
 Methods: ``ddp``, ``diloco``, ``sparseloco`` (mean over contributors, median-norm clip, the
-production rule) and ``sparseloco-all`` (mean over all R). ``--k``/``--bits`` change the codec of
-both SparseLoCo variants.
+production rule) and ``sparseloco-all`` (mean over all R). ``--k`` changes the codec of both
+SparseLoCo variants.
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=1.0, help="SparseLoCo outer lr α")
     p.add_argument("--beta", type=float, default=0.95, help="SparseLoCo error-feedback decay")
     p.add_argument("--k", type=int, default=64, help="Top-k per 4096 values")
-    p.add_argument("--bits", type=int, default=2, choices=(2, 8, 16))
     p.add_argument("--aggregate", choices=("contributors", "all"), help="only this SparseLoCo aggregation")
     p.add_argument("--warmup", type=int, default=0, help="warm-up inner steps (0 = 10%% of the run)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a busy box)")
@@ -121,7 +120,7 @@ def sim_config(method: str, inner_lr: float, outer_lr: float, seed: int, args: a
         agg = "all" if method == "sparseloco-all" else "contributors"
         outer = OuterConfig(alpha=outer_lr, beta=args.beta, aggregation=agg, clip="median")
     return SimConfig(method=method.split("-")[0], replicas=args.replicas, rounds=args.rounds, inner=inner,
-                     outer=outer, codec=CodecConfig(k=args.k, value_bits=args.bits),
+                     outer=outer, codec=CodecConfig(k=args.k),
                      batch_size=args.batch_size, seq_len=args.seq_len, seed=seed)  # fmt: skip
 
 

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from protocol.codec import decode, encode, pack, unpack
 from protocol.config import CodecConfig
-from protocol.errors import InvalidIndices, MalformedPayload, NonFiniteValues, ProtocolError
+from protocol.errors import InvalidIndices, MalformedPayload, NonFiniteValues, ProtocolError, UnsupportedVersion
 
-CONFIGS = [CodecConfig(value_bits=b, index_coding=c) for b in (2, 8, 16) for c in ("rice", "packed12")]
+CONFIGS = [CodecConfig(index_coding=c) for c in ("rice", "packed12")]
 SHAPE = (128, 96)
 
 
@@ -62,7 +62,7 @@ def test_garbage_bytes_raise_protocol_error(garbage: bytes, which: int) -> None:
     accept_or_reject(garbage, CONFIGS[which])
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.value_bits}-{c.index_coding}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.index_coding)
 def test_truncation_and_extension_are_malformed(cfg: CodecConfig) -> None:
     blob = payload(cfg)
     with pytest.raises(MalformedPayload):
@@ -76,7 +76,7 @@ def test_truncation_and_extension_are_malformed(cfg: CodecConfig) -> None:
 def test_payload_of_another_config_or_shape_is_rejected() -> None:
     blob = payload(CodecConfig())
     with pytest.raises(MalformedPayload, match="tag"):
-        unpack(blob, SHAPE, CodecConfig(value_bits=8))
+        unpack(blob, SHAPE, CodecConfig(index_coding="packed12"))
     # (96, 128) has the same chunk counts and would parse: shapes are checked by the wire schema.
     with pytest.raises(ProtocolError):
         unpack(blob, (128, 64), CodecConfig())
@@ -97,12 +97,20 @@ def test_negative_scale_is_malformed() -> None:
         unpack(bytes(blob), SHAPE, CodecConfig())
 
 
-def test_non_finite_fp16_value_is_rejected() -> None:
-    cfg = CodecConfig(value_bits=16)
-    blob = bytearray(payload(cfg))
-    struct.pack_into("<e", blob, 5, float("nan"))  # first value right after tag + base (no scales)
-    with pytest.raises(NonFiniteValues):
-        unpack(bytes(blob), SHAPE, cfg)
+@pytest.mark.parametrize("mode", [1, 2, 3])  # 1 and 2 were 8-bit and fp16 values; 3 never existed
+def test_other_value_modes_are_unsupported(mode: int) -> None:
+    for cfg in CONFIGS:
+        blob = bytearray(payload(cfg))
+        blob[0] |= mode  # the tag's low two bits: value mode
+        with pytest.raises(UnsupportedVersion, match=f"value mode {mode}"):
+            unpack(bytes(blob), SHAPE, cfg)
+
+
+def test_other_payload_format_is_unsupported() -> None:
+    blob = bytearray(payload(CodecConfig()))
+    blob[0] = (2 << 4) | (blob[0] & 0x0F)
+    with pytest.raises(UnsupportedVersion, match="format 2"):
+        unpack(bytes(blob), SHAPE, CodecConfig())
 
 
 def _packed12_blob(positions: np.ndarray) -> tuple[bytes, CodecConfig, tuple[int, ...]]:

@@ -29,6 +29,7 @@ def test_hash_changes_with_any_field() -> None:
         ("[codec]\ntopk = 3\n", "codec.topk"),
         ("[codec]\nk = 'many'\n", "codec.k"),
         ("[codec]\nvalue_bits = 3\n", "value_bits"),
+        ("[codec]\nvalue_bits = 8\n", "value_bits"),  # 2-bit codes are the only value mode
         ("[model]\npreset = 'huge'\n", "preset"),
         ("[inner]\nbetas = [0.9]\n", "inner.betas"),
         ("name = = 1\n", "does not parse"),

@@ -16,7 +16,6 @@ from protocol.codec.indexcoding import (
     check_positions,
     choose_golomb,
     decode_rice,
-    golomb_bits,
     encode_rice,
     from_gaps,
     pack12,
@@ -115,14 +114,22 @@ def test_check_positions_names_the_problem() -> None:
         check_positions(np.array([0, 1]), ks, sizes)
 
 
-def test_golomb_bits_predicts_the_stream_size() -> None:
+def _golomb_bits(gaps: np.ndarray, m: int) -> int:
+    """Bits of the index section for ``gaps`` with parameter ``m > 1`` (without its u16 header)."""
+    b = (m - 1).bit_length()
+    u = (1 << b) - m
+    return gaps.size * b + int((gaps // m).sum()) + int(((gaps % m) >= u).sum())  # unary q+1, b−1 or b
+
+
+def test_golomb_stream_size_follows_the_code_lengths() -> None:
     rng = np.random.default_rng(2)
     local = np.concatenate([np.sort(rng.choice(2752, 43, replace=False)) for _ in range(50)])
     ks = np.full(50, 43)
     gaps = to_gaps(local, ks).astype(np.int64)
     m = choose_golomb(gaps)
+    assert m > 1
     a_bits = (m - 1).bit_length() - 1
-    predicted = golomb_bits(gaps, m)
+    predicted = _golomb_bits(gaps, m)
     # u16 parameter + byte-aligned A stream + B·U stream rounded up to a byte.
     size = 2 + -(-local.size * a_bits // 8) + -(-(predicted - local.size * a_bits) // 8)
     assert len(encode_rice(local, ks)) == size

@@ -107,8 +107,8 @@ class Geometry:
             ks[-1] = self.k_last
         return ks
 
-    def to_chunks(self, x: Tensor, pad: float = 0.0) -> Tensor:
-        """View ``x`` (of ``self.shape``) as ``(n_chunks, chunk_len)``; a short last chunk is padded."""
+    def to_chunks(self, x: Tensor) -> Tensor:
+        """View ``x`` (of ``self.shape``) as ``(n_chunks, chunk_len)``; a short last chunk is zero-padded."""
         flat = x.reshape(self.rows, self.cols)
         if self.tile_r > 1:
             tiles = flat.reshape(self.rows // self.tile_r, self.tile_r, self.cols // self.tile_c, self.tile_c)
@@ -116,7 +116,7 @@ class Geometry:
         flat = flat.reshape(-1)
         padded_len = self.n_chunks * self.chunk_len
         if padded_len != flat.numel():
-            flat = torch.cat([flat, flat.new_full((padded_len - flat.numel(),), pad)])
+            flat = torch.cat([flat, flat.new_zeros(padded_len - flat.numel())])
         return flat.reshape(self.n_chunks, self.chunk_len)
 
     def flat_index(self, chunk: Tensor, local: Tensor) -> Tensor:

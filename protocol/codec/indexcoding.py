@@ -110,15 +110,6 @@ def _params(m: int) -> tuple[int, int]:
     return b, (1 << b) - m
 
 
-def golomb_bits(gaps: I64, m: int) -> int:
-    """Bits the index section costs for ``gaps`` with parameter ``m`` (without its u16 header)."""
-    n = gaps.size
-    if m == 1:
-        return n + int(gaps.sum())
-    b, u = _params(m)
-    return n * b + int((gaps // m).sum()) + int(((gaps % m) >= u).sum())  # unary q+1, b−1 or b
-
-
 def choose_golomb(gaps: npt.NDArray[np.integer]) -> int:
     """The optimal Golomb parameter for geometric gaps of the same mean as ``gaps``.
 

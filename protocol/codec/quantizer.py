@@ -1,4 +1,4 @@
-"""Value coding of the kept entries: 2-bit sign + magnitude level, 8-bit and fp16 research modes.
+"""Value coding of the kept entries: 2-bit sign + magnitude level.
 
 What Top-k keeps is the tail of each chunk: large magnitudes of both signs, never values near zero.
 A quantizer centred on the mean (the production scheme: 4 bins of 1.5σ around the mean) spends half
@@ -17,16 +17,10 @@ level** (low/high) instead:
 Code of a value: ``bit1 = sign (1 = negative)``, ``bit0 = high level``. Decoding is a table lookup
 (the 256-entry level table is built on the CPU in float64 and rounded once, so every device decodes
 bit-identical values) and a negation.
-
-``value_bits = 8``: one log-coded scale per chunk (the smallest level ≥ the chunk's max magnitude)
-and codes ``q + 127`` with ``q = round(127 · v / scale)``; decoded as ``scale · (q / 127)``.
-``value_bits = 16``: values divided by the per-tensor max magnitude, stored as fp16; decoded as
-``fp16 · base``. Both decodes are one IEEE multiply, so they are deterministic too.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -34,20 +28,16 @@ from torch import Tensor
 
 LOG_STEPS = 16  # log-code steps per octave
 TOP_CODE = 255
+SCALES_PER_CHUNK = 2  # the low and the high level
 
 
 @dataclass(frozen=True)
 class Quantized:
     """Codes (same layout as the input values), per-chunk scale codes and the per-tensor base."""
 
-    codes: Tensor  # uint8 (2/8 bit) or float16 (16 bit)
-    scale_codes: Tensor  # uint8 (n_chunks, L), L = 2 / 1 / 0
+    codes: Tensor  # uint8, 2 bits used: sign << 1 | high level
+    scale_codes: Tensor  # uint8 (n_chunks, 2): log codes of the low and the high level
     base: float
-
-
-def scale_count(bits: int) -> int:
-    """Scale codes per chunk for a value width."""
-    return {2: 2, 8: 1, 16: 0}[bits]
 
 
 def level_table(base: float, device: torch.device | str = "cpu") -> Tensor:
@@ -58,16 +48,11 @@ def level_table(base: float, device: torch.device | str = "cpu") -> Tensor:
     return table.to(device)
 
 
-def _q127_table(device: torch.device) -> Tensor:
-    return (torch.arange(-127, 128, dtype=torch.float64) / 127).to(torch.float32).to(device)
-
-
-def _log_code(level: Tensor, base: float, ceil: bool = False) -> Tensor:
-    """Nearest (or next higher) log code of non-negative float32 levels; 0 for level 0."""
+def _log_code(level: Tensor, base: float) -> Tensor:
+    """Nearest log code of non-negative float32 levels; 0 for level 0."""
     if base <= 0.0:
         return torch.zeros_like(level, dtype=torch.uint8)
-    x = TOP_CODE + LOG_STEPS * torch.log2(level.double() / base)
-    c = torch.ceil(x) if ceil else torch.round(x)
+    c = torch.round(TOP_CODE + LOG_STEPS * torch.log2(level.double() / base))
     c = torch.where(level > 0, c.clamp(1, TOP_CODE), torch.zeros_like(c))
     return c.to(torch.uint8)
 
@@ -91,33 +76,16 @@ def _split_levels(mags: Tensor, ks: Tensor) -> tuple[Tensor, Tensor]:
     return lo * scale, hi * scale
 
 
-def quantize(vals: Tensor, ks: Tensor, bits: int) -> Quantized:
+def quantize(vals: Tensor, ks: Tensor) -> Quantized:
     """Quantize rows of kept values (sorted by descending magnitude; row r uses ``ks[r]`` entries).
 
     Entries past ``ks[r]`` get arbitrary codes and are dropped by the caller.
     """
     vals = vals.float()
-    mags = vals.abs()
-    if bits == 16:
-        base = float(mags.max()) if mags.numel() else 0.0
-        codes = (vals / base if base > 0 else vals * 0).to(torch.float16)
-        return Quantized(codes, torch.zeros((vals.shape[0], 0), dtype=torch.uint8, device=vals.device), base)
-    if bits == 8:
-        top = mags[:, 0] if mags.numel() else mags.new_zeros(vals.shape[0])
-        base = float(top.max()) if top.numel() else 0.0
-        sc = _log_code(top, base, ceil=True)
-        table = level_table(base, vals.device)
-        sc = torch.where(table[sc.long()] < top, sc + 1, sc).clamp_max(TOP_CODE).to(torch.uint8)
-        scale = table[sc.long()].unsqueeze(1)
-        q = torch.round(vals / scale.clamp_min(torch.finfo(torch.float32).tiny) * 127).clamp(-127, 127)
-        return Quantized((q + 127).to(torch.uint8), sc.unsqueeze(1), base)
-    return _quantize2(vals, mags, ks)
-
-
-def _quantize2(vals: Tensor, mags: Tensor, ks: Tensor) -> Quantized:
     if vals.numel() == 0:
-        empty = torch.zeros((vals.shape[0], 2), dtype=torch.uint8, device=vals.device)
+        empty = torch.zeros((vals.shape[0], SCALES_PER_CHUNK), dtype=torch.uint8, device=vals.device)
         return Quantized(torch.zeros_like(vals, dtype=torch.uint8), empty, 0.0)
+    mags = vals.abs()
     lo, hi = _split_levels(mags, ks)
     base = float(hi.max())
     table = level_table(base, vals.device)
@@ -128,18 +96,9 @@ def _quantize2(vals: Tensor, mags: Tensor, ks: Tensor) -> Quantized:
     return Quantized(codes, torch.stack([lo_c, hi_c], 1), base)
 
 
-def dequantize(codes: Tensor, scale_codes: Tensor, chunk: Tensor, base: float, bits: int) -> Tensor:
+def dequantize(codes: Tensor, scale_codes: Tensor, chunk: Tensor, base: float) -> Tensor:
     """Decoded float32 values of flat ``codes``; ``chunk[i]`` is the chunk of value ``i``."""
-    if bits == 16:
-        return codes.float() * torch.tensor(base, dtype=torch.float32, device=codes.device)
     table = level_table(base, codes.device)
-    if bits == 8:
-        scale = table[scale_codes[:, 0].long()][chunk]
-        return scale * _q127_table(codes.device)[codes.long()]
     c = codes.long()
     level = table[scale_codes.long()[chunk, c & 1]]
     return torch.where((c & 2) > 0, -level, level)
-
-
-def finite_base(base: float) -> bool:
-    return math.isfinite(base) and base >= 0.0

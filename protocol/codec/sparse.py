@@ -13,17 +13,20 @@ inside the chunk wins, on every device (the common case has no tie at the bounda
 Zeros can be kept when a chunk has fewer than ``k_c`` non-zeros; they then decode to the chunk's low
 level, which error feedback corrects over the next windows.
 
-Value coding: :mod:`protocol.codec.quantizer`. Index coding: :mod:`protocol.codec.indexcoding`.
+Value coding: :mod:`protocol.codec.quantizer` (2-bit sign + level codes). Index coding:
+:mod:`protocol.codec.indexcoding`.
 
 Payload layout of one tensor (little-endian; every section's length follows from the geometry,
 except the Golomb unary stream, which must end exactly at the end of the payload)::
 
     u8   tag        (FORMAT << 4) | (index coding << 2) | value mode     — must match ``cfg``
     f32  base       per-tensor scale, finite and ≥ 0
-    u8   scale codes[n_chunks × L]       L = 2 (2-bit), 1 (8-bit), 0 (16-bit)
-         codes      2-bit: bit-packed 4 per byte; 8-bit: one byte each; 16-bit: fp16, |v| ≤ 1
-                    (absent for 2-bit + rice: each 2-bit code rides in the low bits of its A field)
+    u8   scale codes[n_chunks × 2]       low and high level of each chunk
+         codes      2-bit, bit-packed 4 per byte
+                    (absent for rice: each code rides in the low bits of its A field)
          indices    packed12: 12 bits each | rice: u16 M, stream A, bit stream B·U (indexcoding)
+
+Value mode 0 (2-bit codes) is the only one: ``unpack`` refuses any other with UnsupportedVersion.
 """
 
 from __future__ import annotations
@@ -38,12 +41,12 @@ from torch import Tensor
 from protocol.codec.bitpack import pack_bits, packed_size, unpack_bits
 from protocol.codec.chunking import Geometry, geometry
 from protocol.config import CodecConfig
-from protocol.errors import ConfigError, MalformedPayload, NonFiniteValues
+from protocol.errors import ConfigError, MalformedPayload, NonFiniteValues, UnsupportedVersion
 from protocol.codec.indexcoding import decode_rice, encode_rice, pack12, unpack12
-from protocol.codec.quantizer import dequantize, level_table, quantize, scale_count
+from protocol.codec.quantizer import SCALES_PER_CHUNK, dequantize, quantize
 
 FORMAT = 1
-_VALUE_MODES = {2: 0, 8: 1, 16: 2}
+VALUE_MODE_2BIT = 0  # the value mode field of the tag: 2-bit sign + level codes
 _INDEX_MODES = {"rice": 0, "packed12": 1}
 _HEAD = struct.Struct("<Bf")
 
@@ -55,8 +58,9 @@ class Encoded:
     """One compressed tensor.
 
     ``indices``: int64 (nnz,) chunk-local positions, chunks in order, ascending inside a chunk.
-    ``codes``: (nnz,) uint8 (2/8-bit) or float16 (16-bit), aligned with ``indices``.
-    ``scale_codes``: uint8 (n_chunks, L) log-coded per-chunk levels; ``base``: per-tensor scale.
+    ``codes``: (nnz,) uint8 2-bit codes (sign << 1 | high level), aligned with ``indices``.
+    ``scale_codes``: uint8 (n_chunks, 2) log-coded low and high level of each chunk;
+    ``base``: per-tensor scale.
     """
 
     shape: tuple[int, ...]
@@ -75,11 +79,6 @@ class Encoded:
     def geometry(self) -> Geometry:
         return geometry(self.shape, self.cfg)
 
-    @property
-    def scales(self) -> Tensor:
-        """Decoded per-chunk levels, float32 (n_chunks, L) (2-bit: low, high; 8-bit: max)."""
-        return level_table(self.base, self.scale_codes.device)[self.scale_codes.long()]
-
     def chunk_ids(self) -> Tensor:
         """int64 (nnz,): the chunk of every kept value."""
         g = self.geometry
@@ -88,7 +87,7 @@ class Encoded:
 
     def values(self) -> Tensor:
         """Decoded float32 kept values, aligned with ``indices``."""
-        return dequantize(self.codes, self.scale_codes, self.chunk_ids(), self.base, self.cfg.value_bits)
+        return dequantize(self.codes, self.scale_codes, self.chunk_ids(), self.base)
 
 
 # --------------------------------------------------------------------------- encode
@@ -110,7 +109,7 @@ def encode(x: Tensor, cfg: CodecConfig) -> Encoded:
     ks = g.chunk_ks().to(dev)
     pos = _select(mags, ks, g.k_full)
     vals = chunks.gather(1, pos)
-    q = quantize(vals, ks, cfg.value_bits)
+    q = quantize(vals, ks)
     # Kept entries in ascending position order; entries past a short row's k go last and are dropped.
     width = pos.shape[1]
     cols = torch.arange(width, device=dev)
@@ -153,9 +152,8 @@ def _select_exact(mags: Tensor, k: int) -> Tensor:
 
 def _empty(g: Geometry, cfg: CodecConfig, dev: torch.device) -> Encoded:
     idx = torch.zeros(0, dtype=torch.int64, device=dev)
-    code_dtype = torch.float16 if cfg.value_bits == 16 else torch.uint8
-    codes = torch.zeros(0, dtype=code_dtype, device=dev)
-    scales = torch.zeros((0, scale_count(cfg.value_bits)), dtype=torch.uint8, device=dev)
+    codes = torch.zeros(0, dtype=torch.uint8, device=dev)
+    scales = torch.zeros((0, SCALES_PER_CHUNK), dtype=torch.uint8, device=dev)
     return Encoded(g.shape, cfg, idx, codes, scales, 0.0)
 
 
@@ -181,7 +179,18 @@ def decode(e: Encoded) -> Tensor:
 
 # --------------------------------------------------------------------------- bytes
 def _tag(cfg: CodecConfig) -> int:
-    return (FORMAT << 4) | (_INDEX_MODES[cfg.index_coding] << 2) | _VALUE_MODES[cfg.value_bits]
+    return (FORMAT << 4) | (_INDEX_MODES[cfg.index_coding] << 2) | VALUE_MODE_2BIT
+
+
+def _check_tag(tag: int, cfg: CodecConfig) -> None:
+    """UnsupportedVersion for a format or value mode this codec does not have; MalformedPayload
+    for an index coding other than ``cfg``'s."""
+    if tag >> 4 != FORMAT:
+        raise UnsupportedVersion(f"codec payload format {tag >> 4} is not supported (this client: {FORMAT})")
+    if tag & 0b11 != VALUE_MODE_2BIT:
+        raise UnsupportedVersion(f"value mode {tag & 0b11} is not supported (2-bit codes only)")
+    if tag != _tag(cfg):
+        raise MalformedPayload(f"payload tag {tag:#x} does not match the codec config ({_tag(cfg):#x})")
 
 
 def _check_packable(g: Geometry, cfg: CodecConfig) -> None:
@@ -196,22 +205,11 @@ def pack(e: Encoded) -> bytes:
     parts = [_HEAD.pack(_tag(cfg), e.base), e.scale_codes.cpu().numpy().astype(np.uint8).tobytes()]
     codes = e.codes.cpu().numpy()
     local = e.indices.cpu().numpy().astype(np.int64, copy=False)
-    if _codes_in_index_section(cfg):
+    if cfg.index_coding == "rice":  # the codes ride in the Golomb A field: one packing pass for both
         parts.append(encode_rice(local, g.ks_np, codes, 2, uniform=g.k_last == g.k_full, max_len=g.chunk_len))
-        return b"".join(parts)
-    if cfg.value_bits == 2:
-        parts.append(pack_bits(codes, 2))
-    elif cfg.value_bits == 8:
-        parts.append(codes.astype(np.uint8).tobytes())
     else:
-        parts.append(codes.astype("<f2").tobytes())
-    parts.append(encode_rice(local, g.ks_np) if cfg.index_coding == "rice" else pack12(local))
+        parts += [pack_bits(codes, 2), pack12(local)]
     return b"".join(parts)
-
-
-def _codes_in_index_section(cfg: CodecConfig) -> bool:
-    """2-bit codes + rice: the codes ride in the Golomb A field (one packing pass for both)."""
-    return cfg.value_bits == 2 and cfg.index_coding == "rice"
 
 
 def unpack(data: bytes, shape: tuple[int, ...], cfg: CodecConfig) -> Encoded:
@@ -225,49 +223,28 @@ def unpack(data: bytes, shape: tuple[int, ...], cfg: CodecConfig) -> Encoded:
     g = geometry(shape, cfg)
     _check_packable(g, cfg)
     view = memoryview(data)
-    n_scales = g.n_chunks * scale_count(cfg.value_bits)
-    code_bytes = {2: packed_size(g.nnz, 2), 8: g.nnz, 16: 2 * g.nnz}[cfg.value_bits]
-    if _codes_in_index_section(cfg):
-        code_bytes = 0
+    n_scales = g.n_chunks * SCALES_PER_CHUNK
+    code_bytes = 0 if cfg.index_coding == "rice" else packed_size(g.nnz, 2)
     fixed = _HEAD.size + n_scales + code_bytes
     if len(view) < fixed:
         raise MalformedPayload(f"payload of {len(view)} bytes is shorter than its fixed part ({fixed})")
     tag, base = _HEAD.unpack_from(view, 0)
-    if tag != _tag(cfg):
-        raise MalformedPayload(f"payload tag {tag:#x} does not match the codec config ({_tag(cfg):#x})")
+    _check_tag(tag, cfg)
     if not np.isfinite(base):
         raise NonFiniteValues("non-finite tensor scale")
     if base < 0:
         raise MalformedPayload("negative tensor scale")
     pos = _HEAD.size
-    scales = np.frombuffer(view[pos : pos + n_scales], dtype=np.uint8).reshape(
-        g.n_chunks, scale_count(cfg.value_bits)
-    )
+    scales = np.frombuffer(view[pos : pos + n_scales], dtype=np.uint8).reshape(g.n_chunks, SCALES_PER_CHUNK)
     pos += n_scales
     ks, sizes = g.ks_np, g.sizes_np
-    if _codes_in_index_section(cfg):
+    if cfg.index_coding == "rice":
         local, side = decode_rice(view[pos:], ks, sizes, 2)
-        codes = torch.from_numpy(side.astype(np.uint8))
     else:
-        codes = _unpack_codes(view[pos : pos + code_bytes], g.nnz, cfg.value_bits)
-        rest = view[pos + code_bytes :]
-        local = decode_rice(rest, ks, sizes)[0] if cfg.index_coding == "rice" else unpack12(rest, ks, sizes)
+        side = unpack_bits(view[pos : pos + code_bytes], g.nnz, 2, "codes")
+        local = unpack12(view[pos + code_bytes :], ks, sizes)
+    codes = torch.from_numpy(side.astype(np.uint8))
     return Encoded(
         g.shape, cfg, torch.from_numpy(local.astype(np.int64)), codes, torch.from_numpy(scales.copy()), float(base)
     )
 
-
-def _unpack_codes(raw: memoryview, nnz: int, bits: int) -> Tensor:
-    if bits == 2:
-        return torch.from_numpy(unpack_bits(raw, nnz, 2, "codes").astype(np.uint8))
-    if bits == 8:
-        codes = np.frombuffer(raw, dtype=np.uint8).copy()
-        if (codes > 254).any():
-            raise MalformedPayload("8-bit code 255 is not used")
-        return torch.from_numpy(codes)
-    vals = np.frombuffer(raw, dtype="<f2").astype(np.float16)
-    if not np.isfinite(vals).all():
-        raise NonFiniteValues("non-finite fp16 value")
-    if (np.abs(vals) > 1).any():
-        raise MalformedPayload("fp16 value outside [-1, 1]")
-    return torch.from_numpy(vals.copy())
