@@ -24,6 +24,7 @@ from protocol.wire import (
     CheckpointManifest,
     Contribution,
     SignedObject,
+    Verified,
     decode_object,
 )
 
@@ -36,12 +37,13 @@ class InspectResult:
     ok: bool
     line: str
     reason: str = ""
-    obj: SignedObject | None = None
+    obj: Verified[SignedObject] | None = None
 
 
-def describe(obj: SignedObject) -> str:
+def describe(verified: Verified[SignedObject]) -> str:
     """The fields after ``OK <kind>`` for a decoded object."""
-    head = f"window={obj.window} sender={obj.sender} bytes={obj.size}"
+    obj = verified.value
+    head = f"window={obj.window} sender={verified.sender} bytes={verified.size}"
     if isinstance(obj, Contribution):
         tail = f"base={_short(obj.base)} tensors={len(obj.tensors)} nnz={obj.nnz}"
     elif isinstance(obj, Aggregate):
@@ -56,7 +58,7 @@ def describe(obj: SignedObject) -> str:
         assert isinstance(obj, Announcement)
         role = f" role={obj.role.group}:{obj.role.stage}/{obj.role.stages}" if obj.role else ""
         tail = f"version={json.dumps(obj.client_version)} hardware={json.dumps(obj.hardware)}{role}"
-    return f"{head} {tail} digest={_short(obj.digest)}"
+    return f"{head} {tail} digest={_short(verified.digest)}"
 
 
 def _short(hexstr: str) -> str:
@@ -77,7 +79,7 @@ def inspect_bytes(
         return _invalid(path, exc.reason, exc.args[0] if exc.args else "")
     except Exception as exc:  # noqa: BLE001 — a parser bug must still yield a verdict, not a traceback
         return _invalid(path, "internal_error", f"{type(exc).__name__}: {exc}")
-    kind = type(obj).__name__.lower().replace("checkpointmanifest", "checkpoint")
+    kind = type(obj.value).__name__.lower().replace("checkpointmanifest", "checkpoint")
     return InspectResult(path, True, f"OK {kind} {describe(obj)} path={path}", obj=obj)
 
 
@@ -125,9 +127,10 @@ def _listed_by_manifests(results: Iterable[InspectResult]) -> dict[str, tuple[in
     """path -> (window, entry) for every file named by a valid manifest, resolved beside it."""
     listed: dict[str, tuple[int, CheckpointFile]] = {}
     for r in results:
-        if r.ok and isinstance(r.obj, CheckpointManifest):
-            for entry in r.obj.files:
-                listed[str(Path(r.path).parent / entry.key.rsplit("/", 1)[-1])] = (r.obj.window, entry)
+        manifest = r.obj.value if r.obj is not None else None
+        if isinstance(manifest, CheckpointManifest):
+            for entry in manifest.files:
+                listed[str(Path(r.path).parent / entry.key.rsplit("/", 1)[-1])] = (manifest.window, entry)
     return listed
 
 

@@ -46,7 +46,7 @@ from protocol.identity import Identity
 from protocol.model import build_model
 from protocol.store.base import ObjectStore
 from protocol.windows import upload_deadline
-from protocol.wire import Aggregate, Announcement, Contribution, encode_announcement, encode_contribution
+from protocol.wire import Aggregate, Announcement, Contribution, Verified, encode_announcement, encode_contribution
 
 CLIENT_VERSION = "sparseloco-peer/0.1"
 UPLOAD_RETRIES = 3
@@ -208,15 +208,15 @@ class Peer:
         if self.pos.window != before:
             self._commit(tensors_unchanged=True)
 
-    def _applied(self, agg: Aggregate, pos: Position) -> None:
+    def _applied(self, agg: Verified[Aggregate], pos: Position) -> None:
         """Report aggregate ``agg`` (the fingerprint of θ after it, whether our contribution is in it)."""
-        mine = [m for m in agg.manifest if m.peer_id == self.identity.peer_id]
+        mine = [m for m in agg.value.manifest if m.peer_id == self.identity.peer_id]
         weight = mine[0].weight if mine else None
-        self.state.record({"window": agg.window, "fingerprint": pos.fingerprint, "aggregate": agg.digest,
+        self.state.record({"window": agg.value.window, "fingerprint": pos.fingerprint, "aggregate": agg.digest,
                            "included": bool(mine), "weight": weight, "time": round(time.time(), 3)})  # fmt: skip
         self.display.update(window=pos.window, fingerprint=pos.fingerprint, score=weight)
-        self.display.event("applied", window=agg.window, fingerprint=pos.fingerprint, included=bool(mine),
-                           weight=weight, contributors=len(agg.manifest))  # fmt: skip
+        self.display.event("applied", window=agg.value.window, fingerprint=pos.fingerprint, included=bool(mine),
+                           weight=weight, contributors=len(agg.value.manifest))  # fmt: skip
 
     def _resynced(self, pos: Position, exc: ProtocolError) -> None:
         self.display.event("resync", window=pos.window, reason=exc.reason, detail=str(exc))

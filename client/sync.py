@@ -12,7 +12,7 @@ Every change to θ goes through this module, and only from objects signed by a k
 ``Position`` is where a peer stands: θ opens window ``window``; ``base`` is the digest of aggregate
 ``window − 1`` (``GENESIS`` at window 0), ``fingerprint`` the sha256 of θ, ``opened_at`` the
 validator's signed ``published_at`` of that aggregate, or of the checkpoint manifest θ was loaded
-from (when the window opened; for window 0, the genesis manifest's).
+from (when the window opened; for window 0, the genesis manifest's); None only before any sync.
 
 Recovery rules: an aggregate that does not chain onto ``base`` or whose resulting fingerprint
 differs from the one it carries means this peer diverged; :meth:`Sync.advance` then reloads the
@@ -41,7 +41,7 @@ from protocol.aggregate import apply_outer
 from protocol.chain import delta_of, read_aggregate, read_manifest, read_weights
 from protocol.model import build_model, fingerprint, param_schema
 from protocol.store.base import ObjectStore
-from protocol.wire import Aggregate, CheckpointManifest, published_at_of
+from protocol.wire import Aggregate, CheckpointManifest, Verified
 
 
 class NotReady(ProtocolError):
@@ -87,7 +87,7 @@ class Sync:
         return sorted(out)
 
     # ------------------------------------------------------------------ aggregates
-    def fetch_aggregate(self, window: int) -> Aggregate | None:
+    def fetch_aggregate(self, window: int) -> Verified[Aggregate] | None:
         """The verified aggregate of ``window``, or None when it is not published yet."""
         return read_aggregate(
             self.store, self.run, self.run_hash, window, allowed_signers=self.signers,
@@ -109,13 +109,14 @@ class Sync:
             time.sleep(self.poll_s)
         return False
 
-    def apply(self, params: Mapping[str, Tensor], pos: Position, agg: Aggregate) -> Position:
+    def apply(self, params: Mapping[str, Tensor], pos: Position, verified: Verified[Aggregate]) -> Position:
         """θ ← θ − α·Δ̄ for the aggregate that follows ``pos``; checks base and resulting fingerprint.
 
-        Raises StaleBase when ``agg`` does not chain onto ``pos`` (θ is untouched) and
+        Raises StaleBase when the aggregate does not chain onto ``pos`` (θ is untouched) and
         DigestMismatch when θ after the step differs from the signed fingerprint (θ is then
         diverged and must be resynchronised).
         """
+        agg = verified.value
         if agg.window != pos.window:
             raise StaleBase(f"aggregate is for window {agg.window}, peer is at window {pos.window}")
         if agg.base != pos.base:
@@ -124,17 +125,14 @@ class Sync:
         got = fingerprint(params)
         if got != agg.fingerprint:
             raise DigestMismatch(f"θ after aggregate {agg.window} is {got[:16]}, validator signed {agg.fingerprint[:16]}")
-        return Position(agg.window + 1, agg.digest, got, published_at_of(agg.metadata))
+        return Position(agg.window + 1, verified.digest, got, agg.published_at)
 
     # ------------------------------------------------------------------ checkpoints
     def load_checkpoint(self, window: int) -> tuple[Position, dict[str, Tensor]]:
         """θ from the signed checkpoint of ``window`` (files checked against the manifest)."""
         manifest = read_manifest(self.store, self.run, self.run_hash, window, allowed_signers=self.signers)
         params = self._checkpoint_params(manifest)
-        opened = published_at_of(manifest.metadata)  # signed by the validator: when ``window`` opened
-        if opened is None:
-            opened = self._opened_at(window)
-        return Position(window, manifest.aggregate, manifest.fingerprint, opened), params
+        return Position(window, manifest.aggregate, manifest.fingerprint, manifest.published_at), params
 
     def _checkpoint_params(self, manifest: CheckpointManifest) -> dict[str, Tensor]:
         if manifest.window != 0:
@@ -147,19 +145,9 @@ class Sync:
             raise DigestMismatch(f"checkpoint 0 weights hash to {got[:16]}, manifest says {manifest.fingerprint[:16]}")
         return params
 
-    def _opened_at(self, window: int) -> float | None:
-        """When ``window`` opened, from aggregate ``window − 1`` (manifests without ``published_at``)."""
-        if window == 0:
-            return None
-        try:
-            agg = self.fetch_aggregate(window - 1)
-        except ProtocolError:
-            return None
-        return published_at_of(agg.metadata) if agg else None
-
     # ------------------------------------------------------------------ catch-up
     def bootstrap(
-        self, params: dict[str, Tensor], *, on_apply: Callable[[Aggregate, Position], None] | None = None
+        self, params: dict[str, Tensor], *, on_apply: Callable[[Verified[Aggregate], Position], None] | None = None
     ) -> Position:
         """Load the newest valid checkpoint into ``params`` and replay every aggregate after it."""
         pos = self.resync(params)
@@ -188,7 +176,7 @@ class Sync:
         params: dict[str, Tensor],
         pos: Position,
         *,
-        on_apply: Callable[[Aggregate, Position], None] | None = None,
+        on_apply: Callable[[Verified[Aggregate], Position], None] | None = None,
         on_resync: Callable[[Position, ProtocolError], None] | None = None,
         max_resyncs: int = 2,
     ) -> Position:

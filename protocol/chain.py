@@ -4,11 +4,16 @@ Peers (catch-up, resync) and the validator (restart, genesis check) read the sam
 same checks, so the reading lives here once:
 
     agg = read_aggregate(store, run, run_hash, w, allowed_signers=keys, max_bytes=cap, schema=schema)
+    agg.digest, delta_of(agg.value)              # the next window's base; Δ̄ for apply_outer
     manifest, theta = read_checkpoint(store, run, run_hash, w, allowed_signers=keys)
 
 A checkpoint's weights are only trusted through its signed manifest: every file must have the size
 and sha256 the manifest lists, and the loaded θ must have the manifest's fingerprint. The signed size
 is also the read cap (a 1B-parameter θ is 4 GiB, far above any aggregate cap).
+
+An aggregate comes back with its proof (:class:`~protocol.wire.Verified`): its digest is the base of
+the next window. A checkpoint manifest comes back as its value: nothing names a manifest by its
+digest, and its signer was checked against ``allowed_signers`` before it was parsed.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from protocol.aggregate import SparseDict
 from protocol.errors import DigestMismatch, MalformedPayload, ObjectNotFound, SchemaMismatch
 from protocol.model import fingerprint
 from protocol.store.base import ObjectStore
-from protocol.wire import Aggregate, CheckpointManifest, decode_aggregate, decode_checkpoint
+from protocol.wire import Aggregate, CheckpointManifest, Verified, decode_aggregate, decode_checkpoint
 
 __all__ = ["MAX_MANIFEST_BYTES", "WEIGHTS_FILE", "delta_of", "read_aggregate", "read_checkpoint", "read_manifest", "read_weights"]
 
@@ -39,7 +44,7 @@ Schema = Mapping[str, tuple[int, ...]]
 def read_aggregate(
     store: ObjectStore, run: str, run_hash: str, window: int, *, allowed_signers: Signers, max_bytes: int,
     schema: Schema | None = None,
-) -> Aggregate | None:  # fmt: skip
+) -> Verified[Aggregate] | None:  # fmt: skip
     """The published aggregate of ``window``, or None when there is none yet. With ``schema``,
     unknown tensors and wrong shapes are refused before the payload is read; a subset of θ is fine
     (parameters nobody sent, pipeline stages, empty windows)."""
@@ -63,7 +68,7 @@ def read_manifest(store: ObjectStore, run: str, run_hash: str, window: int, *, a
     data = store.get(layout.checkpoint_manifest_key(run, window), max_bytes=MAX_MANIFEST_BYTES)
     return decode_checkpoint(
         data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=allowed_signers, window=window
-    )
+    ).value
 
 
 def read_weights(store: ObjectStore, manifest: CheckpointManifest, *, schema: Schema | None = None) -> dict[str, torch.Tensor]:

@@ -56,7 +56,7 @@ def test_refusals(store) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_manifest_without_files_is_malformed(store) -> None:  # type: ignore[no-untyped-def]
-    empty = CheckpointManifest(RUN_HASH, 2, "d" * 64, "e" * 64, (), {})
+    empty = CheckpointManifest(RUN_HASH, 2, "d" * 64, "e" * 64, (), 1.0)
     store.put(layout.checkpoint_manifest_key(RUN, 2), encode_checkpoint(empty, VALIDATOR))
     with pytest.raises(MalformedPayload, match="lists no files"):
         read(store)

@@ -71,14 +71,14 @@ class MiniValidator:
                                     max_bytes=1 << 26, window=self.window, base=self.base)  # fmt: skip
             contribs.append(c)
         contribs.sort(key=lambda c: c.sender)
-        delta = aggregate([sparse_of(c.tensors) for c in contribs]) if contribs else {}
+        delta = aggregate([sparse_of(c.value.tensors) for c in contribs]) if contribs else {}
         apply_outer(self.params, delta, self.spec.outer.alpha)
         fp = fingerprint(self.params)
         blob = encode_window_aggregate(
             run_hash=self.spec.hash(), window=self.window, base=self.base, alpha=self.spec.outer.alpha,
             delta=delta, shapes={n: tuple(p.shape) for n, p in self.params.items()},
             manifest=[(c.sender, c.digest, 1.0) for c in contribs], fingerprint_next=fp,
-            metadata={"published_at": time.time()}, identity=self.ident,
+            published_at=time.time(), metadata={}, identity=self.ident,
         )  # fmt: skip
         self.store.put(layout.aggregate_key(self.run, self.window), blob, if_absent=True)
         self.base = __import__("hashlib").sha256(blob).hexdigest()
@@ -352,7 +352,7 @@ def test_forged_aggregate_is_recorded_and_never_applied(swarm) -> None:
     honest_fp = fingerprint(peer.params)
     forged = encode_window_aggregate(
         run_hash=spec.hash(), window=1, base=val.base, alpha=1.0, delta={}, shapes={}, manifest=[],
-        fingerprint_next=honest_fp, metadata={"published_at": time.time()}, identity=Identity.generate(),
+        fingerprint_next=honest_fp, published_at=time.time(), metadata={}, identity=Identity.generate(),
     )  # fmt: skip
     store.put(key, forged)
     deadline = time.time() + 30

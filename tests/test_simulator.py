@@ -62,7 +62,7 @@ def test_sparse_path_bytes_equal_the_real_peer_path(dataset: TokenDataset) -> No
     shapes = {n: tuple(d.shape) for n, d in delta.items()}
     ours = unpack_sparse(payloads, shapes, CODEC)
     received = decode_contribution(blob, run_hash="ab" * 32, max_bytes=1 << 24)
-    theirs = sparse_of(received.tensors)  # what the validator aggregates
+    theirs = sparse_of(received.value.tensors)  # what the validator aggregates
     for n in shapes:
         assert torch.equal(ours[n][0], theirs[n][0]) and torch.equal(ours[n][1], theirs[n][1])
 

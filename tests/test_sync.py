@@ -42,7 +42,7 @@ def publish(spec: RunSpec, store: ObjectStore, tensors: dict[str, tuple[tuple[in
     blob = encode_window_aggregate(
         run_hash=spec.hash(), window=0, base=GENESIS, alpha=1.0, delta=delta,
         shapes={n: s for n, (s, _) in tensors.items()}, manifest=[], fingerprint_next="0" * 64,
-        metadata={"published_at": GENESIS_AT + 1}, identity=VALIDATOR,
+        published_at=GENESIS_AT + 1, metadata={}, identity=VALIDATOR,
     )  # fmt: skip
     store.put(layout.aggregate_key(layout.run_id(spec.hash()), 0), blob)
 
@@ -59,7 +59,7 @@ def test_aggregate_covering_a_subset_of_theta_is_accepted(run) -> None:  # type:
     name, shape = sorted(param_schema(spec.model).items())[0]
     publish(spec, store, {name: (shape, 0)})
     agg = Sync(spec, store).fetch_aggregate(0)
-    assert agg is not None and set(agg.tensors) == {name} and agg.window == 0
+    assert agg is not None and set(agg.value.tensors) == {name} and agg.value.window == 0
 
 
 @pytest.mark.parametrize("kind", ["unknown tensor", "wrong shape"])

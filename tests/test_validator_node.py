@@ -65,13 +65,14 @@ def test_honest_window_is_accepted_and_peers_reproduce_the_fingerprint(swarm: Sw
 
     # a peer verifies the aggregate with the RunSpec's key and replays it bit-exactly
     raw = swarm.store.get(layout.aggregate_key(swarm.run, 0), max_bytes=1 << 26)
-    agg = decode_aggregate(raw, run_hash=swarm.run_hash, max_bytes=1 << 26,
-                           allowed_signers=swarm.spec.validator.public_keys, window=0)  # fmt: skip
+    verified = decode_aggregate(raw, run_hash=swarm.run_hash, max_bytes=1 << 26,
+                                allowed_signers=swarm.spec.validator.public_keys, window=0)  # fmt: skip
+    agg = verified.value
     assert {m.peer_id: m.digest for m in agg.manifest} == digests
-    assert agg.base == GENESIS and float(agg.metadata["published_at"]) > 0
+    assert agg.base == GENESIS and agg.published_at == report.published_at > 0
     apply_outer(params, delta_of(agg), agg.alpha)
     assert fingerprint(params) == agg.fingerprint == report.fingerprint
-    assert v.state is not None and v.state.window == 1 and v.state.base == agg.digest
+    assert v.state is not None and v.state.window == 1 and v.state.base == verified.digest
 
     rows = v.log.rows(windows=(0, 0))
     assert [r.accepted for r in rows] == [True] * 3
@@ -145,7 +146,7 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
     assert report.accepted == 3 and report.rejected == len(expected) - 3
     agg = read_aggregate(swarm.store, swarm.run, swarm.run_hash, 1,
                          allowed_signers=spec.validator.public_keys, max_bytes=1 << 26)  # fmt: skip
-    assert agg is not None and {m.peer_id for m in agg.manifest} == {honest_a.peer_id, honest_b.peer_id, honest_c.peer_id}
+    assert agg is not None and {m.peer_id for m in agg.value.manifest} == {honest_a.peer_id, honest_b.peer_id, honest_c.peer_id}
     rejected = v.log.rows(windows=(1, 1), rejected_only=True)
     assert all(r.weight == 0.0 and r.detail for r in rejected)
     failed = {r.peer: [c for c in r.checks if not c.passed] for r in rejected}
@@ -200,12 +201,12 @@ def test_killed_after_publishing_adopts_the_published_aggregate(swarm: Swarm, vk
 
     v2 = make_validator(swarm, vkey, tmp_path)  # adopts aggregate 1, writes the checkpoint, opens window 2
     assert v2.state is not None and v2.state.window == 2 and v2.state.base == published.digest
-    assert fingerprint(v2.state.params) == published.fingerprint
+    assert fingerprint(v2.state.params) == published.value.fingerprint
     assert v2.log.window(1).status == "published"  # type: ignore[union-attr]
     assert len(v2.log.rows(windows=(1, 1))) == 3
     _, ckpt, _ = publish.load_checkpoint(swarm.store, swarm.run, swarm.run_hash, 2,
                                          allowed_signers=spec.validator.public_keys)  # fmt: skip
-    assert fingerprint(ckpt) == published.fingerprint
+    assert fingerprint(ckpt) == published.value.fingerprint
     v2.close()
 
 

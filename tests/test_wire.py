@@ -10,12 +10,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from wire_samples import BASE, CODEC, PEER, RUN, SCHEMA, VALIDATOR, aggregate, announcement, blobs
+from wire_samples import BASE, CODEC, PEER, PUBLISHED_AT, RUN, SCHEMA, VALIDATOR, aggregate, announcement, blobs
 from wire_samples import checkpoint, contribution, resign
 
 from protocol import codec
 from protocol.config import CodecConfig, RunSpec, model_config
-from protocol.wire.frame import ENVELOPE_OVERHEAD, Kind, overhead_bytes, peek_kind
+from protocol.wire.frame import ENVELOPE_OVERHEAD, Kind, peek_kind
 from protocol.errors import (
     BadSignature,
     InvalidIndices,
@@ -45,13 +45,14 @@ from protocol.wire import (
     encode_aggregate,
     encode_checkpoint,
     encode_contribution,
-    published_at_of,
 )
+from protocol.wire.aggregate import decode_indices, encode_indices
 from protocol.wire.fields import (
+    Reader,
+    Scalar,
     TensorEntry,
     Writer,
-    decode_indices,
-    encode_indices,
+    read_metadata,
     write_base,
     write_codec,
     write_metadata,
@@ -75,9 +76,10 @@ def dec_agg(data: bytes, **kw):
 def test_contribution_roundtrip_is_exact_and_signed_by_the_peer() -> None:
     c = contribution()
     blob = encode_contribution(c, PEER)
-    d = dec_contrib(blob, window=7, sender=PEER.peer_id, base=BASE, schema=SCHEMA, codec_cfg=CODEC)
-    assert d.digest == hashlib.sha256(blob).hexdigest() and d.size == len(blob)
-    assert d.sender == PEER.peer_id and d.public_key == PEER.public_key
+    v = dec_contrib(blob, window=7, sender=PEER.peer_id, base=BASE, schema=SCHEMA, codec_cfg=CODEC)
+    assert v.digest == hashlib.sha256(blob).hexdigest() and v.size == len(blob)
+    assert v.sender == PEER.peer_id and v.public_key == PEER.public_key
+    d = v.value
     assert (d.run_hash, d.window, d.base, d.codec, dict(d.metadata)) == (RUN, 7, BASE, CODEC, dict(c.metadata))
     assert d.metadata["stage"] == -1 and isinstance(d.metadata["tokens"], int)
     for name in SCHEMA:
@@ -87,20 +89,22 @@ def test_contribution_roundtrip_is_exact_and_signed_by_the_peer() -> None:
 
 def test_genesis_base_roundtrips() -> None:
     d = dec_contrib(encode_contribution(contribution(base=GENESIS), PEER), base=GENESIS)
-    assert d.base == GENESIS
+    assert d.value.base == GENESIS
 
 
 def test_aggregate_roundtrip() -> None:
     a = aggregate()
-    d = dec_agg(encode_aggregate(a, VALIDATOR), window=7, schema=SCHEMA)
-    assert d.sender == VALIDATOR.peer_id and d.manifest == a.manifest
+    v = dec_agg(encode_aggregate(a, VALIDATOR), window=7, schema=SCHEMA)
+    d = v.value
+    assert v.sender == VALIDATOR.peer_id and d.manifest == a.manifest
     assert (d.alpha, d.fingerprint, d.base, dict(d.metadata)) == (a.alpha, a.fingerprint, a.base, dict(a.metadata))
+    assert d.published_at == PUBLISHED_AT and "published_at" not in d.metadata
     for name, t in a.tensors.items():
         assert torch.equal(d.tensors[name].indices, t.indices)
         assert torch.equal(d.tensors[name].values, t.values.float())
         assert d.tensors[name].shape == t.shape
-    dense = d.tensors["conv.weight"].to_dense()
-    assert dense.shape == (3, 5, 7) and int((dense != 0).sum()) == d.tensors["conv.weight"].nnz
+    conv = d.tensors["conv.weight"]
+    assert conv.shape == (3, 5, 7) and conv.nnz == (3 * 5 * 7) // 10
 
 
 def test_aggregate_accepts_hex_signer_list() -> None:
@@ -111,13 +115,16 @@ def test_aggregate_accepts_hex_signer_list() -> None:
 def test_checkpoint_and_announcement_roundtrip() -> None:
     m = checkpoint()
     blobs_ = blobs()
-    dm = decode_checkpoint(
+    vm = decode_checkpoint(
         blobs_[Kind.CHECKPOINT], run_hash=RUN, max_bytes=CAP, allowed_signers=[VALIDATOR.public_key], window=10
     )
+    dm = vm.value
     assert (dm.files, dm.aggregate, dm.fingerprint, dict(dm.metadata)) == (m.files, m.aggregate, m.fingerprint, dict(m.metadata))
-    assert published_at_of(dm.metadata) == 1_767_225_600.25
+    assert dm.published_at == PUBLISHED_AT and vm.sender == VALIDATOR.peer_id
     an = announcement()
-    da = decode_announcement(blobs_[Kind.ANNOUNCEMENT], run_hash=RUN, max_bytes=CAP, sender=PEER.peer_id)
+    va = decode_announcement(blobs_[Kind.ANNOUNCEMENT], run_hash=RUN, max_bytes=CAP, sender=PEER.peer_id)
+    da = va.value
+    assert va.sender == PEER.peer_id and va.size == len(blobs_[Kind.ANNOUNCEMENT])
     assert (da.client_version, da.hardware, da.role, dict(da.metadata)) == (
         an.client_version, an.hardware, an.role, dict(an.metadata),
     )  # fmt: skip
@@ -198,9 +205,9 @@ def test_schema_mismatch(schema) -> None:
 
 def test_aggregates_may_cover_a_subset_of_the_schema_by_default() -> None:
     blob = encode_aggregate(aggregate(), VALIDATOR)
-    assert set(dec_agg(blob, schema={**SCHEMA, "extra.weight": (4,)}).tensors) == set(SCHEMA)
+    assert set(dec_agg(blob, schema={**SCHEMA, "extra.weight": (4,)}).value.tensors) == set(SCHEMA)
     empty = encode_aggregate(type(aggregate())(**{**aggregate().__dict__, "tensors": {}}), VALIDATOR)
-    assert dec_agg(empty, schema=SCHEMA).nnz == 0  # a window nobody contributed to
+    assert dec_agg(empty, schema=SCHEMA).value.nnz == 0  # a window nobody contributed to
     for schema in ({k: v for k, v in SCHEMA.items() if k != "conv.weight"}, {**SCHEMA, "conv.weight": (3, 7, 5)}):
         with pytest.raises(SchemaMismatch):
             dec_agg(blob, schema=schema)  # unknown tensor, wrong shape
@@ -242,7 +249,7 @@ def test_duplicate_tensor_is_a_schema_mismatch_and_disorder_is_malformed() -> No
     with pytest.raises(MalformedPayload, match="sorted"):
         dec_contrib(resign(base, PEER, body=unsorted, payload=one + one))
     ok = _contrib_body([(0, b"a", (100,), 0, len(one)), (0, b"b", (100,), 0, len(one))])
-    assert set(dec_contrib(resign(base, PEER, body=ok, payload=one + one)).tensors) == {"a", "b"}
+    assert set(dec_contrib(resign(base, PEER, body=ok, payload=one + one)).value.tensors) == {"a", "b"}
     noncanonical = _contrib_body([(0, b"ab", (100,), 0, len(one)), (0, b"ac", (100,), 0, len(one))])
     with pytest.raises(MalformedPayload, match="canonical"):
         dec_contrib(resign(base, PEER, body=noncanonical, payload=one + one))
@@ -279,7 +286,7 @@ def _agg_blob(shape: tuple[int, ...], idx_bytes: bytes, nnz: int, values: bytes)
     write_base(w, BASE)
     w.f64(1.0)
     w.text("f" * 64, 128)
-    write_metadata(w, {})
+    write_metadata(w, {"published_at": 5.0})
     w.varint(0)
     write_table(w, [TensorEntry("t", shape, 0, (nnz, len(idx_bytes)))])
     return resign(encode_aggregate(aggregate(), VALIDATOR), VALIDATOR, body=w.getvalue(), payload=idx_bytes + values)
@@ -288,7 +295,7 @@ def _agg_blob(shape: tuple[int, ...], idx_bytes: bytes, nnz: int, values: bytes)
 def test_aggregate_indices_and_values_are_checked() -> None:
     vals = np.ones(2, dtype="<f4").tobytes()
     good = encode_indices(np.array([5, 99]), 100)
-    assert dec_agg(_agg_blob((100,), good, 2, vals)).tensors["t"].indices.tolist() == [5, 99]
+    assert dec_agg(_agg_blob((100,), good, 2, vals)).value.tensors["t"].indices.tolist() == [5, 99]
     with pytest.raises(InvalidIndices):
         dec_agg(_agg_blob((50,), good, 2, vals))
     with pytest.raises(MalformedPayload):
@@ -353,10 +360,9 @@ def test_contribution_header_is_tiny_for_a_llama_model() -> None:
     assert len(schema) >= 70
     tensors = {n: codec.encode(torch.randn(s), CODEC) for n, s in schema.items()}
     blob = encode_contribution(Contribution(RUN, 12345, BASE, CODEC, tensors, {"loss": 2.0}), PEER)
-    payload = sum(len(codec.pack(e)) for e in tensors.values())
-    assert overhead_bytes(blob) == len(blob) - payload
-    assert ENVELOPE_OVERHEAD < overhead_bytes(blob) < 1600  # measured: ~1.4 KB
-    assert overhead_bytes(blob) * 8 / 10e6 < 0.0013
+    overhead = len(blob) - sum(len(codec.pack(e)) for e in tensors.values())
+    assert ENVELOPE_OVERHEAD < overhead < 1600  # measured: ~1.4 KB
+    assert overhead * 8 / 10e6 < 0.0013
 
 
 def test_fixed_header_layout_is_stable() -> None:
@@ -377,7 +383,7 @@ def test_large_manifest_without_tensors_roundtrips() -> None:
     peers = [Identity.from_seed(i.to_bytes(2, "big") * 16).peer_id for i in range(300)]
     entries = tuple(ManifestEntry(p, BASE, i / 7) for i, p in enumerate(peers))
     blob = encode_aggregate(type(a)(**{**a.__dict__, "manifest": entries, "tensors": {}}), VALIDATOR)
-    d = dec_agg(blob)
+    d = dec_agg(blob).value
     assert d.manifest == entries and d.tensors == {}
 
 
@@ -402,21 +408,59 @@ def test_manifest_lists_each_peer_once() -> None:
 def test_partial_schema_accepts_a_subset_but_not_strangers() -> None:
     blob = encode_contribution(contribution(), PEER)
     bigger = {**SCHEMA, "blocks.1.attn.wq.weight": (64, 96)}
-    assert set(dec_contrib(blob, schema=bigger, partial=True).tensors) == set(SCHEMA)
+    assert set(dec_contrib(blob, schema=bigger, partial=True).value.tensors) == set(SCHEMA)
     with pytest.raises(SchemaMismatch):
         dec_contrib(blob, schema=bigger)
     with pytest.raises(SchemaMismatch):
         dec_contrib(blob, schema={"conv.weight": (3, 5, 7)}, partial=True)
     agg = encode_aggregate(aggregate(), VALIDATOR)
-    assert dec_agg(agg, schema=bigger, partial=True).nnz > 0
+    assert dec_agg(agg, schema=bigger, partial=True).value.nnz > 0
 
 
 def test_checkpoint_metadata_is_signed_and_bounded() -> None:
     m = checkpoint()
     blob = encode_checkpoint(m, VALIDATOR)
     bare = encode_checkpoint(type(m)(**{**m.__dict__, "metadata": {}}), VALIDATOR)
-    assert published_at_of(decode_checkpoint(bare, run_hash=RUN, max_bytes=CAP, allowed_signers=None).metadata) is None
+    assert decode_checkpoint(bare, run_hash=RUN, max_bytes=CAP, allowed_signers=None).value.metadata == {}
     assert blob != bare  # the metadata is covered by the signature
     with pytest.raises(MalformedPayload):
         encode_checkpoint(type(m)(**{**m.__dict__, "metadata": {f"k{i}": i for i in range(65)}}), VALIDATOR)
-    assert published_at_of({"published_at": True}) is None and published_at_of({"published_at": 3}) == 3.0
+
+
+def _with_published_at(blob: bytes, value: Scalar | None, signer: Identity) -> bytes:
+    """``blob`` (a checkpoint manifest or an aggregate) re-signed with ``published_at`` replaced by
+    ``value`` in its metadata, or dropped when ``value`` is None."""
+    body_len = struct.unpack_from("<I", blob, 78)[0]
+    body = blob[90 : 90 + body_len]
+    r = Reader(body)
+    kind = peek_kind(blob)
+    r.take(32)  # base / aggregate digest
+    if kind == Kind.AGGREGATE:
+        r.f64()  # alpha
+    r.text(128)  # fingerprint
+    start = len(body) - r.remaining
+    meta = read_metadata(r)
+    end = len(body) - r.remaining
+    meta.pop("published_at")
+    if value is not None:
+        meta["published_at"] = value
+    w = Writer()
+    write_metadata(w, meta)
+    return resign(blob, signer, body=body[:start] + w.getvalue() + body[end:])
+
+
+@pytest.mark.parametrize("kind", [Kind.AGGREGATE, Kind.CHECKPOINT], ids=lambda k: k.label)
+@pytest.mark.parametrize("value", [None, 3, True, "now", -1.0], ids=["missing", "int", "bool", "text", "negative"])
+def test_validator_objects_must_carry_published_at(kind: Kind, value: Scalar | None) -> None:
+    blob = blobs()[kind]
+    assert _with_published_at(blob, PUBLISHED_AT, VALIDATOR) == blob  # the surgery itself is exact
+    with pytest.raises(MalformedPayload, match="published_at"):
+        decode_object(_with_published_at(blob, value, VALIDATOR), max_bytes=CAP)
+
+
+def test_published_at_is_not_metadata_when_encoding() -> None:
+    m, a = checkpoint(), aggregate()
+    with pytest.raises(MalformedPayload, match="published_at"):
+        encode_checkpoint(type(m)(**{**m.__dict__, "metadata": {"published_at": 1.0}}), VALIDATOR)
+    with pytest.raises(MalformedPayload, match="not a time"):
+        encode_aggregate(type(a)(**{**a.__dict__, "published_at": float("nan")}), VALIDATOR)

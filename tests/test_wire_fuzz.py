@@ -26,7 +26,8 @@ from protocol.wire.frame import FIXED_HEADER_BYTES, Kind
 from protocol.errors import MalformedPayload, PayloadTooLarge, ProtocolError, UnsupportedVersion
 from protocol.identity import SIGNATURE_BYTES
 from protocol.wire import decode_object
-from protocol.wire.fields import MAX_TENSORS, Writer
+from protocol.config import CodecConfig
+from protocol.wire.fields import MAX_TENSORS, Writer, write_codec, write_metadata
 
 CAP = 1 << 20
 RAW_PER_KIND = 3000
@@ -184,12 +185,26 @@ def _varints(*values: int) -> bytes:
     return w.getvalue()
 
 
+def _published_metadata() -> bytes:
+    w = Writer()
+    write_metadata(w, {"published_at": 1.0})
+    return w.getvalue()
+
+
+def _codec_and_metadata() -> bytes:
+    w = Writer()
+    write_codec(w, CodecConfig())
+    write_metadata(w, {})
+    return w.getvalue()
+
+
 HOSTILE = {
     # counts that would make a naive parser loop or allocate for a long time
-    "tensor count": (Kind.CONTRIBUTION, bytes(32) + _varints(0, 0, MAX_TENSORS)),
-    "tensor count over max": (Kind.CONTRIBUTION, bytes(32) + _varints(0, 0, 2**62)),
-    "manifest count": (Kind.AGGREGATE, bytes(32) + bytes(8) + _varints(0, 0, 2**20)),
-    "file count": (Kind.CHECKPOINT, bytes(32) + _varints(0, 2**16)),
+    "tensor count": (Kind.CONTRIBUTION, bytes(32) + _codec_and_metadata() + _varints(MAX_TENSORS)),
+    "tensor count over max": (Kind.CONTRIBUTION, bytes(32) + _codec_and_metadata() + _varints(2**62)),
+    "manifest count": (Kind.AGGREGATE, bytes(32) + bytes(8) + _varints(0) + _published_metadata() + _varints(2**20)),
+    "file count": (Kind.CHECKPOINT, bytes(32) + _varints(0) + _published_metadata() + _varints(2**16)),
+    "metadata count": (Kind.CHECKPOINT, bytes(32) + _varints(0, 2**16)),
     "string length": (Kind.ANNOUNCEMENT, _varints(2**40)),
     "endless varint": (Kind.ANNOUNCEMENT, b"\xff" * 4096),
     "empty body": (Kind.AGGREGATE, b""),

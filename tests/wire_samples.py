@@ -33,6 +33,7 @@ SCHEMA = {"blocks.0.attn.wq.weight": (64, 96), "blocks.0.norm.weight": (100,), "
 PEER = Identity.from_seed(b"p" * 32)
 VALIDATOR = Identity.from_seed(b"v" * 32)
 BASE = hashlib.sha256(b"aggregate 6").hexdigest()
+PUBLISHED_AT = 1_767_225_600.25
 
 
 def contribution(window: int = 7, base: str = BASE, seed: int = 0) -> Contribution:
@@ -53,7 +54,7 @@ def aggregate(window: int = 7, seed: int = 0) -> Aggregate:
         ManifestEntry(VALIDATOR.peer_id, hashlib.sha256(b"c2").hexdigest(), 0.5),
     )
     fp = hashlib.sha256(b"theta").hexdigest()
-    return Aggregate(RUN, window, BASE, 1.0, fp, manifest, tensors, {"contributors": 2})
+    return Aggregate(RUN, window, BASE, 1.0, fp, manifest, tensors, PUBLISHED_AT, {"contributors": 2})
 
 
 def checkpoint(window: int = 10) -> CheckpointManifest:
@@ -61,8 +62,7 @@ def checkpoint(window: int = 10) -> CheckpointManifest:
         CheckpointFile(checkpoint_key(RUN_ID, window, "model.safetensors"), hashlib.sha256(b"m").hexdigest(), 123456),
         CheckpointFile(checkpoint_key(RUN_ID, window, "optimizer.safetensors"), hashlib.sha256(b"o").hexdigest(), 99),
     )
-    meta = {"published_at": 1_767_225_600.25}
-    return CheckpointManifest(RUN, window, BASE, hashlib.sha256(b"theta").hexdigest(), files, meta)
+    return CheckpointManifest(RUN, window, BASE, hashlib.sha256(b"theta").hexdigest(), files, PUBLISHED_AT, {"step": 9})
 
 
 def announcement(window: int = 3) -> Announcement:

@@ -27,7 +27,7 @@ import torch
 from protocol.aggregate import SparseDict, sparse_of
 from protocol.config import CodecConfig
 from protocol.errors import ProtocolError
-from protocol.wire import Contribution, decode_contribution
+from protocol.wire import Contribution, Verified, decode_contribution
 from validator.log import CheckRow
 
 __all__ = [
@@ -199,7 +199,7 @@ class Screened:
     checks: tuple[CheckRow, ...]
     reason: str | None
     detail: str | None = None
-    contribution: Contribution | None = None
+    contribution: Verified[Contribution] | None = None  # its digest goes into the aggregate's manifest
     sparse: SparseDict = field(default_factory=dict)
     overlap: float | None = None  # largest Top-k index overlap with an earlier upload
 
@@ -212,12 +212,13 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
     try:
         # With the window, codec and schema given, a hostile tensor table is refused before the
         # codec allocates anything for it; a subset of the schema is fine (pipeline stages).
-        c = decode_contribution(
+        verified = decode_contribution(
             data, run_hash=ctx.run_hash, max_bytes=ctx.max_bytes, sender=peer, window=ctx.window,
             schema=ctx.schema, partial=True, codec_cfg=ctx.codec,
         )  # fmt: skip
     except ProtocolError as exc:
         return _undecodable(peer, exc, ctx)
+    c = verified.value
     rows += [ok("format"), ok("signature"), ok("run")]
     sparse: SparseDict = {}
     for check in (
@@ -232,10 +233,10 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
         row = check()
         rows.append(row)
         if not row.passed:
-            return Screened(peer, tuple(rows), row.reason, _detail(row, c, ctx), c)
+            return Screened(peer, tuple(rows), row.reason, _detail(row, c, ctx), verified)
         if row.name == "schema":
             sparse = sparse_of(c.tensors)  # decoded once, after the shapes are known to be sane
-    return Screened(peer, tuple(rows), None, None, c, sparse)
+    return Screened(peer, tuple(rows), None, None, verified, sparse)
 
 
 def _undecodable(peer: str, exc: ProtocolError, ctx: Context) -> Screened:

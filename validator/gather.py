@@ -121,7 +121,7 @@ class PeerRegistry:
                 blob = self.store.get(key, max_bytes=MAX_ANNOUNCEMENT_BYTES)
                 self.announcements[peer] = decode_announcement(
                     blob, run_hash=self.run_hash, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=peer
-                )
+                ).value  # signed by ``peer``, the key it is kept under
                 self.first_seen[peer] = self.clock()
             except ProtocolError as exc:
                 log.warning("announcement %s rejected: %s", key, exc)

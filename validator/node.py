@@ -35,7 +35,7 @@ from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreErr
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, param_schema, parameters_of
 from protocol.store.base import ObjectStore
-from protocol.wire import GENESIS, Aggregate, decode_aggregate, published_at_of
+from protocol.wire import GENESIS, Aggregate, Verified, decode_aggregate
 from protocol.windows import is_checkpoint_window
 from validator import checks, publish, window_checks
 from validator.gather import PeerRegistry, Received, gather, list_contributions
@@ -204,23 +204,24 @@ class Validator:
                 raise ConfigError(f"the store's aggregate {st.window} is invalid; cannot continue the chain: {exc}") from exc
             if agg is None:
                 return
-            if agg.base != st.base:
+            if agg.value.base != st.base:
                 raise ConfigError(f"published aggregate {st.window} does not follow this validator's state")
             params = {n: p.detach().clone() for n, p in st.params.items()}
-            apply_outer(params, delta_of(agg), agg.alpha)
-            if fingerprint(params) != agg.fingerprint:
+            apply_outer(params, delta_of(agg.value), agg.value.alpha)
+            if fingerprint(params) != agg.value.fingerprint:
                 raise ConfigError(f"aggregate {st.window} does not reproduce its fingerprint from this state")
             self._adopt_rows(agg)
             self._advance(st, agg, params)
 
-    def _adopt_rows(self, agg: Aggregate) -> None:
+    def _adopt_rows(self, verified: Verified[Aggregate]) -> None:
+        agg = verified.value
         win = self.log.window(agg.window)
         if win is None:  # decisions lost with the state directory: keep what the manifest proves
             rows = [ContributionRecord(agg.window, m.peer_id, digest=m.digest, accepted=True, weight=m.weight)
                     for m in agg.manifest]  # fmt: skip
             win = WindowRecord(agg.window, accepted=len(rows), fingerprint=agg.fingerprint, base=agg.base)
             self.log.record_window(win, rows)
-        self.log.mark_published(agg.window, digest=agg.digest, published_at=_published_at(agg))
+        self.log.mark_published(agg.window, digest=verified.digest, published_at=agg.published_at)
 
     # ------------------------------------------------------------------ phases
     def _context(self, t: int, base: str) -> checks.Context:
@@ -259,7 +260,7 @@ class Validator:
     def _score(self, screened: list[checks.Screened], t: int, base: str) -> dict[str, LossScore]:
         cfg, data = self.spec.validator, self.spec.data
         live = {s.peer: s for s in screened if s.reason is None}
-        units = scoring_units({p: s.contribution.metadata if s.contribution else {} for p, s in live.items()})
+        units = scoring_units({p: s.contribution.value.metadata if s.contribution else {} for p, s in live.items()})
         sample = pick_sample(sorted(units), cfg.eval_peers_per_window, self.spec.seed, t)
         if not sample:
             return {}
@@ -317,12 +318,11 @@ class Validator:
         val_loss = self._val_loss()
         published_at = self.clock()
         accepted = [r for r in rows if r.accepted]
-        meta = {"published_at": published_at, "val_loss": val_loss, "accepted": len(accepted),
-                "rejected": len(rows) - len(accepted)}  # fmt: skip
+        meta = {"val_loss": val_loss, "accepted": len(accepted), "rejected": len(rows) - len(accepted)}
         blob = publish.encode_window_aggregate(
             run_hash=self.run_hash, window=t, base=st.base, alpha=self.spec.outer.alpha, delta=delta,
             shapes=self.schema, manifest=[(r.peer, r.digest or "", r.weight) for r in accepted],
-            fingerprint_next=fp, metadata=meta, identity=self.identity,
+            fingerprint_next=fp, published_at=published_at, metadata=meta, identity=self.identity,
         )  # fmt: skip
         win = WindowRecord(t, "decided", st.opened_at, published_at, None, st.base, None, fp, val_loss,
                            len(accepted), len(rows) - len(accepted))  # fmt: skip
@@ -343,9 +343,9 @@ class Validator:
             self.on_window(report)
         return report
 
-    def _advance(self, st: ValidatorState, agg: Aggregate, params: dict[str, torch.Tensor]) -> None:
+    def _advance(self, st: ValidatorState, agg: Verified[Aggregate], params: dict[str, torch.Tensor]) -> None:
         """Move to window t + 1: checkpoint when due, then the state file (the commit point)."""
-        nxt = ValidatorState(self.run_hash, st.window + 1, agg.digest, _published_at(agg), params)
+        nxt = ValidatorState(self.run_hash, st.window + 1, agg.digest, agg.value.published_at, params)
         if is_checkpoint_window(nxt.window, self.spec.windows):
             publish.publish_checkpoint(
                 self.store, self.run_id, self.run_hash, nxt.window, aggregate=agg.digest, params=params,
@@ -392,6 +392,3 @@ class Validator:
             self._val = validation_batches(self.dataset, self.spec.validator.eval_sequences, d.batch_size, d.seq_len)
         return eval_loss(self.model, self._val, self.device)
 
-
-def _published_at(agg: Aggregate) -> float:
-    return published_at_of(agg.metadata) or 0.0

@@ -24,7 +24,7 @@ from safetensors.torch import save as st_save
 from protocol import layout
 from protocol.aggregate import SparseDict
 from protocol.chain import MAX_MANIFEST_BYTES, WEIGHTS_FILE, read_checkpoint, read_manifest
-from protocol.errors import MalformedPayload, ObjectExists, ObjectNotFound
+from protocol.errors import ObjectExists, ObjectNotFound
 from protocol.identity import Identity
 from protocol.model import fingerprint
 from protocol.store.base import ObjectStore
@@ -32,12 +32,12 @@ from protocol.wire import (
     Aggregate,
     CheckpointFile,
     CheckpointManifest,
+    ManifestEntry,
     SparseDelta as WireDelta,
     decode_checkpoint,
     encode_aggregate,
     encode_checkpoint,
 )
-from protocol.wire import PUBLISHED_AT, ManifestEntry, published_at_of
 
 __all__ = [
     "WEIGHTS_FILE",
@@ -86,12 +86,12 @@ def publish_checkpoint(
     key = layout.checkpoint_key(run, window, WEIGHTS_FILE)
     store.put(key, blob)  # not if_absent: a weights file without a manifest is from a crashed attempt
     files = (CheckpointFile(key, hashlib.sha256(blob).hexdigest(), len(blob)),)
-    manifest = CheckpointManifest(run_hash, window, aggregate, fp, files, {PUBLISHED_AT: float(published_at)})
+    manifest = CheckpointManifest(run_hash, window, aggregate, fp, files, float(published_at))
     data = encode_checkpoint(manifest, identity)
     put_once(store, layout.checkpoint_manifest_key(run, window), data, max_bytes=MAX_MANIFEST_BYTES)
     return decode_checkpoint(
         data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=[identity.public_key], window=window
-    )
+    ).value
 
 
 def _existing_manifest(
@@ -112,12 +112,9 @@ def load_checkpoint(
     allowed_signers: Sequence[bytes | str],
 ) -> tuple[CheckpointManifest, dict[str, torch.Tensor], float]:
     """(manifest, θ_window, published_at), every file checked against the signed manifest
-    (``protocol.chain``); the validator also requires the manifest's signed ``published_at``."""
+    (``protocol.chain``); ``published_at`` is when window ``window`` opened."""
     manifest, params = read_checkpoint(store, run, run_hash, window, allowed_signers=allowed_signers)
-    opened = published_at_of(manifest.metadata)
-    if opened is None:
-        raise MalformedPayload(f"checkpoint {window} has no published_at in its signed metadata")
-    return manifest, params, opened
+    return manifest, params, manifest.published_at
 
 
 def encode_window_aggregate(
@@ -130,11 +127,12 @@ def encode_window_aggregate(
     shapes: Mapping[str, tuple[int, ...]],
     manifest: Sequence[tuple[str, str, float]],
     fingerprint_next: str,
+    published_at: float,
     metadata: Mapping[str, int | float | str | bool],
     identity: Identity,
 ) -> bytes:
     """The signed aggregate of ``window``: Δ̄ (sparse), manifest [(peer, digest, weight)], fingerprint
-    of θ_{window+1}, metadata (``published_at`` …)."""
+    of θ_{window+1}, ``published_at`` (now: window + 1 opens with it), metadata (``val_loss`` …)."""
     tensors = {name: WireDelta(tuple(shapes[name]), idx, vals) for name, (idx, vals) in sorted(delta.items())}
     agg = Aggregate(
         run_hash,
@@ -144,6 +142,7 @@ def encode_window_aggregate(
         fingerprint_next,
         tuple(ManifestEntry(p, d, w) for p, d, w in sorted(manifest)),
         tensors,
+        float(published_at),
         dict(metadata),
     )
     return encode_aggregate(agg, identity)

@@ -1,36 +1,54 @@
-"""The signed objects of the protocol and their bytes (see :mod:`protocol.wire.objects`)."""
+"""The four signed objects of the protocol and their bytes.
 
-from protocol.wire.objects import (
-    GENESIS,
-    Kind,
-    Signed,
-    SignedObject,
-    Contribution,
-    Aggregate,
-    SparseDelta,
-    ManifestEntry,
-    CheckpointManifest,
-    CheckpointFile,
-    Announcement,
-    PipelineRole,
-    encode_contribution,
-    decode_contribution,
-    encode_aggregate,
-    decode_aggregate,
-    encode_checkpoint,
-    decode_checkpoint,
-    encode_announcement,
-    decode_announcement,
-    decode_object,
-    overhead_bytes,
-    published_at_of,
-    PUBLISHED_AT,
-)
+==================  ==========================  ===========================================
+object              signed by                   body (see :mod:`protocol.wire.frame` for the frame)
+==================  ==========================  ===========================================
+Contribution        the peer                    base, codec params, metadata, tensor table;
+                                                payload = ``codec.pack`` of every tensor
+Aggregate           a validator key of the run  base, alpha, fingerprint of θ_{t+1}, metadata
+                                                with published_at, manifest [(peer, digest,
+                                                weight)], tensor table; payload = delta-coded
+                                                flat indices + float32
+CheckpointManifest  a validator key             aggregate digest, fingerprint, metadata with
+                                                published_at, files
+Announcement        the peer                    client version, hardware, pipeline role, metadata
+==================  ==========================  ===========================================
+
+One module per kind (:mod:`~protocol.wire.contribution`, :mod:`~protocol.wire.aggregate`,
+:mod:`~protocol.wire.checkpoint`, :mod:`~protocol.wire.announcement`); the fields they share are in
+:mod:`~protocol.wire.fields`, the signed frame in :mod:`~protocol.wire.frame`. Every ``decode_*``
+returns a :class:`~protocol.wire.verified.Verified`: the object in ``.value`` and what the
+signature proved about its bytes (``digest``, ``sender``, ``public_key``, ``size``)::
+
+    blob = encode_contribution(Contribution(run_hash, window, base, spec.codec, encoded, meta), ident)
+    c = decode_contribution(blob, run_hash=spec.hash(), max_bytes=cap, window=w, schema=shapes,
+                            partial=True, codec_cfg=spec.codec)   # a stage may send a subset
+    c.digest, c.sender, c.value.tensors["tok_emb.weight"]      # Encoded, ready for codec.decode
+    agg = decode_aggregate(blob, run_hash=..., max_bytes=cap, allowed_signers=keys, schema=shapes)
+    agg.digest, agg.value.manifest, agg.value.published_at
+
+Decoding is strict: every failure is a :class:`protocol.errors.ProtocolError` subclass (see the
+``decode_*`` docstrings); the signature is verified before the body is interpreted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Union
+
+from protocol.errors import PayloadTooLarge
+from protocol.wire.aggregate import Aggregate, ManifestEntry, SparseDelta, decode_aggregate, encode_aggregate
+from protocol.wire.announcement import Announcement, PipelineRole, decode_announcement, encode_announcement
+from protocol.wire.checkpoint import CheckpointFile, CheckpointManifest, decode_checkpoint, encode_checkpoint
+from protocol.wire.contribution import Contribution, decode_contribution, encode_contribution
+from protocol.wire.fields import GENESIS
+from protocol.wire.frame import Kind, peek_kind
+from protocol.wire.verified import Verified
 
 __all__ = [
     "GENESIS",
     "Kind",
-    "Signed",
+    "Verified",
     "SignedObject",
     "Contribution",
     "Aggregate",
@@ -49,7 +67,26 @@ __all__ = [
     "encode_announcement",
     "decode_announcement",
     "decode_object",
-    "overhead_bytes",
-    "published_at_of",
-    "PUBLISHED_AT",
 ]
+
+SignedObject = Union[Contribution, Aggregate, CheckpointManifest, Announcement]
+
+
+def decode_object(
+    data: bytes,
+    *,
+    max_bytes: int,
+    run_hash: str | None = None,
+    allowed_signers: Collection[bytes | str] | None = None,
+) -> Verified[SignedObject]:
+    """Verify and parse an object of whatever kind it is (``sparseloco inspect``)."""
+    if len(data) > max_bytes:
+        raise PayloadTooLarge(f"object is {len(data)} bytes, limit {max_bytes}")
+    kind = peek_kind(data)
+    if kind == Kind.CONTRIBUTION:
+        return decode_contribution(data, run_hash=run_hash, max_bytes=max_bytes)
+    if kind == Kind.AGGREGATE:
+        return decode_aggregate(data, run_hash=run_hash, max_bytes=max_bytes, allowed_signers=allowed_signers)
+    if kind == Kind.CHECKPOINT:
+        return decode_checkpoint(data, run_hash=run_hash, max_bytes=max_bytes, allowed_signers=allowed_signers)
+    return decode_announcement(data, run_hash=run_hash, max_bytes=max_bytes)

@@ -5,8 +5,8 @@ are little-endian f64. Lists whose order carries no meaning (metadata, codec par
 tables) are written sorted and read back only if sorted and unique, so that every value has exactly
 one encoding. Every count is checked against the bytes left before a loop or allocation runs.
 
-Sparse flat indices (aggregates) are coded as varint gaps with vectorized numpy (millions of
-indices per second; a Python loop would take seconds per aggregate).
+The per-kind modules (:mod:`protocol.wire.contribution`, :mod:`~protocol.wire.aggregate`,
+:mod:`~protocol.wire.checkpoint`, :mod:`~protocol.wire.announcement`) build their bodies from these.
 """
 
 from __future__ import annotations
@@ -20,11 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
 
-import numpy as np
-import numpy.typing as npt
-
 from protocol.config import CodecConfig
-from protocol.errors import ConfigError, InvalidIndices, MalformedPayload, PayloadTooLarge, SchemaMismatch
+from protocol.errors import ConfigError, MalformedPayload, PayloadTooLarge, SchemaMismatch
 from protocol.identity import PEER_ID_BYTES, is_peer_id
 
 
@@ -105,9 +102,10 @@ class Reader:
     def u8(self) -> int:
         return int(self.take(1)[0])
 
-    def f64(self, *, finite: bool = True) -> float:
+    def f64(self) -> float:
+        """A finite little-endian f64 (NaN and infinities are refused)."""
         (v,) = struct.unpack("<d", self.take(8))
-        if finite and not math.isfinite(v):
+        if not math.isfinite(v):
             raise self.fail("non-finite number")
         return float(v)
 
@@ -234,6 +232,30 @@ def read_fields(r: Reader, max_items: int = MAX_METADATA) -> dict[str, Scalar]:
 
 write_metadata, read_metadata = write_fields, read_fields
 
+# The validator's clock: every aggregate and checkpoint manifest carries ``published_at`` (unix
+# seconds: when the window after the aggregate, or the checkpoint's window, opened). It travels as
+# one of the metadata fields, so those bodies stay one sorted field list.
+PUBLISHED_AT = "published_at"
+
+
+def write_published_metadata(w: Writer, published_at: float, metadata: Metadata) -> None:
+    """``metadata`` with ``published_at`` added as an f64 field (``metadata`` must not hold it)."""
+    if PUBLISHED_AT in metadata:
+        raise MalformedPayload(f"{PUBLISHED_AT} is given on its own, not in the metadata")
+    if not (math.isfinite(published_at) and published_at >= 0):
+        raise MalformedPayload(f"{PUBLISHED_AT} {published_at} is not a time")
+    write_metadata(w, {**metadata, PUBLISHED_AT: float(published_at)})
+
+
+def read_published_metadata(r: Reader) -> tuple[float, dict[str, Scalar]]:
+    """(``published_at``, the other metadata); MalformedPayload unless ``published_at`` is there,
+    written as its one encoding (a non-negative f64)."""
+    metadata = read_metadata(r)
+    published_at = metadata.pop(PUBLISHED_AT, None)
+    if not isinstance(published_at, float) or published_at < 0:
+        raise r.fail(f"no {PUBLISHED_AT} time in the signed metadata")
+    return published_at, metadata
+
 
 def write_codec(w: Writer, cfg: CodecConfig) -> None:
     write_fields(w, {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
@@ -254,12 +276,18 @@ def read_codec(r: Reader) -> CodecConfig:
         raise MalformedPayload(f"invalid codec parameters: {exc}") from None
 
 
+# ------------------------------------------------------------------------------ tensor tables
+Shape = tuple[int, ...]
+Schema = Mapping[str, Shape]  # parameter name -> shape, e.g. ``protocol.model.param_schema(...)``
+DTYPE_FLOAT32 = 0  # the only dtype on the wire today: decoded deltas are float32
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """One row of a tensor table: name, shape, dtype code and per-kind lengths."""
 
     name: str
-    shape: tuple[int, ...]
+    shape: Shape
     dtype: int
     lengths: tuple[int, ...]
 
@@ -322,6 +350,40 @@ def read_table(r: Reader, n_lengths: int) -> list[TensorEntry]:
     return out
 
 
+def check_schema(table: Sequence[TensorEntry], schema: Schema | None, partial: bool = False) -> None:
+    """SchemaMismatch unless every row is a tensor of ``schema`` with its shape and, unless
+    ``partial``, every tensor of ``schema`` has a row. ``None`` checks nothing."""
+    if schema is None:
+        return
+    names = {t.name for t in table}
+    missing, unknown = [] if partial else sorted(set(schema) - names), sorted(names - set(schema))
+    if missing or unknown:
+        raise SchemaMismatch(f"missing tensors {missing[:5]}, unknown tensors {unknown[:5]}")
+    for t in table:
+        if tuple(schema[t.name]) != t.shape:
+            raise SchemaMismatch(f"{t.name}: shape {t.shape}, expected {tuple(schema[t.name])}")
+
+
+def check_dtype(t: TensorEntry) -> None:
+    if t.dtype != DTYPE_FLOAT32:
+        raise MalformedPayload(f"{t.name}: unknown dtype code {t.dtype}")
+
+
+def split_payload(payload: memoryview, lengths: Sequence[int]) -> list[memoryview]:
+    """Cut the payload into consecutive sections of ``lengths`` bytes, which must add up to all of it."""
+    if sum(lengths) != len(payload):
+        raise MalformedPayload(f"tensor table declares {sum(lengths)} payload bytes, object has {len(payload)}")
+    out, pos = [], 0
+    for n in lengths:
+        out.append(payload[pos : pos + n])
+        pos += n
+    return out
+
+
+def shape_numel(shape: Shape) -> int:
+    return math.prod(shape)
+
+
 def _shared(prev: bytes, name: bytes) -> tuple[int, int]:
     """Longest common prefix, then longest common suffix of what remains of both."""
     n = min(len(prev), len(name))
@@ -342,58 +404,3 @@ def _zigzag(v: int) -> int:
 
 def _unzigzag(v: int) -> int:
     return (v >> 1) if not v & 1 else -((v + 1) >> 1)
-
-
-# ------------------------------------------------------------------------------ sparse indices
-_MAX_VARINT_BYTES = 6  # gaps < 2**42 > MAX_NUMEL
-
-
-def encode_indices(indices: npt.NDArray[np.integer], numel: int) -> bytes:
-    """Sorted unique flat indices -> varint gaps (first value, then index[i] − index[i−1] − 1)."""
-    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-    if idx.size == 0:
-        return b""
-    gaps = np.diff(idx, prepend=np.int64(-1)) - 1
-    if gaps.min() < 0 or idx[-1] >= numel:
-        raise MalformedPayload("indices must be sorted, unique and inside the tensor")
-    g = gaps.astype(np.uint64)
-    nbytes = np.ones(g.size, dtype=np.int64)
-    for p in range(1, _MAX_VARINT_BYTES):
-        nbytes += g >= np.uint64(1 << (7 * p))
-    ends = np.cumsum(nbytes)
-    starts = ends - nbytes
-    out = np.zeros(int(ends[-1]), dtype=np.uint8)
-    for p in range(_MAX_VARINT_BYTES):
-        sel = nbytes > p
-        byte = (g[sel] >> np.uint64(7 * p)) & np.uint64(0x7F)
-        more = (nbytes[sel] > p + 1).astype(np.uint64) << np.uint64(7)
-        out[starts[sel] + p] = (byte | more).astype(np.uint8)
-    return out.tobytes()
-
-
-def decode_indices(data: bytes | memoryview, count: int, numel: int, what: str) -> npt.NDArray[np.int64]:
-    """Inverse of :func:`encode_indices`, strict: exactly ``count`` canonical varints filling
-    ``data``, every index < ``numel``. Raises InvalidIndices / MalformedPayload."""
-    b = np.frombuffer(data, dtype=np.uint8)
-    if count == 0:
-        if b.size:
-            raise MalformedPayload(f"{what}: index bytes for zero values")
-        return np.zeros(0, dtype=np.int64)
-    ends = np.flatnonzero(b < 0x80)
-    if ends.size != count or ends[-1] != b.size - 1:
-        raise MalformedPayload(f"{what}: index stream does not hold exactly {count} varints")
-    starts = np.concatenate(([0], ends[:-1] + 1))
-    lengths = ends - starts + 1
-    if lengths.max() > _MAX_VARINT_BYTES:
-        raise InvalidIndices(f"{what}: index gap too large")
-    if np.any((lengths > 1) & (b[ends] == 0)):
-        raise MalformedPayload(f"{what}: non-canonical varint")
-    pos = np.arange(b.size, dtype=np.int64) - np.repeat(starts, lengths)
-    parts = (b & 0x7F).astype(np.int64) << (7 * pos)
-    gaps = np.add.reduceat(parts, starts)
-    # cumsum of (gap + 1) − 1 is strictly increasing by construction; only the range can fail.
-    # Gaps are < 2**42 and count ≤ numel ≤ 2**40, so the int64 sum cannot overflow.
-    idx = np.cumsum(gaps + 1) - 1
-    if idx[-1] >= numel:
-        raise InvalidIndices(f"{what}: index {int(idx[-1])} outside a tensor of {numel} values")
-    return idx

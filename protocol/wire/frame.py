@@ -20,7 +20,8 @@ signature. Only then are body and payload handed out (as zero-copy memoryviews) 
 parsers in :mod:`protocol.wire`, which read them with :class:`protocol.wire.fields.Reader`.
 
 The object's ``digest`` is the sha256 of all its bytes, signature included: what ``sha256sum``
-prints for the stored file, and the name other objects use for it (``base``, manifests).
+prints for the stored file, and the name other objects use for it (``base``, manifests). Decoders
+hand it out with the signer's key and the size in :class:`protocol.wire.verified.Verified`.
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ class Envelope:
     """A verified container: the signature checked, body and payload not yet interpreted."""
 
     kind: Kind
-    version: int
     run_hash: str
     window: int
     public_key: bytes
@@ -103,7 +103,7 @@ def open_envelope(data: bytes, *, max_bytes: int, run_hash: str | None, kind: Ki
         raise UnsupportedVersion(f"expected kind {kind.label}, found {found.label}")
     if len(data) < ENVELOPE_OVERHEAD:
         raise MalformedPayload(f"object of {len(data)} bytes is shorter than the fixed header")
-    _, version, _, run_raw, window, pub, body_len, payload_len = _FIXED.unpack_from(data, 0)
+    _, _, _, run_raw, window, pub, body_len, payload_len = _FIXED.unpack_from(data, 0)
     declared = ENVELOPE_OVERHEAD + body_len + payload_len
     if declared != len(data):
         raise MalformedPayload(f"declared lengths add up to {declared} bytes, object has {len(data)}")
@@ -117,7 +117,6 @@ def open_envelope(data: bytes, *, max_bytes: int, run_hash: str | None, kind: Ki
     body_start = FIXED_HEADER_BYTES
     return Envelope(
         kind=found,
-        version=version,
         run_hash=run_raw.hex(),
         window=window,
         public_key=bytes(pub),
@@ -127,14 +126,3 @@ def open_envelope(data: bytes, *, max_bytes: int, run_hash: str | None, kind: Ki
         size=len(data),
     )
 
-
-def overhead_bytes(data: bytes) -> int:
-    """Bytes of an object that are not payload (frame + body + signature); not verified.
-
-    For a contribution this is everything except the codec's tensor payloads: the figure the codec
-    benchmark reports as header overhead.
-    """
-    if len(data) < ENVELOPE_OVERHEAD:
-        raise MalformedPayload("object is shorter than the fixed header")
-    payload_len = _FIXED.unpack_from(data, 0)[7]
-    return len(data) - payload_len
