@@ -28,7 +28,7 @@ from protocol.errors import (
     PayloadTooLarge,
     StoreError,
 )
-from protocol.store import LocalStore, MemoryStore, ObjectStore, open_store, store_from_config
+from protocol.store import LocalStore, MemoryStore, ObjectStore, open_store, put_once, store_from_config
 
 HAVE_DHT = importlib.util.find_spec("protocol.store.dht.store") is not None
 BACKENDS = [
@@ -165,6 +165,17 @@ def test_conditional_create(case: Case) -> None:
     with pytest.raises(ObjectExists):
         case.store.put(case.k("once"), b"loser", if_absent=True)
     assert case.store.get(case.k("once")) == b"winner"
+
+
+def test_put_once_accepts_only_the_same_bytes(case: Case) -> None:
+    key = case.k("published")
+    assert put_once(case.store, key, b"signed manifest")
+    assert not put_once(case.store, key, b"signed manifest")  # a restarted writer republishing
+    with pytest.raises(ObjectExists):
+        put_once(case.store, key, b"signed manifesT")
+    with pytest.raises(ObjectExists):
+        put_once(case.store, key, b"signed")  # the larger existing object is not read in full
+    assert case.store.get(key) == b"signed manifest"
 
 
 def test_conditional_create_race_has_one_winner(case: Case) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from protocol.errors import ConfigError
-from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
+from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix, put_once
 from protocol.store.local import LocalStore
 from protocol.store.memory import MemoryStore
 
@@ -34,6 +34,7 @@ __all__ = [
     "check_key",
     "check_prefix",
     "open_store",
+    "put_once",
     "store_from_config",
 ]
 
