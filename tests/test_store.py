@@ -28,7 +28,16 @@ from protocol.errors import (
     PayloadTooLarge,
     StoreError,
 )
-from protocol.store import LocalStore, MemoryStore, ObjectStore, open_store, put_once, store_from_config
+import protocol.store
+from protocol.store import (
+    LocalStore,
+    MemoryStore,
+    ObjectStore,
+    open_from_settings,
+    open_store,
+    put_once,
+    store_from_config,
+)
 
 HAVE_DHT = importlib.util.find_spec("protocol.store.dht.store") is not None
 BACKENDS = [
@@ -297,6 +306,18 @@ def test_open_store_rejects_unknown_options(tmp_path: Path) -> None:
         open_store(f"file://{tmp_path}", fsynk=False)
     with pytest.raises(ConfigError):
         open_store("memory://x", colour="blue")
+
+
+def test_open_from_settings_applies_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = StorageConfig(url="memory://from-the-runspec", dht_bootstrap=("/ip4/10.0.0.1/tcp/1/p2p/QmRunSpec",))
+    with open_from_settings(cfg, f"file://{tmp_path}/cli") as store:  # --store replaces storage.url
+        assert isinstance(store, LocalStore) and store.root == (tmp_path / "cli").resolve()
+    seen: list[StorageConfig] = []
+    monkeypatch.setattr(protocol.store, "store_from_config", lambda c, **o: seen.append(c) or MemoryStore())
+    open_from_settings(cfg, None, ("/ip4/10.0.0.2/tcp/1/p2p/QmCli",))
+    # --dht-peer first; the RunSpec's bootstrap list stays as a fallback
+    assert seen[0].url == cfg.url
+    assert seen[0].dht_bootstrap == ("/ip4/10.0.0.2/tcp/1/p2p/QmCli", "/ip4/10.0.0.1/tcp/1/p2p/QmRunSpec")
 
 
 @pytest.mark.integration
