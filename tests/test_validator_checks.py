@@ -191,7 +191,7 @@ def test_window_clock() -> None:
 # ------------------------------------------------------------------ window-level checks
 def _screened(peer: str, idx: list[int], vals: list[float]) -> checks.Screened:
     sparse = {"w": (torch.tensor(idx, dtype=torch.int64), torch.tensor(vals, dtype=torch.float32))}
-    return checks.Screened(peer, (CheckRow("size", True),), None, None, None, sparse)
+    return checks.Screened(peer=peer, checks=(CheckRow("size", True),), reason=None, sparse=sparse)
 
 
 def test_window_checks_norm_copy_score_capacity() -> None:
@@ -202,7 +202,7 @@ def test_window_checks_norm_copy_score_capacity() -> None:
     b = _screened("b", [10, 11, 12, 13], [1.0, -1.0, 1.0, 1.0])
     copy = _screened("c", [0, 1, 2, 3], [1.0, 1.0, 1.0, 1.1])
     huge = _screened("h", [20, 21, 22, 23], [100.0, 100.0, 100.0, 100.0])
-    rejected = checks.Screened("r", (CheckRow("size", False, "too_large"),), "too_large")
+    rejected = checks.Screened(peer="r", checks=(CheckRow("size", False, "too_large"),), reason="too_large")
     out = wc.norms([a, b, copy, huge, rejected], 10.0)
     assert [s.reason for s in out] == [None, None, None, "norm_outlier", "too_large"]
     assert out[4] is rejected  # rejected ones pass through untouched
