@@ -247,19 +247,6 @@ class ContributionLog:
             ).fetchone()
         return WindowRecord(**dict(zip(_WINDOW_COLS, row))) if row else None
 
-    def windows(self) -> list[WindowRecord]:
-        with self._lock:
-            rows = self._db.execute(f"SELECT {', '.join(_WINDOW_COLS)} FROM windows ORDER BY window").fetchall()
-        return [WindowRecord(**dict(zip(_WINDOW_COLS, r))) for r in rows]
-
-    def first_seen(self, window: int) -> dict[str, float]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT peer, received_at FROM contributions WHERE window = ? AND received_at IS NOT NULL",
-                (window,),
-            ).fetchall()
-        return {peer: float(t) for peer, t in rows}
-
     def rows(
         self,
         *,
