@@ -11,7 +11,6 @@ the local state is consistent (every save is atomic, so there is nothing to flus
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import sys
@@ -100,7 +99,7 @@ def _join(
     from client.progress import PeerDisplay
     from client.state import LocalState
     from protocol.identity import Identity
-    from protocol.store import store_from_config
+    from protocol.store import open_from_settings
 
     spec = RunSpec.load(run_path)
     if not spec.validator.public_keys:
@@ -115,10 +114,7 @@ def _join(
     until = until_window
     if spec.windows.max_windows > 0:
         until = min(until, spec.windows.max_windows) if until is not None else spec.windows.max_windows
-    storage = dataclasses.replace(spec.storage, url=store_url) if store_url else spec.storage
-    if dht_peers:  # added to the RunSpec's bootstrap list, which stays usable as a fallback
-        storage = dataclasses.replace(storage, dht_bootstrap=tuple(dht_peers) + tuple(storage.dht_bootstrap))
-    store = store_from_config(storage)
+    store = open_from_settings(spec.storage, store_url, dht_peers)
     display = PeerDisplay(json_lines=status_json)
     try:
         with display:

@@ -44,7 +44,7 @@ from protocol.errors import ObjectExists, ProtocolError, StoreError
 from protocol.feedback import FeedbackState, compress_step
 from protocol.identity import Identity
 from protocol.model import build_model
-from protocol.store.base import ObjectStore
+from protocol.store.base import ObjectStore, put_once
 from protocol.windows import upload_deadline
 from protocol.wire import Aggregate, Announcement, Contribution, Verified, encode_announcement, encode_contribution
 
@@ -284,26 +284,30 @@ class Peer:
     def _put_contribution(self, trained: Trained) -> tuple[str, str | None]:
         key = layout.contrib_key(self.run_id, trained.window, self.identity.peer_id)
         try:
-            self._put_with_retry(key, trained.blob, if_absent=True)
+            # Our own earlier attempt (a restart, a retried put that did land) counts when identical.
+            created = self._put_with_retry(key, trained.blob, once=True)
         except ObjectExists:
-            # Our own earlier attempt (a restart, a retried put that did land): fine if identical.
-            same = self.store.get(key, max_bytes=len(trained.blob) + 1) == trained.blob
-            return ("uploaded", "already present") if same else ("failed", "a different contribution exists")
+            return "failed", "a different contribution exists"
         except StoreError as exc:
             return "failed", f"{exc.reason}: {exc}"
-        return "uploaded", None
+        return "uploaded", None if created else "already present"
 
-    def _put_with_retry(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+    def _put_with_retry(self, key: str, data: bytes, *, once: bool = False) -> bool:
+        """``store.put``, or with ``once`` :func:`put_once`, retried on store errors other than
+        ``ObjectExists``; whether this call created the object."""
         for attempt in range(UPLOAD_RETRIES):
             try:
-                self.store.put(key, data, if_absent=if_absent)
-                return
+                if once:
+                    return put_once(self.store, key, data)
+                self.store.put(key, data)
+                return True
             except ObjectExists:
                 raise
             except StoreError:
                 if attempt == UPLOAD_RETRIES - 1:
                     raise
                 time.sleep(0.2 * 2**attempt)
+        raise AssertionError("UPLOAD_RETRIES is at least 1")
 
     def _failed(self, exc: ProtocolError | StoreError) -> None:
         """A window that broke on a store or protocol error: undo an unsent e step, record it."""

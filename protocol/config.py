@@ -81,8 +81,6 @@ class DataConfig:
     batch_size: int = 8
     micro_batch_size: int = 0  # 0 = no gradient accumulation
     val_fraction: float = 0.02
-    eval_sequences: int = 32
-    seed: int = 1234
 
     def __post_init__(self) -> None:
         _require(self.seq_len > 1 and self.batch_size > 0, "data.seq_len > 1 and data.batch_size > 0")
@@ -133,17 +131,15 @@ class CodecConfig:
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """Outer step. ``method``: sparseloco | diloco. α is applied once (θ ← θ − α·Δ̄)."""
+    """Outer step: θ ← θ − α·Δ̄, with Δ̄ the aggregate of the contributions (α applied once)."""
 
-    method: str = "sparseloco"
     alpha: float = 1.0
     beta: float = 0.95  # error-feedback decay
     aggregation: str = "contributors"  # contributors | all  (mean over contributors / over all R)
     clip: str = "median"  # median | none
-    momentum: float = 0.9  # DiLoCo only (Nesterov)
+    momentum: float = 0.9  # Nesterov momentum of the DiLoCo baseline (client/simulator.py) only
 
     def __post_init__(self) -> None:
-        _require(self.method in ("sparseloco", "diloco"), "outer.method must be sparseloco|diloco")
         _require(self.aggregation in ("contributors", "all"), "outer.aggregation must be contributors|all")
         _require(self.clip in ("median", "none"), "outer.clip must be median|none")
 

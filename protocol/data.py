@@ -45,6 +45,7 @@ from torch import Tensor
 
 from protocol.config import DataConfig
 from protocol.errors import ConfigError
+from protocol.files import atomic_write
 from protocol.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
@@ -170,7 +171,7 @@ class _ShardWriter:
     def _flush(self, tokens: np.ndarray) -> None:
         name = f"{self.split}-{len(self.shards):05d}.bin"
         data = tokens.astype(np.dtype(self.dtype).newbyteorder("<"), copy=False).tobytes()
-        (self.out / name).write_bytes(data)
+        atomic_write(self.out / name, data)
         self.shards.append({"file": name, "tokens": len(tokens), "sha256": hashlib.sha256(data).hexdigest()})
 
 
@@ -180,7 +181,10 @@ def write_shards(
     tokenizer: ByteTokenizer | HFTokenizer,
     val_fraction: float,
 ) -> TokenDataset:
-    """Tokenize ``(name, utf-8 bytes)`` documents into a shard directory (atomically) and open it."""
+    """Tokenize ``(name, utf-8 bytes)`` documents into a shard directory (atomically) and open it.
+
+    Every file is written durably into a temporary directory that is then renamed to ``out_dir``:
+    a crash leaves no directory, never one with a truncated shard."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
@@ -201,7 +205,7 @@ def write_shards(
             "eos_id": tokenizer.eos_id,
             "splits": {s: w.close() for s, w in writers.items()},
         }
-        (tmp / INDEX).write_text(json.dumps(index, indent=1, sort_keys=True))
+        atomic_write(tmp / INDEX, json.dumps(index, indent=1, sort_keys=True).encode())
         try:
             os.replace(tmp, out)  # atomic; fails if another process already published `out`
         except OSError:

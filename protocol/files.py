@@ -2,6 +2,7 @@
 
     atomic_write(state_dir / "progress.json", payload)              # temp file, fsync, rename
     atomic_write(path, payload, mode=0o600)                          # a secret key
+    atomic_write(path, payload, exclusive=True)                      # create; never replace
 
 Every local file that a restart reads (peer and validator state, keys, prepared data, the local
 directory store) goes through this one function.
@@ -10,31 +11,46 @@ directory store) goes through this one function.
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes, *, mode: int | None = None, durable: bool = True) -> None:
+def atomic_write(
+    path: str | os.PathLike[str],
+    data: bytes | memoryview,
+    *,
+    mode: int | None = None,
+    durable: bool = True,
+    exclusive: bool = False,
+) -> None:
     """Replace ``path`` with ``data`` atomically.
 
     The bytes go to a temporary file beside ``path`` (same directory, so the rename cannot cross
     file systems), are flushed and, with ``durable``, fsynced; then the file is renamed over
     ``path``. ``mode`` sets the permissions before any byte is written (keys are never readable by
-    others, not even for a moment). A leftover ``.<name>.<pid>.tmp`` means a crash mid-write; it was
-    never visible under ``path``.
+    others, not even for a moment). With ``exclusive`` an existing ``path`` is never replaced: the
+    temporary file is hard-linked to ``path``, which fails atomically with ``FileExistsError`` when
+    the name exists, so of concurrent creators exactly one wins.
+
+    Each call has its own temporary file, so threads and processes may write the same ``path`` at
+    once. A leftover ``.<name>.<pid>-<random>.tmp`` means a crash mid-write; it was never visible
+    under ``path``. The parent directory must exist, and is not fsynced.
     """
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    fd = os.open(tmp, flags, 0o666 if mode is None else mode)
+    # Own name per call; the target's name is cut so that a long one still leaves room (NAME_MAX).
+    tmp = target.with_name(f".{target.name[:64]}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)
     try:
         with os.fdopen(fd, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)  # exactly ``mode``, whatever the umask
             f.write(data)
             f.flush()
             if durable:
                 os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)  # the umask may have narrowed it; never widened beyond ``mode``
-        os.replace(tmp, target)
-    except BaseException:
+        if exclusive:
+            os.link(tmp, target)
+        else:
+            os.replace(tmp, target)
+    finally:
         tmp.unlink(missing_ok=True)
-        raise

@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-import os
 import re
 import stat
 from pathlib import Path
@@ -28,6 +27,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from protocol.errors import BadSignature, ConfigError
+from protocol.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -148,22 +148,8 @@ class Identity:
         pem = self._key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-        # O_EXCL + 0600 from the start: the key is never on disk with wider permissions.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(pem)
-                f.flush()
-                os.fsync(f.fileno())
-            if overwrite:
-                os.replace(tmp, p)
-            else:
-                os.link(tmp, p)  # fails with FileExistsError instead of clobbering
-                os.unlink(tmp)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        # 0600 from the start: the key is never on disk with wider permissions.
+        atomic_write(p, pem, mode=0o600, exclusive=not overwrite)
 
     # ------------------------------------------------------------------ signing
     def sign(self, data: bytes) -> bytes:

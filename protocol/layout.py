@@ -143,11 +143,3 @@ def parse_key(key: str, *, run: str | None = None) -> ParsedKey:
     if kind == "peers" and len(rest) == 1:
         return ParsedKey(r, kind, peer_id=_peer(rest[0]))
     raise MalformedPayload(f"key {key!r} does not follow the object layout")
-
-
-def window_of(key: str) -> int:
-    """The window a contribution, aggregate or checkpoint key names."""
-    parsed = parse_key(key)
-    if parsed.window is None:
-        raise MalformedPayload(f"key {key!r} names no window")
-    return parsed.window

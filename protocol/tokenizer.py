@@ -36,10 +36,6 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_bytes(self, data: bytes) -> bytes:
-        """Fast path for raw bytes (the token ids are the bytes themselves)."""
-        return data
-
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 

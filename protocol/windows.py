@@ -27,7 +27,6 @@ __all__ = [
     "Phase",
     "gather_close",
     "phase_at",
-    "seconds_left",
     "should_close",
     "upload_deadline",
     "is_checkpoint_window",
@@ -59,11 +58,6 @@ def phase_at(now: float, opened_at: float, cfg: WindowConfig) -> Phase:
     if now < gather_close(opened_at, cfg):
         return Phase.GRACE
     return Phase.CLOSED
-
-
-def seconds_left(now: float, opened_at: float, cfg: WindowConfig) -> float:
-    """Seconds until the upload deadline (0 when past it)."""
-    return max(0.0, upload_deadline(opened_at, cfg) - now)
 
 
 def should_close(

@@ -115,7 +115,7 @@ def sim_config(method: str, inner_lr: float, outer_lr: float, seed: int, args: a
     inner = InnerConfig(steps=args.inner_steps, lr=inner_lr, warmup_steps=args.warmup or max(1, total // 10),
                         total_steps=total)  # fmt: skip
     if method == "diloco":
-        outer = OuterConfig(method="diloco", alpha=outer_lr, momentum=0.9)
+        outer = OuterConfig(alpha=outer_lr, momentum=0.9)
     else:
         agg = "all" if method == "sparseloco-all" else "contributors"
         outer = OuterConfig(alpha=outer_lr, beta=args.beta, aggregation=agg, clip="median")

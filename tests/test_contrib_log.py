@@ -33,7 +33,7 @@ def db(tmp_path: Path) -> Path:
         for w in range(3):
             log.note_received(w, P1, received_at=100.0 + w, nbytes=None)
             log.record_window(
-                WindowRecord(w, accepted=2, rejected=1, val_loss=5.0 - w),
+                WindowRecord(window=w, accepted=2, rejected=1, val_loss=5.0 - w),
                 [rec(w, P1, True, score=0.1), rec(w, P2, True, score=-0.05), rec(w, P3, False, "bad_signature")],
             )
             log.mark_published(w, digest=f"{w:064x}", published_at=200.0 + w)
@@ -49,7 +49,7 @@ def test_rows_round_trip_with_checks_and_first_seen(db: Path) -> None:
         assert r.checks == (CheckRow("size", True), CheckRow("signature", True))
         bad = next(r for r in rows if r.peer == P3)
         assert bad.checks[-1] == CheckRow("signature", False, "bad_signature")
-        assert log.window(2) == WindowRecord(2, "published", published_at=202.0, aggregate_digest=f"{2:064x}",
+        assert log.window(2) == WindowRecord(window=2, status="published", published_at=202.0, aggregate_digest=f"{2:064x}",
                                              val_loss=3.0, accepted=2, rejected=1)  # fmt: skip
 
 
@@ -57,8 +57,8 @@ def test_first_seen_is_kept_and_redeciding_overwrites(tmp_path: Path) -> None:
     with ContributionLog(tmp_path / "l.sqlite") as log:
         assert log.note_received(0, P1, received_at=10.0, nbytes=5) == 10.0
         assert log.note_received(0, P1, received_at=99.0, nbytes=5) == 10.0  # a restart sees it again later
-        log.record_window(WindowRecord(0), [rec(0, P1, False, "norm_outlier")])
-        log.record_window(WindowRecord(0), [rec(0, P1, True)])  # the window re-decided after a crash
+        log.record_window(WindowRecord(window=0), [rec(0, P1, False, "norm_outlier")])
+        log.record_window(WindowRecord(window=0), [rec(0, P1, True)])  # the window re-decided after a crash
         rows = log.rows()
         assert len(rows) == 1 and rows[0].accepted and rows[0].received_at == 10.0
         assert len(rows[0].checks) == 2  # old checks replaced, not appended
@@ -68,7 +68,7 @@ def test_a_failed_window_write_leaves_nothing(tmp_path: Path) -> None:
     with ContributionLog(tmp_path / "l.sqlite") as log:
         bad = ContributionRecord(window=0, peer=P2, detail=object())  # type: ignore[arg-type]
         with pytest.raises(sqlite3.Error):
-            log.record_window(WindowRecord(0), [rec(0, P1, True), bad])
+            log.record_window(WindowRecord(window=0), [rec(0, P1, True), bad])
         assert log.rows() == [] and log.window(0) is None
 
 

@@ -25,7 +25,7 @@ REQUIRED = {
 def small_preset(tmp_path: Path) -> Path:
     spec = RunSpec.load(PRESET).replace(
         model={"dim": 64, "n_layers": 2, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 64},
-        data={"seq_len": 64, "batch_size": 4, "eval_sequences": 16},
+        data={"seq_len": 64, "batch_size": 4},
         inner={"steps": 8, "warmup_steps": 4, "total_steps": 100},
         validator={"eval_sequences": 8},
     )

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 # a test's time goes to process start-up and the protocol, not to training.
 SMALL: dict[str, dict[str, Any]] = {
     "model": {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 64},
-    "data": {"seq_len": 64, "batch_size": 4, "eval_sequences": 16},
+    "data": {"seq_len": 64, "batch_size": 4},
     "inner": {"steps": 8, "lr": 3e-3, "warmup_steps": 4, "total_steps": 200},
     "windows": {"upload_deadline_s": 60.0, "gather_grace_s": 1.0, "poll_interval_s": 0.05, "checkpoint_every": 2},
     "validator": {"eval_sequences": 8, "eval_peers_per_window": 8},

@@ -25,7 +25,7 @@ def test_keys_follow_the_documented_layout() -> None:
     assert layout.peer_key(RUN, PEER) == f"{RUN}/peers/{PEER}"
     assert layout.aggregate_key("my-run_2", 0) == "my-run_2/aggregate/00000000"
     for key in (layout.contrib_key(RUN, 3, PEER), layout.aggregate_key(RUN, 3), layout.checkpoint_key(RUN, 3, "f")):
-        assert layout.window_of(key) == 3
+        assert layout.parse_key(key).window == 3
 
 
 def test_parse_key_roundtrips_every_kind() -> None:
@@ -33,7 +33,7 @@ def test_parse_key_roundtrips_every_kind() -> None:
     assert layout.parse_key(layout.aggregate_key(RUN, 99_999_999)) == layout.ParsedKey(RUN, "aggregate", 99_999_999)
     assert layout.parse_key(layout.checkpoint_manifest_key(RUN, 5)).file == "manifest"
     assert layout.parse_key(layout.peer_key(RUN, PEER)) == layout.ParsedKey(RUN, "peers", peer_id=PEER)
-    assert layout.window_of(layout.contrib_key(RUN, 42, PEER)) == 42
+    assert layout.parse_key(layout.contrib_key(RUN, 42, PEER)).window == 42
 
 
 @pytest.mark.parametrize(
@@ -61,11 +61,9 @@ def test_parse_key_is_strict(key: str) -> None:
         layout.parse_key(key)
 
 
-def test_parse_key_checks_the_run_and_window_of_needs_a_window() -> None:
+def test_parse_key_checks_the_run() -> None:
     with pytest.raises(MalformedPayload):
         layout.parse_key(layout.aggregate_key(RUN, 1), run="otherrun")
-    with pytest.raises(MalformedPayload):
-        layout.window_of(layout.peer_key(RUN, PEER))
 
 
 @pytest.mark.parametrize("window", [-1, 10**8, 1.0, True, "3"])
@@ -87,4 +85,4 @@ def test_builders_refuse_unsafe_segments(bad) -> None:
 @given(st.lists(st.integers(0, layout.MAX_WINDOW), min_size=1, max_size=30, unique=True))
 def test_lexicographic_listing_order_is_window_order(windows: list[int]) -> None:
     keys = [layout.aggregate_key(RUN, w) for w in windows]
-    assert [layout.window_of(k) for k in sorted(keys)] == sorted(windows)
+    assert [layout.parse_key(k).window for k in sorted(keys)] == sorted(windows)

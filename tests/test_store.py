@@ -28,7 +28,16 @@ from protocol.errors import (
     PayloadTooLarge,
     StoreError,
 )
-from protocol.store import LocalStore, MemoryStore, ObjectStore, open_store, store_from_config
+import protocol.store
+from protocol.store import (
+    LocalStore,
+    MemoryStore,
+    ObjectStore,
+    open_from_settings,
+    open_store,
+    put_once,
+    store_from_config,
+)
 
 HAVE_DHT = importlib.util.find_spec("protocol.store.dht.store") is not None
 BACKENDS = [
@@ -167,6 +176,17 @@ def test_conditional_create(case: Case) -> None:
     assert case.store.get(case.k("once")) == b"winner"
 
 
+def test_put_once_accepts_only_the_same_bytes(case: Case) -> None:
+    key = case.k("published")
+    assert put_once(case.store, key, b"signed manifest")
+    assert not put_once(case.store, key, b"signed manifest")  # a restarted writer republishing
+    with pytest.raises(ObjectExists):
+        put_once(case.store, key, b"signed manifesT")
+    with pytest.raises(ObjectExists):
+        put_once(case.store, key, b"signed")  # the larger existing object is not read in full
+    assert case.store.get(key) == b"signed manifest"
+
+
 def test_conditional_create_race_has_one_winner(case: Case) -> None:
     if not case.store.atomic_create:
         pytest.skip(f"{case.name}: if_absent is best-effort (atomic_create is False)")
@@ -286,6 +306,18 @@ def test_open_store_rejects_unknown_options(tmp_path: Path) -> None:
         open_store(f"file://{tmp_path}", fsynk=False)
     with pytest.raises(ConfigError):
         open_store("memory://x", colour="blue")
+
+
+def test_open_from_settings_applies_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = StorageConfig(url="memory://from-the-runspec", dht_bootstrap=("/ip4/10.0.0.1/tcp/1/p2p/QmRunSpec",))
+    with open_from_settings(cfg, f"file://{tmp_path}/cli") as store:  # --store replaces storage.url
+        assert isinstance(store, LocalStore) and store.root == (tmp_path / "cli").resolve()
+    seen: list[StorageConfig] = []
+    monkeypatch.setattr(protocol.store, "store_from_config", lambda c, **o: seen.append(c) or MemoryStore())
+    open_from_settings(cfg, None, ("/ip4/10.0.0.2/tcp/1/p2p/QmCli",))
+    # --dht-peer first; the RunSpec's bootstrap list stays as a fallback
+    assert seen[0].url == cfg.url
+    assert seen[0].dht_bootstrap == ("/ip4/10.0.0.2/tcp/1/p2p/QmCli", "/ip4/10.0.0.1/tcp/1/p2p/QmRunSpec")
 
 
 @pytest.mark.integration

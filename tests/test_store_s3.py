@@ -1,7 +1,7 @@
 """S3 backend specifics against a real S3 server (SeaweedFS ``weed mini`` on 127.0.0.1).
 
 Large objects and multipart, per-peer credentials scoped to a prefix, the size cap, conditional
-create races, credentials from the environment, bad credentials, presigned URLs, pagination.
+create races, credentials from the environment, bad credentials, pagination.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ import os
 import subprocess
 import sys
 import threading
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,18 +160,6 @@ def test_credentials_and_endpoint_from_environment(
         with pytest.raises(AccessDenied):
             store.put("other/k", b"1")
         assert store.get("envpeer/k") == b"from env"
-
-
-def test_presigned_get(s3: SeaweedS3, root: str) -> None:
-    with s3.store(root) as store:
-        store.put("shared", b"public for an hour")
-        url = store.presign_get("shared", expires_s=3600)
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        assert resp.read() == b"public for an hour"
-    tampered = url.replace("shared", "other")
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(tampered, timeout=10)
-    assert err.value.code == 403
 
 
 def test_list_paginates(s3: SeaweedS3, root: str) -> None:

@@ -10,9 +10,9 @@ from protocol import codec
 from protocol.config import CodecConfig, RunSpec, ValidatorConfig, WindowConfig
 from protocol.identity import Identity
 from protocol.wire import GENESIS, Contribution, encode_contribution
-from protocol.windows import Phase, gather_close, is_checkpoint_window, phase_at, seconds_left, should_close, upload_deadline
+from protocol.windows import Phase, gather_close, is_checkpoint_window, phase_at, should_close, upload_deadline
 from validator import checks
-from validator.copies import find_copies, global_indices, overlap
+from validator.copies import global_indices, overlap, scan
 from validator.log import CheckRow
 from validator.reputation import EXCLUDED, Outcome, Standing, is_excluded, standings, update
 
@@ -127,24 +127,22 @@ def test_overlap_and_global_indices() -> None:
     assert overlap(np.array([], dtype=np.int64), np.array([1])) == 0.0
 
 
-def test_find_copies_later_upload_is_the_copier() -> None:
+def test_copy_scan_later_upload_is_the_copier() -> None:
     a = np.arange(0, 100)
     idx = {"orig": a, "copier": a.copy(), "honest": np.arange(80, 180)}
-    v = find_copies(idx, {"orig": 1.0, "copier": 2.0, "honest": 1.5}, threshold=0.6)
+    v, best = scan(idx, {"orig": 1.0, "copier": 2.0, "honest": 1.5}, threshold=0.6)
     assert set(v) == {"copier"} and v["copier"].original == "orig" and v["copier"].overlap == 1.0
+    assert best == {"orig": 0.0, "honest": 0.2, "copier": 1.0}
     # reversed order: now "orig" is the later one
-    v = find_copies(idx, {"orig": 3.0, "copier": 2.0, "honest": 1.5}, threshold=0.6)
+    v, _ = scan(idx, {"orig": 3.0, "copier": 2.0, "honest": 1.5}, threshold=0.6)
     assert set(v) == {"orig"}
-    from validator.copies import max_overlaps
-
-    assert max_overlaps(idx, {"orig": 1.0, "copier": 2.0, "honest": 1.5}, 0.6) == {"orig": 0.0, "honest": 0.2, "copier": 1.0}
     # below the threshold nobody is a copier (honest overlap 0.2)
-    assert find_copies({"x": a, "y": np.arange(80, 180)}, {"x": 1.0, "y": 2.0}, 0.6) == {}
+    assert scan({"x": a, "y": np.arange(80, 180)}, {"x": 1.0, "y": 2.0}, 0.6)[0] == {}
 
 
-def test_find_copies_same_listing_flags_both() -> None:
+def test_copy_scan_same_listing_flags_both() -> None:
     a = np.arange(50)
-    v = find_copies({"x": a, "y": a}, {"x": 1.0, "y": 1.0}, 0.6)
+    v, _ = scan({"x": a, "y": a}, {"x": 1.0, "y": 1.0}, 0.6)
     assert set(v) == {"x", "y"} and all(c.ambiguous for c in v.values())
 
 
@@ -179,7 +177,6 @@ def test_window_clock() -> None:
     assert phase_at(105.0, 100.0, cfg) is Phase.OPEN
     assert phase_at(111.0, 100.0, cfg) is Phase.GRACE
     assert phase_at(112.0, 100.0, cfg) is Phase.CLOSED
-    assert seconds_left(104.0, 100.0, cfg) == 6.0 and seconds_left(200.0, 100.0, cfg) == 0.0
     assert not should_close(101.0, 100.0, cfg, expected={"a", "b"}, uploaded={"a"})
     assert should_close(101.0, 100.0, cfg, expected={"a", "b"}, uploaded={"a", "b", "c"})
     assert not should_close(101.0, 100.0, cfg, expected=set(), uploaded={"a"})  # nobody known: wait
@@ -191,7 +188,7 @@ def test_window_clock() -> None:
 # ------------------------------------------------------------------ window-level checks
 def _screened(peer: str, idx: list[int], vals: list[float]) -> checks.Screened:
     sparse = {"w": (torch.tensor(idx, dtype=torch.int64), torch.tensor(vals, dtype=torch.float32))}
-    return checks.Screened(peer, (CheckRow("size", True),), None, None, None, sparse)
+    return checks.Screened(peer=peer, checks=(CheckRow("size", True),), reason=None, sparse=sparse)
 
 
 def test_window_checks_norm_copy_score_capacity() -> None:
@@ -202,7 +199,7 @@ def test_window_checks_norm_copy_score_capacity() -> None:
     b = _screened("b", [10, 11, 12, 13], [1.0, -1.0, 1.0, 1.0])
     copy = _screened("c", [0, 1, 2, 3], [1.0, 1.0, 1.0, 1.1])
     huge = _screened("h", [20, 21, 22, 23], [100.0, 100.0, 100.0, 100.0])
-    rejected = checks.Screened("r", (CheckRow("size", False, "too_large"),), "too_large")
+    rejected = checks.Screened(peer="r", checks=(CheckRow("size", False, "too_large"),), reason="too_large")
     out = wc.norms([a, b, copy, huge, rejected], 10.0)
     assert [s.reason for s in out] == [None, None, None, "norm_outlier", "too_large"]
     assert out[4] is rejected  # rejected ones pass through untouched

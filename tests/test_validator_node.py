@@ -164,7 +164,7 @@ def test_killed_before_publishing_redoes_the_window_without_double_counting(swar
         v.run_window()
     assert v.log.window(0).status == "decided"  # type: ignore[union-attr]
     assert not swarm.store.exists(layout.aggregate_key(swarm.run, 0))
-    first_seen = v.log.first_seen(0)
+    first_seen = {r.peer: r.received_at for r in v.log.rows(windows=(0, 0), decided_only=False)}
     v.log.close()
 
     v2 = make_validator(swarm, vkey, tmp_path)
@@ -174,7 +174,8 @@ def test_killed_before_publishing_redoes_the_window_without_double_counting(swar
     assert report is not None and report.accepted == 4
     rows = v2.log.rows(windows=(0, 0))
     assert len(rows) == 4 and len({r.peer for r in rows}) == 4
-    assert all(v2.log.first_seen(0)[p] == t for p, t in first_seen.items())  # upload order survives
+    again = {r.peer: r.received_at for r in rows}
+    assert all(again[p] == t for p, t in first_seen.items())  # upload order survives
     lb = {r.peer: r for r in v2.log.leaderboard()}
     assert all(r.windows == 1 and r.accepted == 1 for r in lb.values())
     v2.close()

@@ -177,7 +177,7 @@ def check_norm(norms: Mapping[str, float], medians: Mapping[str, float], max_rat
 
 
 # ---------------------------------------------------------------------------- one contribution
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Context:
     """What the per-contribution checks compare against in this window."""
 
@@ -191,7 +191,7 @@ class Context:
     excluded: frozenset[str] = frozenset()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Screened:
     """A contribution after the per-contribution checks; ``reason`` None when all passed."""
 
@@ -208,7 +208,7 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
     """Run ``size`` … ``excluded`` on the bytes found at ``contrib/<window>/<peer>``. Pure."""
     rows: list[CheckRow] = [check_size(len(data), ctx.max_bytes)]
     if not rows[0].passed:
-        return Screened(peer, tuple(rows), rows[0].reason, f"{len(data)} bytes, cap {ctx.max_bytes}")
+        return Screened(peer=peer, checks=tuple(rows), reason=rows[0].reason, detail=f"{len(data)} bytes, cap {ctx.max_bytes}")
     try:
         # With the window, codec and schema given, a hostile tensor table is refused before the
         # codec allocates anything for it; a subset of the schema is fine (pipeline stages).
@@ -233,10 +233,10 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
         row = check()
         rows.append(row)
         if not row.passed:
-            return Screened(peer, tuple(rows), row.reason, _detail(row, c, ctx), verified)
+            return Screened(peer=peer, checks=tuple(rows), reason=row.reason, detail=_detail(row, c, ctx), contribution=verified)
         if row.name == "schema":
             sparse = sparse_of(c.tensors)  # decoded once, after the shapes are known to be sane
-    return Screened(peer, tuple(rows), None, None, verified, sparse)
+    return Screened(peer=peer, checks=tuple(rows), reason=None, contribution=verified, sparse=sparse)
 
 
 def _undecodable(peer: str, exc: ProtocolError, ctx: Context) -> Screened:
@@ -244,8 +244,8 @@ def _undecodable(peer: str, exc: ProtocolError, ctx: Context) -> Screened:
     check comes before the failing one."""
     rows = rows_for_error(exc.reason, check_registered(peer, ctx.registered))
     if rows[-1].name == "registered":
-        return Screened(peer, rows, rows[-1].reason, "no signed announcement for this peer")
-    return Screened(peer, rows, exc.reason, str(exc))
+        return Screened(peer=peer, checks=rows, reason=rows[-1].reason, detail="no signed announcement for this peer")
+    return Screened(peer=peer, checks=rows, reason=exc.reason, detail=str(exc))
 
 
 def _detail(row: CheckRow, c: Contribution, ctx: Context) -> str:

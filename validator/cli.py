@@ -30,7 +30,7 @@ from rich.table import Table
 from protocol.config import RunSpec
 from protocol.errors import ConfigError
 from protocol.identity import Identity
-from protocol.store import store_from_config
+from protocol.store import open_from_settings
 from validator.log import ContributionLog, ContributionRecord
 from validator.node import LOG_FILE, Validator, WindowReport
 
@@ -79,20 +79,15 @@ def run(
     console = Console(highlight=False, soft_wrap=True)
     try:
         spec = RunSpec.load(run_path)
-        storage = spec.storage
-        if store_url:
-            storage = dataclasses.replace(storage, url=store_url)
-        if dht_peers:
-            storage = dataclasses.replace(storage, dht_bootstrap=tuple(storage.dht_bootstrap) + dht_peers)
         ident = Identity.load(Path(key_path).expanduser())
-        store = store_from_config(storage)
+        store = open_from_settings(spec.storage, store_url, dht_peers)
         validator = Validator(spec, store, ident, state_dir, device=device, on_window=lambda r: _status(console, r))
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc}")
         sys.exit(2)
     _install_stop(validator)
     console.print(
-        f"validator {ident.peer_id} run {validator.run_id} store {storage.url} state {state_dir} device {device}"
+        f"validator {ident.peer_id} run {validator.run_id} store {store_url or spec.storage.url} state {state_dir} device {device}"
     )
     try:
         state = validator.resume()

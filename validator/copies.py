@@ -20,7 +20,7 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ["CopyVerdict", "find_copies", "global_indices", "max_overlaps", "overlap", "scan"]
+__all__ = ["CopyVerdict", "global_indices", "overlap", "scan"]
 
 
 @dataclass(frozen=True)
@@ -45,19 +45,6 @@ def overlap(a: np.ndarray, b: np.ndarray) -> float:
         return 0.0
     common = np.intersect1d(a, b, assume_unique=True).size
     return common / min(len(a), len(b))
-
-
-def find_copies(
-    indices: Mapping[str, np.ndarray], first_seen: Mapping[str, float], threshold: float
-) -> dict[str, CopyVerdict]:
-    """Copiers among ``indices`` (peer -> global index set); earlier uploads are originals."""
-    return scan(indices, first_seen, threshold)[0]
-
-
-def max_overlaps(indices: Mapping[str, np.ndarray], first_seen: Mapping[str, float], threshold: float) -> dict[str, float]:
-    """Per peer, its largest overlap with an earlier original (0 for the first): the margin to the
-    threshold, for the log."""
-    return scan(indices, first_seen, threshold)[1]
 
 
 def scan(

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 MAX_ANNOUNCEMENT_BYTES = 64 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Received:
     """One listed contribution: its bytes, or why they could not be read."""
 
@@ -183,7 +183,9 @@ def gather(
         # a fetch stuck in the store must not hold the window: abandon it (reads are size-capped)
         pool.shutdown(wait=False, cancel_futures=True)
     for peer in pending:
-        done[peer] = Received(peer, keys[peer], seen[peer], reason="store_error", detail="fetch did not finish in time")
+        done[peer] = Received(
+            peer=peer, key=keys[peer], received_at=seen[peer], reason="store_error", detail="fetch did not finish in time"
+        )
     return done
 
 
@@ -201,5 +203,7 @@ def _collect(
             continue
         exc = fut.exception()  # fetch() turns store failures into values; anything else is a bug
         data, nbytes, reason, detail = fut.result() if exc is None else (None, None, "store_error", repr(exc))
-        done[peer] = Received(peer, keys[peer], seen[peer], data, nbytes, reason, detail)
+        done[peer] = Received(
+            peer=peer, key=keys[peer], received_at=seen[peer], data=data, nbytes=nbytes, reason=reason, detail=detail
+        )
         del pending[peer]

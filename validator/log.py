@@ -81,7 +81,7 @@ class CheckRow:
     reason: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ContributionRecord:
     """Everything the validator decided about one peer's contribution in one window."""
 
@@ -110,7 +110,7 @@ class ContributionRecord:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WindowRecord:
     """One window's outcome: status ``decided`` (before publishing) then ``published``."""
 
@@ -127,7 +127,7 @@ class WindowRecord:
     rejected: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LeaderRow:
     """A peer's standing over the selected windows (``logs --summary``)."""
 
@@ -247,19 +247,6 @@ class ContributionLog:
             ).fetchone()
         return WindowRecord(**dict(zip(_WINDOW_COLS, row))) if row else None
 
-    def windows(self) -> list[WindowRecord]:
-        with self._lock:
-            rows = self._db.execute(f"SELECT {', '.join(_WINDOW_COLS)} FROM windows ORDER BY window").fetchall()
-        return [WindowRecord(**dict(zip(_WINDOW_COLS, r))) for r in rows]
-
-    def first_seen(self, window: int) -> dict[str, float]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT peer, received_at FROM contributions WHERE window = ? AND received_at IS NOT NULL",
-                (window,),
-            ).fetchall()
-        return {peer: float(t) for peer, t in rows}
-
     def rows(
         self,
         *,
@@ -302,7 +289,9 @@ class ContributionLog:
                 args,
             ).fetchall()
         board = [
-            LeaderRow(peer, n, int(acc or 0), (acc or 0) / n, score, rep, last) for peer, n, acc, score, last, rep in raw
+            LeaderRow(peer=peer, windows=n, accepted=int(acc or 0), acceptance_rate=(acc or 0) / n, mean_score=score,
+                      reputation=rep, last_window=last)
+            for peer, n, acc, score, last, rep in raw
         ]
         return sorted(board, key=lambda r: (-(r.reputation or 0.0), -r.accepted, r.peer))
 

@@ -50,7 +50,7 @@ LOG_FILE = "contributions.sqlite"
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WindowReport:
     window: int
     accepted: int
@@ -217,9 +217,9 @@ class Validator:
         agg = verified.value
         win = self.log.window(agg.window)
         if win is None:  # decisions lost with the state directory: keep what the manifest proves
-            rows = [ContributionRecord(agg.window, m.peer_id, digest=m.digest, accepted=True, weight=m.weight)
+            rows = [ContributionRecord(window=agg.window, peer=m.peer_id, digest=m.digest, accepted=True, weight=m.weight)
                     for m in agg.manifest]  # fmt: skip
-            win = WindowRecord(agg.window, accepted=len(rows), fingerprint=agg.fingerprint, base=agg.base)
+            win = WindowRecord(window=agg.window, accepted=len(rows), fingerprint=agg.fingerprint, base=agg.base)
             self.log.record_window(win, rows)
         self.log.mark_published(agg.window, digest=verified.digest, published_at=agg.published_at)
 
@@ -254,7 +254,9 @@ class Validator:
     def _screen(self, r: Received, ctx: checks.Context) -> checks.Screened:
         if r.data is None:
             name = "size" if r.reason == "too_large" else "fetch"
-            return checks.Screened(r.peer, (checks.fail(name, r.reason or "store_error"),), r.reason, r.detail)
+            return checks.Screened(
+                peer=r.peer, checks=(checks.fail(name, r.reason or "store_error"),), reason=r.reason, detail=r.detail
+            )
         return checks.screen(r.peer, r.data, ctx)
 
     def _score(self, screened: list[checks.Screened], t: int, base: str) -> dict[str, LossScore]:
@@ -324,8 +326,8 @@ class Validator:
             shapes=self.schema, manifest=[(r.peer, r.digest or "", r.weight) for r in accepted],
             fingerprint_next=fp, published_at=published_at, metadata=meta, identity=self.identity,
         )  # fmt: skip
-        win = WindowRecord(t, "decided", st.opened_at, published_at, None, st.base, None, fp, val_loss,
-                           len(accepted), len(rows) - len(accepted))  # fmt: skip
+        win = WindowRecord(window=t, status="decided", opened_at=st.opened_at, closed_at=published_at, base=st.base,
+                           fingerprint=fp, val_loss=val_loss, accepted=len(accepted), rejected=len(rows) - len(accepted))  # fmt: skip
         self.log.record_window(win, rows)
         self.store.put(layout.aggregate_key(self.run_id, t), blob, if_absent=True)
         agg = decode_aggregate(blob, run_hash=self.run_hash, max_bytes=len(blob), allowed_signers=self.signers)
@@ -337,7 +339,8 @@ class Validator:
                 reasons[r.reason] = reasons.get(r.reason, 0) + 1
         clock.lap("publish")
         report = WindowReport(
-            t, len(accepted), len(rows) - len(accepted), val_loss, agg.digest, fp, published_at, reasons, clock.seconds
+            window=t, accepted=len(accepted), rejected=len(rows) - len(accepted), val_loss=val_loss, digest=agg.digest,
+            fingerprint=fp, published_at=published_at, reasons=reasons, seconds=clock.seconds,
         )
         if self.on_window:
             self.on_window(report)
@@ -364,8 +367,8 @@ class Validator:
         except StoreError:
             return  # best effort: they are looked for again at the next window
         late = [
-            ContributionRecord(window, peer, received_at=self.clock(), reason=LATE, detail="uploaded after the window closed",
-                               checks=(checks.fail("deadline", LATE),))
+            ContributionRecord(window=window, peer=peer, received_at=self.clock(), reason=LATE,
+                               detail="uploaded after the window closed", checks=(checks.fail("deadline", LATE),))
             for peer in sorted(set(listed) - decided)
         ]  # fmt: skip
         if late:

@@ -24,10 +24,10 @@ from safetensors.torch import save as st_save
 from protocol import layout
 from protocol.aggregate import SparseDict
 from protocol.chain import MAX_MANIFEST_BYTES, WEIGHTS_FILE, read_checkpoint, read_manifest
-from protocol.errors import ObjectExists, ObjectNotFound
+from protocol.errors import ObjectNotFound
 from protocol.identity import Identity
 from protocol.model import fingerprint
-from protocol.store.base import ObjectStore
+from protocol.store.base import ObjectStore, put_once
 from protocol.wire import (
     Aggregate,
     CheckpointFile,
@@ -44,19 +44,8 @@ __all__ = [
     "encode_window_aggregate",
     "load_checkpoint",
     "publish_checkpoint",
-    "put_once",
     "weights_bytes",
 ]
-
-
-def put_once(store: ObjectStore, key: str, data: bytes, *, max_bytes: int) -> None:
-    """Create ``key``; an identical object already there is fine, a different one is an error."""
-    try:
-        store.put(key, data, if_absent=True)
-    except ObjectExists:
-        if store.get(key, max_bytes=max_bytes) != data:
-            raise
-        return
 
 
 def weights_bytes(params: Mapping[str, torch.Tensor], *, window: int) -> bytes:
@@ -88,7 +77,7 @@ def publish_checkpoint(
     files = (CheckpointFile(key, hashlib.sha256(blob).hexdigest(), len(blob)),)
     manifest = CheckpointManifest(run_hash, window, aggregate, fp, files, float(published_at))
     data = encode_checkpoint(manifest, identity)
-    put_once(store, layout.checkpoint_manifest_key(run, window), data, max_bytes=MAX_MANIFEST_BYTES)
+    put_once(store, layout.checkpoint_manifest_key(run, window), data)
     return decode_checkpoint(
         data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=[identity.public_key], window=window
     ).value

@@ -113,9 +113,3 @@ def score_update(
         for name, saved in touched.items():
             params[name].copy_(saved)
     return LossScore(own_before, own_after, random_before, random_after)
-
-
-def restore_check(model: nn.Module, reference: Mapping[str, Tensor]) -> bool:
-    """True when ``model`` holds exactly ``reference`` (tests)."""
-    params = parameters_of(model)
-    return all(torch.equal(params[n], t) for n, t in reference.items())

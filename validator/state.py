@@ -9,7 +9,6 @@ which (an aggregate already published for the saved window is adopted, not recom
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from protocol.errors import ConfigError
+from protocol.files import atomic_write
 
 __all__ = ["STATE_FILE", "ValidatorState", "load_state", "save_state"]
 
@@ -44,12 +44,7 @@ def save_state(directory: str | Path, state: ValidatorState) -> None:
         "opened_at": repr(state.opened_at),
     }
     blob = st_save({n: t.detach().to("cpu").contiguous() for n, t in state.params.items()}, metadata=meta)
-    tmp = d / f".{STATE_FILE}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, d / STATE_FILE)
+    atomic_write(d / STATE_FILE, blob)
 
 
 def load_state(directory: str | Path, run_hash: str) -> ValidatorState | None:

@@ -9,17 +9,20 @@
     open_store("dht://", initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."])
 
 Options go to the backend's constructor (:class:`LocalStore`, :class:`S3Store`, ``DHTStore``).
-A RunSpec's ``[storage]`` section opens with :func:`store_from_config`.
+A RunSpec's ``[storage]`` section opens with :func:`store_from_config`, and with the command line's
+``--store`` / ``--dht-peer`` on top of it with :func:`open_from_settings`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from protocol.errors import ConfigError
-from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
+from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix, put_once
 from protocol.store.local import LocalStore
 from protocol.store.memory import MemoryStore
 
@@ -33,7 +36,9 @@ __all__ = [
     "ObjectStore",
     "check_key",
     "check_prefix",
+    "open_from_settings",
     "open_store",
+    "put_once",
     "store_from_config",
 ]
 
@@ -117,3 +122,16 @@ def store_from_config(cfg: StorageConfig, **options: Any) -> ObjectStore:
         merged["initial_peers"] = list(cfg.dht_bootstrap)
     merged.update(options)
     return open_store(cfg.url, **merged)
+
+
+def open_from_settings(
+    cfg: StorageConfig, url: str | None = None, dht_peers: Sequence[str] = (), **options: Any
+) -> ObjectStore:
+    """Open the store of a RunSpec's ``[storage]`` section as a command line adjusts it.
+
+    ``url`` (``--store``) replaces ``cfg.url`` when given. ``dht_peers`` (``--dht-peer``) are tried
+    before ``cfg.dht_bootstrap``, which stays usable as a fallback. ``options`` as for
+    :func:`store_from_config`. Peers and the validator open their stores through this one function.
+    """
+    storage = dataclasses.replace(cfg, url=url or cfg.url, dht_bootstrap=(*dht_peers, *cfg.dht_bootstrap))
+    return store_from_config(storage, **options)

@@ -9,6 +9,7 @@ backend allows it.
     store.put("run/contrib/3/abc", blob, if_absent=True)
     blob = store.get("run/contrib/3/abc", max_bytes=64 << 20)
     keys = store.list("run/contrib/3/")
+    put_once(store, "run/aggregate/3", blob)        # create; the same bytes already there are fine
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 
-from protocol.errors import InvalidKey
+from protocol.errors import InvalidKey, ObjectExists, ObjectNotFound, PayloadTooLarge
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 
@@ -86,8 +87,6 @@ class ObjectStore(ABC):
         """Remove a key; deleting a missing key is not an error."""
 
     def exists(self, key: str) -> bool:
-        from protocol.errors import ObjectNotFound
-
         try:
             self.size(key)
         except ObjectNotFound:
@@ -102,3 +101,24 @@ class ObjectStore(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def put_once(store: ObjectStore, key: str, data: bytes) -> bool:
+    """Create ``key`` holding ``data``; ``True`` when this call created it.
+
+    Finding exactly ``data`` already there is success (``False``): a restarted writer, or a retried
+    put whose first attempt landed, republishes the same bytes. A different object under ``key``
+    raises :class:`~protocol.errors.ObjectExists`; the existing object is read back only up to
+    ``len(data)`` bytes, so a larger one is never transferred.
+    """
+    try:
+        store.put(key, data, if_absent=True)
+    except ObjectExists:
+        try:
+            existing = store.get(key, max_bytes=len(data))
+        except PayloadTooLarge:
+            raise ObjectExists(f"{key!r} already holds a different, larger object") from None
+        if existing != data:
+            raise
+        return False
+    return True

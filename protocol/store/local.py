@@ -1,18 +1,17 @@
 """Object store in a local directory: the embedded default, and what a shared file system offers.
 
 Keys map to paths under the root (``run/contrib/3/abc`` -> ``<root>/run/contrib/3/abc``) so an
-operator can browse the objects. Writes go to a hidden temp file in the target directory, are
-fsynced, then renamed into place, so a reader never sees half an object and a writer killed
-mid-upload leaves only a ``.tmp-*`` file that listings ignore. ``if_absent`` links the temp file
-to the final name (``os.link`` fails atomically if the name exists), so concurrent creators —
-threads or processes — get exactly one winner.
+operator can browse the objects. Writes go through :func:`protocol.files.atomic_write`: a hidden
+temp file in the target directory, fsynced, then renamed into place, so a reader never sees half an
+object and a writer killed mid-upload leaves only a dot file that listings ignore. ``if_absent``
+links the temp file to the final name (``os.link`` fails atomically if the name exists), so
+concurrent creators — threads or processes — get exactly one winner.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import uuid
 from pathlib import Path
 
 from protocol.errors import (
@@ -22,9 +21,9 @@ from protocol.errors import (
     PayloadTooLarge,
     StoreError,
 )
+from protocol.files import atomic_write
 from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
 
-_TMP_PREFIX = ".tmp-"
 _READ_CHUNK = 1 << 20
 # A concurrent delete may prune the directory between makedirs and the temp file; retry that.
 _MKDIR_ATTEMPTS = 5
@@ -63,52 +62,32 @@ class LocalStore(ObjectStore):
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         path = self._path(key)
-        tmp = self._write_temp(path, key, memoryview(data))
-        try:
-            if if_absent:
-                self._link_new(tmp, path, key)
-            else:
-                os.replace(tmp, path)
-            self._sync_dir(path.parent)
-        except IsADirectoryError as exc:
-            raise StoreError(f"{key!r} is a prefix of other keys in this directory store") from exc
-        except OSError as exc:
-            raise _os_error(exc, key) from exc
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-
-    def _write_temp(self, path: Path, key: str, data: memoryview) -> Path:
         for attempt in range(_MKDIR_ATTEMPTS):
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                self._make_parent(path, key)
+                atomic_write(path, data, durable=self.fsync, exclusive=if_absent)
                 break
             except FileNotFoundError:
+                # A concurrent delete pruned the directory between mkdir and the write: retry.
                 if attempt == _MKDIR_ATTEMPTS - 1:
                     raise StoreError(f"{key!r}: directory vanished while writing") from None
-            except (FileExistsError, NotADirectoryError) as exc:
-                raise StoreError(f"{key!r} collides with an object on its path") from exc
+            except FileExistsError:
+                raise ObjectExists(f"{key!r} already exists") from None
+            except IsADirectoryError as exc:
+                raise StoreError(f"{key!r} is a prefix of other keys in this directory store") from exc
             except OSError as exc:
                 raise _os_error(exc, key) from exc
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+            self._sync_dir(path.parent)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise StoreError(f"{key!r}: write failed: {exc}") from exc
-        return tmp
+            raise _os_error(exc, key) from exc
 
     @staticmethod
-    def _link_new(tmp: Path, path: Path, key: str) -> None:
+    def _make_parent(path: Path, key: str) -> None:
         try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise ObjectExists(f"{key!r} already exists") from None
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:
+            raise StoreError(f"{key!r} collides with an object on its path") from exc
 
     def _sync_dir(self, directory: Path) -> None:
         # The rename is durable only once the directory entry is on disk.

@@ -371,15 +371,6 @@ class S3Store(ObjectStore):
                 if not key.endswith("/"):  # folder markers some tools create are not objects
                     yield key[len(self.prefix) :]
 
-    def presign_get(self, key: str, *, expires_s: int = 3600) -> str:
-        """A URL anyone can GET ``key`` with until it expires (no credentials needed)."""
-        full = self._full(key)
-        return str(
-            self._client.generate_presigned_url(
-                "get_object", Params={"Bucket": self.bucket, "Key": full}, ExpiresIn=expires_s
-            )
-        )
-
     def close(self) -> None:
         if self._closed:
             return
