@@ -4,7 +4,8 @@
     sparseloco-peer join --run run.toml --store s3://bucket/run      # credentials: AWS_* env vars
     sparseloco-peer join --run run.toml --store dht:// --dht-peer /ip4/1.2.3.4/tcp/31337/p2p/Qm…
 
-Parse, build, run, close: the work lives in :mod:`client.peer`. Configuration and identity errors
+Parse, build, run, close: the work lives in :mod:`client.peer`; this module picks how the peer
+trains (a full replica, or one stage of a pipeline replica). Configuration and identity errors
 exit with status 2 and a one-line reason; Ctrl-C (or SIGTERM) stops cleanly with status 130 after
 the local state is consistent (every save is atomic, so there is nothing to flush).
 """
@@ -16,13 +17,16 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, ProtocolError, StoreError
 from protocol.layout import run_id
+
+if TYPE_CHECKING:  # the torch-heavy modules load after argument parsing
+    from client.window import WindowTrainer
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
@@ -98,6 +102,7 @@ def _join(
     from client.peer import Peer
     from client.progress import PeerDisplay
     from client.state import LocalState
+    from protocol.events import Failed, Stopped
     from protocol.identity import Identity
     from protocol.store import open_from_settings
 
@@ -114,32 +119,38 @@ def _join(
     until = until_window
     if spec.windows.max_windows > 0:
         until = min(until, spec.windows.max_windows) if until is not None else spec.windows.max_windows
+    trainer = _window_trainer(spec, identity.peer_id, device, pipeline)
     store = open_from_settings(spec.storage, store_url, dht_peers)
     display = PeerDisplay(json_lines=status_json)
     try:
         with display:
-            if pipeline is not None:
-                from client.pipeline.peer import PipelinePeer
-
-                peer = PipelinePeer(spec, store, identity, state, device=device, display=display, **pipeline)
-            else:
-                peer = Peer(spec, store, identity, state, device=device, display=display)
-            peer.run(until_window=until, max_windows=max_windows)
+            Peer(spec, store, identity, state, trainer, display=display).run(until_window=until, max_windows=max_windows)
         return 0
     except KeyboardInterrupt:
-        display.event("stopped", reason="interrupted")
+        display.emit(Stopped(reason="interrupted"))
         return EXIT_INTERRUPTED
     except (ProtocolError, StoreError) as exc:
         # Only reached when joining itself fails (no usable checkpoint, store unreachable).
-        display.event("failed", reason=getattr(exc, "reason", "error"), detail=str(exc))
+        display.emit(Failed(reason=exc.reason, detail=str(exc)))
         click.echo(f"sparseloco-peer: cannot join: {exc}", err=True)
         return 1
     finally:
         store.close()
 
 
+def _window_trainer(spec: RunSpec, peer_id: str, device: str, pipeline: dict[str, Any] | None) -> WindowTrainer:
+    """How this peer trains a window: the whole model, or its stage of a pipeline replica."""
+    if pipeline is None:
+        from client.replica import FullReplica
+
+        return FullReplica(spec, data_key=peer_id, device=device)
+    from client.pipeline.trainer import StageTrainer
+
+    return StageTrainer(spec, device=device, **pipeline)
+
+
 def _pipeline_options(group: str | None, stage: int | None, stages: int | None, rendezvous: str | None) -> dict[str, Any] | None:
-    """The pipeline-stage options, all or none of them (see client/pipeline/peer.py)."""
+    """The pipeline-stage options, all or none of them (see client/pipeline/trainer.py)."""
     if group is None:
         if stage is not None or stages is not None or rendezvous is not None:
             raise ConfigError("--stage/--stages/--rendezvous need --pipeline GROUP")

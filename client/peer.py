@@ -1,33 +1,53 @@
 """The peer: join a run, then train, compress, sign and upload one contribution per window.
 
-    peer = Peer(spec, store, identity, LocalState(dir), device="cpu", display=PeerDisplay())
+    trainer = FullReplica(spec, data_key=identity.peer_id, device="cuda")   # or a pipeline StageTrainer
+    peer = Peer(spec, store, identity, LocalState(dir), trainer, display=PeerDisplay())
     peer.run(until_window=20)          # returns when θ opens window 20 (or on stop())
 
 One window, as :meth:`Peer.run` reads it::
 
     catch_up    wait for / pull / verify / apply aggregate t−1 (fingerprint check, resync on mismatch)
-    train       H AdamW steps on the batches assigned to (run, peer, t), from θ_t
-    compress    Δ = θ_t − θ_local; e ← β·e + Δ; Δ̂ = Q(TopK(e)); e ← e − Δ̂; sign
-    upload      stage the signed bytes and the new e in the state dir, then put contrib/<t>/<peer>
-    (next)      catch_up applies aggregate t and commits θ_{t+1}'s position with e
+    train       the trainer's H steps from θ_t, then Δ̂, e′ = compress_step(e, Δ); sign Δ̂
+    upload      commit e′, the moments and the signed bytes together, then put contrib/<t>/<peer>
+    (next)      catch_up applies aggregate t and commits θ_{t+1}'s position
 
-Error feedback across failures (the rule both restart and skip follow): e changes only together
-with a contribution that is staged for upload. A window whose deadline passes before its
-contribution is staged (slow hardware, a stalled store) is *skipped*: its Δ is dropped and e keeps
-its pre-window value, so e never loses mass that was not sent and never absorbs a Δ computed against
-a θ_t the swarm has moved past. A staged contribution is uploaded even after a restart (the bytes
-are in the state dir); if the validator rejects it or it arrives late, its Δ̂ is lost exactly as in
-production SparseLoCo — e already had it subtracted.
+How the peer trains is a :class:`~client.window.WindowTrainer` it holds: the whole model
+(:class:`client.replica.FullReplica`) or one stage of a pipeline replica
+(:class:`client.pipeline.trainer.StageTrainer`). Either returns the window's work as a value
+(:class:`~client.window.Trained` or :class:`~client.window.Skipped`) and changes nothing the peer
+owns; the peer decides what takes effect.
+
+Error feedback across failures. e changes only when a contribution is staged: the e′ computed with
+it is adopted in the same atomic commit of the state directory that writes the signed bytes
+(write-ahead), so a restart re-uploads exactly those bytes with exactly that e.
+
+* A window whose deadline passes before its contribution is staged (slow hardware, a stalled store,
+  a pipeline stage that lost its group) is *skipped*: nothing was adopted, e keeps its pre-window
+  value, and the window's Δ never enters e (it was computed against a θ_t the swarm moved past).
+* A staged contribution whose put fails for good gives its Δ̂ back: e ← e′ + decode(Δ̂), which is
+  β·e + Δ up to float rounding, i.e. what error feedback keeps when nothing is sent. The rule needs
+  only what the commit holds (the staged bytes are Δ̂), so it applies unchanged to an upload
+  resumed after a restart; restoring the pre-window e instead would need a second copy of e in the
+  state directory. Either way e never loses mass that was not sent.
+* A staged contribution that reached the store but is rejected or late, or whose window closed
+  while the peer was down, loses its Δ̂ exactly as in production SparseLoCo: e already had it
+  subtracted, and it may well have been sent.
+
+The inner optimizer's moments and step keep what training did, also in a skipped window: they
+describe the local loss surface and carry nothing the swarm sees, and rolling them back would cost
+a copy of the optimizer state (2× the parameters) every window. They reach the state directory
+with the next staged contribution; a restart before it resumes from the moments committed last.
 
 Failures at a window boundary (store errors, bad aggregates, missed deadlines) become recorded
-outcomes (a ``window`` event with ``outcome`` and ``reason``); only configuration and identity
-errors stop the peer.
+outcomes (a :class:`~protocol.events.PeerWindow` event with ``outcome`` and ``reason``); only
+configuration and identity errors stop the peer.
 """
 
 from __future__ import annotations
 
-import platform
+import dataclasses
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,33 +56,54 @@ import torch
 from client.progress import PeerDisplay
 from client.state import LocalState, Snapshot
 from client.sync import Position, Sync
-from client.trainer import InnerTrainer, load_params, pseudo_gradient
+from client.window import Skipped, WindowJob, WindowStats, WindowTrainer
 from protocol import layout
+from protocol.codec import Encoded
 from protocol.config import RunSpec
-from protocol.data import assigned_batches, open_dataset
-from protocol.errors import ObjectExists, ProtocolError, StoreError
-from protocol.feedback import FeedbackState, compress_step
+from protocol.errors import ConfigError, ObjectExists, ProtocolError, StoreError
+from protocol.events import (
+    Announced,
+    Applied,
+    Joined,
+    PeerWindow,
+    ResumedUpload,
+    Resynced,
+    Stopped,
+    SyncFailed,
+)
+from protocol.feedback import FeedbackState
 from protocol.identity import Identity
-from protocol.model import build_model
 from protocol.store.base import ObjectStore, put_once
 from protocol.windows import upload_deadline
-from protocol.wire import Aggregate, Announcement, Contribution, Verified, encode_announcement, encode_contribution
+from protocol.wire import (
+    Aggregate,
+    Announcement,
+    Contribution,
+    Verified,
+    decode_contribution,
+    encode_announcement,
+    encode_contribution,
+)
 
 CLIENT_VERSION = "sparseloco-peer/0.1"
 UPLOAD_RETRIES = 3
 
 
-@dataclass
-class Trained:
-    """One window of local training, compressed and signed."""
+@dataclass(frozen=True)
+class Staged:
+    """A window's signed contribution and the state adopted with it, in one commit.
+
+    ``sent``: the Δ̂ inside ``blob`` (given back to e if the bytes never reach the store).
+    ``feedback_after``/``optimizer_after``: what the trainer returned with it (see
+    :class:`client.window.Trained`).
+    """
 
     window: int
     blob: bytes
-    loss_first: float
-    loss_last: float
-    tokens: int
-    inner_s: float
-    compress_s: float
+    sent: Mapping[str, Encoded]
+    stats: WindowStats
+    feedback_after: FeedbackState
+    optimizer_after: Mapping[str, Any]
 
 
 class Peer:
@@ -74,24 +115,19 @@ class Peer:
         store: ObjectStore,
         identity: Identity,
         state: LocalState,
+        trainer: WindowTrainer,
         *,
-        device: str = "cpu",
         display: PeerDisplay | None = None,
     ) -> None:
         self.spec, self.store, self.identity, self.state = spec, store, identity, state
-        self.device = torch.device(device)
+        self.trainer = trainer
         self.display = display or PeerDisplay(json_lines=True)
         self.run_id = layout.run_id(spec.hash())
         self.sync = Sync(spec, store)
-        self.model = build_model(spec.model).to(self.device)
-        self.trainer = InnerTrainer(self.model, spec.inner, self.device, micro_batch_size=spec.data.micro_batch_size)
-        self.dataset = open_dataset(spec.data)
-        self.feedback = FeedbackState()
+        self.feedback = FeedbackState()  # e as last committed (changed only with a staged contribution)
         self.params: dict[str, torch.Tensor] = {}  # θ master copy: CPU float32, changed only by Sync
         self.pos = Position(0, "", "")
-        self.pending: Trained | None = None  # staged, not yet known to be aggregated
-        self._previous_feedback: dict[str, torch.Tensor] = {}
-        self._unsent = False  # e holds a compress step that was neither staged nor undone
+        self.pending: Staged | None = None  # staged, not yet known to be aggregated
         self._checkpoint_window = 0
         self._diverged = False  # θ must be rebuilt from a checkpoint before training again
         self.inner_s = 0.0
@@ -112,13 +148,22 @@ class Peer:
                 self.catch_up()  # pull/verify/apply aggregate t−1 (and every other one published)
                 if self._done(until_window, max_windows) or self._diverged:
                     continue
-                trained = self.train_and_compress(self.pos.window)  # H steps → Δ → e, Δ̂ → signed bytes
-                if trained is not None:
-                    self.upload(trained)  # stage + put before the deadline; skip the window otherwise
+                work = self.train(self.pos.window)  # H steps → Δ → signed Δ̂ with e′, or a skip
+                if isinstance(work, Staged):
+                    self.upload(work)  # commit e′ with the bytes, put before the deadline
+                else:
+                    self._skip(self.pos.window, work)
             except (ProtocolError, StoreError) as exc:
                 self._failed(exc)  # a recorded outcome; the next iteration retries or moves on
-        self.display.event("stopped", window=self.pos.window, windows_trained=self.windows_trained,
-                           inner_s=round(self.inner_s, 3), fingerprint=self.pos.fingerprint)  # fmt: skip
+        self.display.emit(
+            Stopped(
+                reason="stopped" if self._stop else "done",
+                window=self.pos.window,
+                windows_trained=self.windows_trained,
+                inner_s=round(self.inner_s, 3),
+                fingerprint=self.pos.fingerprint,
+            )
+        )
 
     def _done(self, until_window: int | None, max_windows: int | None) -> bool:
         if self._stop:
@@ -132,32 +177,33 @@ class Peer:
         """Announce, restore local state, load the newest checkpoint and replay aggregates."""
         t0 = time.time()
         self.announce()
-        self.display.event("announced", peer_id=self.identity.peer_id)
+        self.display.emit(Announced(peer_id=self.identity.peer_id))
         snap = self.state.load(self.spec.hash())
         if snap is not None:
-            self.feedback.load_state_dict(snap.feedback)
+            self.feedback = FeedbackState.from_state_dict(snap.feedback)
             if snap.optimizer is not None:
                 self.trainer.load_state_dict(snap.optimizer)
         self.pos = self._wait_for_genesis()
         if snap is not None and snap.pending == self.pos.window and snap.pending_blob is not None:
-            self._resume_pending(snap)
+            self._resume_pending(snap.pending, snap.pending_blob)
         self.display.update(peer_id=self.identity.peer_id, window=self.pos.window, fingerprint=self.pos.fingerprint)
-        self.display.event(
-            "joined",
-            replayed_from=self._checkpoint_window,
-            peer_id=self.identity.peer_id,
-            window=self.pos.window,
-            fingerprint=self.pos.fingerprint,
-            resumed=snap is not None,
-            resumed_window=snap.window if snap else None,
-            feedback_norm=round(self._feedback_norm(), 6),
-            inner_step=self.trainer.step,
-            join_s=round(time.time() - t0, 3),
+        self.display.emit(
+            Joined(
+                peer_id=self.identity.peer_id,
+                window=self.pos.window,
+                fingerprint=self.pos.fingerprint,
+                replayed_from=self._checkpoint_window,
+                resumed=snap is not None,
+                resumed_window=snap.window if snap else None,
+                feedback_norm=round(self.feedback.norm(), 6),
+                inner_step=self.trainer.step,
+                join_s=round(time.time() - t0, 3),
+            )
         )
 
     def announce(self) -> None:
-        hardware = f"{self.device.type} {platform.machine()} torch {torch.__version__}"
-        ann = Announcement(self.spec.hash(), 0, CLIENT_VERSION, hardware)
+        """Sign and put this peer's announcement (hardware and pipeline role from its trainer)."""
+        ann = Announcement(self.spec.hash(), 0, CLIENT_VERSION, self.trainer.hardware, role=self.trainer.role)
         self._put_with_retry(layout.peer_key(self.run_id, self.identity.peer_id), encode_announcement(ann, self.identity))
 
     def _wait_for_genesis(self) -> Position:
@@ -174,14 +220,25 @@ class Peer:
         self._checkpoint_window = pos.window
         return self.sync.advance(self.params, pos, on_apply=self._applied, on_resync=self._resynced)
 
-    def _resume_pending(self, snap: Snapshot) -> None:
-        """A contribution staged before a restart: upload it if its window is still open."""
-        assert snap.pending is not None and snap.pending_blob is not None
-        staged = Trained(snap.pending, snap.pending_blob, float("nan"), float("nan"), 0, 0.0, 0.0)
-        if self._window_open(staged.window):
-            outcome, reason = self._put_contribution(staged)
-            self.pending = staged if outcome == "uploaded" else None
-            self.display.event("resumed_upload", window=staged.window, outcome=outcome, reason=reason)
+    def _resume_pending(self, window: int, blob: bytes) -> None:
+        """A contribution staged before a restart (e and the moments were restored with it):
+        upload it if its window is still open."""
+        if not self._window_open(window):
+            return  # like a late upload: its Δ̂ may have been sent before the restart
+        unknown = WindowStats(float("nan"), float("nan"), 0, 0.0, 0.0)
+        staged = Staged(window, blob, self._sent_in(blob), unknown, self.feedback, self.trainer.state_dict())
+        self.pending = staged
+        outcome, reason = self._put_contribution(staged)
+        if outcome != "uploaded":
+            self._give_back(staged)
+        self.display.emit(ResumedUpload(window=window, outcome=outcome, reason=reason))
+
+    def _sent_in(self, blob: bytes) -> dict[str, Encoded]:
+        """The Δ̂ of our own staged contribution (read back from its signed bytes)."""
+        try:
+            return dict(decode_contribution(blob, run_hash=self.spec.hash(), max_bytes=len(blob)).value.tensors)
+        except ProtocolError as exc:
+            raise ConfigError(f"the contribution staged in {self.state.root} is unreadable: {exc}") from exc
 
     # ------------------------------------------------------------------ catch-up
     def catch_up(self) -> None:
@@ -199,14 +256,14 @@ class Peer:
         except (ProtocolError, StoreError) as exc:
             # A bad object or a failing store: record it, and rebuild θ from the newest checkpoint
             # on the next try (θ may be half-updated, so it cannot be trusted any more).
-            self.display.event("sync_failed", window=self.pos.window, reason=exc.reason, detail=str(exc))
+            self.display.emit(SyncFailed(window=self.pos.window, reason=exc.reason, detail=str(exc)))
             self._diverged = True
             time.sleep(max(self.sync.poll_s, 1.0))  # a persistent fault must not spin
             return
         if self.pending is not None and self.pending.window < self.pos.window:
             self.pending = None
         if self.pos.window != before:
-            self._commit(tensors_unchanged=True)
+            self._commit(self.trainer.state_dict(), tensors_unchanged=True)
 
     def _applied(self, agg: Verified[Aggregate], pos: Position) -> None:
         """Report aggregate ``agg`` (the fingerprint of θ after it, whether our contribution is in it)."""
@@ -215,77 +272,90 @@ class Peer:
         self.state.record({"window": agg.value.window, "fingerprint": pos.fingerprint, "aggregate": agg.digest,
                            "included": bool(mine), "weight": weight, "time": round(time.time(), 3)})  # fmt: skip
         self.display.update(window=pos.window, fingerprint=pos.fingerprint, score=weight)
-        self.display.event("applied", window=agg.value.window, fingerprint=pos.fingerprint, included=bool(mine),
-                           weight=weight, contributors=len(agg.value.manifest))  # fmt: skip
+        self.display.emit(
+            Applied(
+                window=agg.value.window,
+                fingerprint=pos.fingerprint,
+                included=bool(mine),
+                weight=weight,
+                contributors=len(agg.value.manifest),
+            )
+        )
 
     def _resynced(self, pos: Position, exc: ProtocolError) -> None:
-        self.display.event("resync", window=pos.window, reason=exc.reason, detail=str(exc))
+        self.display.emit(Resynced(window=pos.window, reason=exc.reason, detail=str(exc)))
 
-    # ------------------------------------------------------------------ train + compress
-    def train_and_compress(self, window: int) -> Trained | None:
-        """H inner steps from θ_window on this peer's batches, then error feedback + codec + sign."""
+    # ------------------------------------------------------------------ train
+    def train(self, window: int) -> Staged | Skipped:
+        """The trainer's window from θ_window and e, then the signed contribution (nothing adopted yet)."""
         if not self._window_open(window):
-            self._skip(window, "window closed before training started")
-            return None
-        self._previous_feedback = dict(self.feedback.buffers)  # compress_step replaces, never mutates
-        load_params(self.model, self.params)
-        batches = assigned_batches(self.dataset, self.spec.seed, self.identity.peer_id, window,
-                                   self.spec.inner.steps, self.spec.data.batch_size, self.spec.data.seq_len)  # fmt: skip
+            return Skipped("window closed before training started")
+        job = WindowJob(
+            window, self.params, self.pos.base, self.feedback, report=self.display.update, should_stop=lambda: self._stop
+        )
+        work = self.trainer.train(job)
+        if isinstance(work, Skipped):
+            self.inner_s += work.inner_s
+            return work
+        self.inner_s += work.stats.inner_s
         t0 = time.perf_counter()
-        losses, tokens = [], 0
-        for i, batch in enumerate(batches):
-            stats = self.trainer.train_window([batch])
-            losses.append(stats.mean_loss)
-            tokens += stats.tokens
-            elapsed = time.perf_counter() - t0
-            self.display.update(phase="training", window=window, step=i + 1, steps=len(batches),
-                                loss=stats.mean_loss, tokens_per_s=tokens / max(elapsed, 1e-9))  # fmt: skip
-            if self._stop:
-                return None
-        inner_s = time.perf_counter() - t0
-        self.inner_s += inner_s
-        t1 = time.perf_counter()
-        delta = pseudo_gradient(self.params, self.model)
-        encoded = compress_step(self.feedback, delta, beta=self.spec.outer.beta, cfg=self.spec.codec)
-        self._unsent = True  # e now includes a step that is not staged yet
-        meta = {"loss_first": losses[0], "loss_last": losses[-1], "tokens": tokens, "inner_s": round(inner_s, 3)}
-        contribution = Contribution(self.spec.hash(), window, self.pos.base, self.spec.codec, encoded, meta)
+        contribution = Contribution(
+            self.spec.hash(), window, self.pos.base, self.spec.codec, dict(work.encoded), dict(work.metadata)
+        )
         blob = encode_contribution(contribution, self.identity)
-        return Trained(window, blob, losses[0], losses[-1], tokens, inner_s, time.perf_counter() - t1)
+        stats = dataclasses.replace(work.stats, compress_s=work.stats.compress_s + time.perf_counter() - t0)
+        return Staged(window, blob, work.encoded, stats, work.feedback_after, work.optimizer_after)
 
     # ------------------------------------------------------------------ upload
-    def upload(self, trained: Trained) -> None:
-        """Stage (state dir) then put the contribution; a closed window or failed put skips it."""
-        if not self._window_open(trained.window):
-            self._undo_unsent()  # nothing sent: e keeps its pre-window value
-            self._skip(trained.window, "deadline passed during training", trained)
+    def upload(self, staged: Staged) -> None:
+        """Adopt e′ with the signed bytes (one commit), then put them; a closed window skips it."""
+        if not self._window_open(staged.window):
+            self._skip(staged.window, Skipped("deadline passed during training", staged.stats.inner_s))
             return
-        self.pending = trained
-        self._commit()  # write-ahead: a restart re-uploads these exact bytes with this e
-        self._unsent = False
+        self._adopt(staged)
         t0 = time.perf_counter()
-        outcome, reason = self._put_contribution(trained)
+        outcome, reason = self._put_contribution(staged)
         upload_s = time.perf_counter() - t0
-        if outcome != "uploaded":  # never reached the store: undo the staged e step as well
-            self.pending = None
-            self._unsent = True
-            self._undo_unsent()
-            self._commit()
-        self.windows_trained += 1
-        self.display.update(upload_bytes=len(trained.blob), upload_s=upload_s)
-        self.display.event("window", window=trained.window, outcome=outcome, reason=reason,
-                           loss_first=round(trained.loss_first, 5), loss=round(trained.loss_last, 5),
-                           tokens=trained.tokens, inner_s=round(trained.inner_s, 3),
-                           compress_s=round(trained.compress_s, 3), upload_bytes=len(trained.blob),
-                           upload_s=round(upload_s, 3), feedback_norm=round(self._feedback_norm(), 6))  # fmt: skip
         if outcome != "uploaded":
-            self._wait_window_closed(trained.window)  # retraining the same window would fail alike
+            self._give_back(staged)
+        self.windows_trained += 1
+        self.display.update(upload_bytes=len(staged.blob), upload_s=upload_s)
+        st = staged.stats
+        self.display.emit(
+            PeerWindow(
+                window=staged.window,
+                outcome=outcome,
+                reason=reason,
+                loss_first=round(st.loss_first, 5),
+                loss=round(st.loss_last, 5),
+                tokens=st.tokens,
+                inner_s=round(st.inner_s, 3),
+                compress_s=round(st.compress_s, 3),
+                upload_bytes=len(staged.blob),
+                upload_s=round(upload_s, 3),
+                feedback_norm=round(self.feedback.norm(), 6),
+            )
+        )
+        if outcome != "uploaded":
+            self._wait_window_closed(staged.window)  # retraining the same window would fail alike
 
-    def _put_contribution(self, trained: Trained) -> tuple[str, str | None]:
-        key = layout.contrib_key(self.run_id, trained.window, self.identity.peer_id)
+    def _adopt(self, staged: Staged) -> None:
+        """e′, the moments and the signed bytes become the peer's state in one commit (write-ahead)."""
+        self.feedback = staged.feedback_after
+        self.pending = staged
+        self._commit(staged.optimizer_after)
+
+    def _give_back(self, staged: Staged) -> None:
+        """The staged bytes never reached the store: Δ̂ goes back into e, the contribution is dropped."""
+        self.feedback = staged.feedback_after.returned(staged.sent)
+        self.pending = None
+        self._commit(staged.optimizer_after)
+
+    def _put_contribution(self, staged: Staged) -> tuple[str, str | None]:
+        key = layout.contrib_key(self.run_id, staged.window, self.identity.peer_id)
         try:
             # Our own earlier attempt (a restart, a retried put that did land) counts when identical.
-            created = self._put_with_retry(key, trained.blob, once=True)
+            created = self._put_with_retry(key, staged.blob, once=True)
         except ObjectExists:
             return "failed", "a different contribution exists"
         except StoreError as exc:
@@ -310,21 +380,16 @@ class Peer:
         raise AssertionError("UPLOAD_RETRIES is at least 1")
 
     def _failed(self, exc: ProtocolError | StoreError) -> None:
-        """A window that broke on a store or protocol error: undo an unsent e step, record it."""
-        self._undo_unsent()
-        self.display.event("window", window=self.pos.window, outcome="failed", reason=exc.reason, detail=str(exc))
+        """A window that broke on a store or protocol error: record it (nothing was adopted)."""
+        self.display.emit(PeerWindow(window=self.pos.window, outcome="failed", reason=exc.reason, detail=str(exc)))
         self._wait_window_closed(self.pos.window)
         time.sleep(max(self.sync.poll_s, 1.0))  # a persistent fault (a forged aggregate) must not spin
 
-    def _undo_unsent(self) -> None:
-        """Put e back to its pre-window value if this window's step was never staged for upload."""
-        if self._unsent:
-            self.feedback.buffers = self._previous_feedback
-            self._unsent = False
-
-    def _skip(self, window: int, reason: str, trained: Trained | None = None) -> None:
-        self.display.event("window", window=window, outcome="skipped", reason=reason,
-                           inner_s=round(trained.inner_s, 3) if trained else 0.0)  # fmt: skip
+    def _skip(self, window: int, skipped: Skipped) -> None:
+        """Record a window with nothing to send; e and the staged state stay as they are."""
+        self.display.emit(
+            PeerWindow(window=window, outcome="skipped", reason=skipped.reason, inner_s=round(skipped.inner_s, 3))
+        )
         self._wait_window_closed(window)
 
     def _wait_window_closed(self, window: int) -> None:
@@ -342,7 +407,11 @@ class Peer:
         return time.time() < upload_deadline(self.pos.opened_at, self.spec.windows)
 
     # ------------------------------------------------------------------ state
-    def _commit(self, *, tensors_unchanged: bool = False) -> None:
+    def _commit(self, optimizer: Mapping[str, Any], *, tensors_unchanged: bool = False) -> None:
+        """Write the peer's state: position, e, ``optimizer`` and the staged contribution, atomically.
+
+        θ is not stored: a restart re-derives it from the store's checkpoint and aggregates.
+        """
         pending = self.pending
         self.state.save(
             Snapshot(
@@ -350,18 +419,10 @@ class Peer:
                 window=self.pos.window,
                 base=self.pos.base,
                 fingerprint=self.pos.fingerprint,
-                params={},  # θ is re-derived from the store's checkpoint + aggregates on restart
                 feedback=self.feedback.state_dict(),
-                optimizer=self.trainer.state_dict(),
+                optimizer=optimizer,
                 pending=pending.window if pending else None,
                 pending_blob=pending.blob if pending else None,
             ),
             tensors_unchanged=tensors_unchanged,
         )
-
-    def _feedback_norm(self) -> float:
-        total = sum(float(b.double().pow(2).sum()) for b in self.feedback.buffers.values())
-        return total**0.5
-
-    def summary(self) -> dict[str, Any]:
-        return {"peer_id": self.identity.peer_id, "window": self.pos.window, "fingerprint": self.pos.fingerprint}

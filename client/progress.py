@@ -4,17 +4,17 @@ The peer loop reports through two calls and never formats anything itself::
 
     with PeerDisplay(json_lines=False) as show:
         show.update(window=3, step=12, steps=30, loss=2.71, tokens_per_s=4100.0)
-        show.event("window", window=3, outcome="uploaded", upload_bytes=48213, ...)
+        show.emit(PeerWindow(window=3, outcome="uploaded", upload_bytes=48213, ...))
 
 ``update`` refreshes the panel (window, inner step, loss, tokens/s, upload size/time, last score).
-``event`` records something that happened: in JSON mode (``--status-json``, what ``sparseloco demo``
-reads) it prints exactly one JSON object per line on stdout and nothing else goes to stdout; in
-human mode it prints a one-line summary above the panel.
+``emit`` records something that happened, as a typed :mod:`protocol.events` record: in JSON mode
+(``--status-json``, what ``sparseloco demo`` reads) it prints exactly one JSON object per line on
+stdout (:func:`protocol.events.to_json`) and nothing else goes to stdout; in human mode it prints
+the local time and :func:`protocol.events.describe` above the panel.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from types import TracebackType
@@ -23,6 +23,8 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+from protocol.events import Event, describe, to_json
 
 
 class PeerDisplay:
@@ -54,16 +56,16 @@ class PeerDisplay:
         if self._live is not None:
             self._live.update(self._render(), refresh=False)
 
-    def event(self, kind: str, **fields: Any) -> None:
+    def emit(self, event: Event) -> None:
         """Record one event: a JSON line (``{"event": kind, "time": ..., **fields}``) or a log line."""
-        record = {"event": kind, "time": round(time.time(), 3), **fields}
         if self.json_lines:
-            sys.stdout.write(json.dumps(record, sort_keys=True, default=str) + "\n")
+            sys.stdout.write(to_json(event) + "\n")
             sys.stdout.flush()
             return
         if self._live is not None:
             self._live.update(self._render(), refresh=False)
-        self.console.print(_describe(kind, fields))
+        stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+        self.console.print(f"[dim]{stamp}[/dim] {describe(event)}")
 
     # ------------------------------------------------------------------ rendering
     def _render(self) -> Table:
@@ -90,16 +92,3 @@ def _upload(f: dict[str, Any]) -> str:
     if f.get("upload_bytes") is None:
         return "-"
     return f"{f['upload_bytes'] / 1024:.1f} KiB in {f.get('upload_s', 0.0):.2f} s"
-
-
-def _describe(kind: str, fields: dict[str, Any]) -> str:
-    if kind == "window":
-        return (
-            f"[bold]window {fields.get('window')}[/bold] {fields.get('outcome')}"
-            f"  loss {_num(fields.get('loss'), '{:.4f}')}"
-            f"  upload {_num(fields.get('upload_bytes'), '{:,}')} B"
-            f"  inner {_num(fields.get('inner_s'), '{:.1f}')} s"
-            + (f"  ({fields['reason']})" if fields.get("reason") else "")
-        )
-    parts = "  ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-    return f"[dim]{kind}[/dim] {parts}"

@@ -4,7 +4,7 @@ Per round (window) t, for ``sparseloco``::
 
     θ_r   ← InnerTrainer.train_window(assigned_batches(data, seed, r, t, H, B, T))   # client/trainer
     Δ_r    = pseudo_gradient(θ_t, θ_r)
-    bytes  = compress_and_pack(e_r, Δ_r, β, codec)     # feedback.compress_step + codec.pack (the wire payload)
+    bytes, e_r = compress_and_pack(e_r, Δ_r, β, codec)  # feedback.compress_step + codec.pack (the wire payload)
     sparse = unpack_sparse(bytes, schema, codec)        # codec.unpack + to_sparse, as the validator does
     Δ̄      = aggregate(sparse_1..R, mode, clip)         # protocol/aggregate
     θ_t+1  = apply_outer(θ_t, Δ̄, α)
@@ -95,13 +95,14 @@ class SimResult:
 
 def compress_and_pack(
     state: FeedbackState, delta: Mapping[str, Tensor], beta: float, cfg: CodecConfig
-) -> dict[str, bytes]:
+) -> tuple[dict[str, bytes], FeedbackState]:
     """The peer's sparse path up to the wire: error feedback, Top-k + quantization, payload bytes.
 
-    Byte-for-byte the per-tensor payloads ``wire.encode_contribution`` packs for the same state.
+    Returns the per-tensor payloads (byte-for-byte what ``wire.encode_contribution`` packs for the
+    same state) and the next error-feedback state.
     """
-    encoded = compress_step(state, dict(delta), beta, cfg)
-    return {name: pack(e) for name, e in encoded.items()}
+    encoded, after = compress_step(state, delta, beta, cfg)
+    return {name: pack(e) for name, e in encoded.items()}, after
 
 
 def unpack_sparse(payloads: Mapping[str, bytes], shapes: Mapping[str, tuple[int, ...]], cfg: CodecConfig) -> SparseDict:
@@ -169,8 +170,8 @@ class Simulator:
         c = self.cfg
         _, deltas, loss = self._local_rounds(t)
         contribs, sent = [], 0
-        for state, delta in zip(self.feedback, deltas):
-            payloads = compress_and_pack(state, delta, c.outer.beta, c.codec)
+        for r, delta in enumerate(deltas):
+            payloads, self.feedback[r] = compress_and_pack(self.feedback[r], delta, c.outer.beta, c.codec)
             sent = max(sent, sum(len(p) for p in payloads.values()))
             contribs.append(unpack_sparse(payloads, self.shapes, c.codec))
         apply_outer(self.params, aggregate(contribs, c.outer.aggregation, c.outer.clip), c.outer.alpha)

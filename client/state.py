@@ -6,22 +6,23 @@ same key, the same error-feedback buffer and the same inner optimizer moments::
     <state>/
       key.pem                       Ed25519 key (mode 0600) unless ``--key`` points elsewhere
       progress.json                 the commit record: window, base, fingerprint, file names + sha256
-      params-<w>.safetensors        θ_w, the synchronised parameters that open window w
       feedback-<w>.safetensors      error-feedback buffer e
       optimizer-<w>.safetensors     inner AdamW state (tensors; its scalars live in progress.json)
       pending-<w>.bin               a signed contribution staged for upload (write-ahead)
       windows.jsonl                 one record per applied aggregate (θ fingerprint, our inclusion)
 
+θ is not stored: a restart rebuilds it from the store's newest checkpoint and the aggregates after
+it, which is also how the peer proves it holds the swarm's θ.
+
 Saving is crash-safe: the data files are written under new names first, then ``progress.json`` is
-replaced atomically (temp file + rename) and only then are the old files removed. A crash at any
-point leaves a ``progress.json`` whose files all exist and whose sha256 match.
+replaced atomically (:func:`protocol.files.atomic_write`) and only then are the old files removed.
+A crash at any point leaves a ``progress.json`` whose files all exist and whose sha256 match.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,32 +34,32 @@ from safetensors.torch import save as st_save
 from torch import Tensor
 
 from protocol.errors import ConfigError
+from protocol.files import atomic_write
 
 STATE_VERSION = 1
-_DATA_FILES = ("params-*.safetensors", "feedback-*.safetensors", "optimizer-*.safetensors", "pending-*.bin")
+_DATA_FILES = ("feedback-*.safetensors", "optimizer-*.safetensors", "pending-*.bin")
 _TENSOR_TAG = "__tensor__"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Snapshot:
     """What the peer holds at a window boundary.
 
-    ``window`` is the next window to train; ``params`` are θ_window (after aggregate window−1),
-    ``base`` the digest of that aggregate (or of the genesis object). ``pending`` is the window of a
-    signed contribution staged for upload, whose bytes are in :attr:`pending_blob`; its
-    ``feedback``/``optimizer`` already include that window's step.
+    ``window`` is the next window to train, ``fingerprint`` the sha256 of θ_window (after aggregate
+    window−1) and ``base`` the digest of that aggregate (or of the genesis object). ``feedback`` is
+    e, ``optimizer`` the inner optimizer's state_dict. ``pending`` is the window of a signed
+    contribution staged for upload, whose bytes are in :attr:`pending_blob`; ``feedback`` and
+    ``optimizer`` are the ones adopted with it (they already include that window's step).
     """
 
     run_hash: str
     window: int
     base: str
     fingerprint: str
-    params: dict[str, Tensor] = field(default_factory=dict)
     feedback: dict[str, Tensor] = field(default_factory=dict)
     optimizer: Any = None
     pending: int | None = None
     pending_blob: bytes | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class LocalState:
@@ -107,14 +108,12 @@ class LocalState:
             window=int(meta["window"]),
             base=str(meta["base"]),
             fingerprint=str(meta["fingerprint"]),
-            params=st_load(self._read(files["params"])) if files.get("params") else {},
             feedback=st_load(self._read(files["feedback"])) if files.get("feedback") else {},
             optimizer=unflatten(st_load(self._read(files["optimizer"])), meta["optimizer_tree"])
             if files.get("optimizer")
             else None,
             pending=meta.get("pending"),
             pending_blob=pending_blob,
-            extra=dict(meta.get("extra", {})),
         )
 
     def save(self, snap: Snapshot, *, tensors_unchanged: bool = False) -> None:
@@ -128,9 +127,6 @@ class LocalState:
         old = {f["file"] for f in previous.get("files", {}).values() if f}
         tag = f"{snap.window}-{time.time_ns()}"
         files: dict[str, dict[str, str] | None] = {
-            "params": self._write(f"params-{tag}.safetensors", st_save(_contiguous(snap.params)))
-            if snap.params
-            else None,
             "feedback": None,
             "optimizer": None,
             "pending": self._write(f"pending-{tag}.bin", snap.pending_blob) if snap.pending_blob else None,
@@ -155,10 +151,9 @@ class LocalState:
             "pending": snap.pending,
             "files": files,
             "optimizer_tree": tree,
-            "extra": snap.extra,
             "saved_at": time.time(),
         }
-        _atomic_write(self.root / "progress.json", json.dumps(meta, indent=1).encode())
+        atomic_write(self.root / "progress.json", json.dumps(meta, indent=1).encode())
         new = {f["file"] for f in files.values() if f}
         # The previous commit's files, and any left by a save that crashed before its commit.
         leftovers = {p.name for pattern in _DATA_FILES for p in self.root.glob(pattern)}
@@ -188,7 +183,7 @@ class LocalState:
         return meta if isinstance(meta, dict) and isinstance(meta.get("files"), dict) else {}
 
     def _write(self, name: str, data: bytes) -> dict[str, str]:
-        _atomic_write(self.root / name, data)
+        atomic_write(self.root / name, data)
         return {"file": name, "sha256": hashlib.sha256(data).hexdigest()}
 
     def _read(self, ref: dict[str, str]) -> bytes:
@@ -247,15 +242,6 @@ def unflatten(tensors: dict[str, Tensor], skeleton: Any) -> Any:
 
 def _contiguous(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def tensors_equal(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:

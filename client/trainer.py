@@ -4,7 +4,7 @@
     base = snapshot(model)                     # θ_t (CPU float32)
     stats = trainer.train_window(batches)      # H steps, schedule indexed by the global step
     delta = pseudo_gradient(base, model)       # Δ = θ_t − θ_local
-    trainer.save(path)                         # optimizer moments + step survive a restart
+    state = trainer.state_dict()               # optimizer moments + step (the peer's state dir keeps them)
 
 The learning rate follows :func:`client.schedule.lr_at` at the trainer's global inner-step
 counter, so a restored trainer continues the schedule. Gradients are accumulated over micro-batches
@@ -13,16 +13,12 @@ when ``micro_batch_size`` > 0. Autocast is bf16 on CUDA; CPU runs in fp32. Param
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from protocol.config import InnerConfig
@@ -129,39 +125,16 @@ class InnerTrainer:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
+        """Global step and AdamW state (moments on the device; the peer's state dir stores them)."""
         return {"step": self.step, "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
-
-    def save(self, path: str | Path) -> None:
-        """Optimizer moments + global step to a safetensors file (no pickle)."""
-        opt = self.optimizer.state_dict()
-        tensors: dict[str, Tensor] = {}
-        for pid, st in opt["state"].items():
-            for key, value in st.items():
-                tensors[f"state.{pid}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
-        meta = {"step": self.step, "param_groups": opt["param_groups"]}
-        save_file(tensors, str(path), metadata={"sparseloco.inner": json.dumps(meta)})
-
-    def load(self, path: str | Path) -> None:
-        """Restore what :meth:`save` wrote; raises ConfigError if it does not fit this model."""
+        """Restore :meth:`state_dict`; ConfigError if it does not fit this model."""
         try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = json.loads((f.metadata() or {})["sparseloco.inner"])
-            tensors = load_file(str(path))
-        except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as exc:
-            raise ConfigError(f"cannot read inner-optimizer state {path}: {exc}") from exc
-        state: dict[int, dict[str, Tensor]] = {}
-        for key, t in tensors.items():
-            _, pid, name = key.split(".", 2)
-            state.setdefault(int(pid), {})[name] = t.to(self.device) if name != "step" else t
-        try:
-            self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+            self.optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError) as exc:
-            raise ConfigError(f"inner-optimizer state {path} does not fit this model: {exc}") from exc
-        self.step = int(meta["step"])
+            raise ConfigError(f"inner-optimizer state does not fit this model: {exc}") from exc
+        self.step = int(state["step"])
 
 
 # ---------------------------------------------------------------------- pseudo-gradients

@@ -31,7 +31,6 @@ __all__ = [
     "Transformer",
     "build_model",
     "autocast_for",
-    "compile_model",
     "eval_loss",
     "fingerprint",
     "lm_loss",
@@ -188,11 +187,6 @@ def build_model(cfg: ModelConfig) -> Transformer:
                 std = residual_std if name.endswith(("wo.weight", "w_down.weight")) else cfg.init_std
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
     return model
-
-
-def compile_model(model: nn.Module) -> nn.Module:
-    """``torch.compile`` wrapper (a local speed choice, not part of the run: θ is unaffected)."""
-    return torch.compile(model)  # type: ignore[return-value]
 
 
 def parameters_of(model: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:

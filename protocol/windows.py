@@ -6,7 +6,6 @@ Pure functions of the RunSpec's :class:`~protocol.config.WindowConfig` and the v
     opened = aggregate_t_minus_1.published_at            # or the genesis checkpoint's time
     upload_deadline(opened, spec.windows)                # peers must have uploaded by then
     gather_close(opened, spec.windows)                   # validator stops listing (deadline + grace)
-    phase_at(now, opened, spec.windows)                  # Phase.OPEN | Phase.GRACE | Phase.CLOSED
     should_close(now, opened, spec.windows, expected=announced, uploaded=seen)
 
 Window ``t`` opens when the signed aggregate of window ``t − 1`` is published (``t = 0``: the
@@ -18,27 +17,16 @@ genesis checkpoint). Its uploads are due ``upload_deadline_s`` later. The valida
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Collection
 
 from protocol.config import WindowConfig
 
 __all__ = [
-    "Phase",
     "gather_close",
-    "phase_at",
     "should_close",
     "upload_deadline",
     "is_checkpoint_window",
 ]
-
-
-class Phase(enum.Enum):
-    """Where a window stands at a given time."""
-
-    OPEN = "open"  # uploads accepted
-    GRACE = "grace"  # past the upload deadline, the validator may still be listing
-    CLOSED = "closed"  # the validator has stopped gathering this window
 
 
 def upload_deadline(opened_at: float, cfg: WindowConfig) -> float:
@@ -51,13 +39,6 @@ def gather_close(opened_at: float, cfg: WindowConfig) -> float:
     return upload_deadline(opened_at, cfg) + cfg.gather_grace_s
 
 
-def phase_at(now: float, opened_at: float, cfg: WindowConfig) -> Phase:
-    """The :class:`Phase` of the window opened at ``opened_at`` at time ``now``."""
-    if now < upload_deadline(opened_at, cfg):
-        return Phase.OPEN
-    if now < gather_close(opened_at, cfg):
-        return Phase.GRACE
-    return Phase.CLOSED
 
 
 def should_close(

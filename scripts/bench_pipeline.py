@@ -124,7 +124,7 @@ def run(s: Setup, data: TokenDataset, val: list[torch.Tensor], name: str, ratio:
             batches = assigned_batches(data, 0, rep.index, t, s.inner.steps, s.batch_size, s.seq_len)
             delta = train_replica(rep, base, batches)
             for part in contributions(rep, delta):
-                payloads = compress_and_pack(rep.feedback, part, s.outer.beta, s.codec)
+                payloads, rep.feedback = compress_and_pack(rep.feedback, part, s.outer.beta, s.codec)
                 sent = max(sent, sum(len(p) for p in payloads.values()))
                 contribs.append(unpack_sparse(payloads, shapes, s.codec))
         apply_outer(params, aggregate(contribs, s.outer.aggregation, s.outer.clip), s.outer.alpha)

@@ -1,8 +1,6 @@
-"""Error feedback: the invariant e_new + decode(Δ̂) == β·e_old + Δ, atomicity and checkpoints."""
+"""Error feedback: the invariant e_new + decode(Δ̂) == β·e_old + Δ, purity and giving Δ̂ back."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +29,7 @@ def test_invariant_over_several_windows(dtype: torch.dtype, beta: float) -> None
     for window in range(4):
         delta = deltas(window, dtype)
         before = {n: b.clone() for n, b in state.buffers.items()}
-        sent = compress_step(state, delta, beta, CFG)
+        sent, state = compress_step(state, delta, beta, CFG)
         for name, d in delta.items():
             e_old = before.get(name, torch.zeros(d.shape))
             lhs = state.buffers[name] + decode(sent[name])
@@ -41,8 +39,7 @@ def test_invariant_over_several_windows(dtype: torch.dtype, beta: float) -> None
 
 
 def test_what_is_sent_is_removed_from_the_buffer() -> None:
-    state = FeedbackState()
-    sent = compress_step(state, deltas(0), 0.95, CFG)
+    sent, state = compress_step(FeedbackState(), deltas(0), 0.95, CFG)
     for name, e in sent.items():
         flat, vals = e.indices, decode(e).reshape(-1)
         kept = vals != 0
@@ -60,14 +57,13 @@ def test_unsent_mass_accumulates_until_it_is_sent() -> None:
     delta["w"][5, 7] = 0.3
     sent_small = 0.0
     for _ in range(6):
-        out = compress_step(state, delta, 1.0, CFG)
+        out, state = compress_step(state, delta, 1.0, CFG)
         sent_small += float(decode(out["w"])[5, 7])
     assert sent_small > 0.3
 
 
 def test_non_finite_delta_leaves_state_untouched() -> None:
-    state = FeedbackState()
-    compress_step(state, deltas(0), 0.95, CFG)
+    _, state = compress_step(FeedbackState(), deltas(0), 0.95, CFG)
     snapshot = {n: b.clone() for n, b in state.buffers.items()}
     bad = deltas(1)
     bad["norm"][3] = float("nan")
@@ -77,41 +73,52 @@ def test_non_finite_delta_leaves_state_untouched() -> None:
 
 
 def test_shape_change_is_a_config_error() -> None:
-    state = FeedbackState()
-    compress_step(state, {"w": torch.randn(8, 8)}, 0.95, CFG)
+    _, state = compress_step(FeedbackState(), {"w": torch.randn(8, 8)}, 0.95, CFG)
     with pytest.raises(ConfigError, match="shape"):
         compress_step(state, {"w": torch.randn(8, 9)}, 0.95, CFG)
 
 
-def test_save_load_roundtrip_continues_bit_identically(tmp_path: Path) -> None:
-    a = FeedbackState()
-    compress_step(a, deltas(0), 0.95, CFG)
-    path = tmp_path / "feedback.safetensors"
-    a.save(path)
-    assert not (tmp_path / "feedback.safetensors.tmp").exists()
-    b = FeedbackState.load(path)
+def test_state_dict_round_trip_continues_bit_identically() -> None:
+    _, a = compress_step(FeedbackState(), deltas(0), 0.95, CFG)
+    b = FeedbackState.from_state_dict(a.state_dict())
     assert set(b.buffers) == set(a.buffers)
-    out_a = compress_step(a, deltas(1), 0.95, CFG)
-    out_b = compress_step(b, deltas(1), 0.95, CFG)
+    out_a, a = compress_step(a, deltas(1), 0.95, CFG)
+    out_b, b = compress_step(b, deltas(1), 0.95, CFG)
     for name in out_a:
         assert torch.equal(decode(out_a[name]), decode(out_b[name]))
         assert torch.equal(a.buffers[name], b.buffers[name])
+    with pytest.raises(ConfigError, match="floating point"):
+        FeedbackState.from_state_dict({"w": torch.zeros(3, dtype=torch.int64)})
 
 
-def test_load_rejects_garbage_and_missing_files(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.safetensors"
-    bad.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00hello")
-    with pytest.raises(ConfigError, match="cannot read"):
-        FeedbackState.load(bad)
-    with pytest.raises(ConfigError, match="cannot read"):
-        FeedbackState.load(tmp_path / "missing.safetensors")
+def test_compress_step_is_pure() -> None:
+    """The given state, its mapping and its tensors are never changed; the result is a new state."""
+    _, state = compress_step(FeedbackState(), deltas(0), 0.95, CFG)
+    tensors = dict(state.buffers)
+    copies = {n: b.clone() for n, b in tensors.items()}
+    _, after = compress_step(state, deltas(1), 0.95, CFG)
+    assert after is not state and dict(state.buffers) == tensors  # same tensor objects, same names
+    assert all(torch.equal(tensors[n], copies[n]) for n in tensors)
+    assert all(after.buffers[n] is not tensors[n] for n in tensors)
+    with pytest.raises(TypeError):
+        state.buffers["w"] = torch.zeros(1)  # type: ignore[index]
 
 
-def test_old_buffers_are_never_modified_in_place() -> None:
-    state = FeedbackState()
-    compress_step(state, deltas(0), 0.95, CFG)
-    previous = dict(state.buffers)
-    copies = {n: b.clone() for n, b in previous.items()}
-    compress_step(state, deltas(1), 0.95, CFG)
-    assert all(torch.equal(previous[n], copies[n]) for n in previous)
-    assert all(state.buffers[n] is not previous[n] for n in previous)
+def test_names_outside_delta_are_kept() -> None:
+    """A pipeline stage compresses only its slice; buffers of other names pass through unchanged."""
+    _, state = compress_step(FeedbackState(), deltas(0), 0.95, CFG)
+    _, after = compress_step(state, {"w": deltas(1)["w"]}, 0.95, CFG)
+    assert after.buffers["norm"] is state.buffers["norm"] and not torch.equal(after.buffers["w"], state.buffers["w"])
+
+
+def test_returned_gives_back_everything_that_was_not_sent() -> None:
+    """e′ + decode(Δ̂) == β·e + Δ: a contribution that never left keeps all of the window's mass."""
+    _, state = compress_step(FeedbackState(), deltas(0), 0.95, CFG)
+    sent, after = compress_step(state, deltas(1), 0.95, CFG)
+    back = after.returned(sent)
+    for name, d in deltas(1).items():
+        expected = 0.95 * state.buffers[name] + d
+        assert torch.allclose(back.buffers[name], expected, rtol=0, atol=1e-6 * float(expected.abs().max()))
+    assert back.norm() > after.norm()
+    with pytest.raises(ConfigError, match="missing"):
+        FeedbackState().returned(sent)

@@ -10,18 +10,24 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
 
 from client.peer import Peer
 from client.progress import PeerDisplay
+from client.replica import FullReplica
 from client.state import LocalState, Snapshot, flatten, tensors_equal, unflatten
 from client.sync import NotReady, Sync
+from client.trainer import pseudo_gradient
+from client.window import Skipped
 from protocol import layout
 from protocol.aggregate import aggregate, apply_outer, sparse_of
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, DigestMismatch, StaleBase, StoreError, UnknownSigner
+from protocol.events import Applied, Event, Joined, PeerWindow, ResumedUpload, SyncFailed
+from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model, fingerprint
 from protocol.store import open_store
@@ -90,16 +96,19 @@ class MiniValidator:
         return [c.sender for c in contribs]
 
 
+E = TypeVar("E", bound=Event)
+
+
 class Recorder(PeerDisplay):
     def __init__(self) -> None:
         super().__init__(json_lines=True)
-        self.events: list[dict] = []
+        self.events: list[Event] = []
 
-    def event(self, kind: str, **fields) -> None:
-        self.events.append({"event": kind, **fields})
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
 
-    def of(self, kind: str) -> list[dict]:
-        return [e for e in self.events if e["event"] == kind]
+    def of(self, kind: type[E]) -> list[E]:
+        return [e for e in self.events if isinstance(e, kind)]
 
 
 @pytest.fixture
@@ -113,7 +122,9 @@ def swarm(tmp_path: Path):
 def make_peer(spec: RunSpec, store, root: Path, name: str) -> tuple[Peer, Recorder]:
     state = LocalState(root / name)
     rec = Recorder()
-    return Peer(spec, store, Identity.load_or_create(state.key_path), state, display=rec), rec
+    identity = Identity.load_or_create(state.key_path)
+    replica = FullReplica(spec, data_key=identity.peer_id)
+    return Peer(spec, store, identity, state, replica, display=rec), rec
 
 
 def run_peers(val: MiniValidator, peers: list[Peer], windows: int, expect: int | None = None) -> None:
@@ -223,9 +234,9 @@ def test_peers_train_and_stay_identical(swarm) -> None:
     (p1, r1), (p2, r2) = make_peer(spec, store, root, "a"), make_peer(spec, store, root, "b")
     run_peers(val, [p1, p2], windows=3)
     for p, r in ((p1, r1), (p2, r2)):
-        assert [e["fingerprint"] for e in r.of("applied")] == val.fingerprints
-        assert [e["outcome"] for e in r.of("window")] == ["uploaded"] * 3
-        assert all(e["included"] for e in r.of("applied"))
+        assert [e.fingerprint for e in r.of(Applied)] == val.fingerprints
+        assert [e.outcome for e in r.of(PeerWindow)] == ["uploaded"] * 3
+        assert all(e.included for e in r.of(Applied))
         assert fingerprint(p.params) == val.fingerprints[-1]
         assert [r["fingerprint"] for r in p.state.records()] == val.fingerprints  # durable history
     assert fingerprint(val.params) != fingerprint(build_model(spec.model))  # θ moved
@@ -237,27 +248,33 @@ def test_late_joiner_catches_up_from_checkpoint(swarm) -> None:
     run_peers(val, [p1], windows=3)  # checkpoint_every = 2: checkpoint at window 2
     (late, rec) = make_peer(spec, store, root, "late")
     run_peers(val, [p1, late], windows=5)
-    joined = rec.of("joined")[0]
-    assert joined["replayed_from"] == 2 and joined["window"] == 3
+    joined = rec.of(Joined)[0]
+    assert joined.replayed_from == 2 and joined.window == 3
     assert fingerprint(late.params) == fingerprint(p1.params) == val.fingerprints[-1]
+
+
+def committed_feedback(peer: Peer) -> dict[str, torch.Tensor]:
+    snap = peer.state.load(peer.spec.hash())
+    assert snap is not None
+    return snap.feedback
 
 
 def test_restart_resumes_feedback_and_reuploads_staged_bytes(swarm) -> None:
     spec, store, val, root = swarm
     (p1, _) = make_peer(spec, store, root, "a")
     run_peers(val, [p1], windows=2)
-    fb = {n: b.clone() for n, b in p1.feedback.buffers.items()}
+    fb = p1.feedback
     # Train window 2 and stage it, then "crash" before the put reaches the store.
-    trained = p1.train_and_compress(2)
-    assert trained is not None
-    p1.pending = trained
-    p1._commit()
+    staged = p1.train(2)
+    assert not isinstance(staged, Skipped)
+    assert p1.feedback is fb  # training alone adopts nothing
+    p1._adopt(staged)
     again, rec = make_peer(spec, store, root, "a")
     again.join()
-    assert rec.of("joined")[0]["resumed"] and rec.of("resumed_upload")[0]["outcome"] == "uploaded"
-    assert not tensors_equal(again.feedback.state_dict(), fb)  # e includes the staged window
-    assert tensors_equal(again.feedback.state_dict(), p1.feedback.state_dict())
-    assert store.get(layout.contrib_key(val.run, 2, again.identity.peer_id)) == trained.blob
+    assert rec.of(Joined)[0].resumed and rec.of(ResumedUpload)[0].outcome == "uploaded"
+    assert not tensors_equal(again.feedback.state_dict(), fb.state_dict())  # e includes the staged window
+    assert tensors_equal(again.feedback.state_dict(), staged.feedback_after.state_dict())
+    assert store.get(layout.contrib_key(val.run, 2, again.identity.peer_id)) == staged.blob
     assert again.trainer.step == p1.trainer.step
 
 
@@ -274,9 +291,31 @@ def test_missed_deadline_skips_window_and_keeps_feedback(tmp_path: Path) -> None
     val.close_window(0, timeout=0)
     t.join(timeout=30)
     assert not t.is_alive()
-    windows = rec.of("window")
-    assert windows and all(w["outcome"] == "skipped" for w in windows)
+    windows = rec.of(PeerWindow)
+    assert windows and all(w.outcome == "skipped" for w in windows)
     assert peer.feedback.buffers == {} and not store.list(layout.contrib_prefix(val.run, 1))
+
+
+def test_window_closing_during_training_leaves_feedback_as_before(swarm) -> None:
+    """A full replica whose window closes while it trains sends nothing and keeps e exactly."""
+    spec, store, val, root = swarm
+    (peer, rec) = make_peer(spec, store, root, "a")
+    run_peers(val, [peer], windows=1)
+    before, on_disk = peer.feedback, committed_feedback(peer)
+    assert before.buffers and tensors_equal(on_disk, before.state_dict())
+
+    def close_at_first_step(**fields: object) -> None:
+        if fields.get("step") == 1 and val.window == 1:
+            val.close_window(0, timeout=0)  # aggregate 1 is published: the window is over
+
+    peer.display.update = close_at_first_step  # type: ignore[method-assign]
+    staged = peer.train(1)
+    assert not isinstance(staged, Skipped) and val.window == 2  # trained to the end, then too late
+    peer.upload(staged)
+    assert rec.of(PeerWindow)[-1].outcome == "skipped" and rec.of(PeerWindow)[-1].window == 1
+    assert peer.feedback is before and peer.pending is None
+    assert tensors_equal(committed_feedback(peer), on_disk)
+    assert not store.list(layout.contrib_prefix(val.run, 1))
 
 
 class FlakyStore(ObjectStore):
@@ -305,26 +344,60 @@ class FlakyStore(ObjectStore):
         self.inner.delete(key)
 
 
-def test_failed_upload_is_an_outcome_and_feedback_is_undone(swarm) -> None:
+def assert_window_kept(peer: Peer, e_before: FeedbackState, trained: Peer) -> None:
+    """e == β·e_before + Δ (the whole window, nothing subtracted), in memory and in the state dir.
+
+    Δ = θ_t − θ_local, with θ_local still in the model of ``trained`` (the peer that trained it).
+    """
+    replica = trained.trainer
+    assert isinstance(replica, FullReplica)
+    delta = pseudo_gradient(peer.params, replica.model)
+    beta = peer.spec.outer.beta
+    for name, d in delta.items():
+        old = e_before.buffers.get(name, torch.zeros_like(d))
+        expected = beta * old + d
+        assert torch.allclose(peer.feedback.buffers[name], expected, rtol=0, atol=1e-6 * float(expected.abs().max()))
+    assert tensors_equal(committed_feedback(peer), peer.feedback.state_dict())
+
+
+def test_failed_upload_is_an_outcome_and_gives_delta_back(swarm) -> None:
     spec, store, val, root = swarm
     flaky = FlakyStore(store, window=1)
     peer, rec = make_peer(spec, flaky, root, "flaky")
     t = threading.Thread(target=peer.run, kwargs={"until_window": 3}, daemon=True)
     t.start()
     val.close_window(1)
-    fb_after_0 = {n: b.clone() for n, b in peer.feedback.buffers.items()}
+    fb_after_0 = peer.feedback
     deadline = time.time() + 60
-    while not [e for e in rec.of("window") if e["window"] == 1] and time.time() < deadline:
+    while not [e for e in rec.of(PeerWindow) if e.window == 1] and time.time() < deadline:
         time.sleep(0.05)
-    assert tensors_equal(peer.feedback.state_dict(), fb_after_0)  # the unsent step was undone
+    # The peer now waits for window 1 to close: θ_1 and its model (θ_local) are what it trained.
+    assert_window_kept(peer, fb_after_0, peer)
+    assert peer.pending is None and peer.state.load(spec.hash()).pending is None  # type: ignore[union-attr]
     val.close_window(0, timeout=0)  # window 1 closes without it
     val.close_window(1)
     t.join(timeout=60)
     assert not t.is_alive() and flaky.refused == 3  # retried, then recorded
-    outcomes = {e["window"]: e["outcome"] for e in rec.of("window")}
+    outcomes = {e.window: e.outcome for e in rec.of(PeerWindow)}
     assert outcomes == {0: "uploaded", 1: "failed", 2: "uploaded"}
-    assert [e["included"] for e in rec.of("applied")] == [True, False, True]
+    assert [e.included for e in rec.of(Applied)] == [True, False, True]
     assert fingerprint(peer.params) == val.fingerprints[-1]
+
+
+def test_resumed_upload_that_fails_gives_delta_back(swarm) -> None:
+    """The rule for a failed upload needs only the commit: it holds after a restart too."""
+    spec, store, val, root = swarm
+    (p1, _) = make_peer(spec, store, root, "a")
+    run_peers(val, [p1], windows=2)
+    e_before = p1.feedback
+    staged = p1.train(2)
+    assert not isinstance(staged, Skipped)
+    p1._adopt(staged)  # staged and committed, then the process dies before the put
+    again, rec = make_peer(spec, FlakyStore(store, window=2), root, "a")
+    again.join()
+    assert rec.of(ResumedUpload)[0].outcome == "failed"
+    assert_window_kept(again, e_before, p1)
+    assert again.pending is None and not store.list(layout.contrib_prefix(val.run, 2))
 
 
 def test_cli_refuses_a_runspec_without_validator_keys(tmp_path: Path) -> None:
@@ -356,10 +429,10 @@ def test_forged_aggregate_is_recorded_and_never_applied(swarm) -> None:
     )  # fmt: skip
     store.put(key, forged)
     deadline = time.time() + 30
-    while not rec.of("sync_failed") and time.time() < deadline:
+    while not rec.of(SyncFailed) and time.time() < deadline:
         time.sleep(0.05)
-    assert rec.of("sync_failed")[0]["reason"] == "unknown_signer"
-    assert peer.pos.window == 1 and 1 not in [e["window"] for e in rec.of("applied")]
+    assert rec.of(SyncFailed)[0].reason == "unknown_signer"
+    assert peer.pos.window == 1 and 1 not in [e.window for e in rec.of(Applied)]
     store.delete(key)  # the operator removes the forgery; the real validator publishes
     val.close_window(1)
     t.join(timeout=60)

@@ -26,6 +26,7 @@ from client.pipeline.stage import plan_stages
 from client.trainer import load_params
 from protocol.config import RunSpec
 from protocol.errors import ConfigError
+from protocol.feedback import FeedbackState
 from protocol.model import build_model, lm_loss
 from client.pipeline.subspace import Subspace, constrained_names, localize, out_of_span_ratio
 
@@ -108,9 +109,11 @@ def _window_worker(stage: int, port: int, out: str, windows: list[int], die_at_s
         replica.pipeline_step = dying_step
     spec = _spec(4)
     ps = PipelineStage(spec, group="g", stage=stage, stages=2)
-    theta = _theta(spec)
+    theta, feedback = _theta(spec), FeedbackState()
     for window in windows:
-        res = run_stage_window(ps, theta, window, "genesis", _batches(2, seed=window), rendezvous=f"127.0.0.1:{port}")
+        res = run_stage_window(ps, theta, window, "genesis", _batches(2, seed=window), rendezvous=f"127.0.0.1:{port}",
+                               feedback=feedback)
+        feedback = res.feedback_after or feedback
         record = {"ok": res.ok, "reason": res.reason, "seconds": res.seconds, "steps": res.steps,
                   "names": sorted(res.encoded), "metadata": dict(res.metadata), "loss": res.mean_loss}
         Path(f"{out}/w{window}_s{stage}.json").write_text(json.dumps(record))
@@ -311,3 +314,65 @@ def test_pipeline_replica_trains_in_the_swarm_beside_full_replicas(tmp_path: Pat
         assert stage_ids <= accepted, (w, [dict(r) for r in rows if int(r["window"]) == w])
     losses = summary["val_loss_per_window"]
     assert losses[-1] < losses[0], losses
+
+
+# ---------------------------------------------------------------------- a stage as a peer
+def test_stage_that_skips_after_training_keeps_feedback(tmp_path: Path) -> None:
+    """Both stages of a replica train window 1 (in threads, gloo), then the window closes before
+    they stage: nothing is sent and e is exactly what it was before the window, also on disk."""
+    import threading
+
+    from client.peer import Peer, Staged
+    from client.pipeline.trainer import StageTrainer
+    from client.state import LocalState
+    from protocol import layout
+    from protocol.events import PeerWindow
+    from protocol.identity import Identity
+    from protocol.store import open_store
+    from test_peer_state import MiniValidator, Recorder, committed_feedback, tiny_spec
+
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident).replace(pipeline={"enabled": True, "compression_ratio": 4, "micro_batches": 2,
+                                               "timeout_s": 30.0, "rendezvous_timeout_s": 60.0})
+    store = open_store(f"memory://stage-skip-{time.time_ns()}")
+    val = MiniValidator(spec, store, vident)
+    rendezvous = f"127.0.0.1:{free_port()}"
+    peers, displays = [], []
+    for s in (0, 1):
+        state = LocalState(tmp_path / f"stage{s}")
+        trainer = StageTrainer(spec, group="g", stage=s, stages=2, rendezvous=rendezvous)
+        displays.append(Recorder())
+        peers.append(Peer(spec, store, Identity.load_or_create(state.key_path), state, trainer, display=displays[-1]))
+
+    def train_both(window: int) -> list[Staged]:
+        out: dict[int, object] = {}
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, peers[i].train(window))) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        staged = [r for _, r in sorted(out.items()) if isinstance(r, Staged)]
+        assert len(staged) == 2, out
+        return staged
+
+    for p in peers:
+        p.join()
+    for p, staged in zip(peers, train_both(0)):  # window 0 goes through: e is no longer zero
+        p.upload(staged)
+    val.close_window(2)
+    for p in peers:
+        p.catch_up()
+    assert [p.pos.window for p in peers] == [1, 1] and all(p.feedback.buffers for p in peers)
+    before = [p.feedback for p in peers]
+    on_disk = [committed_feedback(p) for p in peers]
+
+    staged = train_both(1)
+    val.close_window(0, timeout=0)  # window 1 closes while the stages were training
+    for p, st in zip(peers, staged):
+        p.upload(st)
+    for p, display, e, disk in zip(peers, displays, before, on_disk):
+        last = display.of(PeerWindow)[-1]
+        assert (last.window, last.outcome) == (1, "skipped")
+        assert p.feedback is e and p.pending is None
+        assert all(torch.equal(committed_feedback(p)[n], disk[n]) for n in disk)
+    assert not store.list(layout.contrib_prefix(val.run, 1))

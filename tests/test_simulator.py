@@ -48,10 +48,10 @@ def test_sparse_path_bytes_equal_the_real_peer_path(dataset: TokenDataset) -> No
     trainer.train_window(assigned_batches(dataset, 0, "peer", 0, 2, 4, 32))
     delta = pseudo_gradient(base, model)
     warm = {n: torch.randn_like(d) * 1e-3 for n, d in delta.items()}  # a non-trivial error buffer
-    sim_state, peer_state = FeedbackState(dict(warm)), FeedbackState(dict(warm))
+    state = FeedbackState(warm)
 
-    payloads = compress_and_pack(sim_state, delta, 0.95, CODEC)
-    encoded = compress_step(peer_state, delta, beta=0.95, cfg=CODEC)  # what client/peer.py calls
+    payloads, sim_state = compress_and_pack(state, delta, 0.95, CODEC)
+    encoded, peer_state = compress_step(state, delta, beta=0.95, cfg=CODEC)  # what client/replica.py calls
     ident = Identity.generate()
     blob = encode_contribution(Contribution("ab" * 32, 0, "genesis", CODEC, encoded, {}), ident)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from client.state import LocalState, Snapshot
 from client.trainer import InnerTrainer, load_params, pseudo_gradient, snapshot
 from protocol.config import InnerConfig, model_config
 from protocol.errors import ConfigError
@@ -45,14 +46,16 @@ def test_save_restore_continues_bit_identically(tmp_path: Path) -> None:
     model = build_model(MCFG)
     trainer = InnerTrainer(model, ICFG)
     trainer.train_window(batches(1))
-    theta, path = snapshot(model), tmp_path / "inner.safetensors"
-    trainer.save(path)
+    theta, state = snapshot(model), LocalState(tmp_path)
+    state.save(Snapshot("a" * 64, 1, "b" * 64, "c" * 64, optimizer=trainer.state_dict()))  # the peer's commit
     trainer.train_window(batches(2))  # the uninterrupted run
 
-    fresh = build_model(MCFG)  # a restarted peer: θ from its checkpoint, optimizer from the file
+    fresh = build_model(MCFG)  # a restarted peer: θ from its checkpoint, optimizer from its state dir
     load_params(fresh, theta)
     restored = InnerTrainer(fresh, ICFG)
-    restored.load(path)
+    snap = state.load("a" * 64)
+    assert snap is not None
+    restored.load_state_dict(snap.optimizer)
     assert restored.step == 3
     restored.train_window(batches(2))
     assert fingerprint(fresh) == fingerprint(model)
@@ -63,20 +66,17 @@ def test_save_restore_continues_bit_identically(tmp_path: Path) -> None:
     assert fingerprint(naive) != fingerprint(model)
 
 
-def test_state_dict_round_trip_and_bad_files(tmp_path: Path) -> None:
+def test_state_dict_round_trip_and_misfit() -> None:
     model = build_model(MCFG)
     trainer = InnerTrainer(model, ICFG)
     trainer.train_window(batches(3, n=1))
     other = InnerTrainer(build_model(MCFG), ICFG)
     other.load_state_dict(trainer.state_dict())
     assert other.step == 1
-    (tmp_path / "junk").write_bytes(b"not safetensors")
-    with pytest.raises(ConfigError):
-        other.load(tmp_path / "junk")
     bigger = InnerTrainer(build_model(model_config("tiny", dim=32, n_layers=3, n_heads=2, ffn_dim=64)), ICFG)
-    trainer.save(tmp_path / "small.safetensors")
-    with pytest.raises(ConfigError):
-        bigger.load(tmp_path / "small.safetensors")
+    with pytest.raises(ConfigError, match="does not fit"):
+        bigger.load_state_dict(trainer.state_dict())
+    assert bigger.step == 0
 
 
 def test_gradient_accumulation_matches_full_batch() -> None:

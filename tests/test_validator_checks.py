@@ -10,7 +10,7 @@ from protocol import codec
 from protocol.config import CodecConfig, RunSpec, ValidatorConfig, WindowConfig
 from protocol.identity import Identity
 from protocol.wire import GENESIS, Contribution, encode_contribution
-from protocol.windows import Phase, gather_close, is_checkpoint_window, phase_at, should_close, upload_deadline
+from protocol.windows import gather_close, is_checkpoint_window, should_close, upload_deadline
 from validator import checks
 from validator.copies import global_indices, overlap, scan
 from validator.log import CheckRow
@@ -174,9 +174,6 @@ def test_standings_fold_is_order_independent_and_respects_before() -> None:
 def test_window_clock() -> None:
     cfg = WindowConfig(upload_deadline_s=10.0, gather_grace_s=2.0, checkpoint_every=5)
     assert upload_deadline(100.0, cfg) == 110.0 and gather_close(100.0, cfg) == 112.0
-    assert phase_at(105.0, 100.0, cfg) is Phase.OPEN
-    assert phase_at(111.0, 100.0, cfg) is Phase.GRACE
-    assert phase_at(112.0, 100.0, cfg) is Phase.CLOSED
     assert not should_close(101.0, 100.0, cfg, expected={"a", "b"}, uploaded={"a"})
     assert should_close(101.0, 100.0, cfg, expected={"a", "b"}, uploaded={"a", "b", "c"})
     assert not should_close(101.0, 100.0, cfg, expected=set(), uploaded={"a"})  # nobody known: wait

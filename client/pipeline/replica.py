@@ -6,19 +6,20 @@ rendezvous, check they agree on window, base and subspace, train H GPipe steps t
 gradient clipping, the run's learning-rate schedule at global step ``window·H + i``), keep the
 residual writers in span(U) after every step, commit together, and only then each stage runs error
 feedback + codec on the pseudo-gradient of ITS OWN parameters. Anything that goes wrong with the
-other stages (death, timeout, mismatch) is a skipped window: the optimizer and error-feedback state
-are left as they were at the start of the window, and nothing is published.
+other stages (death, timeout, mismatch) is a skipped window: no error-feedback state comes back,
+and nothing is published. The inner optimizer keeps the steps it took (see :mod:`client.peer`).
 
     stage = PipelineStage(spec, group="g1", stage=s, stages=S, device="cuda")
     batches = replica_batches(dataset, spec, "g1", window)            # same on every stage
-    result = run_stage_window(stage, theta_t, window, base_digest, batches, rendezvous="host:29500")
+    result = run_stage_window(stage, theta_t, window, base_digest, batches, rendezvous="host:29500",
+                              feedback=e)
     if result.ok:
         publish(Contribution(spec.hash(), window, base_digest, spec.codec, result.encoded, result.metadata))
+        e = result.feedback_after
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 import time
@@ -65,7 +66,8 @@ def replica_batches(dataset: TokenDataset, spec: RunSpec, group: str, window: in
 
 @dataclass(frozen=True)
 class StageWindowResult:
-    """What one stage did in one window. ``encoded`` covers this stage's parameters only."""
+    """What one stage did in one window. ``encoded`` covers this stage's parameters only;
+    ``feedback_after`` is e after the compress step that produced it (None when skipped)."""
 
     window: int
     group: str
@@ -76,6 +78,7 @@ class StageWindowResult:
     detail: str = ""
     encoded: Mapping[str, Encoded] = field(default_factory=dict)
     metadata: Mapping[str, int | float | str | bool] = field(default_factory=dict)
+    feedback_after: FeedbackState | None = None
     steps: int = 0
     tokens: int = 0
     mean_loss: float = float("nan")
@@ -83,7 +86,7 @@ class StageWindowResult:
 
 
 class PipelineStage:
-    """The long-lived state of one stage process: its layers, inner optimizer and error feedback."""
+    """The long-lived state of one stage process: its layers and inner optimizer."""
 
     def __init__(
         self,
@@ -115,7 +118,6 @@ class PipelineStage:
              {"params": [self.params[n] for n in names if self.params[n].ndim < 2], "weight_decay": 0.0}],
             lr=spec.inner.lr, betas=spec.inner.betas, eps=1e-8,
         )
-        self.feedback = FeedbackState()
         self.step = 0  # global inner step after the last trained one (the schedule index is window·H + i)
 
     # Same shape as InnerTrainer's, so a peer checkpoints a stage's optimizer like a full replica's.
@@ -123,8 +125,11 @@ class PipelineStage:
         return {"step": self.step, "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(f"inner-optimizer state does not fit this stage: {exc}") from exc
         self.step = int(state["step"])
-        self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
 
     def start_window(self, theta: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Load θ_t (localized into the subspace when compressing); returns the slice's start (CPU)."""
@@ -163,18 +168,19 @@ def run_stage_window(
     batches: Sequence[Tensor],
     *,
     rendezvous: str,
+    feedback: FeedbackState,
 ) -> StageWindowResult:
     """Train this stage's share of window ``window`` with the other stages; never raises for them.
 
     ``theta``: the synchronised θ_t (at least this stage's slice and, when compressing, the
     embedding, from which T_fix is rebuilt). ``base``: digest of the aggregate θ_t came from.
-    ``batches``: :func:`replica_batches` (identical on every stage). Returns a skipped result with
-    the reason when another stage dies, times out or disagrees; configuration errors do raise.
+    ``batches``: :func:`replica_batches` (identical on every stage). ``feedback``: this stage's e
+    before the window (left untouched). Returns a skipped result with the reason when another
+    stage dies, times out or disagrees; configuration errors do raise.
     """
     spec, plan = stage.spec, stage.plan
     t0 = time.perf_counter()
     head = dict(window=window, group=stage.group, stage=plan.index, stages=plan.stages)
-    opt_snapshot = copy.deepcopy(stage.state_dict())
     micro = spec.pipeline.micro_batches
     losses: list[float] = []
     try:
@@ -195,14 +201,12 @@ def run_stage_window(
             if int(link.all_reduce(torch.ones(1)).item()) != plan.stages:
                 raise PipelineFailure("commit count is wrong", reason="mismatch")
     except PipelineFailure as exc:
-        stage.load_state_dict(opt_snapshot)
-        stage.optimizer.zero_grad(set_to_none=True)
+        stage.optimizer.zero_grad(set_to_none=True)  # a step may have stopped between backward and update
         return StageWindowResult(**head, ok=False, reason=exc.reason, detail=str(exc),
                                  steps=len(losses), seconds=time.perf_counter() - t0)
     try:
-        encoded = compress_step(stage.feedback, delta, spec.outer.beta, spec.codec)
+        encoded, feedback_after = compress_step(feedback, delta, spec.outer.beta, spec.codec)
     except NonFiniteValues as exc:
-        stage.load_state_dict(opt_snapshot)
         return StageWindowResult(**head, ok=False, reason=exc.reason, detail=str(exc),
                                  steps=len(losses), seconds=time.perf_counter() - t0)
     tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in batches)
@@ -212,5 +216,5 @@ def run_stage_window(
         "compression_ratio": spec.pipeline.compression_ratio if stage.subspace is not None else 1,
         "tokens": tokens, "loss": mean_loss,
     }
-    return StageWindowResult(**head, ok=True, encoded=encoded, metadata=metadata, steps=len(losses),
-                             tokens=tokens, mean_loss=mean_loss, seconds=time.perf_counter() - t0)
+    return StageWindowResult(**head, ok=True, encoded=encoded, metadata=metadata, feedback_after=feedback_after,
+                             steps=len(losses), tokens=tokens, mean_loss=mean_loss, seconds=time.perf_counter() - t0)

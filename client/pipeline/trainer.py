@@ -1,0 +1,81 @@
+"""One stage of a pipeline replica as the way a peer trains its windows (``join --pipeline``).
+
+The peer is the ordinary :class:`client.peer.Peer` (announce, catch up, stage, upload, commit);
+it holds a :class:`StageTrainer` instead of a full replica. The stage trains its slice together
+with the other stages of its group (:func:`client.pipeline.replica.run_stage_window`) on the
+batches assigned to the group, and its contribution holds only its own parameters, with metadata
+naming group and stage. A stage that cannot finish the window with the others skips it, like a
+peer that missed the deadline. θ stays on the CPU in the peer; only this stage's slice is built,
+on ``device``.
+
+    trainer = StageTrainer(spec, group="g1", stage=0, stages=2, rendezvous="10.0.0.5:29500", device="cuda")
+    Peer(spec, store, identity, state, trainer).run()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from client.pipeline.replica import PipelineStage, replica_batches, run_stage_window
+from client.window import Skipped, Trained, WindowJob, WindowStats, hardware_of
+from protocol.config import RunSpec
+from protocol.data import open_dataset
+from protocol.errors import ConfigError
+from protocol.wire import PipelineRole
+
+__all__ = ["StageTrainer"]
+
+
+class StageTrainer:
+    """A :class:`~client.window.WindowTrainer` for stage ``stage`` of ``stages`` of replica ``group``."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        *,
+        group: str,
+        stage: int,
+        stages: int,
+        rendezvous: str,
+        device: torch.device | str = "cpu",
+        backend: str = "gloo",
+    ) -> None:
+        if not spec.pipeline.enabled:
+            raise ConfigError("this run does not accept pipeline replicas (pipeline.enabled = false)")
+        self.spec, self.rendezvous = spec, rendezvous
+        self.pipeline = PipelineStage(spec, group=group, stage=stage, stages=stages, device=device, backend=backend)
+        self.dataset = open_dataset(spec.data)
+        self._role = PipelineRole(group, stage, stages)
+
+    @property
+    def role(self) -> PipelineRole | None:
+        return self._role
+
+    @property
+    def hardware(self) -> str:
+        return hardware_of(self.pipeline.device)
+
+    @property
+    def step(self) -> int:
+        return self.pipeline.step
+
+    def train(self, job: WindowJob) -> Trained | Skipped:
+        """This stage's share of the replica's H steps, then error feedback + codec on its slice."""
+        role = self._role
+        job.report(phase=f"pipeline stage {role.stage}/{role.stages}", window=job.window)
+        batches = replica_batches(self.dataset, self.spec, role.group, job.window)
+        result = run_stage_window(self.pipeline, job.theta, job.window, job.base, batches,
+                                  rendezvous=self.rendezvous, feedback=job.feedback)  # fmt: skip
+        if not result.ok or result.feedback_after is None:
+            return Skipped(f"pipeline {result.reason}: {result.detail}", inner_s=result.seconds)
+        stats = WindowStats(result.mean_loss, result.mean_loss, result.tokens, result.seconds, 0.0)
+        return Trained(result.encoded, result.metadata, stats, result.feedback_after, self.pipeline.state_dict())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.pipeline.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.pipeline.load_state_dict(state)
