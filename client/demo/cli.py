@@ -96,8 +96,13 @@ class _Progress:
 
     def __call__(self, name: str, e: Event) -> None:
         if name == VALIDATOR:
-            if isinstance(e, (WindowPublished, WindowRetry, Failed)):
-                self.console.print(f"[bold]validator[/bold] {describe(e)[:150]}")
+            if isinstance(e, WindowPublished):
+                self.console.print(
+                    f"[bold]validator[/bold] window {e.window} published: val_loss {e.val_loss:.4f}"
+                    f"  accepted {e.accepted}  rejected {e.rejected}  fingerprint {e.fingerprint[:12]}"
+                )
+            elif isinstance(e, (WindowRetry, Failed)):
+                self.console.print(f"[bold]validator[/bold] [yellow]{describe(e)}[/yellow]")
         elif isinstance(e, PeerWindow):
             self.console.print(
                 f"{name:>8} window {e.window} {e.outcome}"
