@@ -167,7 +167,7 @@ class LocalSwarm:
         A window closes early once every peer the validator expects has uploaded, and it expects
         the peers announced so far (it re-reads the announcements while gathering, so a later one
         is still accepted). Started after every announcement, window 0 waits for all the peers
-        instead of closing on the first uploads, and no window waits for its deadline.
+        instead of closing as soon as those announced so far have uploaded.
         """
         for i in range(self.n_peers):
             self.start_peer(i)
