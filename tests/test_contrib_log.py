@@ -112,6 +112,23 @@ def test_cli_json_csv_table_and_summary(db: Path) -> None:
     assert out.exit_code == 0 and "leaderboard" in out.output
 
 
+def test_cli_windows_lists_each_window_with_documented_fields(db: Path) -> None:
+    runner = CliRunner()
+    out = runner.invoke(cli, ["logs", "--db", str(db), "--windows", "--window", "1:", "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.output)
+    assert [r["window"] for r in rows] == [1, 2]
+    fields = ["window", "status", "opened_at", "closed_at", "published_at", "base", "digest", "fingerprint"]
+    assert set(rows[0]) == {*fields, "val_loss", "accepted", "rejected"}
+    assert rows[1] | {"digest": f"{2:064x}", "status": "published", "val_loss": 3.0, "accepted": 2} == rows[1]
+    documented = cli.commands["logs"].help or ""
+    assert all(field in documented for field in rows[0])  # --help names every field
+    out = runner.invoke(cli, ["logs", "--db", str(db), "--windows"])
+    assert out.exit_code == 0 and "windows (3)" in out.output and "published" in out.output
+    out = runner.invoke(cli, ["logs", "--db", str(db), "--windows", "--peer", P1])
+    assert out.exit_code != 0 and "--windows" in out.output
+
+
 def test_cli_errors_are_clear(tmp_path: Path, db: Path) -> None:
     runner = CliRunner()
     out = runner.invoke(cli, ["logs", "--db", str(tmp_path / "missing.sqlite")])

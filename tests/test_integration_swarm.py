@@ -2,10 +2,10 @@
 
 Every test runs ``sparseloco-validator run`` and ``sparseloco-peer join`` through
 :class:`client.demo.swarm.LocalSwarm` (the launcher behind ``sparseloco demo``) with a very small model,
-then checks the outcome against the validator's SQLite contribution log and the peers' status
-lines: the loss falls, every participant holds the same θ after every window, every upload is
-accounted for, and faults (a peer killed mid-window, a late joiner, the validator killed) neither
-lose nor double-count anything.
+then checks the outcome against the validator's contribution log (read through ``sparseloco-validator
+logs --json``) and the processes' events: the loss falls, every participant holds the same θ after
+every window, every upload is accounted for, and faults (a peer killed mid-window, a late joiner,
+the validator killed) neither lose nor double-count anything.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from protocol.errors import AccessDenied
+from protocol.events import ResumedUpload
 from protocol.layout import aggregate_key, contrib_key, run_id
 from protocol.store import open_store
 from client.demo.swarm import VALIDATOR, LocalSwarm
@@ -61,11 +62,12 @@ def check_consistent(swarm: LocalSwarm, summary: dict[str, Any], windows: int) -
     assert swarm.unaccounted() == []
     # Nothing accepted lost or counted twice: one row per (window, peer) (the log's key), and the
     # accepted rows of each window are exactly the published count.
-    rows = swarm.log_rows("SELECT window, COUNT(*) AS n, SUM(accepted) AS a FROM contributions GROUP BY window")
-    accepted = {int(r["window"]): int(r["a"]) for r in rows}
-    assert [accepted.get(w, 0) for w in range(windows)] == summary["accepted_per_window"]
-    published = swarm.log_rows("SELECT window FROM windows WHERE status = 'published' ORDER BY window")
-    assert [int(r["window"]) for r in published] == list(range(windows))
+    rows = swarm.log_contributions()
+    assert len({(r.window, r.peer) for r in rows}) == len(rows)
+    accepted = [sum(r.accepted for r in rows if r.window == w) for w in range(windows)]
+    assert accepted == summary["accepted_per_window"]
+    published = [w.window for w in swarm.log_windows() if w.status == "published"]
+    assert published == list(range(windows))
 
 
 @pytest.fixture
@@ -83,30 +85,34 @@ def test_file_swarm_late_joiner_and_restarts(run_dir: Path) -> None:
         p1 = swarm.peers["peer-1"]
         swarm.follow(lambda: 0 in p1.applied, timeout_s=TIMEOUT_S)
         swarm.kill("peer-1")  # it is now training window 1 (or has just staged it)
-        norm_before = p1.windows[0]["feedback_norm"]
+        norm_before = p1.windows[0].feedback_norm
         swarm.start_peer(1)
         swarm.follow(lambda: len(p1.joined) == 2, timeout_s=TIMEOUT_S)
         rejoined = p1.joined[1]
         # The kill lands after window 0's commit or just before θ_1's commit: either way the state
         # directory holds e after window 0 (or after a staged window 1, re-uploaded on restart).
-        assert rejoined["resumed"] and rejoined["resumed_window"] in (0, 1)
-        staged = any(e["event"] == "resumed_upload" for e in p1.events)
-        assert staged or rejoined["feedback_norm"] == pytest.approx(norm_before, rel=1e-6)
+        assert rejoined.resumed and rejoined.resumed_window in (0, 1)
+        staged = any(isinstance(e, ResumedUpload) for e in p1.events)
+        assert staged or rejoined.feedback_norm == pytest.approx(norm_before, rel=1e-6)
 
-        swarm.follow(lambda: 2 in swarm.published, timeout_s=TIMEOUT_S)
         # Hold window 3 open (the validator waits for its peers) while the late joiner starts up.
+        # The originals are paused as soon as they have uploaded window 2: to upload window 3
+        # before that, the validator would have to score and publish window 2 and each of them
+        # train window 3 within this test's reaction time.
         originals = ["peer-0", "peer-1", "peer-2"]
+        swarm.follow(lambda: all(2 in swarm.peers[n].windows for n in originals), timeout_s=TIMEOUT_S)
         for name in originals:
             swarm.pause(name)
+        swarm.follow(lambda: 2 in swarm.published, timeout_s=TIMEOUT_S)
         swarm.start_peer(3)
         late = swarm.peers["peer-3"]
         swarm.follow(lambda: bool(late.joined), timeout_s=TIMEOUT_S)
         for name in originals:
             swarm.resume(name)
         # checkpoint_every = 2: it loaded the checkpoint of window 2 and replayed aggregate 2.
-        assert late.joined[0]["replayed_from"] == 2 and late.joined[0]["window"] == 3
-        signed = swarm.log_rows("SELECT fingerprint FROM windows WHERE window = 2")[0]["fingerprint"]
-        assert late.applied == {2: signed}
+        assert late.joined[0].replayed_from == 2 and late.joined[0].window == 3
+        signed = {w.window: w.fingerprint for w in swarm.log_windows()}
+        assert late.applied == {2: signed[2]}
 
         uploaded_4 = lambda: all(4 in v.windows for n, v in swarm.peers.items() if n != "peer-3")  # noqa: E731
         swarm.follow(uploaded_4, timeout_s=TIMEOUT_S)
@@ -119,9 +125,9 @@ def test_file_swarm_late_joiner_and_restarts(run_dir: Path) -> None:
     check_consistent(swarm, summary, windows)
     # The late joiner trained and ended with the same θ as everyone else.
     assert late.applied and all(swarm.peers["peer-0"].applied[w] == fp for w, fp in late.applied.items())
-    assert any(e.get("outcome") == "uploaded" for e in late.windows.values())
+    assert any(e.outcome == "uploaded" for e in late.windows.values())
     # The restarted peer contributed in every window after its restart.
-    assert all(p1.windows.get(w, {}).get("outcome") == "uploaded" for w in range(2, windows))
+    assert all(w in p1.windows and p1.windows[w].outcome == "uploaded" for w in range(2, windows))
 
 
 def test_s3_swarm(run_dir: Path) -> None:

@@ -303,15 +303,15 @@ def test_pipeline_replica_trains_in_the_swarm_beside_full_replicas(tmp_path: Pat
         swarm.follow(swarm.finished, timeout_s=SWARM_TIMEOUT_S)
         swarm.wait_exit(timeout_s=60.0)
         summary = swarm.summary()
-        rows = swarm.log_rows("SELECT window, peer, accepted, reason FROM contributions")
+        rows = swarm.log_contributions()
     assert summary["windows_completed"] == windows
     assert summary["fingerprints_equal"], {v.name: v.applied for v in swarm.peers.values()}
     stage_ids = {swarm.peers[f"peer-{i}"].peer_id for i in (2, 3)}
     for w in range(windows):
         for v in swarm.peers.values():
-            assert v.windows[w]["outcome"] == "uploaded", (v.name, w, v.windows[w])
-        accepted = {r["peer"] for r in rows if int(r["window"]) == w and r["accepted"]}
-        assert stage_ids <= accepted, (w, [dict(r) for r in rows if int(r["window"]) == w])
+            assert v.windows[w].outcome == "uploaded", (v.name, w, v.windows[w])
+        accepted = {r.peer for r in rows if r.window == w and r.accepted}
+        assert stage_ids <= accepted, (w, [r for r in rows if r.window == w])
     losses = summary["val_loss_per_window"]
     assert losses[-1] < losses[0], losses
 

@@ -17,6 +17,7 @@ from protocol import layout
 from protocol.aggregate import apply_outer
 from protocol.chain import delta_of, read_aggregate
 from protocol.errors import ConfigError
+from protocol.events import Event, WindowOpened, WindowPublished, WindowRetry
 from protocol.identity import Identity
 from protocol.model import build_model, fingerprint, parameters_of
 from protocol.store.memory import SimulatedCrash
@@ -41,8 +42,10 @@ def swarm(vkey: Identity) -> Iterator[Swarm]:
     sw.close()
 
 
-def make_validator(sw: Swarm, vkey: Identity, state_dir: os.PathLike[str] | str) -> Validator:
-    v = Validator(sw.spec, sw.handle(), vkey, state_dir)
+def make_validator(
+    sw: Swarm, vkey: Identity, state_dir: os.PathLike[str] | str, events: list[Event] | None = None
+) -> Validator:
+    v = Validator(sw.spec, sw.handle(), vkey, state_dir, emit=None if events is None else events.append)
     v.resume()
     return v
 
@@ -340,7 +343,8 @@ def test_peers_that_left_stop_holding_windows_open(vkey: Identity, tmp_path) -> 
 
 
 def test_store_failures_are_retried_and_corrupted_reads_rejected(swarm: Swarm, vkey: Identity, tmp_path) -> None:
-    v = make_validator(swarm, vkey, tmp_path)
+    events: list[Event] = []
+    v = make_validator(swarm, vkey, tmp_path, events)
     params = theta0(swarm)
     for p in swarm.peers[:3]:
         swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, GENESIS))
@@ -353,15 +357,21 @@ def test_store_failures_are_retried_and_corrupted_reads_rejected(swarm: Swarm, v
     assert [f[0] for f in faults.fired].count("fail") == 1
     assert len(v.log.rows(windows=(0, 0))) == 4 and v.state is not None and v.state.window == 1
     assert fingerprint(parameters_of(v.model)) == reports[0].fingerprint  # the model holds θ_1
+    # The retried window is opened once and reported as retried, then as published.
+    assert [type(e) for e in events] == [WindowOpened, WindowRetry, WindowPublished]
+    assert [e.window for e in events if isinstance(e, (WindowOpened, WindowRetry))] == [0, 0]
+    assert events[-1] == reports[0]
     v.close()
 
 # ------------------------------------------------------------------ the real command, as the swarm runs it
 @pytest.mark.integration
 def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity, tmp_path) -> None:
+    import re
     import signal
     import subprocess
     import sys
 
+    from protocol.events import Stopped, ValidatorStarted, parse_line
     from protocol.store.local import LocalStore
 
     store_dir = tmp_path / "store"
@@ -380,13 +390,18 @@ def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity,
     done = subprocess.run([*cmd, "--windows", "1"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "window 0 published: accepted=2 rejected=0" in done.stdout
+    lines = done.stdout.splitlines()
+    assert lines and all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", line) for line in lines), lines
 
     # window 1 has no uploads and a 30 s deadline: SIGTERM must end it promptly, publishing nothing
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*cmd, "--status-json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    events: list[Event | None] = []
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if line.startswith("window 1 open"):
+            event = parse_line(line)
+            events.append(event)
+            if isinstance(event, WindowOpened) and event.window == 1:
                 break
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
@@ -395,6 +410,10 @@ def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity,
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, err
-    assert "stopped" in out and "Traceback" not in err
+    events += [parse_line(line) for line in out.splitlines()]
+    assert None not in events, "--status-json writes only events on stdout"
+    assert isinstance(events[0], ValidatorStarted) and events[0].run_hash == spec.hash()
+    assert events[-1] == Stopped(role="validator", reason="stopped", window=1, time=events[-1].time)
+    assert "Traceback" not in err
     assert not sw.store.exists(layout.aggregate_key(sw.run, 1))
     sw.close()

@@ -2,13 +2,15 @@
 
     sparseloco-validator keygen --key validator.pem          # prints the public key for the RunSpec
     sparseloco-validator run --run run.toml --key validator.pem --state vstate [--store URL] [--windows N]
-                             [--device cuda] [--threads N] [--dht-peer MULTIADDR ...]
+                             [--device cuda] [--threads N] [--dht-peer MULTIADDR ...] [--status-json]
     sparseloco-validator logs --db vstate/contributions.sqlite [--peer ID] [--window A:B] [--rejected]
-                              [--json | --csv] [--summary]
+                              [--windows] [--json | --csv] [--summary]
 
-``run`` prints one line per published window (``window 3 published: accepted=3 rejected=0
-val_loss=4.5487 …``); Ctrl-C or SIGTERM finish or abandon the current window cleanly (a restart
-resumes it). Exit codes: 0 done, 2 configuration/identity error, 130 interrupted.
+``run`` reports what happens as :mod:`protocol.events` records: one timestamped human line each
+(``2025-01-31 12:00:03 window 3 published: accepted=3 rejected=0 val_loss=4.5487 …``), or with
+``--status-json`` one JSON object per line on stdout and nothing else there (what ``sparseloco
+demo`` reads). Ctrl-C or SIGTERM finish or abandon the current window cleanly (a restart resumes
+it). Exit codes: 0 done, 2 configuration/identity error, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -19,23 +21,33 @@ import json
 import logging
 import signal
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import click
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from protocol.config import RunSpec
 from protocol.errors import ConfigError
+from protocol.events import Event, EventWriter, Failed, Stopped, ValidatorStarted, describe
 from protocol.identity import Identity
 from protocol.store import open_from_settings
-from validator.log import ContributionLog, ContributionRecord
-from validator.node import LOG_FILE, Validator, WindowReport
+from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
+
+if TYPE_CHECKING:
+    from validator.node import Validator
 
 DEFAULT_KEY = "~/.sparseloco/validator.pem"
 DEFAULT_STATE = "validator-state"
+ROLE = "validator"
+EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130
+
+Emit = Callable[[Event], None]
 
 
 @click.group()
@@ -60,6 +72,7 @@ def keygen(key_path: str) -> None:
 @click.option("--device", default="cpu", show_default=True, help="Torch device for scoring (cpu, cuda, cuda:1).")
 @click.option("--windows", type=int, default=None, help="Stop after N windows (default: run until stopped).")
 @click.option("--threads", type=int, default=0, help="Torch CPU threads (0: torch's default).")
+@click.option("--status-json", is_flag=True, help="One JSON event per line on stdout instead of human lines.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def run(
     run_path: str,
@@ -70,52 +83,99 @@ def run(
     device: str,
     windows: int | None,
     threads: int,
+    status_json: bool,
     verbose: bool,
 ) -> None:
-    """Validate windows: gather, check, score, aggregate, publish."""
+    """Validate windows: gather, check, score, aggregate, publish.
+
+    \b
+    Events (protocol.events; with --status-json one JSON object per line,
+    {"event": kind, "time": unix s, ...fields}):
+      validator_started  peer_id, run_id, run_hash, store, device
+      window_opened      window, base, opened_at      (gathering begins)
+      window_published   window, accepted, rejected, val_loss, digest, fingerprint,
+                         published_at, reasons {reason: count}, seconds {phase: s}
+      window_retry       window, reason, detail       (a store error; retried)
+      stopped            role, reason (done | stopped | interrupted), window
+      failed             role, reason, detail
+
+    Exit status: 0 done, 2 configuration or identity error, 130 stopped or interrupted.
+    """
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    emit: Emit = EventWriter(sys.stdout) if status_json else _HumanLines(Console(highlight=False, soft_wrap=True))
+    try:
+        validator = _open_validator(run_path, store_url, dht_peers, key_path, state_dir, device, threads, emit)
+    except ConfigError as exc:
+        emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
+        sys.exit(EXIT_CONFIG)
+    _install_stop(validator)
+    sys.exit(_serve(validator, windows, emit))
+
+
+def _open_validator(
+    run_path: str,
+    store_url: str | None,
+    dht_peers: tuple[str, ...],
+    key_path: str,
+    state_dir: str,
+    device: str,
+    threads: int,
+    emit: Emit,
+) -> Validator:
+    """The Validator the options describe; ValidatorStarted is its first event."""
+    # torch and the node load here, not at import: `logs` (what sparseloco demo runs) stays quick.
+    import torch
+
+    from validator.node import Validator
+
     if threads > 0:
         torch.set_num_threads(threads)
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    console = Console(highlight=False, soft_wrap=True)
-    try:
-        spec = RunSpec.load(run_path)
-        ident = Identity.load(Path(key_path).expanduser())
-        store = open_from_settings(spec.storage, store_url, dht_peers)
-        validator = Validator(spec, store, ident, state_dir, device=device, on_window=lambda r: _status(console, r))
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        sys.exit(2)
-    _install_stop(validator)
-    console.print(
-        f"validator {ident.peer_id} run {validator.run_id} store {store_url or spec.storage.url} state {state_dir} device {device}"
+    spec = RunSpec.load(run_path)
+    ident = Identity.load(Path(key_path).expanduser())
+    validator = Validator(spec, open_from_settings(spec.storage, store_url, dht_peers), ident, state_dir, device=device, emit=emit)
+    started = ValidatorStarted(
+        peer_id=ident.peer_id, run_id=validator.run_id, run_hash=validator.run_hash, store=store_url or spec.storage.url, device=device
     )
+    emit(started)
+    return validator
+
+
+def _serve(validator: Validator, windows: int | None, emit: Emit) -> int:
+    """Run until done, stopped or failed; the exit status (the last event says why)."""
     try:
-        state = validator.resume()
-        console.print(f"window {state.window} open (base {state.base[:16]})")
-        sys.stdout.flush()
         validator.run(windows)
     except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        sys.exit(2)
-    except KeyboardInterrupt:
-        console.print("interrupted; the current window is redone on restart")
-        sys.exit(130)
+        emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
+        return EXIT_CONFIG
+    except KeyboardInterrupt:  # a second Ctrl-C: the current window is redone on restart
+        emit(Stopped(role=ROLE, reason="interrupted", window=_window(validator)))
+        return EXIT_INTERRUPTED
     finally:
         validator.close()
-    if validator.stop.is_set():
-        console.print("stopped; the current window is redone on restart")
-        sys.exit(130)
+    if validator.stop.is_set():  # Ctrl-C or SIGTERM: an unfinished window is redone on restart
+        emit(Stopped(role=ROLE, reason="stopped", window=_window(validator)))
+        return EXIT_INTERRUPTED
+    emit(Stopped(role=ROLE, reason="done", window=_window(validator)))
+    return 0
 
 
-def _status(console: Console, r: WindowReport) -> None:
-    reasons = " ".join(f"{k}={v}" for k, v in sorted(r.reasons.items()))
-    phases = " ".join(f"{k} {v:.1f}s" for k, v in r.seconds.items())
-    console.print(
-        f"window {r.window} published: accepted={r.accepted} rejected={r.rejected} val_loss={r.val_loss:.4f} "
-        f"fingerprint={r.fingerprint[:16]} digest={r.digest[:16]} ({phases})"
-        + (f" rejected: {reasons}" if reasons else "")
-    )
-    sys.stdout.flush()
+def _window(validator: Validator) -> int | None:
+    """The window a restart resumes at (None before the state was loaded)."""
+    return validator.state.window if validator.state is not None else None
+
+
+class _HumanLines:
+    """Events as human lines on ``console``: local time, then :func:`protocol.events.describe`."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def __call__(self, event: Event) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.time))
+        self.console.print(f"{stamp} {describe(event)}")
+        sys.stdout.flush()  # a pipe (a log collector) sees each line when it happens
 
 
 def _install_stop(validator: Validator) -> None:
@@ -139,19 +199,48 @@ _COLUMNS = ("window", "peer", "accepted", "reason", "bytes", "norm", "overlap", 
 @click.option("--peer", default=None, help="Peer id (a prefix is enough).")
 @click.option("--window", "window_range", default=None, help="Window N or range A:B (either end may be empty).")
 @click.option("--rejected", is_flag=True, help="Only rejected contributions.")
+@click.option("--windows", "per_window", is_flag=True, help="One row per window (outcome, val loss, fingerprint).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (an array of rows).")
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV.")
 @click.option("--summary", is_flag=True, help="Leaderboard: windows, acceptance rate, mean score per peer.")
 def logs(
-    db: str, peer: str | None, window_range: str | None, rejected: bool, as_json: bool, as_csv: bool, summary: bool
+    db: str,
+    peer: str | None,
+    window_range: str | None,
+    rejected: bool,
+    per_window: bool,
+    as_json: bool,
+    as_csv: bool,
+    summary: bool,
 ) -> None:
-    """Show the contribution log: who sent what, how it scored, why it was rejected."""
+    """Show the contribution log: who sent what, how it scored, why it was rejected.
+
+    \b
+    Fields of each row (--json: an array of objects; --csv: the same columns):
+      contributions  window, peer, received_at, bytes, digest, accepted, reason, detail,
+                     norm, overlap, loss_own_before, loss_own_after, loss_random_before,
+                     loss_random_after, score, reputation, weight, checks ("name:pass;..."),
+                     decided rows only
+      --windows      window, status (decided | published), opened_at, closed_at,
+                     published_at, base, digest (of the aggregate), fingerprint (of θ
+                     after it), val_loss, accepted, rejected
+      --summary      peer, windows, accepted, acceptance_rate, mean_score, reputation,
+                     last_window
+    Times are unix seconds; absent values are null (empty in CSV).
+    """
     if as_json and as_csv:
         raise click.UsageError("--json and --csv are exclusive")
+    if per_window and (summary or peer or rejected):
+        raise click.UsageError("--windows lists whole windows: --summary, --peer and --rejected do not apply")
     if not Path(db).exists():
         raise click.ClickException(f"no contribution log at {db}")
     windows = _parse_range(window_range)
     with ContributionLog(db) as log:
+        if per_window:
+            lo, hi = windows
+            picked = [w for w in log.windows() if (lo is None or w.window >= lo) and (hi is None or w.window <= hi)]
+            _emit([_window_row(w) for w in picked], as_json, as_csv, _windows_table)
+            return
         if summary:
             board = [dataclasses.asdict(r) for r in log.leaderboard(windows=windows)]
             if peer:
@@ -177,6 +266,13 @@ def _parse_range(text: str | None) -> tuple[int | None, int | None]:
 def _flat(r: ContributionRecord) -> dict[str, object]:
     out = r.to_json()
     out["checks"] = ";".join(f"{k}:{v}" for k, v in out["checks"].items())
+    return out
+
+
+def _window_row(w: WindowRecord) -> dict[str, object]:
+    """A window as ``logs --windows`` prints it (``digest``: the published aggregate's)."""
+    out: dict[str, object] = dataclasses.asdict(w)
+    out["digest"] = out.pop("aggregate_digest")
     return out
 
 
@@ -221,6 +317,18 @@ def _delta(before: object, after: object) -> str:
     if isinstance(before, float) and isinstance(after, float):
         return f"{after - before:+.4f}"
     return "–"
+
+
+def _windows_table(rows: list[dict[str, object]]) -> Table:
+    t = Table(title=f"windows ({len(rows)})")
+    for c in ("window", "status", "val loss", "accepted", "rejected", "fingerprint", "digest"):
+        t.add_column(c, justify="left" if c in ("status", "fingerprint", "digest") else "right")
+    for r in rows:
+        t.add_row(
+            str(r["window"]), str(r["status"]), _fmt(r["val_loss"]), str(r["accepted"]), str(r["rejected"]),
+            _fmt(r["fingerprint"])[:16], _fmt(r["digest"])[:16],
+        )
+    return t
 
 
 def _summary_table(rows: list[dict[str, object]]) -> Table:

@@ -23,7 +23,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable
 
-__all__ = ["CheckRow", "ContributionLog", "ContributionRecord", "LeaderRow", "WindowRecord"]
+__all__ = ["LOG_FILE", "CheckRow", "ContributionLog", "ContributionRecord", "LeaderRow", "WindowRecord"]
+
+LOG_FILE = "contributions.sqlite"  # its name in a validator's state directory
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS contributions (

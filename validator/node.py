@@ -1,7 +1,10 @@
 """The validator: one window at a time, every phase a call.
 
-    v = Validator(spec, open_store(url), Identity.load(key), state_dir)
+    v = Validator(spec, open_store(url), Identity.load(key), state_dir, emit=EventWriter(sys.stdout))
     v.run(windows=10)            # resumes where the state directory and the store say it stopped
+
+It reports through ``emit`` (:mod:`protocol.events`): WindowOpened when it starts gathering a
+window, WindowPublished (also ``run_window``'s return value) and WindowRetry after a store error.
 
 Per window t (DESIGN.md §6): gather the contributions under ``contrib/<t>/`` until the deadline or
 until every active peer (announced, and uploaded or announced lately) has uploaded; run the cheap
@@ -17,11 +20,10 @@ lost or counted twice).
 from __future__ import annotations
 
 import hashlib
-import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,6 +34,7 @@ from protocol.chain import delta_of, read_aggregate
 from protocol.config import RunSpec
 from protocol.data import assigned_batches, open_dataset, random_batches, validation_batches
 from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
+from protocol.events import Event, WindowOpened, WindowPublished, WindowRetry
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, param_schema, parameters_of
 from protocol.store.base import ObjectStore
@@ -39,28 +42,12 @@ from protocol.wire import GENESIS, Aggregate, Verified, decode_aggregate
 from protocol.windows import is_checkpoint_window
 from validator import checks, publish, window_checks
 from validator.gather import PeerRegistry, Received, gather, list_contributions
-from validator.log import ContributionLog, ContributionRecord, WindowRecord
+from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
 from validator.reputation import LATE, Outcome, Standing, is_excluded, standings, update
 from validator.scoring import LossScore, pick_sample, score_update, scoring_units, take_sequences
 from validator.state import ValidatorState, load_state, save_state
 
-__all__ = ["Validator", "WindowReport"]
-
-LOG_FILE = "contributions.sqlite"
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class WindowReport:
-    window: int
-    accepted: int
-    rejected: int
-    val_loss: float
-    digest: str
-    fingerprint: str
-    published_at: float
-    reasons: dict[str, int]
-    seconds: dict[str, float]  # wall time per phase: gather, checks, scoring, publish
+__all__ = ["LOG_FILE", "Validator"]
 
 
 class _PhaseClock:
@@ -85,7 +72,7 @@ class Validator:
         state_dir: str | Path,
         *,
         device: str = "cpu",
-        on_window: Callable[[WindowReport], None] | None = None,
+        emit: Callable[[Event], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if identity.public_key_hex not in spec.validator.public_keys:
@@ -103,7 +90,8 @@ class Validator:
         self.model = build_model(spec.model).to(self.device)
         self.dataset = open_dataset(spec.data)
         self.stop = threading.Event()
-        self.on_window = on_window
+        self.emit = emit or _ignore  # WindowOpened, WindowPublished, WindowRetry (protocol.events)
+        self._gathering: int | None = None  # the window whose WindowOpened was emitted last
         self.clock = clock
         self.registry = PeerRegistry(store, self.run_id, self.run_hash, clock)
         self.signers = sorted(set(spec.validator.public_keys))
@@ -114,11 +102,11 @@ class Validator:
         self.store.close()
 
     # ------------------------------------------------------------------ the loop
-    def run(self, windows: int | None = None) -> list[WindowReport]:
+    def run(self, windows: int | None = None) -> list[WindowPublished]:
         """Resume (or start at genesis) and run ``windows`` windows (None: until stopped or
         ``windows.max_windows``)."""
         state = self.state or self.resume()
-        reports: list[WindowReport] = []
+        reports: list[WindowPublished] = []
         limit = self.spec.windows.max_windows
         while not self.stop.is_set() and (windows is None or len(reports) < windows):
             if limit and state.window >= limit:
@@ -126,7 +114,7 @@ class Validator:
             try:
                 report = self.run_window()
             except StoreError as exc:  # a value at the window boundary: retry (or adopt what got out)
-                logger.warning("window %d could not be completed (%s); retrying", state.window, exc)
+                self.emit(WindowRetry(window=state.window, reason=exc.reason, detail=str(exc)))
                 self.stop.wait(self.spec.windows.poll_interval_s)
                 self._adopt_published()
                 state = self._state()
@@ -138,9 +126,10 @@ class Validator:
             state = self._state()
         return reports
 
-    def run_window(self) -> WindowReport | None:
+    def run_window(self) -> WindowPublished | None:
         st, clock = self._state(), _PhaseClock()
         t = st.window
+        self._opened(st)
         ctx = self._context(t, st.base)  # registered keys, exclusions, expected base
         received = self._gather(t, st.opened_at, ctx)  # bounded, size-capped, deadline
         if self.stop.is_set():
@@ -161,6 +150,12 @@ class Validator:
         accepted = sorted((s for s in screened if s.reason is None), key=lambda s: s.peer)  # order-free Δ̄
         delta = aggregate([s.sparse for s in accepted], self.spec.outer.aggregation, self.spec.outer.clip)
         return self._publish(t, st, rows, delta, clock)  # log, aggregate, checkpoint, state
+
+    def _opened(self, st: ValidatorState) -> None:
+        """Emit WindowOpened once per window gathered by this process (a retry does not reopen it)."""
+        if self._gathering != st.window:
+            self._gathering = st.window
+            self.emit(WindowOpened(window=st.window, base=st.base, opened_at=st.opened_at))
 
     # ------------------------------------------------------------------ start / resume
     def resume(self) -> ValidatorState:
@@ -312,7 +307,7 @@ class Validator:
 
     def _publish(
         self, t: int, st: ValidatorState, rows: list[ContributionRecord], delta: SparseDict, clock: "_PhaseClock"
-    ) -> WindowReport:
+    ) -> WindowPublished:
         nxt = {n: p.detach().clone() for n, p in st.params.items()}
         apply_outer(nxt, delta, self.spec.outer.alpha)
         fp = fingerprint(nxt)
@@ -338,12 +333,11 @@ class Validator:
             if r.reason:
                 reasons[r.reason] = reasons.get(r.reason, 0) + 1
         clock.lap("publish")
-        report = WindowReport(
+        report = WindowPublished(
             window=t, accepted=len(accepted), rejected=len(rows) - len(accepted), val_loss=val_loss, digest=agg.digest,
             fingerprint=fp, published_at=published_at, reasons=reasons, seconds=clock.seconds,
         )
-        if self.on_window:
-            self.on_window(report)
+        self.emit(report)
         return report
 
     def _advance(self, st: ValidatorState, agg: Verified[Aggregate], params: dict[str, torch.Tensor]) -> None:
@@ -395,3 +389,6 @@ class Validator:
             self._val = validation_batches(self.dataset, self.spec.validator.eval_sequences, d.batch_size, d.seq_len)
         return eval_loss(self.model, self._val, self.device)
 
+
+def _ignore(event: Event) -> None:
+    """The default event sink: a Validator driven from code reads run_window's return value instead."""

@@ -23,6 +23,7 @@ from typing import Any
 
 from protocol import layout
 from protocol.errors import ConfigError
+from client.demo.errors import DemoError
 from client.demo.processes import ProcessGroup
 from client.demo.seaweed import INSTALL_HINT, SeaweedS3, peer_grants, weed_available
 
@@ -85,7 +86,7 @@ def _seaweed() -> Iterator[SeaweedS3]:
     try:
         server.start()
     except RuntimeError as exc:
-        raise ConfigError(f"cannot start SeaweedFS: {exc}") from exc
+        raise DemoError(f"cannot start SeaweedFS: {exc}") from exc
     try:
         yield server
     finally:
@@ -106,8 +107,8 @@ def _dht_bootstrap(group: ProcessGroup, timeout_s: float = 60.0) -> list[str]:
                 maddrs.append(line.split(" ", 1)[1].strip())
             elif line.strip() == "READY":
                 if not maddrs:
-                    raise ConfigError("the DHT bootstrap node printed no address")
+                    raise DemoError("the DHT bootstrap node printed no address")
                 return maddrs
         if not group.running(["dht-bootstrap"]):
-            raise ConfigError(f"the DHT bootstrap node exited; see {group.children['dht-bootstrap'].log_path}")
-    raise ConfigError("the DHT bootstrap node did not become ready in time")
+            raise DemoError(f"the DHT bootstrap node exited; see {group.children['dht-bootstrap'].log_path}")
+    raise DemoError("the DHT bootstrap node did not become ready in time")

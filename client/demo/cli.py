@@ -4,7 +4,8 @@
     sparseloco demo --peers 4 --store s3     # SeaweedFS on 127.0.0.1, one credential per peer
     sparseloco demo --store dht --json       # hivemind DHT on 127.0.0.1; last line is JSON
 
-Thin command: :func:`client.demo.swarm.run_demo` does the work; this module renders lines and tables.
+Thin command: :func:`client.demo.swarm.run_demo` does the work; this module renders the processes'
+events and the summary table.
 """
 
 from __future__ import annotations
@@ -18,9 +19,15 @@ from rich.console import Console
 from rich.table import Table
 
 from protocol.errors import ConfigError
+from protocol.events import Event, Failed, Joined, PeerWindow, Resynced, SyncFailed, WindowPublished, WindowRetry, describe
 from client.demo.backends import KINDS
-from client.demo.swarm import PRESET, run_demo
+from client.demo.errors import DemoError
+from client.demo.swarm import PRESET, VALIDATOR, run_demo
 from client.demo.processes import install_signal_handlers
+
+EXIT_FAILED = 1  # a process crashed or the run timed out (DemoError)
+EXIT_CONFIG = 2  # the run cannot start: a bad preset, a missing SeaweedFS binary
+EXIT_INTERRUPTED = 130
 
 
 @click.command("demo")
@@ -35,20 +42,41 @@ from client.demo.processes import install_signal_handlers
 def demo(peers: int, windows: int, store: str, run_dir: str | None, timeout_s: float, as_json: bool,
          preset: str) -> None:  # fmt: skip
     """Run a validator and N peers as separate processes on this machine (the demo RunSpec preset:
-    a small LLaMA-style model on the Python standard library's source, H = 30)."""
+    a small LLaMA-style model on the Python standard library's source, H = 30).
+
+    The peers start first and the validator once every peer has announced itself, so window 0
+    waits for all of them. Progress goes to stderr: one line per peer window and per published
+    window.
+
+    \b
+    --json summary fields:
+      store, peers, windows_completed, parameters, inner_steps, seconds, run_dir
+      val_loss_per_window, accepted_per_window, rejected_per_window   (published windows)
+      fingerprints_equal       every peer holds the validator's θ after every window
+      contributions_accounted  every upload a peer reported has a row in the contribution log
+      upload_bytes_per_peer_per_window, dense_fp32_bytes   (mean compressed vs dense size)
+      compute_fraction         peers' inner-loop time / their wall time
+      contribution_log         the validator's log (sparseloco-validator logs --db PATH)
+
+    Exit status: 0 done, 1 a process failed or the run timed out, 2 the run cannot start
+    (configuration), 130 interrupted (every process is stopped).
+    """
     install_signal_handlers()
     # Piped output (CI, `| tee`) gets wide lines instead of rich's 80-column wrapping.
     err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
     out = err if as_json else Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     try:
         summary = run_demo(peers=peers, windows=windows, store=store, run_dir=run_dir, timeout_s=timeout_s,
-                           on_line=_Progress(err), preset=preset)  # fmt: skip
-    except ConfigError as exc:
+                           on_event=_Progress(err), preset=preset)  # fmt: skip
+    except DemoError as exc:
         err.print(f"[red]demo failed:[/red] {exc}")
-        sys.exit(1)
+        sys.exit(EXIT_FAILED)
+    except ConfigError as exc:
+        err.print(f"[red]demo cannot start:[/red] {exc}")
+        sys.exit(EXIT_CONFIG)
     except KeyboardInterrupt:
         err.print("interrupted: every process was stopped")
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     table = summary_table(summary)
     title, caption = table.title, table.caption
     table.title = table.caption = None  # printed as whole lines: the narrow table would wrap them
@@ -61,34 +89,32 @@ def demo(peers: int, windows: int, store: str, run_dir: str | None, timeout_s: f
 
 
 class _Progress:
-    """One short line per published window and per peer window, on stderr."""
+    """One short line per published window and per peer window (and trouble), on stderr."""
 
     def __init__(self, console: Console) -> None:
         self.console = console
 
-    def __call__(self, name: str, line: str) -> None:
-        if name == "validator" and " published:" in line:
-            self.console.print(f"[bold]validator[/bold] {line.strip()[:150]}")
-            return
-        if not line.startswith("{"):
-            return
-        try:
-            e = json.loads(line)
-        except ValueError:
-            return
-        if e.get("event") == "window":
-            loss = e.get("loss")
+    def __call__(self, name: str, e: Event) -> None:
+        if name == VALIDATOR:
+            if isinstance(e, WindowPublished):
+                self.console.print(
+                    f"[bold]validator[/bold] window {e.window} published: val_loss {e.val_loss:.4f}"
+                    f"  accepted {e.accepted}  rejected {e.rejected}  fingerprint {e.fingerprint[:12]}"
+                )
+            elif isinstance(e, (WindowRetry, Failed)):
+                self.console.print(f"[bold]validator[/bold] [yellow]{describe(e)}[/yellow]")
+        elif isinstance(e, PeerWindow):
             self.console.print(
-                f"{name:>8} window {e.get('window')} {e.get('outcome')}"
-                + (f" loss {loss:.4f}" if isinstance(loss, float) else "")
-                + (f" inner {e['inner_s']:.1f}s" if e.get("inner_s") else "")
-                + (f" upload {e['upload_bytes'] / 1024:.1f} KiB" if e.get("upload_bytes") else "")
-                + (f" ({e['reason']})" if e.get("reason") else "")
+                f"{name:>8} window {e.window} {e.outcome}"
+                + (f" loss {e.loss:.4f}" if e.loss is not None else "")
+                + (f" inner {e.inner_s:.1f}s" if e.inner_s else "")
+                + (f" upload {e.upload_bytes / 1024:.1f} KiB" if e.upload_bytes else "")
+                + (f" ({e.reason})" if e.reason else "")
             )
-        elif e.get("event") == "joined":
-            self.console.print(f"{name:>8} joined as {str(e.get('peer_id'))[:12]} at window {e.get('window')}")
-        elif e.get("event") in ("resync", "sync_failed", "failed"):
-            self.console.print(f"{name:>8} [yellow]{e.get('event')}[/yellow] {e.get('reason')}: {e.get('detail', '')}")
+        elif isinstance(e, Joined):
+            self.console.print(f"{name:>8} joined as {e.peer_id[:12]} at window {e.window}")
+        elif isinstance(e, (Resynced, SyncFailed, Failed)):
+            self.console.print(f"{name:>8} [yellow]{e.kind}[/yellow] {e.reason}: {e.detail}")
 
 
 def summary_table(s: dict[str, Any]) -> Table:

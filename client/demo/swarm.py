@@ -1,7 +1,7 @@
 """A whole SparseLoCo run on this machine: a validator and N peers as separate OS processes.
 
 ``sparseloco demo`` (the command) builds a :class:`LocalSwarm`, starts everything, follows the
-processes' status lines until the last window is published, and prints a summary::
+processes' events until the last window is published, and prints a summary::
 
     with LocalSwarm(run_dir, peers=3, windows=8, store="file") as swarm:
         swarm.start_validator()
@@ -12,17 +12,18 @@ processes' status lines until the last window is published, and prints a summary
 
 The integration tests drive the same class to inject faults (kill a peer mid-window, restart the
 validator, start a late joiner). Peers run ``sparseloco-peer join --status-json`` and the validator
-``sparseloco-validator run``; nothing here imports ``client/`` or ``validator/``.
+``sparseloco-validator run --status-json``: both write :mod:`protocol.events` records as JSON lines,
+read here with :func:`protocol.events.parse_line`. The contribution log is read through its owner,
+``sparseloco-validator logs --json`` (:mod:`client.demo.validator_log`). Nothing here imports the
+peer or ``validator/``; a process that crashes or a run that overruns its timeout is a
+:class:`~client.demo.errors.DemoError`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import signal
-import sqlite3
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -33,29 +34,39 @@ from typing import Any
 
 import protocol
 from protocol.config import RunSpec
-from protocol.errors import ConfigError
+from protocol.events import (
+    Announced,
+    Applied,
+    Event,
+    Joined,
+    PeerWindow,
+    ValidatorStarted,
+    WindowOpened,
+    WindowPublished,
+    parse_line,
+)
 from protocol.identity import Identity
 from protocol.model import param_schema
 from client.demo.backends import Backend, open_backend
+from client.demo.errors import DemoError
 from client.demo.processes import ProcessGroup, python_console
+from client.demo.validator_log import LoggedContribution, LoggedWindow, read_contributions, read_windows
 
 PRESET = Path(protocol.__file__).parent / "presets" / "demo.toml"
 VALIDATOR = "validator"
 LOG_DB = "contributions.sqlite"
-_OPEN = re.compile(r"^window (\d+) open")
-_PUBLISHED = re.compile(r"window (\d+) published: accepted=(\d+) rejected=(\d+) val_loss=([0-9.naif+-]+)")
 
 
 @dataclass
 class PeerView:
-    """What the launcher learned about one peer from its JSON status lines."""
+    """What the launcher learned about one peer from its events."""
 
     name: str
     peer_id: str = ""
     applied: dict[int, str] = field(default_factory=dict)  # window -> fingerprint of θ after it
-    windows: dict[int, dict[str, Any]] = field(default_factory=dict)  # window -> last "window" event
-    joined: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
+    windows: dict[int, PeerWindow] = field(default_factory=dict)  # window -> its last "window" event
+    joined: list[Joined] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     inner_s: float = 0.0
     wall_s: float = 0.0
     announced: bool = False
@@ -74,7 +85,7 @@ class LocalSwarm:
         preset: str | Path = PRESET,
         overrides: Mapping[str, Mapping[str, Any]] | None = None,
         peer_threads: int = 1,
-        on_line: Callable[[str, str], None] | None = None,
+        on_event: Callable[[str, Event], None] | None = None,
     ) -> None:
         self._own_dir = run_dir is None
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="sparseloco-demo-"))
@@ -86,9 +97,10 @@ class LocalSwarm:
         self.validator_ready = False
         self.peer_envs: dict[str, dict[str, str]] = {}
         self.validator_opened: list[int] = []  # the window each validator (re)start resumed at
-        self.on_line = on_line
+        self._validator_restarted = False  # ValidatorStarted seen, its first WindowOpened not yet
+        self.on_event = on_event  # (process name, event) for every event a validator or peer writes
         self.peers: dict[str, PeerView] = {}
-        self.published: dict[int, dict[str, Any]] = {}
+        self.published: dict[int, WindowPublished] = {}
         self.started_at = time.time()
         self._stack = ExitStack()
         self.group: ProcessGroup | None = None
@@ -142,19 +154,20 @@ class LocalSwarm:
         assert self.group is not None and self.backend is not None
         argv = python_console("sparseloco-validator") + [
             "run", "--run", str(self.run_toml), "--key", str(self.validator_key),
-            "--state", str(self.run_dir / VALIDATOR), *self.backend.args(),
+            "--state", str(self.run_dir / VALIDATOR), "--status-json", *self.backend.args(),
         ]  # fmt: skip
         # One thread, like each peer: OpenMP threads spinning on an oversubscribed machine made
         # the validator's evaluation ~8x slower than its single-threaded speed.
-        env = {**self.backend.validator_env(), "COLUMNS": "200", "OMP_NUM_THREADS": str(self.validator_threads)}
+        env = {**self.backend.validator_env(), "OMP_NUM_THREADS": str(self.validator_threads)}
         self.group.start(VALIDATOR, argv, env=env)
 
     def start_peers_then_validator(self, timeout_s: float = 300.0) -> None:
         """Start every peer, wait until each has announced itself, then start the validator.
 
-        The validator reads the announcements when a window opens and expects (and accepts) only
-        peers registered by then; peers that announce during window 0 would be rejected as
-        ``unregistered`` and make window 0 wait for its deadline.
+        A window closes early once every peer the validator expects has uploaded, and it expects
+        the peers announced so far (it re-reads the announcements while gathering, so a later one
+        is still accepted). Started after every announcement, window 0 waits for all the peers
+        instead of closing as soon as those announced so far have uploaded.
         """
         for i in range(self.n_peers):
             self.start_peer(i)
@@ -216,12 +229,12 @@ class LocalSwarm:
 
     # ------------------------------------------------------------------ following
     def follow(self, until: Callable[[], bool], *, timeout_s: float) -> None:
-        """Consume status lines until ``until()`` is true; ConfigError on timeout or a crash."""
+        """Consume events until ``until()`` is true; DemoError on timeout or a crash."""
         assert self.group is not None
         deadline = time.monotonic() + timeout_s
         while not until():
             if time.monotonic() > deadline:
-                raise ConfigError(f"local swarm timed out after {timeout_s:.0f} s; logs in {self.run_dir / 'logs'}")
+                raise DemoError(f"local swarm timed out after {timeout_s:.0f} s; logs in {self.run_dir / 'logs'}")
             self.pump(0.1)
             self._check_crashes()
         self.pump(0.0)
@@ -232,45 +245,52 @@ class LocalSwarm:
             self._on_line(name, line)
 
     def _on_line(self, name: str, line: str) -> None:
+        if name != VALIDATOR and name not in self.peers:
+            return  # a store's own process (a DHT bootstrap node) writes no events
+        try:
+            event = parse_line(line)
+        except ValueError as exc:  # a known kind with fields this reader does not know
+            raise DemoError(f"{name} wrote an event the launcher cannot read ({exc}): {line[:300]}") from exc
+        if event is None:
+            return  # a log line on stderr
         if name == VALIDATOR:
-            opened = _OPEN.match(line)
-            if opened:
-                self.validator_ready = True
-                self.validator_opened.append(int(opened.group(1)))
-            m = _PUBLISHED.search(line)
-            if m:
-                w = int(m.group(1))
-                self.published[w] = {"accepted": int(m.group(2)), "rejected": int(m.group(3)), "val_loss": float(m.group(4))}
-        elif name in self.peers and line.startswith("{"):
-            try:
-                event = json.loads(line)
-            except ValueError:
-                event = None
-            if isinstance(event, dict):
-                self._on_event(self.peers[name], event)
-        if self.on_line is not None:
-            self.on_line(name, line)
+            self._on_validator(event)
+        else:
+            self._on_peer(self.peers[name], event)
+        if self.on_event is not None:
+            self.on_event(name, event)
 
-    def _on_event(self, view: PeerView, event: dict[str, Any]) -> None:
+    def _on_validator(self, event: Event) -> None:
+        if isinstance(event, ValidatorStarted):
+            self._validator_restarted = True
+        elif isinstance(event, WindowOpened):
+            self.validator_ready = True
+            if self._validator_restarted:
+                self.validator_opened.append(event.window)
+                self._validator_restarted = False
+        elif isinstance(event, WindowPublished):
+            self.published[event.window] = event
+
+    def _on_peer(self, view: PeerView, event: Event) -> None:
         view.events.append(event)
-        kind = event.get("event")
-        if kind == "applied":
-            view.applied[int(event["window"])] = str(event["fingerprint"])
-        elif kind == "window":
-            view.windows[int(event["window"])] = event
-            view.inner_s += float(event.get("inner_s") or 0.0)
-        elif kind == "joined":
+        if isinstance(event, Applied):
+            view.applied[event.window] = event.fingerprint
+        elif isinstance(event, PeerWindow):
+            view.windows[event.window] = event
+            view.inner_s += event.inner_s
+        elif isinstance(event, Joined):
             view.joined.append(event)
-        elif kind == "announced":
+        elif isinstance(event, Announced):
             view.announced = True
 
     def _check_crashes(self) -> None:
+        """DemoError when a process exited with an error status (not one killed on purpose)."""
         assert self.group is not None
         for name, child in self.group.children.items():
             rc = child.returncode
-            if rc not in (None, 0) and not getattr(child, "expected_exit", False) and rc > 0:
+            if rc is not None and rc > 0:  # negative: ended by a signal (kill, stop), not a failure
                 tail = child.log_path.read_text(errors="replace")[-2000:] if child.log_path.exists() else ""
-                raise ConfigError(f"{name} exited with status {rc}:\n{tail}")
+                raise DemoError(f"{name} exited with status {rc}; log {child.log_path}:\n{tail}")
 
     def finished(self) -> bool:
         """The validator published the last window and every peer process has exited."""
@@ -286,31 +306,30 @@ class LocalSwarm:
             self._account_wall(name)
 
     # ------------------------------------------------------------------ results
-    def log_rows(self, sql: str, *args: Any) -> list[sqlite3.Row]:
-        """Rows of the validator's contribution log (read-only)."""
-        con = sqlite3.connect(f"file:{self.log_db}?mode=ro", uri=True)
-        con.row_factory = sqlite3.Row
-        try:
-            return list(con.execute(sql, args))
-        finally:
-            con.close()
+    def log_windows(self) -> list[LoggedWindow]:
+        """Every window in the validator's contribution log (``sparseloco-validator logs --windows``)."""
+        return read_windows(self.log_db)
+
+    def log_contributions(self) -> list[LoggedContribution]:
+        """Every decided contribution in the validator's log (``sparseloco-validator logs``)."""
+        return read_contributions(self.log_db)
 
     def summary(self) -> dict[str, Any]:
         """The demo's result record (see ``sparseloco demo --help`` for the fields)."""
         assert self.spec is not None
-        windows = {int(r["window"]): r for r in self.log_rows("SELECT * FROM windows WHERE status = 'published'")}
+        windows = {w.window: w for w in self.log_windows() if w.status == "published"}
         order = sorted(windows)
-        equal = all(self._fingerprints_agree(w, windows[w]["fingerprint"]) for w in order)
-        uploads = [e["upload_bytes"] for v in self.peers.values() for e in v.windows.values() if e.get("outcome") == "uploaded"]
+        equal = all(self._fingerprints_agree(w, windows[w].fingerprint) for w in order)
+        uploads = [e.upload_bytes for v in self.peers.values() for e in v.windows.values() if e.outcome == "uploaded"]
         wall = sum(v.wall_s for v in self.peers.values())
         n_params = sum(_numel(s) for s in param_schema(self.spec.model).values())
         return {
             "store": self.store_kind,
             "peers": len(self.peers),
             "windows_completed": len(order),
-            "val_loss_per_window": [_round(windows[w]["val_loss"]) for w in order],
-            "accepted_per_window": [int(windows[w]["accepted"]) for w in order],
-            "rejected_per_window": [int(windows[w]["rejected"]) for w in order],
+            "val_loss_per_window": [_round(windows[w].val_loss) for w in order],
+            "accepted_per_window": [windows[w].accepted for w in order],
+            "rejected_per_window": [windows[w].rejected for w in order],
             "fingerprints_equal": bool(order) and equal,
             "contributions_accounted": self.unaccounted() == [],
             "upload_bytes_per_peer_per_window": round(sum(uploads) / len(uploads)) if uploads else 0,
@@ -323,18 +342,18 @@ class LocalSwarm:
             "run_dir": str(self.run_dir),
         }
 
-    def _fingerprints_agree(self, window: int, validator_fp: str) -> bool:
+    def _fingerprints_agree(self, window: int, validator_fp: str | None) -> bool:
         """Every peer that reported θ after ``window`` holds the validator's θ (and someone did)."""
         seen = [v.applied[window] for v in self.peers.values() if window in v.applied]
         return bool(seen) and all(fp == validator_fp for fp in seen)
 
     def unaccounted(self) -> list[tuple[int, str]]:
-        """(window, peer) uploads a peer reported that have no row in the contribution log."""
-        rows = {(int(r["window"]), str(r["peer"])) for r in self.log_rows("SELECT window, peer FROM contributions")}
+        """(window, peer) uploads a peer reported that have no decided row in the contribution log."""
+        rows = {(c.window, c.peer) for c in self.log_contributions()}
         missing = []
         for v in self.peers.values():
             for w, e in v.windows.items():
-                if e.get("outcome") == "uploaded" and (w, v.peer_id) not in rows:
+                if e.outcome == "uploaded" and (w, v.peer_id) not in rows:
                     missing.append((w, v.peer_id))
         return missing
 
@@ -351,7 +370,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _round(x: Any) -> float | None:
+def _round(x: float | None) -> float | None:
     return None if x is None else round(float(x), 4)
 
 
@@ -368,13 +387,13 @@ def run_demo(
     store: str,
     run_dir: str | Path | None,
     timeout_s: float,
-    on_line: Callable[[str, str], None] | None = None,
+    on_event: Callable[[str, Event], None] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     preset: str | Path = PRESET,
 ) -> dict[str, Any]:
     """Start the swarm, follow it to the end, return :meth:`LocalSwarm.summary`."""
     with LocalSwarm(run_dir, peers=peers, windows=windows, store=store, peer_threads=default_threads(peers),
-                    on_line=on_line, overrides=overrides, preset=preset) as swarm:  # fmt: skip
+                    on_event=on_event, overrides=overrides, preset=preset) as swarm:  # fmt: skip
         swarm.start_peers_then_validator(timeout_s=timeout_s)
         swarm.follow(swarm.finished, timeout_s=timeout_s)
         swarm.wait_exit(timeout_s=60.0)
