@@ -249,6 +249,12 @@ class ContributionLog:
             ).fetchone()
         return WindowRecord(**dict(zip(_WINDOW_COLS, row))) if row else None
 
+    def windows(self) -> list[WindowRecord]:
+        """Every window row, oldest first (``sparseloco-validator logs --windows``)."""
+        with self._lock:
+            rows = self._db.execute(f"SELECT {', '.join(_WINDOW_COLS)} FROM windows ORDER BY window").fetchall()
+        return [WindowRecord(**dict(zip(_WINDOW_COLS, r))) for r in rows]
+
     def rows(
         self,
         *,
