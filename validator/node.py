@@ -3,7 +3,7 @@
     v = Validator(spec, open_store(url), Identity.load(key), state_dir)
     v.run(windows=10)            # resumes where the state directory and the store say it stopped
 
-Per window t (DESIGN.md §6): gather the contributions under ``contrib/<t>/`` until the deadline or
+Per window t (docs/ARCHITECTURE.md, "One window, end to end"): gather the contributions under ``contrib/<t>/`` until the deadline or
 until every active peer (announced, and uploaded or announced lately) has uploaded; run the cheap
 checks on all of them; score a budgeted sample by loss; decide; aggregate the accepted ones;
 publish the signed aggregate (opening window t + 1) and, every ``checkpoint_every`` windows, a

@@ -12,7 +12,8 @@ processes' status lines until the last window is published, and prints a summary
 
 The integration tests drive the same class to inject faults (kill a peer mid-window, restart the
 validator, start a late joiner). Peers run ``sparseloco-peer join --status-json`` and the validator
-``sparseloco-validator run``; nothing here imports ``client/`` or ``validator/``.
+``sparseloco-validator run``; the launcher knows them only as processes (their output, their
+files and the store) and imports neither the peer code nor ``validator/``.
 """
 
 from __future__ import annotations
@@ -152,9 +153,8 @@ class LocalSwarm:
     def start_peers_then_validator(self, timeout_s: float = 300.0) -> None:
         """Start every peer, wait until each has announced itself, then start the validator.
 
-        The validator reads the announcements when a window opens and expects (and accepts) only
-        peers registered by then; peers that announce during window 0 would be rejected as
-        ``unregistered`` and make window 0 wait for its deadline.
+        A window closes early once every announced, active peer has uploaded; a peer that announces
+        after the others have uploaded would find window 0 already closed and miss it.
         """
         for i in range(self.n_peers):
             self.start_peer(i)
