@@ -11,7 +11,6 @@ COPY pyproject.toml README.md ./
 COPY protocol ./protocol
 COPY client ./client
 COPY validator ./validator
-COPY swarm ./swarm
 RUN pip install .
 RUN useradd --create-home sparseloco
 USER sparseloco

@@ -1,6 +1,7 @@
 """DiLoCo's dense outer step: mean of fp32 pseudo-gradients, then SGD with Nesterov momentum.
 
-The baseline SparseLoCo is compared against in the simulator (``SimConfig(method="diloco")``)::
+The baseline SparseLoCo is compared against in the simulator (``SimConfig(method="diloco")``); peers
+and the validator run SparseLoCo only::
 
     outer = NesterovOuter(lr=0.7, momentum=0.9)
     outer.step(params, dense_mean([delta_r for r in replicas]))   # θ ← θ − lr·(g + μ·m)

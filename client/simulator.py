@@ -9,7 +9,7 @@ Per round (window) t, for ``sparseloco``::
     Δ̄      = aggregate(sparse_1..R, mode, clip)         # protocol/aggregate
     θ_t+1  = apply_outer(θ_t, Δ̄, α)
 
-``diloco`` averages the dense fp32 Δ_r and takes a Nesterov outer step (protocol/outer);
+``diloco`` averages the dense fp32 Δ_r and takes a Nesterov outer step (client/outer);
 ``ddp`` is one AdamW run whose gradient each step is the mean over the R replicas' batches (the same
 tokens per step as the other methods). Validation loss on held-out data after every round.
 

@@ -31,7 +31,7 @@ from rich.table import Table
 from protocol.store.dht.store import DHTStore
 
 SIZES = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 3 << 20, 8 << 20]
-RAW_LIMIT = 3 << 20  # raw single records above ~3.5 MiB do not round-trip (NOTES.md)
+RAW_LIMIT = 3 << 20  # raw single records above ~3.5 MiB do not round-trip (hivemind's 4 MiB message cap)
 
 
 def start_server() -> tuple[subprocess.Popen[str], list[str]]:

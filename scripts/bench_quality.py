@@ -38,8 +38,8 @@ from protocol.config import MODEL_PRESETS, CodecConfig, DataConfig, InnerConfig,
 from protocol.data import open_dataset
 from protocol.model import param_schema
 
-# "1m" ≈ 0.9 M parameters (the size of the field notes' measurement); "300k" ≈ 0.25 M, what the
-# recorded runs used on a shared 2-core machine.
+# "1m" ≈ 0.9 M parameters, "300k" ≈ 0.25 M: small enough for a grid of runs on a 2-core CPU
+# machine (BENCHMARKS.md records both).
 BENCH_MODELS: dict[str, dict[str, Any]] = {
     "1m": dict(dim=128, n_layers=4, n_heads=4, ffn_dim=384, max_seq_len=256),
     "300k": dict(dim=64, n_layers=4, n_heads=4, ffn_dim=192, max_seq_len=256),

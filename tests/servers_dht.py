@@ -41,7 +41,7 @@ def start_dht_nodes(n: int = 2, **store_options: Any) -> Iterator[list[str]]:
 
 
 class DHTProcess:
-    """One DHT node in a separate OS process, scripted through its stdin (see ``dht_serve``)."""
+    """One DHT node in a separate OS process, scripted through its stdin (see ``protocol.store.dht.serve``)."""
 
     def __init__(self, initial_peers: Iterable[str] = (), *, expiration_s: float | None = None,
                  timeout: float = 60.0) -> None:  # fmt: skip

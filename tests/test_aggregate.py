@@ -1,4 +1,4 @@
-"""protocol/aggregate, protocol/outer, protocol/schedule on hand-made examples."""
+"""protocol/aggregate, client/outer, client/schedule on hand-made examples."""
 
 from __future__ import annotations
 

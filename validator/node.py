@@ -6,8 +6,9 @@
 It reports through ``emit`` (:mod:`protocol.events`): WindowOpened when it starts gathering a
 window, WindowPublished (also ``run_window``'s return value) and WindowRetry after a store error.
 
-Per window t (DESIGN.md §6): gather the contributions under ``contrib/<t>/`` until the deadline or
-until every active peer (announced, and uploaded or announced lately) has uploaded; run the cheap
+Per window t (docs/ARCHITECTURE.md, "One window, end to end"): gather the contributions under
+``contrib/<t>/`` until the deadline or until every active peer (announced, and uploaded or
+announced lately) has uploaded; run the cheap
 checks on all of them; score a budgeted sample by loss; decide; aggregate the accepted ones;
 publish the signed aggregate (opening window t + 1) and, every ``checkpoint_every`` windows, a
 checkpoint. Every decision is a row of the contribution log. Crash safety: decisions are written

@@ -1,6 +1,6 @@
 """Object store on a hivemind DHT (Kademlia over libp2p): no server, no open bucket, records in RAM.
 
-    boot = DHTStore()                                    # first node of a run (or dht_serve)
+    boot = DHTStore()                                    # first node of a run (or dht/serve.py)
     store = DHTStore(initial_peers=boot.visible_maddrs(), expiration_s=3600)
     store.put("run/contrib/00000003/peer", blob)
     store.get("run/contrib/00000003/peer", max_bytes=64 << 20)
@@ -244,7 +244,7 @@ class DHTStore(ObjectStore):
         await self._node.store(self._dir_key(folder), _DELETED, expiration, subkey=name)
 
     async def _store(self, dht_key: str, value: bytes, expiration: float) -> None:
-        # False means "a replica kept a newer value" or "no reply" and is unreliable (NOTES.md):
+        # False means "a replica kept a newer value" or "no reply", so it proves nothing either way:
         # readers verify everything, so it is logged, not raised.
         if not await self._node.store(dht_key, value, expiration):
             log.debug("DHT store of %s was not acknowledged", dht_key)
