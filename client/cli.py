@@ -42,16 +42,28 @@ def main() -> None:
 @click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False), help="RunSpec TOML.")
 @click.option("--store", "store_url", default=None, help="Store URL (default: the RunSpec's storage.url).")
 @click.option("--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; dht:// only).")
-@click.option("--key", "key_path", default=None, type=click.Path(dir_okay=False), help="Ed25519 key (created if missing).")
-@click.option("--state", "state_dir", default=None, type=click.Path(file_okay=False),
-              help="Local state directory [default: ~/.sparseloco/<run id>].")  # fmt: skip
+@click.option(
+    "--key", "key_path", default=None, type=click.Path(dir_okay=False), help="Ed25519 key (created if missing)."
+)
+@click.option(
+    "--state",
+    "state_dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Local state directory [default: ~/.sparseloco/<run id>].",
+)
 @click.option("--device", default=None, type=click.Choice(["cuda", "cpu"]), help="[default: cuda if available]")
 @click.option("--windows", "max_windows", default=None, type=int, help="Train this many windows, then exit.")
 @click.option("--until-window", default=None, type=int, help="Exit once θ opens this window.")
 @click.option("--threads", default=0, type=int, help="torch CPU threads (0: torch's default).")
 @click.option("--status-json", is_flag=True, help="One JSON object per line on stdout instead of the live panel.")
-@click.option("--pipeline", "pipeline_group", default=None, metavar="GROUP",
-              help="Join as one stage of pipeline replica GROUP (needs --stage, --stages, --rendezvous).")
+@click.option(
+    "--pipeline",
+    "pipeline_group",
+    default=None,
+    metavar="GROUP",
+    help="Join as one stage of pipeline replica GROUP (needs --stage, --stages, --rendezvous).",
+)
 @click.option("--stage", default=None, type=int, help="This peer's stage in its pipeline replica (0-based).")
 @click.option("--stages", default=None, type=int, help="Number of stages of the pipeline replica.")
 @click.option("--rendezvous", default=None, metavar="HOST:PORT", help="Where the stages meet (stage 0 listens).")
@@ -75,8 +87,19 @@ def join(
     _sigterm_is_interrupt()
     try:
         pipeline = _pipeline_options(pipeline_group, stage, stages, rendezvous)
-        code = _join(run_path, store_url, dht_peers, key_path, state_dir, device, max_windows, until_window,
-                     threads, status_json, pipeline)  # fmt: skip
+        code = _join(
+            run_path,
+            store_url,
+            dht_peers,
+            key_path,
+            state_dir,
+            device,
+            max_windows,
+            until_window,
+            threads,
+            status_json,
+            pipeline,
+        )
     except ConfigError as exc:
         click.echo(f"sparseloco-peer: {exc}", err=True)
         code = EXIT_CONFIG
@@ -124,7 +147,9 @@ def _join(
     display = PeerDisplay(json_lines=status_json)
     try:
         with display:
-            Peer(spec, store, identity, state, trainer, display=display).run(until_window=until, max_windows=max_windows)
+            Peer(spec, store, identity, state, trainer, display=display).run(
+                until_window=until, max_windows=max_windows
+            )
         return 0
     except KeyboardInterrupt:
         display.emit(Stopped(reason="interrupted"))
@@ -149,7 +174,9 @@ def _window_trainer(spec: RunSpec, peer_id: str, device: str, pipeline: dict[str
     return StageTrainer(spec, device=device, **pipeline)
 
 
-def _pipeline_options(group: str | None, stage: int | None, stages: int | None, rendezvous: str | None) -> dict[str, Any] | None:
+def _pipeline_options(
+    group: str | None, stage: int | None, stages: int | None, rendezvous: str | None
+) -> dict[str, Any] | None:
     """The pipeline-stage options, all or none of them (see client/pipeline/trainer.py)."""
     if group is None:
         if stage is not None or stages is not None or rendezvous is not None:

@@ -77,7 +77,7 @@ def inspect_bytes(
         obj = decode_object(data, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed_signers)
     except ProtocolError as exc:
         return _invalid(path, exc.reason, exc.args[0] if exc.args else "")
-    except Exception as exc:  # noqa: BLE001 — a parser bug must still yield a verdict, not a traceback
+    except Exception as exc:
         return _invalid(path, "internal_error", f"{type(exc).__name__}: {exc}")
     kind = type(obj.value).__name__.lower().replace("checkpointmanifest", "checkpoint")
     return InspectResult(path, True, f"OK {kind} {describe(obj)} path={path}", obj=obj)

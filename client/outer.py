@@ -11,7 +11,7 @@ Same update as ``torch.optim.SGD(nesterov=True)`` with the pseudo-gradient as th
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor

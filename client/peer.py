@@ -204,7 +204,9 @@ class Peer:
     def announce(self) -> None:
         """Sign and put this peer's announcement (hardware and pipeline role from its trainer)."""
         ann = Announcement(self.spec.hash(), 0, CLIENT_VERSION, self.trainer.hardware, role=self.trainer.role)
-        self._put_with_retry(layout.peer_key(self.run_id, self.identity.peer_id), encode_announcement(ann, self.identity))
+        self._put_with_retry(
+            layout.peer_key(self.run_id, self.identity.peer_id), encode_announcement(ann, self.identity)
+        )
 
     def _wait_for_genesis(self) -> Position:
         """Newest checkpoint (waiting for genesis if the validator is not up yet), then replay."""
@@ -269,8 +271,16 @@ class Peer:
         """Report aggregate ``agg`` (the fingerprint of θ after it, whether our contribution is in it)."""
         mine = [m for m in agg.value.manifest if m.peer_id == self.identity.peer_id]
         weight = mine[0].weight if mine else None
-        self.state.record({"window": agg.value.window, "fingerprint": pos.fingerprint, "aggregate": agg.digest,
-                           "included": bool(mine), "weight": weight, "time": round(time.time(), 3)})  # fmt: skip
+        self.state.record(
+            {
+                "window": agg.value.window,
+                "fingerprint": pos.fingerprint,
+                "aggregate": agg.digest,
+                "included": bool(mine),
+                "weight": weight,
+                "time": round(time.time(), 3),
+            }
+        )
         self.display.update(window=pos.window, fingerprint=pos.fingerprint, score=weight)
         self.display.emit(
             Applied(
@@ -291,7 +301,12 @@ class Peer:
         if not self._window_open(window):
             return Skipped("window closed before training started")
         job = WindowJob(
-            window, self.params, self.pos.base, self.feedback, report=self.display.update, should_stop=lambda: self._stop
+            window,
+            self.params,
+            self.pos.base,
+            self.feedback,
+            report=self.display.update,
+            should_stop=lambda: self._stop,
         )
         work = self.trainer.train(job)
         if isinstance(work, Skipped):

@@ -36,15 +36,13 @@ class PeerDisplay:
         self.fields: dict[str, Any] = {}
         self._live: Live | None = None
 
-    def __enter__(self) -> "PeerDisplay":
+    def __enter__(self) -> PeerDisplay:
         if not self.json_lines and self.console.is_terminal:
             self._live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
             self._live.__enter__()
         return self
 
-    def __exit__(
-        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if self._live is not None:
             self._live.__exit__(typ, exc, tb)
             self._live = None

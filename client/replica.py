@@ -53,8 +53,9 @@ class FullReplica:
         """H inner steps from θ_t on this peer's batches, then error feedback + codec on Δ."""
         load_params(self.model, job.theta)
         d = self.spec.data
-        batches = assigned_batches(self.dataset, self.spec.seed, self.data_key, job.window, self.spec.inner.steps,
-                                   d.batch_size, d.seq_len)  # fmt: skip
+        batches = assigned_batches(
+            self.dataset, self.spec.seed, self.data_key, job.window, self.spec.inner.steps, d.batch_size, d.seq_len
+        )
         t0 = time.perf_counter()
         losses: list[float] = []
         tokens = 0
@@ -63,8 +64,14 @@ class FullReplica:
             losses.append(step.mean_loss)
             tokens += step.tokens
             elapsed = time.perf_counter() - t0
-            job.report(phase="training", window=job.window, step=i + 1, steps=len(batches),
-                       loss=step.mean_loss, tokens_per_s=tokens / max(elapsed, 1e-9))  # fmt: skip
+            job.report(
+                phase="training",
+                window=job.window,
+                step=i + 1,
+                steps=len(batches),
+                loss=step.mean_loss,
+                tokens_per_s=tokens / max(elapsed, 1e-9),
+            )
             if job.should_stop():
                 return Skipped("stopped", inner_s=time.perf_counter() - t0)
         inner_s = time.perf_counter() - t0

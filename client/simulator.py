@@ -20,12 +20,13 @@ tokens per step as the other methods). Validation loss on held-out data after ev
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
 
+from client.outer import NesterovOuter, dense_mean
 from client.trainer import InnerTrainer, load_params, pseudo_gradient, snapshot
 from protocol.aggregate import SparseDict, aggregate, apply_outer, sparse_of
 from protocol.codec import pack, unpack
@@ -34,7 +35,6 @@ from protocol.data import TokenDataset, assigned_batches, validation_batches
 from protocol.errors import ConfigError
 from protocol.feedback import FeedbackState, compress_step
 from protocol.model import build_model, eval_loss, fingerprint, parameters_of
-from client.outer import NesterovOuter, dense_mean
 
 __all__ = ["METHODS", "RoundRecord", "SimConfig", "SimResult", "Simulator", "compress_and_pack", "unpack_sparse"]
 

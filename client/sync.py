@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from protocol import layout
+from protocol.aggregate import apply_outer
+from protocol.chain import delta_of, read_aggregate, read_manifest, read_weights
 from protocol.config import RunSpec
 from protocol.errors import (
     DigestMismatch,
@@ -37,8 +39,6 @@ from protocol.errors import (
     StaleBase,
     StoreError,
 )
-from protocol.aggregate import apply_outer
-from protocol.chain import delta_of, read_aggregate, read_manifest, read_weights
 from protocol.model import build_model, fingerprint, param_schema
 from protocol.store.base import ObjectStore
 from protocol.wire import Aggregate, CheckpointManifest, Verified
@@ -90,9 +90,14 @@ class Sync:
     def fetch_aggregate(self, window: int) -> Verified[Aggregate] | None:
         """The verified aggregate of ``window``, or None when it is not published yet."""
         return read_aggregate(
-            self.store, self.run, self.run_hash, window, allowed_signers=self.signers,
-            max_bytes=self.spec.validator.max_aggregate_bytes, schema=self.schema,
-        )  # fmt: skip
+            self.store,
+            self.run,
+            self.run_hash,
+            window,
+            allowed_signers=self.signers,
+            max_bytes=self.spec.validator.max_aggregate_bytes,
+            schema=self.schema,
+        )
 
     def aggregate_published(self, window: int) -> bool:
         return self.store.exists(layout.aggregate_key(self.run, window))
@@ -124,7 +129,9 @@ class Sync:
         apply_outer(params, delta_of(agg), agg.alpha)
         got = fingerprint(params)
         if got != agg.fingerprint:
-            raise DigestMismatch(f"θ after aggregate {agg.window} is {got[:16]}, validator signed {agg.fingerprint[:16]}")
+            raise DigestMismatch(
+                f"θ after aggregate {agg.window} is {got[:16]}, validator signed {agg.fingerprint[:16]}"
+            )
         return Position(agg.window + 1, verified.digest, got, agg.published_at)
 
     # ------------------------------------------------------------------ checkpoints

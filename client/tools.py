@@ -11,10 +11,10 @@ import sys
 
 import click
 
+from client.demo.cli import demo as demo_cmd
+from client.inspect import DEFAULT_MAX_BYTES, inspect_paths
 from protocol.errors import ConfigError
 from protocol.identity import public_key_from_hex
-from client.inspect import DEFAULT_MAX_BYTES, inspect_paths
-from client.demo.cli import demo as demo_cmd
 
 EXIT_INVALID = 2
 

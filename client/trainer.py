@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from client.schedule import lr_at
 from protocol.config import InnerConfig
 from protocol.errors import ConfigError
 from protocol.model import autocast_for, lm_loss, parameters_of
-from client.schedule import lr_at
 
 __all__ = ["InnerTrainer", "WindowStats", "load_params", "pseudo_gradient", "snapshot"]
 

@@ -16,7 +16,7 @@ float32 subtraction per touched element on the parameter's device (IEEE-exact on
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor

@@ -32,7 +32,15 @@ from protocol.model import fingerprint
 from protocol.store.base import ObjectStore
 from protocol.wire import Aggregate, CheckpointManifest, Verified, decode_aggregate, decode_checkpoint
 
-__all__ = ["MAX_MANIFEST_BYTES", "WEIGHTS_FILE", "delta_of", "read_aggregate", "read_checkpoint", "read_manifest", "read_weights"]
+__all__ = [
+    "MAX_MANIFEST_BYTES",
+    "WEIGHTS_FILE",
+    "delta_of",
+    "read_aggregate",
+    "read_checkpoint",
+    "read_manifest",
+    "read_weights",
+]
 
 WEIGHTS_FILE = "model.safetensors"
 MAX_MANIFEST_BYTES = 1 << 20
@@ -42,9 +50,15 @@ Schema = Mapping[str, tuple[int, ...]]
 
 
 def read_aggregate(
-    store: ObjectStore, run: str, run_hash: str, window: int, *, allowed_signers: Signers, max_bytes: int,
+    store: ObjectStore,
+    run: str,
+    run_hash: str,
+    window: int,
+    *,
+    allowed_signers: Signers,
+    max_bytes: int,
     schema: Schema | None = None,
-) -> Verified[Aggregate] | None:  # fmt: skip
+) -> Verified[Aggregate] | None:
     """The published aggregate of ``window``, or None when there is none yet. With ``schema``,
     unknown tensors and wrong shapes are refused before the payload is read; a subset of θ is fine
     (parameters nobody sent, pipeline stages, empty windows)."""
@@ -53,9 +67,14 @@ def read_aggregate(
     except ObjectNotFound:
         return None
     return decode_aggregate(
-        data, run_hash=run_hash, max_bytes=max_bytes, allowed_signers=allowed_signers, window=window,
-        schema=schema, partial=True,
-    )  # fmt: skip
+        data,
+        run_hash=run_hash,
+        max_bytes=max_bytes,
+        allowed_signers=allowed_signers,
+        window=window,
+        schema=schema,
+        partial=True,
+    )
 
 
 def delta_of(agg: Aggregate) -> SparseDict:
@@ -63,7 +82,9 @@ def delta_of(agg: Aggregate) -> SparseDict:
     return {name: (t.indices.to(torch.int64), t.values.to(torch.float32)) for name, t in agg.tensors.items()}
 
 
-def read_manifest(store: ObjectStore, run: str, run_hash: str, window: int, *, allowed_signers: Signers) -> CheckpointManifest:
+def read_manifest(
+    store: ObjectStore, run: str, run_hash: str, window: int, *, allowed_signers: Signers
+) -> CheckpointManifest:
     """The signed checkpoint manifest of ``window``; ``ObjectNotFound`` when there is none."""
     data = store.get(layout.checkpoint_manifest_key(run, window), max_bytes=MAX_MANIFEST_BYTES)
     return decode_checkpoint(
@@ -71,7 +92,9 @@ def read_manifest(store: ObjectStore, run: str, run_hash: str, window: int, *, a
     ).value
 
 
-def read_weights(store: ObjectStore, manifest: CheckpointManifest, *, schema: Schema | None = None) -> dict[str, torch.Tensor]:
+def read_weights(
+    store: ObjectStore, manifest: CheckpointManifest, *, schema: Schema | None = None
+) -> dict[str, torch.Tensor]:
     """θ from the files a verified manifest lists (float32, CPU), each checked against its entry."""
     if not manifest.files:
         raise MalformedPayload(f"checkpoint {manifest.window} lists no files")

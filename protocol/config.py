@@ -19,9 +19,10 @@ import hashlib
 import json
 import sys
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -232,11 +233,11 @@ class RunSpec:
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def default(cls) -> "RunSpec":
+    def default(cls) -> RunSpec:
         return cls()
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "RunSpec":
+    def from_dict(cls, raw: Mapping[str, Any]) -> RunSpec:
         raw = dict(raw)
         model = raw.get("model")
         if isinstance(model, Mapping):
@@ -244,7 +245,7 @@ class RunSpec:
         return _build(cls, raw, "")
 
     @classmethod
-    def loads(cls, text: str) -> "RunSpec":
+    def loads(cls, text: str) -> RunSpec:
         try:
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
@@ -252,7 +253,7 @@ class RunSpec:
         return cls.from_dict(raw)
 
     @classmethod
-    def load(cls, path: str | Path) -> "RunSpec":
+    def load(cls, path: str | Path) -> RunSpec:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"RunSpec file not found: {p}")
@@ -272,7 +273,7 @@ class RunSpec:
     def to_toml(self) -> str:
         return _dict_to_toml(self.to_dict())
 
-    def replace(self, **sections: Any) -> "RunSpec":
+    def replace(self, **sections: Any) -> RunSpec:
         """Copy with some fields replaced. Section values may be dicts of field overrides."""
         raw = self.to_dict()
         for key, value in sections.items():

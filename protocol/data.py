@@ -35,9 +35,10 @@ import os
 import shutil
 import sysconfig
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -299,7 +300,9 @@ def open_dataset(cfg: DataConfig) -> TokenDataset:
     return _cached(key, lambda: text_documents(src), tok, cfg.val_fraction)
 
 
-def _cached(key: str, docs: Callable[[], Iterable[tuple[str, bytes]]], tok: ByteTokenizer | HFTokenizer, val_fraction: float) -> TokenDataset:
+def _cached(
+    key: str, docs: Callable[[], Iterable[tuple[str, bytes]]], tok: ByteTokenizer | HFTokenizer, val_fraction: float
+) -> TokenDataset:
     out = cache_dir() / key
     if (out / INDEX).is_file():
         return open_shards(out)

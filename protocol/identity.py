@@ -94,18 +94,18 @@ class Identity:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def generate(cls) -> "Identity":
+    def generate(cls) -> Identity:
         return cls(Ed25519PrivateKey.generate())
 
     @classmethod
-    def from_seed(cls, seed: bytes) -> "Identity":
+    def from_seed(cls, seed: bytes) -> Identity:
         """Deterministic key from 32 secret bytes (tests and reproducible demos only)."""
         if len(seed) != 32:
             raise ConfigError("an Ed25519 seed is 32 bytes")
         return cls(Ed25519PrivateKey.from_private_bytes(seed))
 
     @classmethod
-    def load(cls, path: str | Path) -> "Identity":
+    def load(cls, path: str | Path) -> Identity:
         """Load a PEM key file. Warns when the file is readable by group or others."""
         p = Path(path).expanduser()
         try:
@@ -124,7 +124,7 @@ class Identity:
         return cls(key)
 
     @classmethod
-    def load_or_create(cls, path: str | Path) -> "Identity":
+    def load_or_create(cls, path: str | Path) -> Identity:
         """Load the key at ``path``, or generate one and save it there (mode 0600)."""
         p = Path(path).expanduser()
         if p.exists():

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F

@@ -39,8 +39,6 @@ def gather_close(opened_at: float, cfg: WindowConfig) -> float:
     return upload_deadline(opened_at, cfg) + cfg.gather_grace_s
 
 
-
-
 def should_close(
     now: float,
     opened_at: float,

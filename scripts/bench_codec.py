@@ -44,9 +44,9 @@ from rich.table import Table
 
 from protocol import wire
 from protocol.codec import Encoded, decode, encode, pack, to_sparse, unpack
+from protocol.codec.indexcoding import encode_rice
 from protocol.config import MODEL_PRESETS, CodecConfig, model_config
 from protocol.identity import Identity
-from protocol.codec.indexcoding import encode_rice
 from protocol.model import build_model, lm_loss, param_schema
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])  # fixed text: the interpreter's own sources

@@ -110,9 +110,10 @@ def main() -> int:
     args = parser.parse_args()
     server, maddrs = start_server()
     try:
-        with DHTStore(maddrs, client_mode=True, piece_size=args.piece_size) as writer, DHTStore(
-            maddrs, client_mode=True, piece_size=args.piece_size
-        ) as reader:
+        with (
+            DHTStore(maddrs, client_mode=True, piece_size=args.piece_size) as writer,
+            DHTStore(maddrs, client_mode=True, piece_size=args.piece_size) as reader,
+        ):
             bench_size(writer, reader, 1 << 10, 3)  # warm-up: connections and routing tables
             rows = [bench_size(writer, reader, size, args.repeats) for size in SIZES]
     finally:

@@ -43,6 +43,7 @@ from rich.table import Table
 from client.pipeline.boundary import Boundary, BoundaryTransformer
 from client.pipeline.constrained import ConstrainedReplica
 from client.pipeline.stage import plan_stages
+from client.pipeline.subspace import EMBEDDING, Subspace, constrained_names, localize, out_of_span_ratio
 from client.simulator import compress_and_pack, unpack_sparse
 from client.trainer import InnerTrainer, load_params, pseudo_gradient, snapshot
 from protocol.aggregate import aggregate, apply_outer
@@ -50,7 +51,6 @@ from protocol.config import CodecConfig, DataConfig, InnerConfig, ModelConfig, O
 from protocol.data import TokenDataset, assigned_batches, open_dataset, validation_batches
 from protocol.feedback import FeedbackState
 from protocol.model import Transformer, build_model, eval_loss, parameters_of
-from client.pipeline.subspace import EMBEDDING, Subspace, constrained_names, localize, out_of_span_ratio
 
 RUN_HASH = "bench-pipeline"  # seeds U; any fixed string works for a benchmark
 
@@ -109,7 +109,9 @@ def contributions(rep: Replica, delta: dict[str, torch.Tensor]) -> list[dict[str
     return rep.body.split(delta) if rep.stages > 1 else [delta]
 
 
-def run(s: Setup, data: TokenDataset, val: list[torch.Tensor], name: str, ratio: int, selective: bool | None) -> dict[str, Any]:
+def run(
+    s: Setup, data: TokenDataset, val: list[torch.Tensor], name: str, ratio: int, selective: bool | None
+) -> dict[str, Any]:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     reps, sub = build_replicas(s, ratio, selective)
@@ -179,7 +181,11 @@ def boundary_errors(s: Setup, glob: Transformer, sub: Subspace, tokens: torch.Te
     def hidden(params: dict[str, torch.Tensor], fixed_emb: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         m = build_model(s.model)
         load_params(m, params)
-        rows = torch.zeros(*inputs.shape, s.model.dim) if fixed_emb is None else torch.nn.functional.embedding(inputs, fixed_emb)
+        rows = (
+            torch.zeros(*inputs.shape, s.model.dim)
+            if fixed_emb is None
+            else torch.nn.functional.embedding(inputs, fixed_emb)
+        )
         h = m.forward_slice(m.embed(inputs) + rows, 0, cut)
         return h, rows
 
@@ -204,13 +210,30 @@ def boundary_errors(s: Setup, glob: Transformer, sub: Subspace, tokens: torch.Te
 
 
 def setup_from(args: argparse.Namespace) -> Setup:
-    model = model_config("tiny", dim=args.dim, n_layers=4, n_heads=4, ffn_dim=args.dim * 8 // 3 // 8 * 8,
-                         max_seq_len=max(64, args.seq_len))
-    inner = InnerConfig(steps=args.inner_steps, lr=args.lr, warmup_steps=args.inner_steps,
-                        total_steps=args.inner_steps * args.rounds)
-    return Setup(model=model, replicas=args.replicas, rounds=args.rounds, inner=inner, outer=OuterConfig(),
-                 codec=CodecConfig(), batch_size=args.batch_size, seq_len=args.seq_len,
-                 eval_sequences=args.eval_sequences, pipeline_stages=(2, 4), virtual_stages=2)
+    model = model_config(
+        "tiny",
+        dim=args.dim,
+        n_layers=4,
+        n_heads=4,
+        ffn_dim=args.dim * 8 // 3 // 8 * 8,
+        max_seq_len=max(64, args.seq_len),
+    )
+    inner = InnerConfig(
+        steps=args.inner_steps, lr=args.lr, warmup_steps=args.inner_steps, total_steps=args.inner_steps * args.rounds
+    )
+    return Setup(
+        model=model,
+        replicas=args.replicas,
+        rounds=args.rounds,
+        inner=inner,
+        outer=OuterConfig(),
+        codec=CodecConfig(),
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        eval_sequences=args.eval_sequences,
+        pipeline_stages=(2, 4),
+        virtual_stages=2,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,12 +265,23 @@ def main(argv: list[str] | None = None) -> int:
     for name, ratio, selective in plan:
         rows.append(run(s, data, val, name, ratio, selective))
         console.print(f"  {name}: val {rows[-1]['final_val_loss']:.4f} ({rows[-1]['seconds']:.0f} s)")
-    config = {"model": {"dim": s.model.dim, "n_layers": s.model.n_layers, "ffn_dim": s.model.ffn_dim,
-                        "params": sum(p.numel() for p in build_model(s.model).parameters())},
-              "replicas": s.replicas, "pipeline_stages": list(s.pipeline_stages), "rounds": s.rounds,
-              "inner_steps": s.inner.steps, "batch_size": s.batch_size, "seq_len": s.seq_len,
-              "tokens": s.replicas * s.rounds * s.inner.steps * s.batch_size * s.seq_len,
-              "codec_k": s.codec.k, "argv": sys.argv[1:]}
+    config = {
+        "model": {
+            "dim": s.model.dim,
+            "n_layers": s.model.n_layers,
+            "ffn_dim": s.model.ffn_dim,
+            "params": sum(p.numel() for p in build_model(s.model).parameters()),
+        },
+        "replicas": s.replicas,
+        "pipeline_stages": list(s.pipeline_stages),
+        "rounds": s.rounds,
+        "inner_steps": s.inner.steps,
+        "batch_size": s.batch_size,
+        "seq_len": s.seq_len,
+        "tokens": s.replicas * s.rounds * s.inner.steps * s.batch_size * s.seq_len,
+        "codec_k": s.codec.k,
+        "argv": sys.argv[1:],
+    }
     if args.json:
         print(json.dumps({"config": config, "runs": rows}, indent=1))
     else:
@@ -257,17 +291,36 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(rows: list[dict[str, Any]], config: dict[str, Any]) -> None:
     table = Table(title=f"pipeline replicas, {config['tokens']:,} tokens, {config['model']['params']:,} params")
-    cols = ("run", "d/k", "selective", "val loss", "plain θ", "compressed view", "act B/tok", "recon err",
-            "in-span err", "err, no drift fix", "emb move Δlogit")
+    cols = (
+        "run",
+        "d/k",
+        "selective",
+        "val loss",
+        "plain θ",
+        "compressed view",
+        "act B/tok",
+        "recon err",
+        "in-span err",
+        "err, no drift fix",
+        "emb move Δlogit",
+    )
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
         fmt = lambda k: f"{r[k]:.1e}" if k in r else "-"  # noqa: E731
-        table.add_row(r["name"], str(r["compression_ratio"]), "-" if r["selective"] is None else str(r["selective"]),
-                      f"{r['final_val_loss']:.4f}", f"{r['plain_val_loss']:.4f}", f"{r['compressed_view_val_loss']:.4f}",
-                      str(r["activation_bytes_per_token"]), fmt("recon_error"),
-                      fmt("recon_error_in_subspace"), fmt("recon_error_without_drift_handling"),
-                      fmt("embedding_move_max_logit_change"))
+        table.add_row(
+            r["name"],
+            str(r["compression_ratio"]),
+            "-" if r["selective"] is None else str(r["selective"]),
+            f"{r['final_val_loss']:.4f}",
+            f"{r['plain_val_loss']:.4f}",
+            f"{r['compressed_view_val_loss']:.4f}",
+            str(r["activation_bytes_per_token"]),
+            fmt("recon_error"),
+            fmt("recon_error_in_subspace"),
+            fmt("recon_error_without_drift_handling"),
+            fmt("embedding_move_max_logit_change"),
+        )
     Console(width=max(Console().width, 160)).print(table)
 
 

@@ -48,9 +48,20 @@ VARIANTS = ("ddp", "diloco", "sparseloco", "sparseloco-all")
 PRESETS: dict[str, dict[str, Any]] = {
     # The best learning rates of the grid recorded in BENCHMARKS.md (H = 15, 2 seeds); one seed, no grid.
     # ~35 CPU-seconds per method on one core (measured); about 2.5 min for the four methods.
-    "quick": dict(model="300k", replicas=4, inner_steps=15, rounds=24, batch_size=8, seq_len=64,
-                  methods="ddp,diloco,sparseloco,sparseloco-all", seeds="0",
-                  lr_ddp="4e-3", lr_diloco="4e-3", lr_sparseloco="4e-3", outer_lr_grid="0.3"),  # fmt: skip
+    "quick": dict(
+        model="300k",
+        replicas=4,
+        inner_steps=15,
+        rounds=24,
+        batch_size=8,
+        seq_len=64,
+        methods="ddp,diloco,sparseloco,sparseloco-all",
+        seeds="0",
+        lr_ddp="4e-3",
+        lr_diloco="4e-3",
+        lr_sparseloco="4e-3",
+        outer_lr_grid="0.3",
+    ),
 }
 
 
@@ -112,16 +123,25 @@ def grid_for(method: str, args: argparse.Namespace) -> list[tuple[float, float]]
 
 def sim_config(method: str, inner_lr: float, outer_lr: float, seed: int, args: argparse.Namespace) -> SimConfig:
     total = args.inner_steps * args.rounds
-    inner = InnerConfig(steps=args.inner_steps, lr=inner_lr, warmup_steps=args.warmup or max(1, total // 10),
-                        total_steps=total)  # fmt: skip
+    inner = InnerConfig(
+        steps=args.inner_steps, lr=inner_lr, warmup_steps=args.warmup or max(1, total // 10), total_steps=total
+    )
     if method == "diloco":
         outer = OuterConfig(alpha=outer_lr, momentum=0.9)
     else:
         agg = "all" if method == "sparseloco-all" else "contributors"
         outer = OuterConfig(alpha=outer_lr, beta=args.beta, aggregation=agg, clip="median")
-    return SimConfig(method=method.split("-")[0], replicas=args.replicas, rounds=args.rounds, inner=inner,
-                     outer=outer, codec=CodecConfig(k=args.k),
-                     batch_size=args.batch_size, seq_len=args.seq_len, seed=seed)  # fmt: skip
+    return SimConfig(
+        method=method.split("-")[0],
+        replicas=args.replicas,
+        rounds=args.rounds,
+        inner=inner,
+        outer=outer,
+        codec=CodecConfig(k=args.k),
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        seed=seed,
+    )
 
 
 def run_grid(method: str, args: argparse.Namespace, dataset: Any, mcfg: Any, log: Console) -> dict[str, Any]:
@@ -134,18 +154,33 @@ def run_grid(method: str, args: argparse.Namespace, dataset: Any, mcfg: Any, log
         for seed in seeds:
             t0, c0 = time.perf_counter(), time.process_time()
             sim = Simulator(mcfg, dataset, sim_config(method, inner_lr, outer_lr, seed, args), args.device)
-            res = sim.run(on_round=(lambda r: log.log(f"  round {r.round}: val {r.val_loss:.4f}")) if args.verbose else None)
+            res = sim.run(
+                on_round=(lambda r: log.log(f"  round {r.round}: val {r.val_loss:.4f}")) if args.verbose else None
+            )
             runs.append(res)
             cpu.append(time.process_time() - c0)
             if args.jsonl:  # one line per finished run: partial results survive an interruption
                 with open(args.jsonl, "a") as f:
-                    f.write(json.dumps({"method": method, "inner_lr": inner_lr, "outer_lr": outer_lr, "seed": seed,
-                                        "final_val_loss": res.final_val_loss,
-                                        "loss_curve": [r.val_loss for r in res.rounds],
-                                        "bytes_per_replica_per_round": res.bytes_per_replica_per_round,
-                                        "seconds": res.seconds, "cpu_seconds": cpu[-1]}) + "\n")  # fmt: skip
-            log.log(f"{method:15s} lr={inner_lr:g} outer={outer_lr:g} seed={seed}: "
-                    f"val {res.final_val_loss:.4f} ({time.perf_counter() - t0:.0f} s)")  # fmt: skip
+                    f.write(
+                        json.dumps(
+                            {
+                                "method": method,
+                                "inner_lr": inner_lr,
+                                "outer_lr": outer_lr,
+                                "seed": seed,
+                                "final_val_loss": res.final_val_loss,
+                                "loss_curve": [r.val_loss for r in res.rounds],
+                                "bytes_per_replica_per_round": res.bytes_per_replica_per_round,
+                                "seconds": res.seconds,
+                                "cpu_seconds": cpu[-1],
+                            }
+                        )
+                        + "\n"
+                    )
+            log.log(
+                f"{method:15s} lr={inner_lr:g} outer={outer_lr:g} seed={seed}: "
+                f"val {res.final_val_loss:.4f} ({time.perf_counter() - t0:.0f} s)"
+            )
         points.append({**summarize(inner_lr, outer_lr, seeds, runs), "cpu_seconds": statistics.fmean(cpu)})
     best = min(points, key=lambda p: p["final_val_loss"])
     grid = [{k: p[k] for k in ("inner_lr", "outer_lr", "final_val_loss", "final_val_loss_per_seed")} for p in points]
@@ -175,15 +210,31 @@ def render(out: dict[str, Any], console: Console) -> None:
     methods = out["methods"]
     dil = methods.get("diloco", {}).get("bytes_per_replica_per_round")
     table = Table(title=f"quality: {out['config']['summary']}")
-    for col in ("method", "inner lr", "outer lr", "final val loss", "per seed", "bytes/replica/round",
-                "vs DiLoCo bytes", "s/run", "cpu s/run"):  # fmt: skip
+    for col in (
+        "method",
+        "inner lr",
+        "outer lr",
+        "final val loss",
+        "per seed",
+        "bytes/replica/round",
+        "vs DiLoCo bytes",
+        "s/run",
+        "cpu s/run",
+    ):
         table.add_column(col, justify="right" if col != "method" else "left")
     for name, m in methods.items():
         ratio = f"{dil / m['bytes_per_replica_per_round']:.3g}× fewer" if dil else "-"
-        table.add_row(name, f"{m['inner_lr']:g}", f"{m['outer_lr']:g}", f"{m['final_val_loss']:.4f}",
-                      " ".join(f"{v:.3f}" for v in m["final_val_loss_per_seed"]),
-                      f"{m['bytes_per_replica_per_round']:,.0f}", ratio, f"{m['seconds']:.0f}",
-                      f"{m['cpu_seconds']:.0f}")  # fmt: skip
+        table.add_row(
+            name,
+            f"{m['inner_lr']:g}",
+            f"{m['outer_lr']:g}",
+            f"{m['final_val_loss']:.4f}",
+            " ".join(f"{v:.3f}" for v in m["final_val_loss_per_seed"]),
+            f"{m['bytes_per_replica_per_round']:,.0f}",
+            ratio,
+            f"{m['seconds']:.0f}",
+            f"{m['cpu_seconds']:.0f}",
+        )
     console.print(table)
     grid = Table(title="grid (mean final val loss over seeds)")
     for col in ("method", "inner lr", "outer lr", "final val loss"):
@@ -257,13 +308,18 @@ def main(argv: list[str] | None = None) -> int:
     mcfg = replace(mcfg, max_seq_len=max(mcfg.max_seq_len, args.seq_len))
     dataset = open_dataset(DataConfig(source=args.data, seq_len=args.seq_len, batch_size=args.batch_size))
     n_params = sum(math.prod(shape) for shape in param_schema(mcfg).values())
-    summary = (f"model {args.model} ({n_params / 1e6:.2f} M params), R={args.replicas}, H={args.inner_steps}, "
-               f"{args.rounds} rounds, {args.batch_size}×{args.seq_len} tokens/replica/step, seeds {args.seeds}")  # fmt: skip
+    summary = (
+        f"model {args.model} ({n_params / 1e6:.2f} M params), R={args.replicas}, H={args.inner_steps}, "
+        f"{args.rounds} rounds, {args.batch_size}×{args.seq_len} tokens/replica/step, seeds {args.seeds}"
+    )
     t0 = time.perf_counter()
     methods = {m: run_grid(m, args, dataset, mcfg, log) for m in args.methods.split(",") if m}
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
-    out = {"config": {**config, "params": n_params, "summary": summary, "data_digest": dataset.digest},
-           "methods": methods, "seconds": time.perf_counter() - t0}  # fmt: skip
+    out = {
+        "config": {**config, "params": n_params, "summary": summary, "data_digest": dataset.digest},
+        "methods": methods,
+        "seconds": time.perf_counter() - t0,
+    }
     if args.plot:
         legend = write_png(args.plot, {n: m["loss_curve"] for n, m in methods.items()})
         out["plot"] = {"path": args.plot, "legend": legend}

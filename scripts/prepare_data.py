@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from protocol.data import stdlib_documents, text_documents, write_shards
 from protocol.errors import ConfigError

@@ -21,6 +21,13 @@ from client.demo.seaweed import (
 )
 
 __all__ = [
-    "REGION", "Credentials", "SeaweedS3", "WeedMissing", "free_port_pair", "free_ports", "peer_grants",
-    "seaweed_server", "weed_available",
-]  # fmt: skip
+    "REGION",
+    "Credentials",
+    "SeaweedS3",
+    "WeedMissing",
+    "free_port_pair",
+    "free_ports",
+    "peer_grants",
+    "seaweed_server",
+    "weed_available",
+]

@@ -43,17 +43,23 @@ def start_dht_nodes(n: int = 2, **store_options: Any) -> Iterator[list[str]]:
 class DHTProcess:
     """One DHT node in a separate OS process, scripted through its stdin (see ``protocol.store.dht.serve``)."""
 
-    def __init__(self, initial_peers: Iterable[str] = (), *, expiration_s: float | None = None,
-                 timeout: float = 60.0) -> None:  # fmt: skip
+    def __init__(
+        self, initial_peers: Iterable[str] = (), *, expiration_s: float | None = None, timeout: float = 60.0
+    ) -> None:
         cmd = [sys.executable, "-m", "protocol.store.dht.serve", "--control"]
         cmd += [arg for peer in initial_peers for arg in ("--initial-peer", peer)]
         if expiration_s is not None:
             cmd += ["--expiration-s", str(expiration_s)]
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            bufsize=1,
             start_new_session=True,  # its own group: p2pd included, so killpg reaches everything
-        )  # fmt: skip
+        )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         self.maddrs: list[str] = []

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from client.outer import NesterovOuter, dense_mean
+from client.schedule import lr_at
 from protocol.aggregate import (
     aggregate,
     apply_outer,
@@ -16,8 +18,6 @@ from protocol.aggregate import (
 )
 from protocol.config import InnerConfig
 from protocol.errors import InvalidIndices, NonFiniteValues, SchemaMismatch
-from client.outer import NesterovOuter, dense_mean
-from client.schedule import lr_at
 
 
 def sp(idx: list[int], vals: list[float]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.codec.chunking import geometry
 from protocol.codec import Encoded, decode, encode, pack, to_sparse, unpack
+from protocol.codec.chunking import geometry
 from protocol.codec.quantizer import level_table
 from protocol.config import CodecConfig
 from protocol.errors import NonFiniteValues

@@ -127,7 +127,12 @@ def _packed12_blob(positions: np.ndarray) -> tuple[bytes, CodecConfig, tuple[int
 
 @pytest.mark.parametrize(
     "positions,what",
-    [([1, 5, 5, 9], "duplicate"), ([1, 9, 5, 20], "unsorted"), ([1, 5, 9, 64], "outside"), ([1, 5, 9, 4095], "outside")],
+    [
+        ([1, 5, 5, 9], "duplicate"),
+        ([1, 9, 5, 20], "unsorted"),
+        ([1, 5, 9, 64], "outside"),
+        ([1, 5, 9, 4095], "outside"),
+    ],
 )
 def test_packed12_bad_positions_are_invalid_indices(positions: list[int], what: str) -> None:
     blob, cfg, shape = _packed12_blob(np.array(positions))

@@ -17,13 +17,25 @@ from validator.log import CheckRow, ContributionLog, ContributionRecord, WindowR
 P1, P2, P3 = "a" * 32, "b" * 32, "c" * 32
 
 
-def rec(window: int, peer: str, accepted: bool, reason: str | None = None, score: float | None = None) -> ContributionRecord:
+def rec(
+    window: int, peer: str, accepted: bool, reason: str | None = None, score: float | None = None
+) -> ContributionRecord:
     checks = (CheckRow("size", True), CheckRow("signature", accepted, None if accepted else reason))
     return ContributionRecord(
-        window=window, peer=peer, bytes=1000 + window, digest=f"{window:064x}", accepted=accepted, reason=reason,
-        detail=None if accepted else f"because {reason}", score=score, reputation=0.1 * window,
-        loss_own_before=5.0, loss_own_after=4.5 if accepted else None, weight=1.0 if accepted else 0.0, checks=checks,
-    )  # fmt: skip
+        window=window,
+        peer=peer,
+        bytes=1000 + window,
+        digest=f"{window:064x}",
+        accepted=accepted,
+        reason=reason,
+        detail=None if accepted else f"because {reason}",
+        score=score,
+        reputation=0.1 * window,
+        loss_own_before=5.0,
+        loss_own_after=4.5 if accepted else None,
+        weight=1.0 if accepted else 0.0,
+        checks=checks,
+    )
 
 
 @pytest.fixture()
@@ -49,8 +61,15 @@ def test_rows_round_trip_with_checks_and_first_seen(db: Path) -> None:
         assert r.checks == (CheckRow("size", True), CheckRow("signature", True))
         bad = next(r for r in rows if r.peer == P3)
         assert bad.checks[-1] == CheckRow("signature", False, "bad_signature")
-        assert log.window(2) == WindowRecord(window=2, status="published", published_at=202.0, aggregate_digest=f"{2:064x}",
-                                             val_loss=3.0, accepted=2, rejected=1)  # fmt: skip
+        assert log.window(2) == WindowRecord(
+            window=2,
+            status="published",
+            published_at=202.0,
+            aggregate_digest=f"{2:064x}",
+            val_loss=3.0,
+            accepted=2,
+            rejected=1,
+        )
 
 
 def test_first_seen_is_kept_and_redeciding_overwrites(tmp_path: Path) -> None:

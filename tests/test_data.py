@@ -35,11 +35,17 @@ def positional(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "train-1.bin").write_bytes(train[25_000:].tobytes())
     (root / "val-0.bin").write_bytes(val.tobytes())
     index = {
-        "format": "sparseloco-shards", "version": 1, "dtype": "uint16", "vocab_size": 65536,
-        "tokenizer": "test", "eos_id": None,
-        "splits": {"train": [{"file": "train-0.bin", "tokens": 25_000}, {"file": "train-1.bin", "tokens": 35_000}],
-                   "val": [{"file": "val-0.bin", "tokens": N_VAL}]},
-    }  # fmt: skip
+        "format": "sparseloco-shards",
+        "version": 1,
+        "dtype": "uint16",
+        "vocab_size": 65536,
+        "tokenizer": "test",
+        "eos_id": None,
+        "splits": {
+            "train": [{"file": "train-0.bin", "tokens": 25_000}, {"file": "train-1.bin", "tokens": 35_000}],
+            "val": [{"file": "val-0.bin", "tokens": N_VAL}],
+        },
+    }
     (root / "index.json").write_text(json.dumps(index))
     return root
 

@@ -13,15 +13,21 @@ from pathlib import Path
 
 import pytest
 
+from client.demo.processes import ProcessGroup
+from client.demo.swarm import PRESET
 from protocol.config import RunSpec
 from protocol.events import WindowPublished, read_events
-from client.demo.swarm import PRESET
-from client.demo.processes import ProcessGroup
 
 REQUIRED = {
-    "windows_completed", "val_loss_per_window", "accepted_per_window", "rejected_per_window",
-    "fingerprints_equal", "upload_bytes_per_peer_per_window", "compute_fraction", "seconds",
-}  # fmt: skip
+    "windows_completed",
+    "val_loss_per_window",
+    "accepted_per_window",
+    "rejected_per_window",
+    "fingerprints_equal",
+    "upload_bytes_per_peer_per_window",
+    "compute_fraction",
+    "seconds",
+}
 
 
 def small_preset(tmp_path: Path) -> Path:
@@ -66,8 +72,9 @@ def still_alive(pids: Iterable[int], timeout_s: float = 10.0) -> list[int]:
 
 @pytest.mark.integration
 def test_demo_json_last_line(tmp_path: Path) -> None:
-    out = subprocess.run(demo_argv(tmp_path, "--peers", "2", "--windows", "2", "--json"),
-                         capture_output=True, text=True, timeout=180)  # fmt: skip
+    out = subprocess.run(
+        demo_argv(tmp_path, "--peers", "2", "--windows", "2", "--json"), capture_output=True, text=True, timeout=180
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert REQUIRED <= set(summary)
@@ -106,8 +113,9 @@ def test_demo_interrupt_leaves_no_orphans(tmp_path: Path) -> None:
     The demo is asked for far more windows than it could run before the interrupt, whatever the
     machine's speed."""
     with (tmp_path / "demo.err").open("w") as err:
-        proc = subprocess.Popen(demo_argv(tmp_path, "--peers", "2", "--windows", "100000"),
-                                stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+        proc = subprocess.Popen(
+            demo_argv(tmp_path, "--peers", "2", "--windows", "100000"), stdout=subprocess.DEVNULL, stderr=err
+        )
     pids_file = tmp_path / "run" / "logs" / "pids.json"
     try:
         wait_published(proc, tmp_path / "run" / "logs" / "validator.log", timeout_s=300)

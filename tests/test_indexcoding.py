@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.codec.bitpack import pack_bits, packed_size, unpack_bits
-from protocol.errors import InvalidIndices, MalformedPayload, ProtocolError
 from protocol.codec.indexcoding import (
     _encode_rice_arith,
     check_positions,
@@ -22,6 +21,7 @@ from protocol.codec.indexcoding import (
     to_gaps,
     unpack12,
 )
+from protocol.errors import InvalidIndices, MalformedPayload, ProtocolError
 
 
 @st.composite

@@ -12,9 +12,9 @@ import pytest
 from click.testing import CliRunner
 from wire_samples import PEER, RUN, VALIDATOR, blobs
 
-from protocol.wire.frame import Kind
 from client.inspect import inspect_file, inspect_paths
 from client.tools import main
+from protocol.wire.frame import Kind
 
 
 @pytest.fixture()
@@ -99,8 +99,11 @@ def test_real_console_script_never_prints_a_traceback(objects, tmp_path) -> None
     proc = subprocess.run([script, "inspect", *good], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert [line.split()[:2] for line in proc.stdout.splitlines()] == [
-        ["OK", "contribution"], ["OK", "aggregate"], ["OK", "checkpoint"], ["OK", "announcement"],
-    ]  # fmt: skip
+        ["OK", "contribution"],
+        ["OK", "aggregate"],
+        ["OK", "checkpoint"],
+        ["OK", "announcement"],
+    ]
     weird = tmp_path / "dir-with-nothing"
     weird.mkdir()
     everything = [*good, str(objects["tampered"]), str(objects["text"]), str(tmp_path / "nope"), str(weird)]
@@ -123,7 +126,9 @@ def test_checkpoint_weights_are_checked_against_their_manifest(tmp_path: Path) -
     from protocol.wire import CheckpointFile, CheckpointManifest, encode_checkpoint
 
     weights = b"not an envelope, but the bytes the manifest signed"
-    entry = CheckpointFile(checkpoint_key(RUN_ID, 4, "model.safetensors"), hashlib.sha256(weights).hexdigest(), len(weights))
+    entry = CheckpointFile(
+        checkpoint_key(RUN_ID, 4, "model.safetensors"), hashlib.sha256(weights).hexdigest(), len(weights)
+    )
     manifest = CheckpointManifest(RUN, 4, "genesis", "ab" * 32, (entry,), 1.0)
     folder = tmp_path / "checkpoint" / "00000004"
     folder.mkdir(parents=True)

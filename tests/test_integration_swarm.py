@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
+from client.demo.seaweed import weed_available
+from client.demo.swarm import VALIDATOR, LocalSwarm
 from protocol.errors import AccessDenied
 from protocol.events import ResumedUpload
 from protocol.layout import aggregate_key, contrib_key, run_id
 from protocol.store import open_store
-from client.demo.swarm import VALIDATOR, LocalSwarm
-from client.demo.seaweed import weed_available
 
 pytestmark = pytest.mark.integration
 
@@ -140,8 +140,13 @@ def test_s3_swarm(run_dir: Path) -> None:
         # Each peer's credential writes its own keys only: forging another peer's upload is denied.
         assert swarm.spec is not None
         env = swarm.peer_envs["peer-0"]
-        store = open_store(swarm.spec.storage.url, endpoint_url=env["AWS_ENDPOINT_URL_S3"], region=env["AWS_REGION"],
-                           access_key=env["AWS_ACCESS_KEY_ID"], secret_key=env["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
+        store = open_store(
+            swarm.spec.storage.url,
+            endpoint_url=env["AWS_ENDPOINT_URL_S3"],
+            region=env["AWS_REGION"],
+            access_key=env["AWS_ACCESS_KEY_ID"],
+            secret_key=env["AWS_SECRET_ACCESS_KEY"],
+        )
         run = run_id(swarm.spec.hash())
         with pytest.raises(AccessDenied):
             store.put(contrib_key(run, 99, swarm.peers["peer-1"].peer_id), b"forged")

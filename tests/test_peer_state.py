@@ -63,8 +63,16 @@ class MiniValidator:
         self.base = GENESIS
         self.window = 0
         self.fingerprints: list[str] = []
-        publish_checkpoint(store, self.run, spec.hash(), 0, aggregate=GENESIS, params=self.params,
-                           identity=ident, published_at=time.time())  # fmt: skip
+        publish_checkpoint(
+            store,
+            self.run,
+            spec.hash(),
+            0,
+            aggregate=GENESIS,
+            params=self.params,
+            identity=ident,
+            published_at=time.time(),
+        )
 
     def close_window(self, expect: int, timeout: float = 60.0) -> list[str]:
         prefix = layout.contrib_prefix(self.run, self.window)
@@ -73,26 +81,46 @@ class MiniValidator:
             time.sleep(0.02)
         contribs = []
         for key in self.store.list(prefix):
-            c = decode_contribution(self.store.get(key, max_bytes=1 << 26), run_hash=self.spec.hash(),
-                                    max_bytes=1 << 26, window=self.window, base=self.base)  # fmt: skip
+            c = decode_contribution(
+                self.store.get(key, max_bytes=1 << 26),
+                run_hash=self.spec.hash(),
+                max_bytes=1 << 26,
+                window=self.window,
+                base=self.base,
+            )
             contribs.append(c)
         contribs.sort(key=lambda c: c.sender)
         delta = aggregate([sparse_of(c.value.tensors) for c in contribs]) if contribs else {}
         apply_outer(self.params, delta, self.spec.outer.alpha)
         fp = fingerprint(self.params)
         blob = encode_window_aggregate(
-            run_hash=self.spec.hash(), window=self.window, base=self.base, alpha=self.spec.outer.alpha,
-            delta=delta, shapes={n: tuple(p.shape) for n, p in self.params.items()},
-            manifest=[(c.sender, c.digest, 1.0) for c in contribs], fingerprint_next=fp,
-            published_at=time.time(), metadata={}, identity=self.ident,
-        )  # fmt: skip
+            run_hash=self.spec.hash(),
+            window=self.window,
+            base=self.base,
+            alpha=self.spec.outer.alpha,
+            delta=delta,
+            shapes={n: tuple(p.shape) for n, p in self.params.items()},
+            manifest=[(c.sender, c.digest, 1.0) for c in contribs],
+            fingerprint_next=fp,
+            published_at=time.time(),
+            metadata={},
+            identity=self.ident,
+        )
         self.store.put(layout.aggregate_key(self.run, self.window), blob, if_absent=True)
         self.base = __import__("hashlib").sha256(blob).hexdigest()
         self.window += 1
         self.fingerprints.append(fp)
         if self.window % self.spec.windows.checkpoint_every == 0:
-            publish_checkpoint(self.store, self.run, self.spec.hash(), self.window, aggregate=self.base,
-                               params=self.params, identity=self.ident, published_at=time.time())  # fmt: skip
+            publish_checkpoint(
+                self.store,
+                self.run,
+                self.spec.hash(),
+                self.window,
+                aggregate=self.base,
+                params=self.params,
+                identity=self.ident,
+                published_at=time.time(),
+            )
         return [c.sender for c in contribs]
 
 
@@ -146,8 +174,16 @@ def test_state_round_trip_and_old_files_removed(tmp_path: Path) -> None:
     opt.param_groups[0]["params"][0].grad = torch.randn(3, 4)
     opt.step()
     fb = {"w": torch.randn(3, 4)}
-    snap = Snapshot("a" * 64, 3, "b" * 64, "c" * 64, feedback=fb, optimizer={"step": 7, "optimizer": opt.state_dict()},
-                    pending=3, pending_blob=b"signed bytes")  # fmt: skip
+    snap = Snapshot(
+        "a" * 64,
+        3,
+        "b" * 64,
+        "c" * 64,
+        feedback=fb,
+        optimizer={"step": 7, "optimizer": opt.state_dict()},
+        pending=3,
+        pending_blob=b"signed bytes",
+    )
     state.save(snap)
     state.save(snap)  # a second commit replaces the first one's files
     back = state.load("a" * 64)
@@ -182,7 +218,11 @@ def test_state_refuses_other_run_and_damage(tmp_path: Path) -> None:
 
 
 def test_flatten_round_trip_int_keys_and_lists() -> None:
-    tree = {"step": 3, "state": {0: {"m": torch.arange(3.0)}, 5: {"m": torch.zeros(1)}}, "groups": [{"betas": [0.9, 0.95]}]}
+    tree = {
+        "step": 3,
+        "state": {0: {"m": torch.arange(3.0)}, 5: {"m": torch.zeros(1)}},
+        "groups": [{"betas": [0.9, 0.95]}],
+    }
     tensors, skeleton = flatten(tree)
     json.dumps(skeleton)  # JSON-serialisable, no pickle anywhere
     back = unflatten(tensors, skeleton)
@@ -407,8 +447,12 @@ def test_cli_refuses_a_runspec_without_validator_keys(tmp_path: Path) -> None:
     spec = RunSpec.from_dict({"model": TINY, "storage": {"url": f"file://{tmp_path / 'store'}"}})
     (tmp_path / "run.toml").write_text(spec.to_toml())
     exe = Path(sys.executable).parent / "sparseloco-peer"
-    out = subprocess.run([str(exe), "join", "--run", str(tmp_path / "run.toml"), "--state", str(tmp_path / "s")],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [str(exe), "join", "--run", str(tmp_path / "run.toml"), "--state", str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "validator.public_keys" in out.stderr
     assert not (tmp_path / "store").exists()  # nothing was announced
 
@@ -424,9 +468,18 @@ def test_forged_aggregate_is_recorded_and_never_applied(swarm) -> None:
         time.sleep(0.02)
     honest_fp = fingerprint(peer.params)
     forged = encode_window_aggregate(
-        run_hash=spec.hash(), window=1, base=val.base, alpha=1.0, delta={}, shapes={}, manifest=[],
-        fingerprint_next=honest_fp, published_at=time.time(), metadata={}, identity=Identity.generate(),
-    )  # fmt: skip
+        run_hash=spec.hash(),
+        window=1,
+        base=val.base,
+        alpha=1.0,
+        delta={},
+        shapes={},
+        manifest=[],
+        fingerprint_next=honest_fp,
+        published_at=time.time(),
+        metadata={},
+        identity=Identity.generate(),
+    )
     store.put(key, forged)
     deadline = time.time() + 30
     while not rec.of(SyncFailed) and time.time() < deadline:

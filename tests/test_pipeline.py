@@ -23,12 +23,12 @@ from client.pipeline.link import StageLink, free_port, parse_rendezvous
 from client.pipeline.replica import PipelineStage, run_stage_window
 from client.pipeline.schedule import clip_coefficient, pipeline_step
 from client.pipeline.stage import plan_stages
+from client.pipeline.subspace import Subspace, constrained_names, localize, out_of_span_ratio
 from client.trainer import load_params
 from protocol.config import RunSpec
 from protocol.errors import ConfigError
 from protocol.feedback import FeedbackState
 from protocol.model import build_model, lm_loss
-from client.pipeline.subspace import Subspace, constrained_names, localize, out_of_span_ratio
 
 MODEL = dict(dim=32, n_layers=4, n_heads=2, ffn_dim=64, max_seq_len=32)
 TIMEOUT_S = 4.0
@@ -39,8 +39,13 @@ def _spec(ratio: int) -> RunSpec:
         model=MODEL,
         data={"seq_len": 16, "batch_size": 4},
         inner={"steps": 2, "warmup_steps": 1, "lr": 3e-3},
-        pipeline={"enabled": True, "compression_ratio": ratio, "micro_batches": 2, "timeout_s": TIMEOUT_S,
-                  "rendezvous_timeout_s": 40.0},
+        pipeline={
+            "enabled": True,
+            "compression_ratio": ratio,
+            "micro_batches": 2,
+            "timeout_s": TIMEOUT_S,
+            "rendezvous_timeout_s": 40.0,
+        },
     )
 
 
@@ -67,13 +72,22 @@ def _grads_worker(stage: int, port: int, out: str) -> None:
             continue
         spec = _spec(ratio)
         ps = PipelineStage(spec, group="g", stage=stage, stages=stages)
-        with StageLink(f"127.0.0.1:{port}", stage=stage, stages=stages, window=100 * stages + ratio,
-                       timeout_s=TIMEOUT_S, rendezvous_timeout_s=40) as link:
+        with StageLink(
+            f"127.0.0.1:{port}",
+            stage=stage,
+            stages=stages,
+            window=100 * stages + ratio,
+            timeout_s=TIMEOUT_S,
+            rendezvous_timeout_s=40,
+        ) as link:
             ps.start_window(_theta(spec))
             res = pipeline_step(ps.stage, link, ps.boundary, list(_batches(1)[0].chunk(2)))
         grads = {n: p.grad.contiguous() for n, p in ps.params.items()}
-        save_file(grads, f"{out}/grads_S{stages}_r{ratio}_s{stage}.safetensors",
-                  metadata={"loss": repr(res.loss), "grad_norm": repr(res.grad_norm)})
+        save_file(
+            grads,
+            f"{out}/grads_S{stages}_r{ratio}_s{stage}.safetensors",
+            metadata={"loss": repr(res.loss), "grad_norm": repr(res.grad_norm)},
+        )
 
 
 def _grads_then_windows_worker(stage: int, port: int, out: str, windows: list[int], die_at_step: int) -> None:
@@ -111,11 +125,19 @@ def _window_worker(stage: int, port: int, out: str, windows: list[int], die_at_s
     ps = PipelineStage(spec, group="g", stage=stage, stages=2)
     theta, feedback = _theta(spec), FeedbackState()
     for window in windows:
-        res = run_stage_window(ps, theta, window, "genesis", _batches(2, seed=window), rendezvous=f"127.0.0.1:{port}",
-                               feedback=feedback)
+        res = run_stage_window(
+            ps, theta, window, "genesis", _batches(2, seed=window), rendezvous=f"127.0.0.1:{port}", feedback=feedback
+        )
         feedback = res.feedback_after or feedback
-        record = {"ok": res.ok, "reason": res.reason, "seconds": res.seconds, "steps": res.steps,
-                  "names": sorted(res.encoded), "metadata": dict(res.metadata), "loss": res.mean_loss}
+        record = {
+            "ok": res.ok,
+            "reason": res.reason,
+            "seconds": res.seconds,
+            "steps": res.steps,
+            "names": sorted(res.encoded),
+            "metadata": dict(res.metadata),
+            "loss": res.mean_loss,
+        }
         Path(f"{out}/w{window}_s{stage}.json").write_text(json.dumps(record))
     save_file({n: p.detach().contiguous() for n, p in ps.params.items()}, f"{out}/params_s{stage}.safetensors")
 
@@ -196,8 +218,12 @@ def test_join_pipeline_options_are_all_or_nothing() -> None:
     from client.cli import _pipeline_options
 
     assert _pipeline_options(None, None, None, None) is None
-    assert _pipeline_options("g", 1, 2, "127.0.0.1:5000") == {"group": "g", "stage": 1, "stages": 2,
-                                                            "rendezvous": "127.0.0.1:5000"}
+    assert _pipeline_options("g", 1, 2, "127.0.0.1:5000") == {
+        "group": "g",
+        "stage": 1,
+        "stages": 2,
+        "rendezvous": "127.0.0.1:5000",
+    }
     for bad in [("g", None, 2, "h:1"), (None, 0, None, None), ("g", 2, 2, "h:1"), ("g", 0, 1, "h:1")]:
         with pytest.raises(ConfigError):
             _pipeline_options(*bad)
@@ -257,8 +283,13 @@ def test_replica_windows_commit_and_stay_in_subspace(two_stage_run: Path) -> Non
     assert all(r["ok"] and r["steps"] == 2 for r in records)
     assert set(records[0]["names"]).isdisjoint(records[1]["names"])
     assert set(records[0]["names"]) | set(records[1]["names"]) == set(_theta(spec))
-    assert records[1]["metadata"] == {**records[1]["metadata"], "pipeline_group": "g", "pipeline_stage": 1,
-                                      "pipeline_stages": 2, "compression_ratio": 4}
+    assert records[1]["metadata"] == {
+        **records[1]["metadata"],
+        "pipeline_group": "g",
+        "pipeline_stage": 1,
+        "pipeline_stages": 2,
+        "compression_ratio": 4,
+    }
     assert records[0]["loss"] == pytest.approx(records[1]["loss"])  # both stages know the loss
     sub = Subspace.for_run(spec.hash(), spec.model.dim, 4)
     first = load_file(str(tmp_path / "params_s0.safetensors"))
@@ -285,14 +316,20 @@ def test_stage_dying_mid_window_skips_the_window(two_stage_run: Path) -> None:
 def test_pipeline_replica_trains_in_the_swarm_beside_full_replicas(tmp_path: Path) -> None:
     """2 full peers + one 2-stage pipeline replica (2 `sparseloco-peer join --pipeline` processes)
     + the validator: every stage contributes its slice, everyone holds the same θ after every window."""
-    from client.demo.swarm import LocalSwarm
     from test_integration_swarm import TIMEOUT_S as SWARM_TIMEOUT_S
     from test_integration_swarm import small
 
+    from client.demo.swarm import LocalSwarm
+
     windows = 3
     overrides = small()
-    overrides["pipeline"] = {"enabled": True, "compression_ratio": 8, "micro_batches": 2, "timeout_s": 30.0,
-                             "rendezvous_timeout_s": 120.0}
+    overrides["pipeline"] = {
+        "enabled": True,
+        "compression_ratio": 8,
+        "micro_batches": 2,
+        "timeout_s": 30.0,
+        "rendezvous_timeout_s": 120.0,
+    }
     rendezvous = f"127.0.0.1:{free_port()}"
     with LocalSwarm(tmp_path / "run", peers=4, windows=windows, store="file", overrides=overrides) as swarm:
         for i in range(4):
@@ -322,6 +359,8 @@ def test_stage_that_skips_after_training_keeps_feedback(tmp_path: Path) -> None:
     they stage: nothing is sent and e is exactly what it was before the window, also on disk."""
     import threading
 
+    from test_peer_state import MiniValidator, Recorder, committed_feedback, tiny_spec
+
     from client.peer import Peer, Staged
     from client.pipeline.trainer import StageTrainer
     from client.state import LocalState
@@ -329,11 +368,17 @@ def test_stage_that_skips_after_training_keeps_feedback(tmp_path: Path) -> None:
     from protocol.events import PeerWindow
     from protocol.identity import Identity
     from protocol.store import open_store
-    from test_peer_state import MiniValidator, Recorder, committed_feedback, tiny_spec
 
     vident = Identity.from_seed(bytes(range(32)))
-    spec = tiny_spec(vident).replace(pipeline={"enabled": True, "compression_ratio": 4, "micro_batches": 2,
-                                               "timeout_s": 30.0, "rendezvous_timeout_s": 60.0})
+    spec = tiny_spec(vident).replace(
+        pipeline={
+            "enabled": True,
+            "compression_ratio": 4,
+            "micro_batches": 2,
+            "timeout_s": 30.0,
+            "rendezvous_timeout_s": 60.0,
+        }
+    )
     store = open_store(f"memory://stage-skip-{time.time_ns()}")
     val = MiniValidator(spec, store, vident)
     rendezvous = f"127.0.0.1:{free_port()}"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from protocol.codec import encode, to_sparse
-from protocol.config import CodecConfig
 from protocol.codec.quantizer import TOP_CODE, dequantize, level_table, quantize
+from protocol.config import CodecConfig
 
 
 def bench() -> ModuleType:
@@ -101,9 +101,16 @@ def test_scale_of_values_does_not_matter() -> None:
 def test_benchmark_runs_and_reports_every_key() -> None:
     r = bench().run("tiny", 64, "cpu", 1, pg_steps=0)
     for key in (
-        "bits_per_param", "bits_per_param_12bit", "bits_per_param_production", "encode_params_per_s",
-        "decode_params_per_s", "encode_params_per_s_12bit", "value_rel_error", "value_rel_error_production",
-        "bits_per_index", "bits_per_param_bound",
+        "bits_per_param",
+        "bits_per_param_12bit",
+        "bits_per_param_production",
+        "encode_params_per_s",
+        "decode_params_per_s",
+        "encode_params_per_s_12bit",
+        "value_rel_error",
+        "value_rel_error_production",
+        "bits_per_index",
+        "bits_per_param_bound",
     ):
         assert r[key] > 0, key
     assert r["bits_per_param_bound"] < r["bits_per_param"] < 0.16 < r["bits_per_param_12bit"]

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from protocol.errors import ConfigError, MalformedPayload
-from protocol.identity import Identity
 from client.demo import backends, seaweed
 from client.demo.processes import ProcessGroup
+from protocol.errors import ConfigError, MalformedPayload
+from protocol.identity import Identity
 
 RUN = "0123456789abcdef"
 
@@ -20,7 +20,9 @@ def test_peer_grants_cover_every_window_and_the_announcement() -> None:
     assert seaweed.peer_grants(RUN, peer) == (f"{RUN}/contrib/*/{peer}", f"{RUN}/peers/{peer}*")
 
 
-@pytest.mark.parametrize("run, peer", [(RUN, "not-a-peer"), (RUN, "*"), ("../x", Identity.from_seed(b"b" * 32).peer_id)])
+@pytest.mark.parametrize(
+    "run, peer", [(RUN, "not-a-peer"), (RUN, "*"), ("../x", Identity.from_seed(b"b" * 32).peer_id)]
+)
 def test_peer_grants_refuse_names_that_could_widen_the_glob(run: str, peer: str) -> None:
     with pytest.raises(MalformedPayload):
         seaweed.peer_grants(run, peer)

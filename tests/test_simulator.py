@@ -36,8 +36,17 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> TokenDataset:
 def sim(method: str, **kw: object) -> SimConfig:
     outer = OuterConfig(alpha=0.7) if method == "diloco" else OuterConfig(**kw)  # type: ignore[arg-type]
     inner = InnerConfig(steps=4, lr=4e-3, warmup_steps=2, total_steps=12)
-    return SimConfig(method=method, replicas=3, rounds=3, inner=inner, outer=outer, codec=CODEC,
-                     batch_size=4, seq_len=32, eval_sequences=16)  # fmt: skip
+    return SimConfig(
+        method=method,
+        replicas=3,
+        rounds=3,
+        inner=inner,
+        outer=outer,
+        codec=CODEC,
+        batch_size=4,
+        seq_len=32,
+        eval_sequences=16,
+    )
 
 
 def test_sparse_path_bytes_equal_the_real_peer_path(dataset: TokenDataset) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import protocol.store
 from protocol.config import StorageConfig
 from protocol.errors import (
     AccessDenied,
@@ -28,7 +29,6 @@ from protocol.errors import (
     PayloadTooLarge,
     StoreError,
 )
-import protocol.store
 from protocol.store import (
     LocalStore,
     MemoryStore,
@@ -223,9 +223,7 @@ def test_list_is_sorted_and_prefix_exact(case: Case) -> None:
     for key in keys:
         case.store.put(case.k(key), key.encode())
     assert case.store.list(case.k("w/1/")) == [case.k(k) for k in ["w/1/a", "w/1/b", "w/1/sub/deep"]]
-    assert case.store.list(case.k("w/1")) == [
-        case.k(k) for k in ["w/1/a", "w/1/b", "w/1/sub/deep", "w/10/a"]
-    ]
+    assert case.store.list(case.k("w/1")) == [case.k(k) for k in ["w/1/a", "w/1/b", "w/1/sub/deep", "w/10/a"]]
     assert case.store.list(case.k("")) == sorted(case.k(k) for k in keys)
     assert case.store.list(case.k("missing/")) == []
 
@@ -247,8 +245,21 @@ def test_delete(case: Case) -> None:
     assert case.store.get(case.k("d/x")) == b"again"
 
 
-BAD_KEYS = ["", "/abs", "a//b", "a/../b", "..", "../x", "a/", "a/./b", ".hidden", "a\x00b",
-            "a\\b", "sp ace", "x" * 1025]  # fmt: skip
+BAD_KEYS = [
+    "",
+    "/abs",
+    "a//b",
+    "a/../b",
+    "..",
+    "../x",
+    "a/",
+    "a/./b",
+    ".hidden",
+    "a\x00b",
+    "a\\b",
+    "sp ace",
+    "x" * 1025,
+]
 
 
 @pytest.mark.parametrize("bad", BAD_KEYS)
@@ -380,9 +391,7 @@ def test_local_ignores_temp_files_of_a_crashed_writer(tmp_path: Path) -> None:
     store.put("run/contrib/1/a", b"done")
     (tmp_path / "run" / "contrib" / "1" / ".tmp-deadbeef").write_bytes(b"half an upl")
     assert store.list("run/") == ["run/contrib/1/a"]
-    assert [p.name for p in (tmp_path / "run" / "contrib" / "1").iterdir() if p.name[0] != "."] == [
-        "a"
-    ]
+    assert [p.name for p in (tmp_path / "run" / "contrib" / "1").iterdir() if p.name[0] != "."] == ["a"]
 
 
 def test_local_put_leaves_no_temp_files(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from servers_dht import DHTProcess, start_dht_nodes
 
 from protocol.errors import (
     ConfigError,
@@ -33,7 +34,6 @@ from protocol.errors import (
     StoreError,
     UnsupportedVersion,
 )
-from protocol.store.dht.store import DHTStore, IncompleteObject, _ancestry
 from protocol.store.dht.pieces import (
     MAX_MANIFEST_BYTES,
     assemble,
@@ -44,7 +44,7 @@ from protocol.store.dht.pieces import (
     tombstone,
 )
 from protocol.store.dht.serve import payload
-from servers_dht import DHTProcess, start_dht_nodes
+from protocol.store.dht.store import DHTStore, IncompleteObject, _ancestry
 
 PIECE = 256 << 10  # small pieces so that modest payloads span several records
 
@@ -199,8 +199,10 @@ def test_list_across_nodes_and_processes(swarm: Swarm) -> None:
     swarm.writer.put(f"{run}/peers/p1", b"announcement")
     assert swarm.reader.list(f"{run}/contrib/00000003/") == [f"{run}/contrib/00000003/p1", f"{run}/contrib/00000003/p2"]
     assert swarm.reader.list(f"{run}/contrib/0000000") == [
-        f"{run}/contrib/00000003/p1", f"{run}/contrib/00000003/p2", f"{run}/contrib/00000004/p1",
-    ]  # fmt: skip
+        f"{run}/contrib/00000003/p1",
+        f"{run}/contrib/00000003/p2",
+        f"{run}/contrib/00000004/p1",
+    ]
     assert swarm.reader.list(f"{run}/peers/") == [f"{run}/peers/p1"]  # the announcement index
     assert len(swarm.reader.list(f"{run}/")) == 4 and swarm.reader.list(f"{run}/nothing/") == []
     assert swarm.child.call(f"list {run}/peers/").split() == ["OK", f"{run}/peers/p1"]

@@ -137,9 +137,12 @@ def moto_endpoint() -> Iterator[str]:
     import boto3
 
     boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1",
-        aws_access_key_id="test", aws_secret_access_key="test",
-    ).create_bucket(Bucket="faults")  # fmt: skip
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+    ).create_bucket(Bucket="faults")
     yield endpoint
     server.stop()
 
@@ -182,9 +185,14 @@ class Injector:
 
 def make_store(endpoint: str, **opts: Any) -> S3Store:
     base: dict[str, Any] = dict(
-        endpoint_url=endpoint, region="us-east-1", access_key="test", secret_key="test",
-        max_attempts=1, retries=2, backoff_s=0.01,
-    )  # fmt: skip
+        endpoint_url=endpoint,
+        region="us-east-1",
+        access_key="test",
+        secret_key="test",
+        max_attempts=1,
+        retries=2,
+        backoff_s=0.01,
+    )
     return S3Store("faults", f"t{time.monotonic_ns()}", **{**base, **opts})
 
 

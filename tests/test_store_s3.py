@@ -137,9 +137,7 @@ def test_bad_credentials_rejected(s3: SeaweedS3, root: str) -> None:
             assert store.stats.retries == 0  # a refusal is not retried
 
 
-def test_no_credentials_is_a_config_error(
-    s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_no_credentials_is_a_config_error(s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
@@ -149,9 +147,7 @@ def test_no_credentials_is_a_config_error(
         S3Store(s3.bucket, endpoint_url=s3.endpoint_url)
 
 
-def test_credentials_and_endpoint_from_environment(
-    s3: SeaweedS3, root: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_credentials_and_endpoint_from_environment(s3: SeaweedS3, root: str, monkeypatch: pytest.MonkeyPatch) -> None:
     peer = s3.issue_credentials(f"{root}/envpeer")
     for name, value in peer.env(s3.endpoint_url).items():
         monkeypatch.setenv(name, value)
@@ -213,8 +209,11 @@ def test_peer_killed_mid_upload_leaves_no_object(s3: SeaweedS3, root: str) -> No
     env = {**os.environ, **peer.env(s3.endpoint_url)}
     proc = subprocess.Popen(
         [sys.executable, "-c", _DYING_UPLOADER, s3.bucket, root],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "PARTS-UPLOADED", proc.stderr.read()

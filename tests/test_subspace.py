@@ -10,10 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from client.pipeline.boundary import Boundary, BoundaryTransformer
-from client.trainer import load_params
-from protocol.config import RunSpec
-from protocol.errors import ConfigError
-from protocol.model import build_model, param_schema
 from client.pipeline.subspace import (
     EMBEDDING,
     Subspace,
@@ -25,6 +21,10 @@ from client.pipeline.subspace import (
     project_parameters_,
     subspace_rank,
 )
+from client.trainer import load_params
+from protocol.config import RunSpec
+from protocol.errors import ConfigError
+from protocol.model import build_model, param_schema
 
 MODEL = dict(dim=64, n_layers=4, n_heads=4, ffn_dim=96, max_seq_len=32)
 
@@ -95,8 +95,13 @@ def test_constrained_names_are_the_residual_writers_before_the_last_boundary() -
     schema = param_schema(cfg)
     names = constrained_names(cfg.n_layers, last_boundary=2)
     assert set(names) <= set(schema)
-    assert names == [EMBEDDING, "blocks.0.attn.wo.weight", "blocks.0.mlp.w_down.weight",
-                     "blocks.1.attn.wo.weight", "blocks.1.mlp.w_down.weight"]
+    assert names == [
+        EMBEDDING,
+        "blocks.0.attn.wo.weight",
+        "blocks.0.mlp.w_down.weight",
+        "blocks.1.attn.wo.weight",
+        "blocks.1.mlp.w_down.weight",
+    ]
     assert constrained_names(cfg.n_layers, 0) == []
     with pytest.raises(ConfigError):
         constrained_names(cfg.n_layers, 5)

@@ -30,8 +30,16 @@ def run() -> Iterator[tuple[RunSpec, ObjectStore]]:
     spec = RunSpec.from_dict({"model": TINY, "validator": {"public_keys": [VALIDATOR.public_key_hex]}})
     store = open_store(f"memory://sync-schema-{time.time_ns()}")
     params = {n: p.detach().clone() for n, p in build_model(spec.model).named_parameters()}
-    publish_checkpoint(store, layout.run_id(spec.hash()), spec.hash(), 0, aggregate=GENESIS, params=params,
-                       identity=VALIDATOR, published_at=GENESIS_AT)  # fmt: skip
+    publish_checkpoint(
+        store,
+        layout.run_id(spec.hash()),
+        spec.hash(),
+        0,
+        aggregate=GENESIS,
+        params=params,
+        identity=VALIDATOR,
+        published_at=GENESIS_AT,
+    )
     yield spec, store
     store.close()
 
@@ -40,10 +48,18 @@ def publish(spec: RunSpec, store: ObjectStore, tensors: dict[str, tuple[tuple[in
     """Aggregate 0 with one value at flat index ``i`` of each named tensor of the given shape."""
     delta = {n: (torch.tensor([i]), torch.tensor([1e-3])) for n, (_, i) in tensors.items()}
     blob = encode_window_aggregate(
-        run_hash=spec.hash(), window=0, base=GENESIS, alpha=1.0, delta=delta,
-        shapes={n: s for n, (s, _) in tensors.items()}, manifest=[], fingerprint_next="0" * 64,
-        published_at=GENESIS_AT + 1, metadata={}, identity=VALIDATOR,
-    )  # fmt: skip
+        run_hash=spec.hash(),
+        window=0,
+        base=GENESIS,
+        alpha=1.0,
+        delta=delta,
+        shapes={n: s for n, (s, _) in tensors.items()},
+        manifest=[],
+        fingerprint_next="0" * 64,
+        published_at=GENESIS_AT + 1,
+        metadata={},
+        identity=VALIDATOR,
+    )
     store.put(layout.aggregate_key(layout.run_id(spec.hash()), 0), blob)
 
 

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from client.schedule import lr_at
 from client.state import LocalState, Snapshot
 from client.trainer import InnerTrainer, load_params, pseudo_gradient, snapshot
 from protocol.config import InnerConfig, model_config
 from protocol.errors import ConfigError
 from protocol.model import build_model, fingerprint
-from client.schedule import lr_at
 
 MCFG = model_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)
 ICFG = InnerConfig(steps=3, lr=3e-3, warmup_steps=2, total_steps=20)

@@ -9,8 +9,8 @@ import torch
 from protocol import codec
 from protocol.config import CodecConfig, RunSpec, ValidatorConfig, WindowConfig
 from protocol.identity import Identity
-from protocol.wire import GENESIS, Contribution, encode_contribution
 from protocol.windows import gather_close, is_checkpoint_window, should_close, upload_deadline
+from protocol.wire import GENESIS, Contribution, encode_contribution
 from validator import checks
 from validator.copies import global_indices, overlap, scan
 from validator.log import CheckRow
@@ -21,8 +21,15 @@ CFG = CodecConfig()
 RUN = "12" * 32
 
 
-def blob(signer: Identity, *, window: int = 3, base: str = "ab" * 32, run: str = RUN, scale: float = 1.0,
-         tensors: dict[str, torch.Tensor] | None = None) -> bytes:  # fmt: skip
+def blob(
+    signer: Identity,
+    *,
+    window: int = 3,
+    base: str = "ab" * 32,
+    run: str = RUN,
+    scale: float = 1.0,
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> bytes:
     gen = torch.Generator().manual_seed(0)
     tensors = tensors or {n: torch.randn(s, generator=gen) * scale for n, s in SCHEMA.items()}
     enc = {n: codec.encode(t, CFG) for n, t in tensors.items()}
@@ -35,8 +42,15 @@ def peer() -> Identity:
 
 
 def ctx(peer: Identity, **kw: object) -> checks.Context:
-    base = dict(run_hash=RUN, window=3, expected_base="ab" * 32, codec=CFG, schema=SCHEMA, max_bytes=1 << 20,
-                registered=frozenset({peer.peer_id}))  # fmt: skip
+    base = dict(
+        run_hash=RUN,
+        window=3,
+        expected_base="ab" * 32,
+        codec=CFG,
+        schema=SCHEMA,
+        max_bytes=1 << 20,
+        registered=frozenset({peer.peer_id}),
+    )
     base.update(kw)
     return checks.Context(**base)  # type: ignore[arg-type]
 
@@ -216,8 +230,8 @@ def test_window_checks_norm_copy_score_capacity() -> None:
 # ------------------------------------------------------------------ hostile tensor tables
 def _crafted(signer: Identity, table: list[tuple[str, tuple[int, ...]]], payload: bytes) -> bytes:
     """A validly signed contribution whose tensor table declares ``table`` over ``payload``."""
-    from protocol.wire.frame import Kind, seal
     from protocol.wire.fields import TensorEntry, Writer, write_base, write_codec, write_metadata, write_table
+    from protocol.wire.frame import Kind, seal
 
     w = Writer()
     write_base(w, "ab" * 32)
@@ -247,7 +261,16 @@ def test_huge_undeclared_shape_is_schema_mismatch_before_the_codec_runs(
     data = _crafted(peer, table, bytes(range(256)) * 256)  # 64 KiB standing in for a 64 MB upload
     s = checks.screen(peer.peer_id, data, ctx(peer))
     assert s.reason == "schema_mismatch" and s.contribution is None and not s.sparse
-    assert [c.name for c in s.checks] == ["size", "format", "signature", "run", "window", "registered", "codec", "schema"]
+    assert [c.name for c in s.checks] == [
+        "size",
+        "format",
+        "signature",
+        "run",
+        "window",
+        "registered",
+        "codec",
+        "schema",
+    ]
     assert s.checks[-1] == CheckRow("schema", False, "schema_mismatch")
 
 

@@ -68,8 +68,9 @@ def test_honest_window_is_accepted_and_peers_reproduce_the_fingerprint(swarm: Sw
 
     # a peer verifies the aggregate with the RunSpec's key and replays it bit-exactly
     raw = swarm.store.get(layout.aggregate_key(swarm.run, 0), max_bytes=1 << 26)
-    verified = decode_aggregate(raw, run_hash=swarm.run_hash, max_bytes=1 << 26,
-                                allowed_signers=swarm.spec.validator.public_keys, window=0)  # fmt: skip
+    verified = decode_aggregate(
+        raw, run_hash=swarm.run_hash, max_bytes=1 << 26, allowed_signers=swarm.spec.validator.public_keys, window=0
+    )
     agg = verified.value
     assert {m.peer_id: m.digest for m in agg.manifest} == digests
     assert agg.base == GENESIS and agg.published_at == report.published_at > 0
@@ -139,17 +140,32 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
     assert report is not None
     reasons = {r.peer: r.reason for r in v.log.rows(windows=(1, 1))}
     expected = {
-        honest_a.peer_id: None, honest_b.peer_id: None, honest_c.peer_id: None,
-        forged.peer_id: "bad_signature", replayed.peer_id: "wrong_window", stale.peer_id: "stale_base",
-        oversized.peer_id: "too_large", truncated.peer_id: "malformed", wrong_run.peer_id: "wrong_run",
-        nan.peer_id: "non_finite", huge.peer_id: "norm_outlier", negated.peer_id: "harmful",
-        unregistered.peer_id: "unregistered", mallory.peer_id: "copied", empty.peer_id: "empty",
-    }  # fmt: skip
+        honest_a.peer_id: None,
+        honest_b.peer_id: None,
+        honest_c.peer_id: None,
+        forged.peer_id: "bad_signature",
+        replayed.peer_id: "wrong_window",
+        stale.peer_id: "stale_base",
+        oversized.peer_id: "too_large",
+        truncated.peer_id: "malformed",
+        wrong_run.peer_id: "wrong_run",
+        nan.peer_id: "non_finite",
+        huge.peer_id: "norm_outlier",
+        negated.peer_id: "harmful",
+        unregistered.peer_id: "unregistered",
+        mallory.peer_id: "copied",
+        empty.peer_id: "empty",
+    }
     assert reasons == expected
     assert report.accepted == 3 and report.rejected == len(expected) - 3
-    agg = read_aggregate(swarm.store, swarm.run, swarm.run_hash, 1,
-                         allowed_signers=spec.validator.public_keys, max_bytes=1 << 26)  # fmt: skip
-    assert agg is not None and {m.peer_id for m in agg.value.manifest} == {honest_a.peer_id, honest_b.peer_id, honest_c.peer_id}
+    agg = read_aggregate(
+        swarm.store, swarm.run, swarm.run_hash, 1, allowed_signers=spec.validator.public_keys, max_bytes=1 << 26
+    )
+    assert agg is not None and {m.peer_id for m in agg.value.manifest} == {
+        honest_a.peer_id,
+        honest_b.peer_id,
+        honest_c.peer_id,
+    }
     rejected = v.log.rows(windows=(1, 1), rejected_only=True)
     assert all(r.weight == 0.0 and r.detail for r in rejected)
     failed = {r.peer: [c for c in r.checks if not c.passed] for r in rejected}
@@ -157,7 +173,9 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
     v.close()
 
 
-def test_killed_before_publishing_redoes_the_window_without_double_counting(swarm: Swarm, vkey: Identity, tmp_path) -> None:
+def test_killed_before_publishing_redoes_the_window_without_double_counting(
+    swarm: Swarm, vkey: Identity, tmp_path
+) -> None:
     v = make_validator(swarm, vkey, tmp_path)
     params = theta0(swarm)
     for p in swarm.peers[:3]:
@@ -198,8 +216,9 @@ def test_killed_after_publishing_adopts_the_published_aggregate(swarm: Swarm, vk
     v.store.faults.crash_mid_upload(layout.checkpoint_prefix(swarm.run, 2))  # type: ignore[attr-defined]
     with pytest.raises(SimulatedCrash):
         v.run_window()
-    published = read_aggregate(swarm.store, swarm.run, swarm.run_hash, 1,
-                               allowed_signers=spec.validator.public_keys, max_bytes=1 << 26)  # fmt: skip
+    published = read_aggregate(
+        swarm.store, swarm.run, swarm.run_hash, 1, allowed_signers=spec.validator.public_keys, max_bytes=1 << 26
+    )
     assert published is not None
     v.log.close()
 
@@ -208,8 +227,9 @@ def test_killed_after_publishing_adopts_the_published_aggregate(swarm: Swarm, vk
     assert fingerprint(v2.state.params) == published.value.fingerprint
     assert v2.log.window(1).status == "published"  # type: ignore[union-attr]
     assert len(v2.log.rows(windows=(1, 1))) == 3
-    _, ckpt, _ = publish.load_checkpoint(swarm.store, swarm.run, swarm.run_hash, 2,
-                                         allowed_signers=spec.validator.public_keys)  # fmt: skip
+    _, ckpt, _ = publish.load_checkpoint(
+        swarm.store, swarm.run, swarm.run_hash, 2, allowed_signers=spec.validator.public_keys
+    )
     assert fingerprint(ckpt) == published.value.fingerprint
     v2.close()
 
@@ -238,7 +258,6 @@ def test_empty_window_closes_at_the_deadline_and_publishes(swarm: Swarm, vkey: I
 def test_a_key_missing_from_the_runspec_is_a_config_error(swarm: Swarm, tmp_path) -> None:
     with pytest.raises(ConfigError, match="public_keys"):
         Validator(swarm.spec, swarm.handle(), Identity.generate(), tmp_path)
-
 
 
 def test_repeated_failure_excludes_then_readmits_and_late_uploads_are_logged(vkey: Identity, tmp_path) -> None:
@@ -313,8 +332,12 @@ def test_active_peers_are_recent_uploaders_or_recent_announcements() -> None:
 
 def test_peers_that_left_stop_holding_windows_open(vkey: Identity, tmp_path) -> None:
     deadline = 6.0
-    sw = Swarm(tiny_spec(vkey, windows={"upload_deadline_s": deadline},
-                         validator={"active_windows": 1, "announcement_ttl_s": 0.5}), 4)  # fmt: skip
+    sw = Swarm(
+        tiny_spec(
+            vkey, windows={"upload_deadline_s": deadline}, validator={"active_windows": 1, "announcement_ttl_s": 0.5}
+        ),
+        4,
+    )
     a, b, left, never = sw.peers
     sw.announce_all()  # ``never`` announces and leaves at once; ``left`` uploads in window 0 only
     plan = [(a, b, left), (a, b), (a, b)]
@@ -363,6 +386,7 @@ def test_store_failures_are_retried_and_corrupted_reads_rejected(swarm: Swarm, v
     assert events[-1] == reports[0]
     v.close()
 
+
 # ------------------------------------------------------------------ the real command, as the swarm runs it
 @pytest.mark.integration
 def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity, tmp_path) -> None:
@@ -384,8 +408,20 @@ def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity,
     params = theta0(sw)
     for p in sw.peers:
         sw.upload(p.peer_id, 0, sw.honest(p, params, 0, GENESIS))
-    cmd = [sys.executable, "-m", "validator.cli", "run", "--run", str(tmp_path / "run.toml"),
-           "--key", str(tmp_path / "v.pem"), "--state", str(tmp_path / "st"), "--threads", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "validator.cli",
+        "run",
+        "--run",
+        str(tmp_path / "run.toml"),
+        "--key",
+        str(tmp_path / "v.pem"),
+        "--state",
+        str(tmp_path / "st"),
+        "--threads",
+        "1",
+    ]
 
     done = subprocess.run([*cmd, "--windows", "1"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -64,19 +64,24 @@ def test_honest_update_helps_its_own_data_and_negated_is_harmful(swarm: Swarm) -
     model = build_model(spec.model)
     before = {n: p.detach().clone() for n, p in parameters_of(model).items()}
     d = spec.data
-    own = take_sequences(assigned_batches(swarm.dataset, spec.seed, peer.peer_id, 0, spec.inner.steps,
-                                          d.batch_size, d.seq_len), 8)  # fmt: skip
+    own = take_sequences(
+        assigned_batches(swarm.dataset, spec.seed, peer.peer_id, 0, spec.inner.steps, d.batch_size, d.seq_len), 8
+    )
     rand = take_sequences(random_batches(swarm.dataset, 7, 2, d.batch_size, d.seq_len), 8)
     rand_before = eval_loss(model, rand)
     delta = swarm.delta(peer, before, 0)
 
-    honest = score_update(model, sparse_of(swarm.encode(delta)), own=own, random=rand, random_before=rand_before, scale=1.0)
+    honest = score_update(
+        model, sparse_of(swarm.encode(delta)), own=own, random=rand, random_before=rand_before, scale=1.0
+    )
     assert not honest.harmful and honest.loss_own_after < honest.loss_own_before
     assert honest.loss_random_before == rand_before
     assert all(torch.equal(p, before[n]) for n, p in parameters_of(model).items())  # restored bit-exactly
 
     neg = {n: -t for n, t in delta.items()}
-    harmful = score_update(model, sparse_of(swarm.encode(neg)), own=own, random=rand, random_before=rand_before, scale=1.0)
+    harmful = score_update(
+        model, sparse_of(swarm.encode(neg)), own=own, random=rand, random_before=rand_before, scale=1.0
+    )
     assert harmful.harmful and harmful.score < honest.score
     assert all(torch.equal(p, before[n]) for n, p in parameters_of(model).items())
 
@@ -93,5 +98,8 @@ def test_pipeline_stages_are_scored_as_one_unit() -> None:
         "h0": {"pipeline_group": "h", "pipeline_stage": 0},
     }
     assert scoring_units(meta) == {
-        "full-a": ["full-a"], "full-b": ["full-b"], "pipeline:g": ["s0", "s1"], "pipeline:h": ["h0"],
-    }  # fmt: skip
+        "full-a": ["full-a"],
+        "full-b": ["full-b"],
+        "pipeline:g": ["s0", "s1"],
+        "pipeline:h": ["h0"],
+    }

@@ -10,12 +10,24 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from wire_samples import BASE, CODEC, PEER, PUBLISHED_AT, RUN, SCHEMA, VALIDATOR, aggregate, announcement, blobs
-from wire_samples import checkpoint, contribution, resign
+from wire_samples import (
+    BASE,
+    CODEC,
+    PEER,
+    PUBLISHED_AT,
+    RUN,
+    SCHEMA,
+    VALIDATOR,
+    aggregate,
+    announcement,
+    blobs,
+    checkpoint,
+    contribution,
+    resign,
+)
 
 from protocol import codec
 from protocol.config import CodecConfig, RunSpec, model_config
-from protocol.wire.frame import ENVELOPE_OVERHEAD, Kind, peek_kind
 from protocol.errors import (
     BadSignature,
     InvalidIndices,
@@ -58,6 +70,7 @@ from protocol.wire.fields import (
     write_metadata,
     write_table,
 )
+from protocol.wire.frame import ENVELOPE_OVERHEAD, Kind, peek_kind
 
 CAP = 1 << 20
 OTHER_RUN = RunSpec.default().replace(seed=99).hash()
@@ -119,15 +132,23 @@ def test_checkpoint_and_announcement_roundtrip() -> None:
         blobs_[Kind.CHECKPOINT], run_hash=RUN, max_bytes=CAP, allowed_signers=[VALIDATOR.public_key], window=10
     )
     dm = vm.value
-    assert (dm.files, dm.aggregate, dm.fingerprint, dict(dm.metadata)) == (m.files, m.aggregate, m.fingerprint, dict(m.metadata))
+    assert (dm.files, dm.aggregate, dm.fingerprint, dict(dm.metadata)) == (
+        m.files,
+        m.aggregate,
+        m.fingerprint,
+        dict(m.metadata),
+    )
     assert dm.published_at == PUBLISHED_AT and vm.sender == VALIDATOR.peer_id
     an = announcement()
     va = decode_announcement(blobs_[Kind.ANNOUNCEMENT], run_hash=RUN, max_bytes=CAP, sender=PEER.peer_id)
     da = va.value
     assert va.sender == PEER.peer_id and va.size == len(blobs_[Kind.ANNOUNCEMENT])
     assert (da.client_version, da.hardware, da.role, dict(da.metadata)) == (
-        an.client_version, an.hardware, an.role, dict(an.metadata),
-    )  # fmt: skip
+        an.client_version,
+        an.hardware,
+        an.role,
+        dict(an.metadata),
+    )
 
 
 def test_decode_object_dispatches_on_kind() -> None:

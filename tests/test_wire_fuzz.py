@@ -22,12 +22,12 @@ from collections.abc import Callable
 import pytest
 from wire_samples import PEER, VALIDATOR, blobs, resign, sign_raw
 
-from protocol.wire.frame import FIXED_HEADER_BYTES, Kind
+from protocol.config import CodecConfig
 from protocol.errors import MalformedPayload, PayloadTooLarge, ProtocolError, UnsupportedVersion
 from protocol.identity import SIGNATURE_BYTES
 from protocol.wire import decode_object
-from protocol.config import CodecConfig
 from protocol.wire.fields import MAX_TENSORS, Writer, write_codec, write_metadata
+from protocol.wire.frame import FIXED_HEADER_BYTES, Kind
 
 CAP = 1 << 20
 RAW_PER_KIND = 3000

@@ -8,7 +8,6 @@ import torch
 
 from protocol import codec
 from protocol.config import CodecConfig, RunSpec
-from protocol.wire.frame import Kind, seal
 from protocol.identity import Identity
 from protocol.layout import checkpoint_key, run_id
 from protocol.wire import (
@@ -25,6 +24,7 @@ from protocol.wire import (
     encode_checkpoint,
     encode_contribution,
 )
+from protocol.wire.frame import Kind, seal
 
 RUN = RunSpec.default().hash()
 RUN_ID = run_id(RUN)
@@ -81,7 +81,7 @@ def blobs() -> dict[Kind, bytes]:
 
 def resign(data: bytes, identity: Identity, *, body: bytes | None = None, payload: bytes | None = None) -> bytes:
     """Rebuild an object around a new body and/or payload with a valid signature (crafted input)."""
-    from protocol.wire.frame import FIXED_HEADER_BYTES, _FIXED
+    from protocol.wire.frame import _FIXED, FIXED_HEADER_BYTES
 
     _, _, kind, run_raw, window, _, body_len, payload_len = _FIXED.unpack_from(data, 0)
     old_body = data[FIXED_HEADER_BYTES : FIXED_HEADER_BYTES + body_len]

@@ -50,9 +50,22 @@ __all__ = [
 ]
 
 CHECK_ORDER = (
-    "size", "format", "signature", "run", "window", "registered", "codec", "schema", "finite", "sync",
-    "excluded", "norm", "copy", "score", "capacity",
-)  # fmt: skip
+    "size",
+    "format",
+    "signature",
+    "run",
+    "window",
+    "registered",
+    "codec",
+    "schema",
+    "finite",
+    "sync",
+    "excluded",
+    "norm",
+    "copy",
+    "score",
+    "capacity",
+)
 
 # ProtocolError.reason (raised while decoding) -> the check that failed
 _REASON_CHECK = {
@@ -208,14 +221,22 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
     """Run ``size`` … ``excluded`` on the bytes found at ``contrib/<window>/<peer>``. Pure."""
     rows: list[CheckRow] = [check_size(len(data), ctx.max_bytes)]
     if not rows[0].passed:
-        return Screened(peer=peer, checks=tuple(rows), reason=rows[0].reason, detail=f"{len(data)} bytes, cap {ctx.max_bytes}")
+        return Screened(
+            peer=peer, checks=tuple(rows), reason=rows[0].reason, detail=f"{len(data)} bytes, cap {ctx.max_bytes}"
+        )
     try:
         # With the window, codec and schema given, a hostile tensor table is refused before the
         # codec allocates anything for it; a subset of the schema is fine (pipeline stages).
         verified = decode_contribution(
-            data, run_hash=ctx.run_hash, max_bytes=ctx.max_bytes, sender=peer, window=ctx.window,
-            schema=ctx.schema, partial=True, codec_cfg=ctx.codec,
-        )  # fmt: skip
+            data,
+            run_hash=ctx.run_hash,
+            max_bytes=ctx.max_bytes,
+            sender=peer,
+            window=ctx.window,
+            schema=ctx.schema,
+            partial=True,
+            codec_cfg=ctx.codec,
+        )
     except ProtocolError as exc:
         return _undecodable(peer, exc, ctx)
     c = verified.value
@@ -233,7 +254,9 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
         row = check()
         rows.append(row)
         if not row.passed:
-            return Screened(peer=peer, checks=tuple(rows), reason=row.reason, detail=_detail(row, c, ctx), contribution=verified)
+            return Screened(
+                peer=peer, checks=tuple(rows), reason=row.reason, detail=_detail(row, c, ctx), contribution=verified
+            )
         if row.name == "schema":
             sparse = sparse_of(c.tensors)  # decoded once, after the shapes are known to be sane
     return Screened(peer=peer, checks=tuple(rows), reason=None, contribution=verified, sparse=sparse)

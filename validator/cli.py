@@ -56,7 +56,9 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--key", "key_path", default=DEFAULT_KEY, show_default=True, help="Ed25519 key file (created if missing).")
+@click.option(
+    "--key", "key_path", default=DEFAULT_KEY, show_default=True, help="Ed25519 key file (created if missing)."
+)
 def keygen(key_path: str) -> None:
     """Create (or load) the validator key and print its public key for ``validator.public_keys``."""
     ident = Identity.load_or_create(key_path)
@@ -134,9 +136,15 @@ def _open_validator(
         torch.set_num_threads(threads)
     spec = RunSpec.load(run_path)
     ident = Identity.load(Path(key_path).expanduser())
-    validator = Validator(spec, open_from_settings(spec.storage, store_url, dht_peers), ident, state_dir, device=device, emit=emit)
+    validator = Validator(
+        spec, open_from_settings(spec.storage, store_url, dht_peers), ident, state_dir, device=device, emit=emit
+    )
     started = ValidatorStarted(
-        peer_id=ident.peer_id, run_id=validator.run_id, run_hash=validator.run_hash, store=store_url or spec.storage.url, device=device
+        peer_id=ident.peer_id,
+        run_id=validator.run_id,
+        run_hash=validator.run_hash,
+        store=store_url or spec.storage.url,
+        device=device,
     )
     emit(started)
     return validator
@@ -191,7 +199,20 @@ def _install_stop(validator: Validator) -> None:
 
 
 # ------------------------------------------------------------------------------ logs
-_COLUMNS = ("window", "peer", "accepted", "reason", "bytes", "norm", "overlap", "own Δ", "random Δ", "score", "rep", "weight")
+_COLUMNS = (
+    "window",
+    "peer",
+    "accepted",
+    "reason",
+    "bytes",
+    "norm",
+    "overlap",
+    "own Δ",
+    "random Δ",
+    "score",
+    "rep",
+    "weight",
+)
 
 
 @cli.command()
@@ -305,11 +326,19 @@ def _rows_table(rows: list[dict[str, object]]) -> Table:
         own = _delta(r["loss_own_before"], r["loss_own_after"])
         rnd = _delta(r["loss_random_before"], r["loss_random_after"])
         t.add_row(
-            str(r["window"]), str(r["peer"])[:12], "[green]yes[/green]" if r["accepted"] else "[red]no[/red]",
-            _fmt(r["reason"]) if not r["accepted"] else "", _fmt(r["bytes"]), _fmt(r["norm"]), _fmt(r["overlap"], 2),
-            own, rnd,
-            _fmt(r["score"]), _fmt(r["reputation"], 3), _fmt(r["weight"], 2),
-        )  # fmt: skip
+            str(r["window"]),
+            str(r["peer"])[:12],
+            "[green]yes[/green]" if r["accepted"] else "[red]no[/red]",
+            _fmt(r["reason"]) if not r["accepted"] else "",
+            _fmt(r["bytes"]),
+            _fmt(r["norm"]),
+            _fmt(r["overlap"], 2),
+            own,
+            rnd,
+            _fmt(r["score"]),
+            _fmt(r["reputation"], 3),
+            _fmt(r["weight"], 2),
+        )
     return t
 
 
@@ -325,8 +354,13 @@ def _windows_table(rows: list[dict[str, object]]) -> Table:
         t.add_column(c, justify="left" if c in ("status", "fingerprint", "digest") else "right")
     for r in rows:
         t.add_row(
-            str(r["window"]), str(r["status"]), _fmt(r["val_loss"]), str(r["accepted"]), str(r["rejected"]),
-            _fmt(r["fingerprint"])[:16], _fmt(r["digest"])[:16],
+            str(r["window"]),
+            str(r["status"]),
+            _fmt(r["val_loss"]),
+            str(r["accepted"]),
+            str(r["rejected"]),
+            _fmt(r["fingerprint"])[:16],
+            _fmt(r["digest"])[:16],
         )
     return t
 
@@ -338,10 +372,14 @@ def _summary_table(rows: list[dict[str, object]]) -> Table:
     for r in rows:
         rate = r["acceptance_rate"]
         t.add_row(
-            str(r["peer"])[:12], str(r["windows"]), str(r["accepted"]),
-            f"{rate:.0%}" if isinstance(rate, float) else "–", _fmt(r["mean_score"]), _fmt(r["reputation"], 3),
+            str(r["peer"])[:12],
+            str(r["windows"]),
+            str(r["accepted"]),
+            f"{rate:.0%}" if isinstance(rate, float) else "–",
+            _fmt(r["mean_score"]),
+            _fmt(r["reputation"], 3),
             str(r["last_window"]),
-        )  # fmt: skip
+        )
     return t
 
 

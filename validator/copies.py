@@ -15,8 +15,8 @@ must never be able to win a coin toss against the peer it copied.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 

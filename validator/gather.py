@@ -184,7 +184,11 @@ def gather(
         pool.shutdown(wait=False, cancel_futures=True)
     for peer in pending:
         done[peer] = Received(
-            peer=peer, key=keys[peer], received_at=seen[peer], reason="store_error", detail="fetch did not finish in time"
+            peer=peer,
+            key=keys[peer],
+            received_at=seen[peer],
+            reason="store_error",
+            detail="fetch did not finish in time",
         )
     return done
 

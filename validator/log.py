@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 __all__ = ["LOG_FILE", "CheckRow", "ContributionLog", "ContributionRecord", "LeaderRow", "WindowRecord"]
 
@@ -163,7 +164,7 @@ class ContributionLog:
         with self._lock:
             self._db.close()
 
-    def __enter__(self) -> "ContributionLog":
+    def __enter__(self) -> ContributionLog:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -297,8 +298,15 @@ class ContributionLog:
                 args,
             ).fetchall()
         board = [
-            LeaderRow(peer=peer, windows=n, accepted=int(acc or 0), acceptance_rate=(acc or 0) / n, mean_score=score,
-                      reputation=rep, last_window=last)
+            LeaderRow(
+                peer=peer,
+                windows=n,
+                accepted=int(acc or 0),
+                acceptance_rate=(acc or 0) / n,
+                mean_score=score,
+                reputation=rep,
+                last_window=last,
+            )
             for peer, n, acc, score, last, rep in raw
         ]
         return sorted(board, key=lambda r: (-(r.reputation or 0.0), -r.accepted, r.peer))

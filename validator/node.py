@@ -39,8 +39,8 @@ from protocol.events import Event, WindowOpened, WindowPublished, WindowRetry
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, param_schema, parameters_of
 from protocol.store.base import ObjectStore
-from protocol.wire import GENESIS, Aggregate, Verified, decode_aggregate
 from protocol.windows import is_checkpoint_window
+from protocol.wire import GENESIS, Aggregate, Verified, decode_aggregate
 from validator import checks, publish, window_checks
 from validator.gather import PeerRegistry, Received, gather, list_contributions
 from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
@@ -179,9 +179,15 @@ class Validator:
         except ObjectNotFound:
             opened_at = self.clock()
             publish.publish_checkpoint(
-                self.store, self.run_id, self.run_hash, 0, aggregate=GENESIS, params=params,
-                identity=self.identity, published_at=opened_at,
-            )  # fmt: skip
+                self.store,
+                self.run_id,
+                self.run_hash,
+                0,
+                aggregate=GENESIS,
+                params=params,
+                identity=self.identity,
+                published_at=opened_at,
+            )
         state = ValidatorState(self.run_hash, 0, GENESIS, opened_at, params)
         save_state(self.state_dir, state)
         return state
@@ -193,11 +199,18 @@ class Validator:
             st = self._state()
             try:
                 agg = read_aggregate(
-                    self.store, self.run_id, self.run_hash, st.window,
-                    allowed_signers=self.signers, max_bytes=self.spec.validator.max_aggregate_bytes, schema=self.schema,
-                )  # fmt: skip
+                    self.store,
+                    self.run_id,
+                    self.run_hash,
+                    st.window,
+                    allowed_signers=self.signers,
+                    max_bytes=self.spec.validator.max_aggregate_bytes,
+                    schema=self.schema,
+                )
             except ProtocolError as exc:
-                raise ConfigError(f"the store's aggregate {st.window} is invalid; cannot continue the chain: {exc}") from exc
+                raise ConfigError(
+                    f"the store's aggregate {st.window} is invalid; cannot continue the chain: {exc}"
+                ) from exc
             if agg is None:
                 return
             if agg.value.base != st.base:
@@ -213,8 +226,10 @@ class Validator:
         agg = verified.value
         win = self.log.window(agg.window)
         if win is None:  # decisions lost with the state directory: keep what the manifest proves
-            rows = [ContributionRecord(window=agg.window, peer=m.peer_id, digest=m.digest, accepted=True, weight=m.weight)
-                    for m in agg.manifest]  # fmt: skip
+            rows = [
+                ContributionRecord(window=agg.window, peer=m.peer_id, digest=m.digest, accepted=True, weight=m.weight)
+                for m in agg.manifest
+            ]
             win = WindowRecord(window=agg.window, accepted=len(rows), fingerprint=agg.fingerprint, base=agg.base)
             self.log.record_window(win, rows)
         self.log.mark_published(agg.window, digest=verified.digest, published_at=agg.published_at)
@@ -225,10 +240,15 @@ class Validator:
         standing = self._standings(t)
         excluded = frozenset(p for p, s in standing.items() if is_excluded(s, t))
         return checks.Context(
-            run_hash=self.run_hash, window=t, expected_base=base, codec=self.spec.codec, schema=self.schema,
+            run_hash=self.run_hash,
+            window=t,
+            expected_base=base,
+            codec=self.spec.codec,
+            schema=self.schema,
             max_bytes=self.spec.validator.max_contribution_bytes,
-            registered=registered, excluded=excluded,
-        )  # fmt: skip
+            registered=registered,
+            excluded=excluded,
+        )
 
     def _gather(self, t: int, opened_at: float, ctx: checks.Context) -> dict[str, Received]:
         """Until the deadline, or until every active peer (see ``gather.active_peers``) uploaded."""
@@ -241,11 +261,18 @@ class Validator:
             return self.log.note_received(t, peer, received_at=now, nbytes=None)
 
         return gather(
-            self.store, self.run_id, t, opened_at=opened_at, windows=self.spec.windows,
-            max_bytes=cfg.max_contribution_bytes, concurrency=cfg.max_gather_concurrency,
+            self.store,
+            self.run_id,
+            t,
+            opened_at=opened_at,
+            windows=self.spec.windows,
+            max_bytes=cfg.max_contribution_bytes,
+            concurrency=cfg.max_gather_concurrency,
             expected=lambda: self.registry.active(recent, cfg.announcement_ttl_s) - ctx.excluded,
-            stop=self.stop, clock=self.clock, on_seen=seen,
-        )  # fmt: skip
+            stop=self.stop,
+            clock=self.clock,
+            on_seen=seen,
+        )
 
     def _screen(self, r: Received, ctx: checks.Context) -> checks.Screened:
         if r.data is None:
@@ -264,16 +291,20 @@ class Validator:
             return {}
         seed = int.from_bytes(hashlib.sha256(f"{self.spec.seed}|{t}|{base}".encode()).digest()[:8], "little")
         n_batches = -(-cfg.eval_sequences // data.batch_size)
-        rand = take_sequences(random_batches(self.dataset, seed, n_batches, data.batch_size, data.seq_len), cfg.eval_sequences)
+        rand = take_sequences(
+            random_batches(self.dataset, seed, n_batches, data.batch_size, data.seq_len), cfg.eval_sequences
+        )
         rand_before = eval_loss(self.model, rand, self.device)
         scale = cfg.eval_scale * self.spec.outer.alpha
         out = {}
         for key in sample:  # a peer, or the stages of one pipeline replica (disjoint slices)
             update = {name: v for peer in units[key] for name, v in live[peer].sparse.items()}
             own = take_sequences(
-                assigned_batches(self.dataset, self.spec.seed, key, t, self.spec.inner.steps, data.batch_size, data.seq_len),
+                assigned_batches(
+                    self.dataset, self.spec.seed, key, t, self.spec.inner.steps, data.batch_size, data.seq_len
+                ),
                 cfg.eval_sequences,
-            )  # fmt: skip
+            )
             score = score_update(
                 self.model, update, own=own, random=rand, random_before=rand_before, scale=scale, device=self.device
             )
@@ -295,19 +326,37 @@ class Validator:
         for s in sorted(screened, key=lambda s: s.peer):
             r, sc, c = received[s.peer], scores.get(s.peer), s.contribution
             accepted = s.reason is None
-            st = update(standing.get(s.peer, Standing()), Outcome(t, s.peer, accepted, s.reason, sc.score if sc else None), self.spec.validator)
-            rows.append(ContributionRecord(
-                window=t, peer=s.peer, received_at=r.received_at, bytes=r.nbytes, digest=c.digest if c else None,
-                accepted=accepted, reason=s.reason, detail=s.detail,
-                norm=window_checks.total_norm(s.sparse) if s.sparse else None, overlap=s.overlap,
-                loss_own_before=sc.loss_own_before if sc else None, loss_own_after=sc.loss_own_after if sc else None,
-                loss_random_before=sc.loss_random_before if sc else None,
-                loss_random_after=sc.loss_random_after if sc else None, score=sc.score if sc else None, reputation=st.reputation, weight=1.0 if accepted else 0.0, checks=s.checks,
-            ))  # fmt: skip
+            st = update(
+                standing.get(s.peer, Standing()),
+                Outcome(t, s.peer, accepted, s.reason, sc.score if sc else None),
+                self.spec.validator,
+            )
+            rows.append(
+                ContributionRecord(
+                    window=t,
+                    peer=s.peer,
+                    received_at=r.received_at,
+                    bytes=r.nbytes,
+                    digest=c.digest if c else None,
+                    accepted=accepted,
+                    reason=s.reason,
+                    detail=s.detail,
+                    norm=window_checks.total_norm(s.sparse) if s.sparse else None,
+                    overlap=s.overlap,
+                    loss_own_before=sc.loss_own_before if sc else None,
+                    loss_own_after=sc.loss_own_after if sc else None,
+                    loss_random_before=sc.loss_random_before if sc else None,
+                    loss_random_after=sc.loss_random_after if sc else None,
+                    score=sc.score if sc else None,
+                    reputation=st.reputation,
+                    weight=1.0 if accepted else 0.0,
+                    checks=s.checks,
+                )
+            )
         return rows
 
     def _publish(
-        self, t: int, st: ValidatorState, rows: list[ContributionRecord], delta: SparseDict, clock: "_PhaseClock"
+        self, t: int, st: ValidatorState, rows: list[ContributionRecord], delta: SparseDict, clock: _PhaseClock
     ) -> WindowPublished:
         nxt = {n: p.detach().clone() for n, p in st.params.items()}
         apply_outer(nxt, delta, self.spec.outer.alpha)
@@ -318,12 +367,29 @@ class Validator:
         accepted = [r for r in rows if r.accepted]
         meta = {"val_loss": val_loss, "accepted": len(accepted), "rejected": len(rows) - len(accepted)}
         blob = publish.encode_window_aggregate(
-            run_hash=self.run_hash, window=t, base=st.base, alpha=self.spec.outer.alpha, delta=delta,
-            shapes=self.schema, manifest=[(r.peer, r.digest or "", r.weight) for r in accepted],
-            fingerprint_next=fp, published_at=published_at, metadata=meta, identity=self.identity,
-        )  # fmt: skip
-        win = WindowRecord(window=t, status="decided", opened_at=st.opened_at, closed_at=published_at, base=st.base,
-                           fingerprint=fp, val_loss=val_loss, accepted=len(accepted), rejected=len(rows) - len(accepted))  # fmt: skip
+            run_hash=self.run_hash,
+            window=t,
+            base=st.base,
+            alpha=self.spec.outer.alpha,
+            delta=delta,
+            shapes=self.schema,
+            manifest=[(r.peer, r.digest or "", r.weight) for r in accepted],
+            fingerprint_next=fp,
+            published_at=published_at,
+            metadata=meta,
+            identity=self.identity,
+        )
+        win = WindowRecord(
+            window=t,
+            status="decided",
+            opened_at=st.opened_at,
+            closed_at=published_at,
+            base=st.base,
+            fingerprint=fp,
+            val_loss=val_loss,
+            accepted=len(accepted),
+            rejected=len(rows) - len(accepted),
+        )
         self.log.record_window(win, rows)
         self.store.put(layout.aggregate_key(self.run_id, t), blob, if_absent=True)
         agg = decode_aggregate(blob, run_hash=self.run_hash, max_bytes=len(blob), allowed_signers=self.signers)
@@ -335,8 +401,15 @@ class Validator:
                 reasons[r.reason] = reasons.get(r.reason, 0) + 1
         clock.lap("publish")
         report = WindowPublished(
-            window=t, accepted=len(accepted), rejected=len(rows) - len(accepted), val_loss=val_loss, digest=agg.digest,
-            fingerprint=fp, published_at=published_at, reasons=reasons, seconds=clock.seconds,
+            window=t,
+            accepted=len(accepted),
+            rejected=len(rows) - len(accepted),
+            val_loss=val_loss,
+            digest=agg.digest,
+            fingerprint=fp,
+            published_at=published_at,
+            reasons=reasons,
+            seconds=clock.seconds,
         )
         self.emit(report)
         return report
@@ -346,9 +419,15 @@ class Validator:
         nxt = ValidatorState(self.run_hash, st.window + 1, agg.digest, agg.value.published_at, params)
         if is_checkpoint_window(nxt.window, self.spec.windows):
             publish.publish_checkpoint(
-                self.store, self.run_id, self.run_hash, nxt.window, aggregate=agg.digest, params=params,
-                identity=self.identity, published_at=nxt.opened_at,
-            )  # fmt: skip
+                self.store,
+                self.run_id,
+                self.run_hash,
+                nxt.window,
+                aggregate=agg.digest,
+                params=params,
+                identity=self.identity,
+                published_at=nxt.opened_at,
+            )
         save_state(self.state_dir, nxt)
         self.state = nxt
         self._load_params(params)
@@ -362,10 +441,16 @@ class Validator:
         except StoreError:
             return  # best effort: they are looked for again at the next window
         late = [
-            ContributionRecord(window=window, peer=peer, received_at=self.clock(), reason=LATE,
-                               detail="uploaded after the window closed", checks=(checks.fail("deadline", LATE),))
+            ContributionRecord(
+                window=window,
+                peer=peer,
+                received_at=self.clock(),
+                reason=LATE,
+                detail="uploaded after the window closed",
+                checks=(checks.fail("deadline", LATE),),
+            )
             for peer in sorted(set(listed) - decided)
-        ]  # fmt: skip
+        ]
         if late:
             self.log.record_rows(late)
 
@@ -376,7 +461,9 @@ class Validator:
         return self.state
 
     def _standings(self, t: int) -> dict[str, Standing]:
-        history = [Outcome(r.window, r.peer, r.accepted, r.reason, r.score) for r in self.log.rows(windows=(None, t - 1))]
+        history = [
+            Outcome(r.window, r.peer, r.accepted, r.reason, r.score) for r in self.log.rows(windows=(None, t - 1))
+        ]
         return standings(history, self.spec.validator, before=t)
 
     def _load_params(self, params: dict[str, torch.Tensor]) -> None:

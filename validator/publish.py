@@ -33,10 +33,12 @@ from protocol.wire import (
     CheckpointFile,
     CheckpointManifest,
     ManifestEntry,
-    SparseDelta as WireDelta,
     decode_checkpoint,
     encode_aggregate,
     encode_checkpoint,
+)
+from protocol.wire import (
+    SparseDelta as WireDelta,
 )
 
 __all__ = [

@@ -18,8 +18,8 @@ after a crash cannot count a failure twice.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Iterable
 
 from protocol.config import ValidatorConfig
 

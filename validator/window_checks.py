@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from protocol.aggregate import SparseDict
 from validator import checks
-from validator.copies import scan, global_indices
+from validator.copies import global_indices, scan
 from validator.log import CheckRow
 from validator.scoring import LossScore
 

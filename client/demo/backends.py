@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from protocol import layout
-from protocol.errors import ConfigError
 from client.demo.errors import DemoError
 from client.demo.processes import ProcessGroup
 from client.demo.seaweed import INSTALL_HINT, SeaweedS3, peer_grants, weed_available
+from protocol import layout
+from protocol.errors import ConfigError
 
 KINDS = ("file", "s3", "dht")
 
@@ -96,7 +96,9 @@ def _seaweed() -> Iterator[SeaweedS3]:
 # ---------------------------------------------------------------------- DHT (hivemind)
 def _dht_bootstrap(group: ProcessGroup, timeout_s: float = 60.0) -> list[str]:
     """Start a bootstrap DHT node on 127.0.0.1 in ``group``; return its multiaddrs."""
-    group.start("dht-bootstrap", [sys.executable, "-m", "protocol.store.dht.serve", "--host", "127.0.0.1", "--port", "0"])
+    group.start(
+        "dht-bootstrap", [sys.executable, "-m", "protocol.store.dht.serve", "--host", "127.0.0.1", "--port", "0"]
+    )
     maddrs: list[str] = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -18,12 +18,22 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from protocol.errors import ConfigError
-from protocol.events import Event, Failed, Joined, PeerWindow, Resynced, SyncFailed, WindowPublished, WindowRetry, describe
 from client.demo.backends import KINDS
 from client.demo.errors import DemoError
-from client.demo.swarm import PRESET, VALIDATOR, run_demo
 from client.demo.processes import install_signal_handlers
+from client.demo.swarm import PRESET, VALIDATOR, run_demo
+from protocol.errors import ConfigError
+from protocol.events import (
+    Event,
+    Failed,
+    Joined,
+    PeerWindow,
+    Resynced,
+    SyncFailed,
+    WindowPublished,
+    WindowRetry,
+    describe,
+)
 
 EXIT_FAILED = 1  # a process crashed or the run timed out (DemoError)
 EXIT_CONFIG = 2  # the run cannot start: a bad preset, a missing SeaweedFS binary
@@ -34,13 +44,21 @@ EXIT_INTERRUPTED = 130
 @click.option("--peers", default=3, show_default=True, type=click.IntRange(1, 64), help="Peer processes.")
 @click.option("--windows", default=6, show_default=True, type=click.IntRange(1), help="Windows to run.")
 @click.option("--store", default="file", show_default=True, type=click.Choice(KINDS), help="Object store.")
-@click.option("--dir", "run_dir", default=None, type=click.Path(file_okay=False), help="Run directory [default: a new temp dir].")
+@click.option(
+    "--dir", "run_dir", default=None, type=click.Path(file_okay=False), help="Run directory [default: a new temp dir]."
+)
 @click.option("--timeout", "timeout_s", default=1200.0, show_default=True, help="Give up after this many seconds.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object on the last line.")
-@click.option("--preset", default=str(PRESET), show_default=False, type=click.Path(exists=True, dir_okay=False),
-              help="RunSpec TOML to run [default: protocol/presets/demo.toml].")  # fmt: skip
-def demo(peers: int, windows: int, store: str, run_dir: str | None, timeout_s: float, as_json: bool,
-         preset: str) -> None:  # fmt: skip
+@click.option(
+    "--preset",
+    default=str(PRESET),
+    show_default=False,
+    type=click.Path(exists=True, dir_okay=False),
+    help="RunSpec TOML to run [default: protocol/presets/demo.toml].",
+)
+def demo(
+    peers: int, windows: int, store: str, run_dir: str | None, timeout_s: float, as_json: bool, preset: str
+) -> None:
     """Run a validator and N peers as separate processes on this machine (the demo RunSpec preset:
     a small LLaMA-style model on the Python standard library's source, H = 30).
 
@@ -66,8 +84,15 @@ def demo(peers: int, windows: int, store: str, run_dir: str | None, timeout_s: f
     err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
     out = err if as_json else Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     try:
-        summary = run_demo(peers=peers, windows=windows, store=store, run_dir=run_dir, timeout_s=timeout_s,
-                           on_event=_Progress(err), preset=preset)  # fmt: skip
+        summary = run_demo(
+            peers=peers,
+            windows=windows,
+            store=store,
+            run_dir=run_dir,
+            timeout_s=timeout_s,
+            on_event=_Progress(err),
+            preset=preset,
+        )
     except DemoError as exc:
         err.print(f"[red]demo failed:[/red] {exc}")
         sys.exit(EXIT_FAILED)
@@ -124,8 +149,12 @@ def summary_table(s: dict[str, Any]) -> Table:
     t.add_column("accepted", justify="right")
     t.add_column("rejected", justify="right")
     for i, loss in enumerate(s["val_loss_per_window"]):
-        t.add_row(str(i), f"{loss:.4f}" if loss is not None else "–", str(s["accepted_per_window"][i]),
-                  str(s["rejected_per_window"][i]))  # fmt: skip
+        t.add_row(
+            str(i),
+            f"{loss:.4f}" if loss is not None else "–",
+            str(s["accepted_per_window"][i]),
+            str(s["rejected_per_window"][i]),
+        )
     ratio = s["dense_fp32_bytes"] / max(1, s["upload_bytes_per_peer_per_window"])
     t.caption = (
         f"fingerprints equal: {s['fingerprints_equal']} · contributions accounted: {s['contributions_accounted']} · "

@@ -69,8 +69,9 @@ class ProcessGroup:
         self._all_pids: dict[str, int] = {}
 
     # ------------------------------------------------------------------ start
-    def start(self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-              cwd: str | Path | None = None) -> Child:
+    def start(
+        self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None
+    ) -> Child:
         """Start ``argv`` as ``name`` in a new process group; stdout and stderr are streamed."""
         if name in self.children and self.children[name].alive():
             raise RuntimeError(f"process {name!r} is already running")
@@ -202,7 +203,7 @@ class ProcessGroup:
             child.log.close()
             child.log = None
 
-    def __enter__(self) -> "ProcessGroup":
+    def __enter__(self) -> ProcessGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -41,15 +41,29 @@ from protocol import layout
 from protocol.store.s3 import S3Store
 
 __all__ = [
-    "Credentials", "SeaweedS3", "WeedMissing", "free_port_pair", "free_ports", "peer_grants", "seaweed_server",
+    "Credentials",
+    "SeaweedS3",
+    "WeedMissing",
+    "free_port_pair",
+    "free_ports",
+    "peer_grants",
+    "seaweed_server",
     "weed_available",
-]  # fmt: skip
+]
 
 PORT_FLAGS = (
-    "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
-    "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance",
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "s3.port.iceberg",
+    "s3.port.lance",
     "webdav.port",
-)  # fmt: skip
+)
 # weed's embedded maintenance worker dials the admin HTTP port + 10000 whatever -admin.port.grpc
 # says, so the admin pair is chosen with that offset.
 _ADMIN_GRPC_OFFSET = 10000
@@ -160,7 +174,7 @@ class SeaweedS3:
     _dir: Path | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "SeaweedS3":
+    def start(self) -> SeaweedS3:
         if not weed_available():
             raise WeedMissing(f"the SeaweedFS `weed` binary is not installed: {INSTALL_HINT}")
         self._dir = Path(tempfile.mkdtemp(prefix="seaweed-"))
@@ -197,18 +211,31 @@ class SeaweedS3:
             self.ports.update({"admin.port": admin, "admin.port.grpc": admin_grpc})
         d = self._dir
         args = [
-            weed_binary() or "weed", f"-logdir={d / 'logs'}", "mini", f"-dir={d / 'data'}",
-            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-webdav=false", "-admin.ui=false",
-            f"-s3.config={d / 'identities.json'}", "-master.telemetry=false",
-            f"-filer.localSocket={d / 'filer.sock'}", f"-s3.localSocket={d / 's3.sock'}",
-            f"-bucket={self.bucket}", "-volume.preStopSeconds=0",
-        ] + [f"-{flag}={port}" for flag, port in self.ports.items()]  # fmt: skip
+            weed_binary() or "weed",
+            f"-logdir={d / 'logs'}",
+            "mini",
+            f"-dir={d / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-webdav=false",
+            "-admin.ui=false",
+            f"-s3.config={d / 'identities.json'}",
+            "-master.telemetry=false",
+            f"-filer.localSocket={d / 'filer.sock'}",
+            f"-s3.localSocket={d / 's3.sock'}",
+            f"-bucket={self.bucket}",
+            "-volume.preStopSeconds=0",
+        ] + [f"-{flag}={port}" for flag, port in self.ports.items()]
         out = open(d / "weed.out", "ab")
         try:
             self._proc = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=d, start_new_session=True,
-            )  # fmt: skip
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=d,
+                start_new_session=True,
+            )
         finally:
             out.close()
 
@@ -278,7 +305,7 @@ class SeaweedS3:
             return ""
         return (self._dir / "weed.out").read_text(errors="replace")[-3000:]
 
-    def __enter__(self) -> "SeaweedS3":
+    def __enter__(self) -> SeaweedS3:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -311,12 +338,17 @@ class SeaweedS3:
 
         creds = credentials or self.admin
         return boto3.client(
-            "s3", endpoint_url=self.endpoint_url, region_name=REGION,
-            aws_access_key_id=creds.access_key, aws_secret_access_key=creds.secret_key,
-            config=Config(request_checksum_calculation="when_required",
-                          response_checksum_validation="when_required",
-                          retries={"mode": "standard", "max_attempts": 2}),
-        )  # fmt: skip
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=REGION,
+            aws_access_key_id=creds.access_key,
+            aws_secret_access_key=creds.secret_key,
+            config=Config(
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+                retries={"mode": "standard", "max_attempts": 2},
+            ),
+        )
 
     # ------------------------------------------------------------------ credentials
     def issue_credentials(self, *prefixes: str, name: str | None = None) -> Credentials:
@@ -353,13 +385,19 @@ class SeaweedS3:
         body = (self._dir / "identities.json").read_bytes()
         boundary = secrets.token_hex(16)
         form = (
-            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
-            f"filename=\"identity.json\"\r\nContent-Type: application/json\r\n\r\n"
-        ).encode() + body + f"\r\n--{boundary}--\r\n".encode()
+            (
+                f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+                f'filename="identity.json"\r\nContent-Type: application/json\r\n\r\n'
+            ).encode()
+            + body
+            + f"\r\n--{boundary}--\r\n".encode()
+        )
         request = urllib.request.Request(
-            f"{self.filer_url}/etc/iam/identity.json", data=form, method="POST",
+            f"{self.filer_url}/etc/iam/identity.json",
+            data=form,
+            method="POST",
             headers={"Content-Type": f"multipart/form-data; boundary={boundary}"},
-        )  # fmt: skip
+        )
         urllib.request.urlopen(request, timeout=10).close()
 
     def _wait_for(self, creds: Credentials, timeout: float = 10.0) -> None:

@@ -33,6 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import protocol
+from client.demo.backends import Backend, open_backend
+from client.demo.errors import DemoError
+from client.demo.processes import ProcessGroup, python_console
+from client.demo.validator_log import LoggedContribution, LoggedWindow, read_contributions, read_windows
 from protocol.config import RunSpec
 from protocol.events import (
     Announced,
@@ -47,10 +51,6 @@ from protocol.events import (
 )
 from protocol.identity import Identity
 from protocol.model import param_schema
-from client.demo.backends import Backend, open_backend
-from client.demo.errors import DemoError
-from client.demo.processes import ProcessGroup, python_console
-from client.demo.validator_log import LoggedContribution, LoggedWindow, read_contributions, read_windows
 
 PRESET = Path(protocol.__file__).parent / "presets" / "demo.toml"
 VALIDATOR = "validator"
@@ -92,7 +92,9 @@ class LocalSwarm:
         self.n_peers, self.windows, self.store_kind = peers, windows, store
         self.preset, self.overrides = Path(preset), dict(overrides or {})
         self.peer_threads = peer_threads
-        self.validator_threads = max(1, (os.cpu_count() or 1) // max(1, peers + 1)) if peer_threads == 1 else peer_threads
+        self.validator_threads = (
+            max(1, (os.cpu_count() or 1) // max(1, peers + 1)) if peer_threads == 1 else peer_threads
+        )
         self._accounted: set[tuple[str, float]] = set()
         self.validator_ready = False
         self.peer_envs: dict[str, dict[str, str]] = {}
@@ -108,7 +110,7 @@ class LocalSwarm:
         self.spec: RunSpec | None = None
 
     # ------------------------------------------------------------------ setup
-    def __enter__(self) -> "LocalSwarm":
+    def __enter__(self) -> LocalSwarm:
         try:
             self.group = self._stack.enter_context(ProcessGroup(self.run_dir / "logs", grace_s=10.0))
             self.backend = self._stack.enter_context(open_backend(self.store_kind, self.run_dir, self.group))
@@ -153,9 +155,16 @@ class LocalSwarm:
     def start_validator(self) -> None:
         assert self.group is not None and self.backend is not None
         argv = python_console("sparseloco-validator") + [
-            "run", "--run", str(self.run_toml), "--key", str(self.validator_key),
-            "--state", str(self.run_dir / VALIDATOR), "--status-json", *self.backend.args(),
-        ]  # fmt: skip
+            "run",
+            "--run",
+            str(self.run_toml),
+            "--key",
+            str(self.validator_key),
+            "--state",
+            str(self.run_dir / VALIDATOR),
+            "--status-json",
+            *self.backend.args(),
+        ]
         # One thread, like each peer: OpenMP threads spinning on an oversubscribed machine made
         # the validator's evaluation ~8x slower than its single-threaded speed.
         env = {**self.backend.validator_env(), "OMP_NUM_THREADS": str(self.validator_threads)}
@@ -186,9 +195,19 @@ class LocalSwarm:
         ident = Identity.load_or_create(state / "key.pem")
         name = f"peer-{i}"
         argv = python_console("sparseloco-peer") + [
-            "join", "--run", str(self.run_toml), "--state", str(state), "--device", "cpu",
-            "--threads", str(self.peer_threads), "--status-json", *self.backend.args(), *extra,
-        ]  # fmt: skip
+            "join",
+            "--run",
+            str(self.run_toml),
+            "--state",
+            str(state),
+            "--device",
+            "cpu",
+            "--threads",
+            str(self.peer_threads),
+            "--status-json",
+            *self.backend.args(),
+            *extra,
+        ]
         if name not in self.peer_envs:  # a restarted peer keeps its credential
             self.peer_envs[name] = self.backend.peer_env(self.spec.hash(), ident.peer_id)
         env = {**self.peer_envs[name], "OMP_NUM_THREADS": str(self.peer_threads)}
@@ -392,8 +411,16 @@ def run_demo(
     preset: str | Path = PRESET,
 ) -> dict[str, Any]:
     """Start the swarm, follow it to the end, return :meth:`LocalSwarm.summary`."""
-    with LocalSwarm(run_dir, peers=peers, windows=windows, store=store, peer_threads=default_threads(peers),
-                    on_event=on_event, overrides=overrides, preset=preset) as swarm:  # fmt: skip
+    with LocalSwarm(
+        run_dir,
+        peers=peers,
+        windows=windows,
+        store=store,
+        peer_threads=default_threads(peers),
+        on_event=on_event,
+        overrides=overrides,
+        preset=preset,
+    ) as swarm:
         swarm.start_peers_then_validator(timeout_s=timeout_s)
         swarm.follow(swarm.finished, timeout_s=timeout_s)
         swarm.wait_exit(timeout_s=60.0)

@@ -66,7 +66,9 @@ def _logs(db: Path, *options: str) -> list[dict[str, Any]]:
     except subprocess.TimeoutExpired as exc:
         raise DemoError(f"`sparseloco-validator logs` did not answer in {TIMEOUT_S:.0f} s") from exc
     if done.returncode != 0:
-        raise DemoError(f"`sparseloco-validator logs --db {db}` failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        raise DemoError(
+            f"`sparseloco-validator logs --db {db}` failed ({done.returncode}): {done.stderr.strip()[-2000:]}"
+        )
     try:
         rows = json.loads(done.stdout)
     except ValueError as exc:

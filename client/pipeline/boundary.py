@@ -17,15 +17,15 @@ unchanged.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from client.pipeline.subspace import Subspace
 from protocol.config import ModelConfig
 from protocol.model import Transformer
-from client.pipeline.subspace import Subspace
 
 __all__ = ["Boundary", "BoundaryTransformer"]
 
@@ -85,7 +85,7 @@ class BoundaryTransformer(Transformer):
         boundaries: Sequence[int],
         boundary: Boundary,
         fixed: Tensor | None = None,
-    ) -> "BoundaryTransformer":
+    ) -> BoundaryTransformer:
         """A copy of ``model``'s parameters behind the given boundaries (on the model's device)."""
         device = model.embed.weight.device
         with torch.device("meta"):

@@ -19,17 +19,17 @@ step, and take Δ against the localized start.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
 from client.pipeline.boundary import Boundary, BoundaryTransformer
 from client.pipeline.stage import plan_stages
+from client.pipeline.subspace import Subspace, constrained_names, localize, project_parameters_
 from client.trainer import load_params
 from protocol.config import ModelConfig
 from protocol.model import build_model, parameters_of
-from client.pipeline.subspace import Subspace, constrained_names, localize, project_parameters_
 
 __all__ = ["ConstrainedReplica"]
 

@@ -75,7 +75,7 @@ class StageLink:
         self._group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def open(self) -> "StageLink":
+    def open(self) -> StageLink:
         """Meet the other stages; retried until the rendezvous timeout (a previous window's server
         may still be closing, or the stage that serves the rendezvous may be restarting)."""
         deadline = time.monotonic() + self.meet_timeout.total_seconds()
@@ -87,12 +87,16 @@ class StageLink:
                     raise
                 time.sleep(0.25)
 
-    def _open_once(self, timeout_s: float) -> "StageLink":
+    def _open_once(self, timeout_s: float) -> StageLink:
         timeout = timedelta(seconds=timeout_s)
         try:
             self._store = dist.TCPStore(
-                self.host, self.port, world_size=self.stages, is_master=self.stage == 0,
-                timeout=timeout, wait_for_workers=False,
+                self.host,
+                self.port,
+                world_size=self.stages,
+                is_master=self.stage == 0,
+                timeout=timeout,
+                wait_for_workers=False,
             )
         except (RuntimeError, OSError) as exc:
             raise PipelineFailure(f"no rendezvous at {self.host}:{self.port}: {exc}", reason="rendezvous") from exc
@@ -123,7 +127,7 @@ class StageLink:
                 pass  # a broken group has nothing left to shut down
         self._store = None  # the master's server stops with its last reference
 
-    def __enter__(self) -> "StageLink":
+    def __enter__(self) -> StageLink:
         return self.open()
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:

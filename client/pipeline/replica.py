@@ -23,8 +23,9 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,14 +34,14 @@ from client.pipeline.boundary import Boundary
 from client.pipeline.link import StageLink
 from client.pipeline.schedule import clip_coefficient, pipeline_step
 from client.pipeline.stage import Stage, plan_stages
+from client.pipeline.subspace import Subspace, constrained_names, localize, project_parameters_
+from client.schedule import lr_at
 from protocol.codec import Encoded
 from protocol.config import RunSpec
 from protocol.data import TokenDataset, assigned_batches, pipeline_data_key
 from protocol.errors import ConfigError, NonFiniteValues, PipelineFailure
 from protocol.feedback import FeedbackState, compress_step
 from protocol.model import build_model
-from client.schedule import lr_at
-from client.pipeline.subspace import Subspace, constrained_names, localize, project_parameters_
 
 __all__ = ["PipelineStage", "StageWindowResult", "pipeline_peer_key", "replica_batches", "run_stage_window"]
 
@@ -60,8 +61,9 @@ def pipeline_peer_key(group: str) -> str:
 def replica_batches(dataset: TokenDataset, spec: RunSpec, group: str, window: int) -> list[Tensor]:
     """The replica's H batches for ``window`` — every stage (and the validator) derives the same."""
     d = spec.data
-    return assigned_batches(dataset, spec.seed, pipeline_peer_key(group), window, spec.inner.steps,
-                            d.batch_size, d.seq_len)
+    return assigned_batches(
+        dataset, spec.seed, pipeline_peer_key(group), window, spec.inner.steps, d.batch_size, d.seq_len
+    )
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,16 @@ class PipelineStage:
         # Same optimizer as client.trainer.InnerTrainer: decay on matrices, none on norms.
         names = sorted(self.params)
         self.optimizer = torch.optim.AdamW(
-            [{"params": [self.params[n] for n in names if self.params[n].ndim >= 2], "weight_decay": spec.inner.weight_decay},
-             {"params": [self.params[n] for n in names if self.params[n].ndim < 2], "weight_decay": 0.0}],
-            lr=spec.inner.lr, betas=spec.inner.betas, eps=1e-8,
+            [
+                {
+                    "params": [self.params[n] for n in names if self.params[n].ndim >= 2],
+                    "weight_decay": spec.inner.weight_decay,
+                },
+                {"params": [self.params[n] for n in names if self.params[n].ndim < 2], "weight_decay": 0.0},
+            ],
+            lr=spec.inner.lr,
+            betas=spec.inner.betas,
+            eps=1e-8,
         )
         self.step = 0  # global inner step after the last trained one (the schedule index is window·H + i)
 
@@ -184,9 +193,16 @@ def run_stage_window(
     micro = spec.pipeline.micro_batches
     losses: list[float] = []
     try:
-        with StageLink(rendezvous, stage=plan.index, stages=plan.stages, window=window,
-                       timeout_s=spec.pipeline.timeout_s,
-                       rendezvous_timeout_s=spec.pipeline.rendezvous_timeout_s, backend=stage.backend, device=stage.device) as link:
+        with StageLink(
+            rendezvous,
+            stage=plan.index,
+            stages=plan.stages,
+            window=window,
+            timeout_s=spec.pipeline.timeout_s,
+            rendezvous_timeout_s=spec.pipeline.rendezvous_timeout_s,
+            backend=stage.backend,
+            device=stage.device,
+        ) as link:
             link.agree("run", spec.hash())
             link.agree("base", base)
             link.agree("subspace", "none" if stage.subspace is None else stage.subspace.digest())
@@ -202,19 +218,33 @@ def run_stage_window(
                 raise PipelineFailure("commit count is wrong", reason="mismatch")
     except PipelineFailure as exc:
         stage.optimizer.zero_grad(set_to_none=True)  # a step may have stopped between backward and update
-        return StageWindowResult(**head, ok=False, reason=exc.reason, detail=str(exc),
-                                 steps=len(losses), seconds=time.perf_counter() - t0)
+        return StageWindowResult(
+            **head, ok=False, reason=exc.reason, detail=str(exc), steps=len(losses), seconds=time.perf_counter() - t0
+        )
     try:
         encoded, feedback_after = compress_step(feedback, delta, spec.outer.beta, spec.codec)
     except NonFiniteValues as exc:
-        return StageWindowResult(**head, ok=False, reason=exc.reason, detail=str(exc),
-                                 steps=len(losses), seconds=time.perf_counter() - t0)
+        return StageWindowResult(
+            **head, ok=False, reason=exc.reason, detail=str(exc), steps=len(losses), seconds=time.perf_counter() - t0
+        )
     tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in batches)
     mean_loss = sum(losses) / len(losses) if losses else float("nan")
     metadata = {
-        "pipeline_group": stage.group, "pipeline_stage": plan.index, "pipeline_stages": plan.stages,
+        "pipeline_group": stage.group,
+        "pipeline_stage": plan.index,
+        "pipeline_stages": plan.stages,
         "compression_ratio": spec.pipeline.compression_ratio if stage.subspace is not None else 1,
-        "tokens": tokens, "loss": mean_loss,
+        "tokens": tokens,
+        "loss": mean_loss,
     }
-    return StageWindowResult(**head, ok=True, encoded=encoded, metadata=metadata, feedback_after=feedback_after,
-                             steps=len(losses), tokens=tokens, mean_loss=mean_loss, seconds=time.perf_counter() - t0)
+    return StageWindowResult(
+        **head,
+        ok=True,
+        encoded=encoded,
+        metadata=metadata,
+        feedback_after=feedback_after,
+        steps=len(losses),
+        tokens=tokens,
+        mean_loss=mean_loss,
+        seconds=time.perf_counter() - t0,
+    )

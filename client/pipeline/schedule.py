@@ -13,8 +13,9 @@ gradient clipping is the global one (as in the unsplit model) and every stage kn
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -83,8 +84,10 @@ def pipeline_step(stage: Stage, link: Link, boundary: Boundary, micro_batches: S
         if wire_in is not None:
             assert wire_in.grad is not None
             link.send(wire_in.grad, plan.index - 1, m)
-    sq = sum((p.grad.detach().double().pow(2).sum() for p in stage.parameters() if p.grad is not None),
-             torch.zeros((), dtype=torch.float64))
+    sq = sum(
+        (p.grad.detach().double().pow(2).sum() for p in stage.parameters() if p.grad is not None),
+        torch.zeros((), dtype=torch.float64),
+    )
     # float32 on the wire: exact enough for a norm and a loss, and what every backend reduces.
     stats = link.all_reduce(torch.stack([sq.float().cpu(), loss_sum.float()]))
     return StepResult(loss=float(stats[1]), grad_norm=float(stats[0]) ** 0.5, tokens=total)
@@ -95,4 +98,3 @@ def clip_coefficient(grad_norm: float, max_norm: float) -> float:
     if max_norm <= 0:
         return 1.0
     return min(1.0, max_norm / (grad_norm + 1e-6))
-

@@ -16,8 +16,8 @@ activations it receives.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.nn.functional as F

@@ -37,8 +37,8 @@ pipeline replica never sends the projection itself as an update.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -98,7 +98,7 @@ class Subspace:
     basis: Tensor  # [d, k] float32, orthonormal columns
 
     @classmethod
-    def for_run(cls, run_hash: str, dim: int, compression_ratio: int) -> "Subspace":
+    def for_run(cls, run_hash: str, dim: int, compression_ratio: int) -> Subspace:
         return cls(orthonormal_basis(dim, subspace_rank(dim, compression_ratio), basis_seed(run_hash)))
 
     @property
@@ -109,7 +109,7 @@ class Subspace:
     def rank(self) -> int:
         return int(self.basis.shape[1])
 
-    def to(self, device: torch.device | str) -> "Subspace":
+    def to(self, device: torch.device | str) -> Subspace:
         return Subspace(self.basis.to(device))
 
     def digest(self) -> str:

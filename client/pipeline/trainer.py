@@ -67,8 +67,9 @@ class StageTrainer:
         role = self._role
         job.report(phase=f"pipeline stage {role.stage}/{role.stages}", window=job.window)
         batches = replica_batches(self.dataset, self.spec, role.group, job.window)
-        result = run_stage_window(self.pipeline, job.theta, job.window, job.base, batches,
-                                  rendezvous=self.rendezvous, feedback=job.feedback)  # fmt: skip
+        result = run_stage_window(
+            self.pipeline, job.theta, job.window, job.base, batches, rendezvous=self.rendezvous, feedback=job.feedback
+        )
         if not result.ok or result.feedback_after is None:
             return Skipped(f"pipeline {result.reason}: {result.detail}", inner_s=result.seconds)
         stats = WindowStats(result.mean_loss, result.mean_loss, result.tokens, result.seconds, 0.0)

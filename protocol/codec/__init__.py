@@ -2,10 +2,10 @@
 
 from protocol.codec.sparse import (
     Encoded,
-    encode,
     decode,
-    to_sparse,
+    encode,
     pack,
+    to_sparse,
     unpack,
 )
 

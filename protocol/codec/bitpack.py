@@ -9,7 +9,7 @@ every value sequence has exactly one byte representation.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import numpy.typing as npt
@@ -66,7 +66,7 @@ def pack_bits(values: npt.NDArray[np.integer], width: int) -> bytes:
     return raw.tobytes()[: packed_size(n, width)]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _weights(width: int, g: int) -> npt.NDArray[np.uint64]:
     return np.uint64(1) << (np.arange(g, dtype=np.uint64) * np.uint64(width))
 

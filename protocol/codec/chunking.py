@@ -27,7 +27,6 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 import numpy.typing as npt
-
 import torch
 from torch import Tensor
 

@@ -269,16 +269,10 @@ def _encode_small(local: I64, ks: I64, side: npt.NDArray[np.uint8] | None, side_
         unary_acc |= 1 << (unary_len - 1)
     total = n_big + unary_len
     stream = extra_acc | (unary_acc << n_big)
-    return (
-        _U16.pack(m)
-        + a_acc.to_bytes(packed_size(n, width), "little")
-        + stream.to_bytes((total + 7) // 8, "little")
-    )
+    return _U16.pack(m) + a_acc.to_bytes(packed_size(n, width), "little") + stream.to_bytes((total + 7) // 8, "little")
 
 
-def _encode_rice_arith(
-    local: I64, ks: I64, side: npt.NDArray[np.uint8] | None = None, side_bits: int = 0
-) -> bytes:
+def _encode_rice_arith(local: I64, ks: I64, side: npt.NDArray[np.uint8] | None = None, side_bits: int = 0) -> bytes:
     """:func:`encode_rice` by arithmetic (no tables): for chunks longer than ``_TABLE_MAX``."""
     gaps = to_gaps(local, ks)  # int32: numpy's int64 division is several times slower
     m = choose_golomb(gaps)
@@ -309,9 +303,7 @@ def _bitstream(extra: npt.NDArray[np.int32], ends: I64) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
-def decode_rice(
-    data: bytes | memoryview, ks: I64, sizes: I64, side_bits: int = 0
-) -> tuple[I64, I64]:
+def decode_rice(data: bytes | memoryview, ks: I64, sizes: I64, side_bits: int = 0) -> tuple[I64, I64]:
     """Inverse of :func:`encode_rice`: (positions, side values). ``data`` is exactly the section."""
     n = int(ks.sum())
     if len(data) < 2:

@@ -40,10 +40,10 @@ from torch import Tensor
 
 from protocol.codec.bitpack import pack_bits, packed_size, unpack_bits
 from protocol.codec.chunking import Geometry, geometry
-from protocol.config import CodecConfig
-from protocol.errors import ConfigError, MalformedPayload, NonFiniteValues, UnsupportedVersion
 from protocol.codec.indexcoding import decode_rice, encode_rice, pack12, unpack12
 from protocol.codec.quantizer import SCALES_PER_CHUNK, dequantize, quantize
+from protocol.config import CodecConfig
+from protocol.errors import ConfigError, MalformedPayload, NonFiniteValues, UnsupportedVersion
 
 FORMAT = 1
 VALUE_MODE_2BIT = 0  # the value mode field of the tag: 2-bit sign + level codes
@@ -247,4 +247,3 @@ def unpack(data: bytes, shape: tuple[int, ...], cfg: CodecConfig) -> Encoded:
     return Encoded(
         g.shape, cfg, torch.from_numpy(local.astype(np.int64)), codes, torch.from_numpy(scales.copy()), float(base)
     )
-

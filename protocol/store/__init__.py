@@ -43,8 +43,13 @@ __all__ = [
 ]
 
 # Query parameters an s3:// URL may carry (never secrets: URLs end up in logs).
-_S3_QUERY = {"endpoint": "endpoint_url", "endpoint_url": "endpoint_url", "region": "region",
-             "profile": "profile", "addressing_style": "addressing_style"}  # fmt: skip
+_S3_QUERY = {
+    "endpoint": "endpoint_url",
+    "endpoint_url": "endpoint_url",
+    "region": "region",
+    "profile": "profile",
+    "addressing_style": "addressing_style",
+}
 
 
 def open_store(url: str, **options: Any) -> ObjectStore:

@@ -93,10 +93,10 @@ class ObjectStore(ABC):
             return False
         return True
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op by default: most stores hold nothing to release
         """Release connections / background processes. Idempotent."""
 
-    def __enter__(self) -> "ObjectStore":
+    def __enter__(self) -> ObjectStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -124,9 +124,7 @@ class LocalStore(ObjectStore):
             rel = os.path.relpath(dirpath, self.root)
             head = "" if rel == "." else rel.replace(os.sep, "/") + "/"
             keys.extend(
-                head + name
-                for name in filenames
-                if not name.startswith(".") and (head + name).startswith(prefix)
+                head + name for name in filenames if not name.startswith(".") and (head + name).startswith(prefix)
             )
         return sorted(keys)
 

@@ -96,9 +96,7 @@ class FaultInjector:
         """Puts under ``prefix`` report success but store nothing (a lost write)."""
         return self.add(Fault("drop", prefix, frozenset({"put"}), times=times))
 
-    def delay(
-        self, prefix: str, seconds: float, *, ops: tuple[Op, ...] = ("get",), times: int | None = None
-    ) -> Fault:
+    def delay(self, prefix: str, seconds: float, *, ops: tuple[Op, ...] = ("get",), times: int | None = None) -> Fault:
         """Operations under ``prefix`` sleep ``seconds`` before they run."""
         return self.add(Fault("delay", prefix, frozenset(ops), times=times, seconds=seconds))
 
@@ -122,9 +120,7 @@ class FaultInjector:
         """The ``nth`` put (1-based, counted from now) under ``prefix`` raises ``error``."""
         return self.fail(prefix, ops=("put",), nth=nth, error=error)
 
-    def crash_mid_upload(
-        self, prefix: str = "", *, keep_bytes: int | None = None, nth: int | None = None
-    ) -> Fault:
+    def crash_mid_upload(self, prefix: str = "", *, keep_bytes: int | None = None, nth: int | None = None) -> Fault:
         """The uploading process "dies": put raises :class:`SimulatedCrash`.
 
         With ``keep_bytes=None`` nothing is stored (an atomic backend: S3, the local directory);

@@ -56,14 +56,32 @@ _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412"}
 _DENIED = {
-    "AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-    "AllAccessDisabled", "InvalidToken", "ExpiredToken", "AccountProblem",
-}  # fmt: skip
+    "AccessDenied",
+    "403",
+    "Forbidden",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AllAccessDisabled",
+    "InvalidToken",
+    "ExpiredToken",
+    "AccountProblem",
+}
 _TOO_LARGE = {"EntityTooLarge"}
 _TRANSIENT = {
-    "500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
-    "Throttling", "ThrottlingException", "RequestLimitExceeded", "ConditionalRequestConflict", "409",
-}  # fmt: skip
+    "500",
+    "502",
+    "503",
+    "504",
+    "InternalError",
+    "ServiceUnavailable",
+    "SlowDown",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "ConditionalRequestConflict",
+    "409",
+}
 _NETWORK_ERRORS = (
     bexc.HTTPClientError,  # ConnectionClosedError, ReadTimeoutError, EndpointConnectionError ...
     bexc.IncompleteReadError,
@@ -172,9 +190,7 @@ class S3Store(ObjectStore):
         self.backoff_s = backoff_s
         self.stats = S3Stats()
         self._stats_lock = threading.Lock()
-        endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
-            "AWS_ENDPOINT_URL"
-        )
+        endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         config = Config(
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
@@ -301,9 +317,7 @@ class S3Store(ObjectStore):
         self, full: str, upload_id: str, number: int, offset: int, size: int, body: memoryview
     ) -> dict[str, Any]:
         chunk = body[offset : offset + size].tobytes()
-        resp = self._client.upload_part(
-            Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=chunk
-        )
+        resp = self._client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=chunk)
         return {"PartNumber": number, "ETag": resp["ETag"]}
 
     def _abort(self, full: str, upload_id: str) -> None:

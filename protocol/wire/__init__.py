@@ -34,7 +34,6 @@ Decoding is strict: every failure is a :class:`protocol.errors.ProtocolError` su
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Union
 
 from protocol.errors import PayloadTooLarge
 from protocol.wire.aggregate import Aggregate, ManifestEntry, SparseDelta, decode_aggregate, encode_aggregate
@@ -69,7 +68,7 @@ __all__ = [
     "decode_object",
 ]
 
-SignedObject = Union[Contribution, Aggregate, CheckpointManifest, Announcement]
+SignedObject = Contribution | Aggregate | CheckpointManifest | Announcement
 
 
 def decode_object(

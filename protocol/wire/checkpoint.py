@@ -86,9 +86,7 @@ def decode_checkpoint(
     agg = read_base(r)
     fingerprint = r.text(128)
     published_at, metadata = read_published_metadata(r)
-    files = tuple(
-        CheckpointFile(r.text(1024), r.digest(), r.varint()) for _ in range(r.count(34, 1 << 16, "files"))
-    )
+    files = tuple(CheckpointFile(r.text(1024), r.digest(), r.varint()) for _ in range(r.count(34, 1 << 16, "files")))
     r.end()
     if len(env.payload):
         raise MalformedPayload("a checkpoint manifest has no payload")

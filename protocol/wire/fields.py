@@ -18,12 +18,10 @@ import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from protocol.config import CodecConfig
 from protocol.errors import ConfigError, MalformedPayload, PayloadTooLarge, SchemaMismatch
 from protocol.identity import PEER_ID_BYTES, is_peer_id
-
 
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 
@@ -157,7 +155,7 @@ MAX_NDIM = 8
 MAX_DIM = 2**32 - 1
 MAX_NUMEL = 2**40
 
-Scalar = Union[int, float, str, bool]
+Scalar = int | float | str | bool
 Metadata = Mapping[str, Scalar]
 
 

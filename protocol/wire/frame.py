@@ -125,4 +125,3 @@ def open_envelope(data: bytes, *, max_bytes: int, run_hash: str | None, kind: Ki
         digest=hashlib.sha256(view).hexdigest(),
         size=len(data),
     )
-

@@ -113,8 +113,12 @@ def decode_manifest(raw: object, *, key: str) -> Manifest:
 
 def _validated(body: dict[str, object], key: str) -> Manifest:
     size, piece_size, sha, hashes, deleted = (
-        body["size"], body["piece_size"], body["sha256"], body["pieces"], body["deleted"],
-    )  # fmt: skip
+        body["size"],
+        body["piece_size"],
+        body["sha256"],
+        body["pieces"],
+        body["deleted"],
+    )
     if not _is_int(size) or not _is_int(piece_size) or not isinstance(deleted, bool):
         raise MalformedPayload(f"DHT manifest of {key!r} has non-integer sizes or flags")
     if size < 0 or not 1 <= piece_size <= MAX_PIECE_SIZE:

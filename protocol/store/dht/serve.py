@@ -85,9 +85,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         store = DHTStore(
-            args.initial_peer, host=args.host, port=args.port, expiration_s=args.expiration_s,
-            announce_maddrs=args.announce, identity_path=args.identity,
-        )  # fmt: skip
+            args.initial_peer,
+            host=args.host,
+            port=args.port,
+            expiration_s=args.expiration_s,
+            announce_maddrs=args.announce,
+            identity_path=args.identity,
+        )
     except StoreError as err:
         print(f"ERR {err.reason} {err}", flush=True)
         return 1

@@ -77,7 +77,7 @@ _FILE, _FOLDER, _DELETED = b"f", b"d", b"-"  # directory entry markers
 # A bootstrap address must name the peer (".../p2p/<base58 peer id>"): hivemind pings peers by id.
 _BOOTSTRAP_MADDR = re.compile(r"/\S+/p2p/[1-9A-HJ-NP-Za-km-z]{20,}")
 # Strong references: a running node is a resource that lives until close() or interpreter exit.
-_LIVE: "set[DHTStore]" = set()
+_LIVE: set[DHTStore] = set()
 
 
 class DHTStore(ObjectStore):
@@ -134,7 +134,7 @@ class DHTStore(ObjectStore):
             self.start()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "DHTStore":
+    def start(self) -> DHTStore:
         """Start the node (idempotent). Raises ``StoreError`` if no initial peer answers."""
         if self._node is not None:
             return self
@@ -166,7 +166,7 @@ class DHTStore(ObjectStore):
             identity_path=self.identity_path,
         )
 
-    def __enter__(self) -> "DHTStore":
+    def __enter__(self) -> DHTStore:
         return self
 
     def visible_maddrs(self) -> list[str]:
@@ -182,7 +182,7 @@ class DHTStore(ObjectStore):
         if node is not None and loop.alive:
             try:
                 loop.run(node.shutdown(), 15.0)
-            except Exception as err:  # noqa: BLE001 - shutdown must go on; p2pd dies with the loop
+            except Exception as err:
                 log.warning("DHT node shutdown failed: %r", err)
         loop.stop()
 
