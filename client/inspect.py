@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from protocol.errors import PayloadTooLarge, ProtocolError
@@ -83,7 +84,13 @@ def inspect_bytes(
     return InspectResult(path, True, f"OK {kind} {describe(obj)} path={path}", obj=obj)
 
 
-def inspect_file(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES, **checks: object) -> InspectResult:
+def inspect_file(
+    path: str | Path,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    run_hash: str | None = None,
+    allowed_signers: Collection[bytes | str] | None = None,
+) -> InspectResult:
     """Inspect one file; oversized files are rejected from their size, without reading them."""
     p = str(path)
     try:
@@ -96,16 +103,23 @@ def inspect_file(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES, **chec
         return _invalid(p, exc.reason, exc.args[0])
     except OSError as exc:
         return _invalid(p, "unreadable", exc.strerror or str(exc))
-    return inspect_bytes(data, p, max_bytes=max_bytes, **checks)  # type: ignore[arg-type]
+    return inspect_bytes(data, p, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed_signers)
 
 
-def inspect_paths(paths: Iterable[str | Path], **options: object) -> Iterator[InspectResult]:
+def inspect_paths(
+    paths: Iterable[str | Path],
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    run_hash: str | None = None,
+    allowed_signers: Collection[bytes | str] | None = None,
+) -> Iterator[InspectResult]:
     """Inspect files; a directory stands for every file below it, in sorted order.
 
     Checkpoint weights are safetensors, not signed envelopes: a file that a valid checkpoint manifest
     among the inspected files lists (same folder) is checked against the manifest's size and sha256.
     """
-    results = [inspect_file(f, **options) if isinstance(f, Path) else f for f in _expand(paths)]  # type: ignore[arg-type]
+    check = partial(inspect_file, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed_signers)
+    results = [check(f) if isinstance(f, Path) else f for f in _expand(paths)]
     listed = _listed_by_manifests(results)
     for r in results:
         yield _verify_listed(r.path, *listed[r.path]) if not r.ok and r.path in listed else r

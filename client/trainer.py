@@ -116,10 +116,10 @@ class InnerTrainer:
         size = batch.shape[0]
         mb = self.micro_batch_size if 0 < self.micro_batch_size < size else size
         total = 0.0
-        for part in batch.split(mb):
+        for part in torch.split(batch, mb):
             with autocast_for(self.device):
                 loss = lm_loss(self.model, part) * (part.shape[0] / size)
-            loss.backward()
+            torch.autograd.backward(loss)  # what loss.backward() runs; Tensor.backward is unannotated
             total += float(loss.detach())
         norm = torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip)
         return total, float(norm)

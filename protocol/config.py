@@ -22,16 +22,20 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
-    import tomli as tomllib
+    # Installed only on Python < 3.11; absent when a newer interpreter checks for 3.10.
+    import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
 from protocol.errors import ConfigError
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 @dataclass(frozen=True)
@@ -261,7 +265,8 @@ class RunSpec:
 
     # ---------------------------------------------------------------- identity
     def to_dict(self) -> dict[str, Any]:
-        return _to_plain(self)
+        plain: dict[str, Any] = _to_plain(self)
+        return plain
 
     def canonical_json(self) -> bytes:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
@@ -311,7 +316,7 @@ def _build(cls: type[T], raw: Mapping[str, Any], prefix: str) -> T:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{prefix.rstrip('.') or 'RunSpec'} must be a table")
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    known = {f.name for f in fields(cls)}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) in RunSpec: {', '.join(prefix + k for k in unknown)}")
@@ -325,7 +330,7 @@ def _build(cls: type[T], raw: Mapping[str, Any], prefix: str) -> T:
 
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if dataclasses.is_dataclass(value):
             return value
         return _build(tp, value, where + ".")

@@ -363,14 +363,14 @@ def assigned_batches(
     j = np.arange(lane * per_peer, (lane + 1) * per_peer, dtype=np.int64)
     slots = (a * j + b) % n_slots  # a·j < 2^63 for any dataset below ~3·10^9 slots
     tokens = _stack(dataset.train, shift + slots * span, span)
-    return list(tokens.split(batch_size))
+    return list(torch.split(tokens, batch_size))
 
 
 def random_batches(dataset: TokenDataset, seed: int, n_batches: int, batch_size: int, seq_len: int) -> list[Tensor]:
     """Uniformly random train sequences from ``seed`` (the validator's reference batches)."""
     gen = np.random.default_rng(_h("random", seed))
     starts = gen.integers(0, len(dataset.train) - seq_len - 1, size=n_batches * batch_size)
-    return list(_stack(dataset.train, starts, seq_len + 1).split(batch_size))
+    return list(torch.split(_stack(dataset.train, starts, seq_len + 1), batch_size))
 
 
 def validation_batches(dataset: TokenDataset, n_sequences: int, batch_size: int, seq_len: int) -> list[Tensor]:
@@ -381,7 +381,7 @@ def validation_batches(dataset: TokenDataset, n_sequences: int, batch_size: int,
         raise ConfigError(f"validation split of {len(dataset.val)} tokens is shorter than one sequence")
     n = min(n_sequences, n_slots)
     starts = (np.arange(n, dtype=np.int64) * n_slots // n) * span
-    return list(_stack(dataset.val, starts, span).split(batch_size))
+    return list(torch.split(_stack(dataset.val, starts, span), batch_size))
 
 
 def pipeline_data_key(group: str) -> str:

@@ -85,7 +85,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(shape).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+        out: Tensor = self.wo(y.transpose(1, 2).reshape(b, t, d))
+        return out
 
 
 class SwiGLU(nn.Module):
@@ -96,7 +97,8 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        out: Tensor = self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return out
 
 
 class Block(nn.Module):
@@ -111,7 +113,8 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        out: Tensor = x + self.mlp(self.mlp_norm(x))
+        return out
 
 
 class Head(nn.Module):
@@ -127,7 +130,8 @@ class Head(nn.Module):
     def forward(self, x: Tensor, tied_weight: Tensor | None = None) -> Tensor:
         x = self.norm(x)
         if self.output is not None:
-            return self.output(x)
+            out: Tensor = self.output(x)
+            return out
         if tied_weight is None:
             raise ValueError("a tied head needs the embedding weight")
         return F.linear(x, tied_weight)
@@ -135,6 +139,9 @@ class Head(nn.Module):
 
 class Transformer(nn.Module):
     """Decoder-only LM. ``forward(tokens [B, T]) -> logits [B, T, vocab]`` (float32)."""
+
+    rope_cos: Tensor  # buffers (register_buffer): declared so they type as tensors
+    rope_sin: Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -161,7 +168,8 @@ class Transformer(nn.Module):
 
     def logits(self, x: Tensor) -> Tensor:
         tied = self.embed.weight if self.head.output is None else None
-        return self.head(x, tied).float()
+        out: Tensor = self.head(x, tied)
+        return out.float()
 
     def forward(self, tokens: Tensor) -> Tensor:
         h = self.forward_slice(self.embed(tokens), 0, len(self.blocks))

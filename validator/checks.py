@@ -19,7 +19,7 @@ per-contribution checks on one received object; ``norm`` and ``copy`` need the w
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -242,6 +242,7 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
     c = verified.value
     rows += [ok("format"), ok("signature"), ok("run")]
     sparse: SparseDict = {}
+    check: Callable[[], CheckRow]
     for check in (
         lambda: check_window(c.window, ctx.window),
         lambda: check_registered(peer, ctx.registered),

@@ -297,7 +297,9 @@ def _window_row(w: WindowRecord) -> dict[str, object]:
     return out
 
 
-def _emit(rows: list[dict[str, object]], as_json: bool, as_csv: bool, table: object) -> None:
+def _emit(
+    rows: list[dict[str, object]], as_json: bool, as_csv: bool, table: Callable[[list[dict[str, object]]], Table]
+) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=None))
     elif as_csv:
@@ -307,7 +309,7 @@ def _emit(rows: list[dict[str, object]], as_json: bool, as_csv: bool, table: obj
             w.writerows(rows)
     else:
         # piped output is not cut to 80 columns: a log is read in files and pagers too
-        Console(width=None if sys.stdout.isatty() else 200).print(table(rows))  # type: ignore[operator]
+        Console(width=None if sys.stdout.isatty() else 200).print(table(rows))
 
 
 def _fmt(v: object, digits: int = 4) -> str:

@@ -296,7 +296,7 @@ class Validator:
         )
         rand_before = eval_loss(self.model, rand, self.device)
         scale = cfg.eval_scale * self.spec.outer.alpha
-        out = {}
+        out: dict[str, LossScore] = {}
         for key in sample:  # a peer, or the stages of one pipeline replica (disjoint slices)
             update = {name: v for peer in units[key] for name, v in live[peer].sparse.items()}
             own = take_sequences(

@@ -264,7 +264,7 @@ class SeaweedS3:
         try:
             client.head_bucket(Bucket=self.bucket)
             client.put_object(Bucket=self.bucket, Key=probe, Body=b"ready")
-            ok = client.get_object(Bucket=self.bucket, Key=probe)["Body"].read() == b"ready"
+            ok: bool = client.get_object(Bucket=self.bucket, Key=probe)["Body"].read() == b"ready"
             client.delete_object(Bucket=self.bucket, Key=probe)
         except (BotoCoreError, ClientError):
             return False

@@ -318,9 +318,10 @@ class LocalSwarm:
 
     def wait_exit(self, timeout_s: float = 60.0) -> None:
         """Wait for the validator (which stops itself after the last window) and account wall time."""
-        assert self.group is not None
+        group = self.group
+        assert group is not None
         members = [VALIDATOR, *self.peers]  # not the store's own processes (a DHT bootstrap node)
-        self.follow(lambda: not self.group.running(members), timeout_s=timeout_s)  # type: ignore[union-attr]
+        self.follow(lambda: not group.running(members), timeout_s=timeout_s)
         for name in self.peers:
             self._account_wall(name)
 

@@ -21,12 +21,16 @@ import socket
 import time
 from datetime import timedelta
 from types import TracebackType
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from protocol.errors import ConfigError, PipelineFailure
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import Store, Work
 
 __all__ = ["StageLink", "free_port", "parse_rendezvous"]
 
@@ -43,6 +47,18 @@ def _failure(exc: BaseException, what: str) -> PipelineFailure:
     text = str(exc).lower()
     reason = "timeout" if "timed out" in text or "timeout" in text else "peer_lost"
     return PipelineFailure(f"{what}: {exc}", reason=reason)
+
+
+class _Group(Protocol):
+    """What the link uses of a process-group backend (``ProcessGroupGloo``, ``ProcessGroupNCCL``)."""
+
+    def send(self, tensors: list[Tensor], dstRank: int, tag: int) -> Work: ...
+
+    def recv(self, tensors: list[Tensor], srcRank: int, tag: int) -> Work: ...
+
+    def allreduce(self, tensors: list[Tensor]) -> Work: ...
+
+    def shutdown(self) -> None: ...
 
 
 class StageLink:
@@ -71,8 +87,8 @@ class StageLink:
         self.backend = backend
         self.device = torch.device(device)
         self.wire_device = self.device if backend == "nccl" else torch.device("cpu")
-        self._store: dist.Store | None = None
-        self._group: dist.ProcessGroup | None = None
+        self._store: Store | None = None
+        self._group: _Group | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> StageLink:
@@ -90,7 +106,8 @@ class StageLink:
     def _open_once(self, timeout_s: float) -> StageLink:
         timeout = timedelta(seconds=timeout_s)
         try:
-            self._store = dist.TCPStore(
+            # Public API; torch.distributed re-exports TCPStore and PrefixStore without declaring them.
+            self._store = dist.TCPStore(  # type: ignore[attr-defined]
                 self.host,
                 self.port,
                 world_size=self.stages,
@@ -100,7 +117,7 @@ class StageLink:
             )
         except (RuntimeError, OSError) as exc:
             raise PipelineFailure(f"no rendezvous at {self.host}:{self.port}: {exc}", reason="rendezvous") from exc
-        prefixed = dist.PrefixStore(f"sparseloco/window/{self.window}/", self._store)
+        prefixed = dist.PrefixStore(f"sparseloco/window/{self.window}/", self._store)  # type: ignore[attr-defined]
         try:
             self.agree("hello", "1")  # waits (up to the rendezvous timeout) until every stage is here
             self._group = self._new_group(prefixed)
@@ -109,13 +126,15 @@ class StageLink:
             raise PipelineFailure(f"stages did not meet for window {self.window}: {exc}", reason="rendezvous") from exc
         return self
 
-    def _new_group(self, store: dist.Store) -> dist.ProcessGroup:
+    def _new_group(self, store: Store) -> _Group:
+        # The backends have send/recv/allreduce at runtime; torch's stubs declare them on
+        # ProcessGroup only, hence the ignores.
         if self.backend == "gloo":
-            return dist.ProcessGroupGloo(store, self.stage, self.stages, self.timeout)
+            return dist.ProcessGroupGloo(store, self.stage, self.stages, self.timeout)  # type: ignore[return-value]
         if self.backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
-            return dist.ProcessGroupNCCL(store, self.stage, self.stages, opts)
+            return dist.ProcessGroupNCCL(store, self.stage, self.stages, opts)  # type: ignore[return-value]
         raise ConfigError(f"unknown pipeline backend {self.backend!r} (gloo|nccl)")
 
     def close(self) -> None:
@@ -134,7 +153,7 @@ class StageLink:
         self.close()
 
     @property
-    def group(self) -> dist.ProcessGroup:
+    def group(self) -> _Group:
         if self._group is None:
             raise PipelineFailure("link is not open", reason="peer_lost")
         return self._group

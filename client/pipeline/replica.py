@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -163,8 +164,8 @@ class PipelineStage:
                     if p.grad is not None:
                         p.grad.mul_(coef)
             self.optimizer.step()
-            if self.subspace is not None:
-                project_parameters_(self.params, self.boundary.subspace, self.constrained)  # type: ignore[arg-type]
+            if self.boundary.subspace is not None:  # the run's subspace, on this stage's device
+                project_parameters_(self.params, self.boundary.subspace, self.constrained)
         self.optimizer.zero_grad(set_to_none=True)
         return result.loss
 
@@ -189,7 +190,7 @@ def run_stage_window(
     """
     spec, plan = stage.spec, stage.plan
     t0 = time.perf_counter()
-    head = dict(window=window, group=stage.group, stage=plan.index, stages=plan.stages)
+    result = partial(StageWindowResult, window=window, group=stage.group, stage=plan.index, stages=plan.stages)
     micro = spec.pipeline.micro_batches
     losses: list[float] = []
     try:
@@ -218,18 +219,14 @@ def run_stage_window(
                 raise PipelineFailure("commit count is wrong", reason="mismatch")
     except PipelineFailure as exc:
         stage.optimizer.zero_grad(set_to_none=True)  # a step may have stopped between backward and update
-        return StageWindowResult(
-            **head, ok=False, reason=exc.reason, detail=str(exc), steps=len(losses), seconds=time.perf_counter() - t0
-        )
+        return result(ok=False, reason=exc.reason, detail=str(exc), steps=len(losses), seconds=time.perf_counter() - t0)
     try:
         encoded, feedback_after = compress_step(feedback, delta, spec.outer.beta, spec.codec)
     except NonFiniteValues as exc:
-        return StageWindowResult(
-            **head, ok=False, reason=exc.reason, detail=str(exc), steps=len(losses), seconds=time.perf_counter() - t0
-        )
+        return result(ok=False, reason=exc.reason, detail=str(exc), steps=len(losses), seconds=time.perf_counter() - t0)
     tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in batches)
     mean_loss = sum(losses) / len(losses) if losses else float("nan")
-    metadata = {
+    metadata: dict[str, int | float | str | bool] = {
         "pipeline_group": stage.group,
         "pipeline_stage": plan.index,
         "pipeline_stages": plan.stages,
@@ -237,8 +234,7 @@ def run_stage_window(
         "tokens": tokens,
         "loss": mean_loss,
     }
-    return StageWindowResult(
-        **head,
+    return result(
         ok=True,
         encoded=encoded,
         metadata=metadata,

@@ -77,10 +77,11 @@ def pipeline_step(stage: Stage, link: Link, boundary: Boundary, micro_batches: S
         saved.append((wire_in, out))
     for m in reversed(range(len(micro_batches))):
         wire_in, out = saved[m]
+        # torch.autograd.backward is what Tensor.backward runs (which is unannotated).
         if plan.last:
-            out.backward()
+            torch.autograd.backward(out)
         else:
-            out.backward(link.recv(tuple(out.shape), plan.index + 1, m).to(out.dtype))
+            torch.autograd.backward(out, link.recv(tuple(out.shape), plan.index + 1, m).to(out.dtype))
         if wire_in is not None:
             assert wire_in.grad is not None
             link.send(wire_in.grad, plan.index - 1, m)

@@ -76,6 +76,10 @@ def plan_stages(n_layers: int, stages: int) -> list[StagePlan]:
 class Stage(nn.Module):
     """The modules of one stage, taken from a full :class:`Transformer` (which may then be dropped)."""
 
+    rope_cos: Tensor  # buffers (register_buffer): declared so they type as tensors
+    rope_sin: Tensor
+    fixed: Tensor | None
+
     def __init__(self, model: Transformer, plan: StagePlan) -> None:
         super().__init__()
         if model.head.output is None and plan.stages > 1:
@@ -112,7 +116,7 @@ class Stage(nn.Module):
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         if self.embed is None:
             raise ConfigError(f"stage {self.plan.index} has no embedding")
-        h = self.embed(tokens)
+        h: Tensor = self.embed(tokens)
         rows = self.fixed_rows(tokens)
         return h if rows is None else h + rows
 
@@ -128,4 +132,5 @@ class Stage(nn.Module):
     def logits(self, h: Tensor) -> Tensor:
         if self.head is None:
             raise ConfigError(f"stage {self.plan.index} has no head")
-        return self.head(h).float()
+        out: Tensor = self.head(h)
+        return out.float()

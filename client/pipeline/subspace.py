@@ -85,6 +85,8 @@ def orthonormal_basis(dim: int, rank: int, seed: int) -> Tensor:
         raise ConfigError(f"subspace rank must be in 1..{dim}, got {rank}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     gauss = torch.randn(dim, rank, generator=gen, dtype=torch.float64)
+    q: Tensor  # torch.linalg's functions are typed Any
+    r: Tensor
     q, r = torch.linalg.qr(gauss, mode="reduced")
     signs = torch.sign(torch.diagonal(r))
     signs[signs == 0] = 1.0

@@ -44,10 +44,10 @@ def pack_bits(values: npt.NDArray[np.integer], width: int) -> bytes:
         return np.packbits(bits, axis=None, bitorder="little").tobytes()
     if 8 % width == 0:  # whole values per byte: OR them together in uint8
         per = 8 // width
-        v8 = np.zeros(-(-values.size // per) * per, dtype=np.uint8)
-        v8[: values.size] = values.reshape(-1)
-        v8 = v8.reshape(-1, per)
-        acc = v8[:, 0].copy()
+        padded = np.zeros(-(-values.size // per) * per, dtype=np.uint8)
+        padded[: values.size] = values.reshape(-1)
+        v8 = padded.reshape(-1, per)
+        acc: U8 = v8[:, 0].copy()
         for j in range(1, per):
             acc |= v8[:, j] << np.uint8(j * width)
         return acc.tobytes()
@@ -59,16 +59,17 @@ def pack_bits(values: npt.NDArray[np.integer], width: int) -> bytes:
     # Fast path: ``g`` values make one little-endian uint64 (a matmul with 2^(j·width): the fields
     # do not overlap, so the sum is their OR); keep its ``g·width/8`` low bytes.
     n = values.size
-    v = np.zeros(-(-n // g) * g, dtype=np.uint64)
-    v[:n] = values.reshape(-1)
-    acc = v.reshape(-1, g) @ _weights(width, g)
-    raw = acc.astype("<u8", copy=False).view(np.uint8).reshape(-1, 8)[:, : g * width // 8]
+    lanes = np.zeros(-(-n // g) * g, dtype=np.uint64)
+    lanes[:n] = values.reshape(-1)
+    words = lanes.reshape(-1, g) @ _weights(width, g)
+    raw = words.astype("<u8", copy=False).view(np.uint8).reshape(-1, 8)[:, : g * width // 8]
     return raw.tobytes()[: packed_size(n, width)]
 
 
 @cache
 def _weights(width: int, g: int) -> npt.NDArray[np.uint64]:
-    return np.uint64(1) << (np.arange(g, dtype=np.uint64) * np.uint64(width))
+    weights: npt.NDArray[np.uint64] = np.uint64(1) << (np.arange(g, dtype=np.uint64) * np.uint64(width))
+    return weights
 
 
 def unpack_bits(data: bytes | memoryview, count: int, width: int, what: str = "field") -> I64:
@@ -83,7 +84,8 @@ def unpack_bits(data: bytes | memoryview, count: int, width: int, what: str = "f
         if bits[count * width :].any():
             raise MalformedPayload(f"{what}: non-zero padding bits")
         fields = bits[: count * width].reshape(count, width).astype(np.int64)
-        return fields @ (np.int64(1) << np.arange(width, dtype=np.int64))
+        values: I64 = fields @ (np.int64(1) << np.arange(width, dtype=np.int64))
+        return values
     group_bytes = g * width // 8
     n_groups = -(-count // g)
     raw = np.zeros((n_groups, 8), dtype=np.uint8)
@@ -92,7 +94,7 @@ def unpack_bits(data: bytes | memoryview, count: int, width: int, what: str = "f
     raw[:, :group_bytes] = flat.reshape(n_groups, group_bytes)
     acc = raw.view("<u8").reshape(n_groups, 1)
     shifts = (np.arange(g, dtype=np.uint64) * np.uint64(width)).reshape(1, g)
-    fields = ((acc >> shifts) & np.uint64((1 << width) - 1)).reshape(-1)
-    if fields[count:].any():
+    unpacked: npt.NDArray[np.uint64] = ((acc >> shifts) & np.uint64((1 << width) - 1)).reshape(-1)
+    if unpacked[count:].any():
         raise MalformedPayload(f"{what}: non-zero padding bits")
-    return fields[:count].astype(np.int64)
+    return unpacked[:count].astype(np.int64)

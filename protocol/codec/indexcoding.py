@@ -143,7 +143,8 @@ def encode_rice(
     """Golomb-code the gaps of ``local`` (see module doc). Few numpy calls: it runs per tensor.
 
     ``side``: optional ``side_bits``-wide values, one per position (the 2-bit value codes), carried
-    in the low bits of the fixed-width A field so that one packing pass writes both.
+    in the low bits of the fixed-width A field so that one packing pass writes both; given exactly
+    when ``side_bits > 0``.
     ``uniform`` (every chunk keeps ``ks[0]``) and ``max_len`` (no chunk is longer) may be passed by a
     caller that knows them from the geometry, to skip checking them; they are not validated.
 
@@ -152,6 +153,8 @@ def encode_rice(
     arithmetic beyond one difference, one running sum and one scatter. Tiny index sets take a
     plain Python path (numpy's per-call cost dominates there); huge chunks the arithmetic one.
     """
+    if (side is None) != (side_bits == 0):
+        raise ValueError("side values and side_bits > 0 must be given together")
     n = local.size
     if n <= _SMALL:
         return _encode_small(local, ks, side, side_bits)
@@ -194,11 +197,11 @@ def _pack_a(t: _Tables, d: I64, side: npt.NDArray[np.uint8] | None, side_bits: i
     g = _group(width)
     if not g or n % g:
         a_field = t.a.take(d)
-        if side_bits:
+        if side is not None:
             np.bitwise_or(a_field, side, out=a_field, casting="unsafe")
         return pack_bits(a_field, width)
     lanes = t.a64.take(d)
-    if side_bits:
+    if side is not None:
         np.bitwise_or(lanes, side, out=lanes, casting="unsafe")
     acc = lanes.reshape(-1, g) @ _weights(width, g)
     return acc.view(np.uint8).reshape(-1, 8)[:, : g * width // 8].tobytes()[: packed_size(n, width)]
@@ -251,7 +254,7 @@ def _encode_small(local: I64, ks: I64, side: npt.NDArray[np.uint8] | None, side_
     m = golomb_param(sum(steps), n)
     b, u = _params(m)
     width = max(b - 1, 0) + side_bits
-    sides = side.tolist() if side_bits and side is not None else [0] * n
+    sides = side.tolist() if side is not None else [0] * n
     a_acc = extra_acc = n_big = unary_acc = unary_len = 0
     for j, g in enumerate(steps):
         q, r = divmod(g, m)
@@ -287,7 +290,7 @@ def _encode_rice_arith(local: I64, ks: I64, side: npt.NDArray[np.uint8] | None =
         # A field: the remainder when < u, else (r + u) >> 1 — which is min(remainder, (r + u) >> 1).
         a_field = np.minimum(r - np.int32(u), r >> 1)
         extra = np.compress(r >= 2 * u, r)  # remainders ≥ u take one more bit: the low bit of r + u
-    if side_bits:
+    if side is not None:
         a_field = (a_field << side_bits) | side
     width = max(b - 1, 0) + side_bits
     return _U16.pack(m) + pack_bits(a_field, width) + _bitstream(extra, ends)

@@ -132,13 +132,9 @@ def map_error(exc: Exception, key: str) -> Exception:
     return StoreError(f"{key!r}: {type(exc).__name__}: {exc}")
 
 
-def _md5(data: bytes | memoryview) -> Any:
-    return hashlib.md5(data, usedforsecurity=False)  # S3's ETag, not a security check
-
-
 def single_part_etag(data: bytes | memoryview) -> str:
     """The ETag S3 gives an object stored by one PUT."""
-    return '"' + _md5(data).hexdigest() + '"'
+    return '"' + hashlib.md5(data, usedforsecurity=False).hexdigest() + '"'  # S3's ETag, not a security check
 
 
 class S3Store(ObjectStore):
@@ -357,11 +353,12 @@ class S3Store(ObjectStore):
 
     def _head(self, full: str) -> dict[str, Any] | None:
         try:
-            return self._client.head_object(Bucket=self.bucket, Key=full)
+            head: dict[str, Any] = self._client.head_object(Bucket=self.bucket, Key=full)
         except bexc.ClientError as exc:
             if _code(exc) in _NOT_FOUND or _status(exc) == 404:
                 return None
             raise
+        return head
 
     def size(self, key: str) -> int:
         full = self._full(key)

@@ -18,6 +18,7 @@ import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from protocol.config import CodecConfig
 from protocol.errors import ConfigError, MalformedPayload, PayloadTooLarge, SchemaMismatch
@@ -268,8 +269,9 @@ def read_codec(r: Reader) -> CodecConfig:
     for name, tp in expected.items():
         if type(values[name]) is not tp:
             raise MalformedPayload(f"codec parameter {name} must be {tp.__name__}")
+    checked: dict[str, Any] = values  # each value is now of its field's type, which mypy cannot follow
     try:
-        return CodecConfig(**values)  # type: ignore[arg-type]
+        return CodecConfig(**checked)
     except ConfigError as exc:
         raise MalformedPayload(f"invalid codec parameters: {exc}") from None
 

@@ -24,6 +24,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from protocol.errors import DigestMismatch, MalformedPayload, UnsupportedVersion
 
@@ -135,7 +136,7 @@ def _validated(body: dict[str, object], key: str) -> Manifest:
     return Manifest(size=size, piece_size=piece_size, sha256=sha, piece_hashes=tuple(hashes), deleted=deleted)
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

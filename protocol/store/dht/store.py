@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import builtins  # annotations in DHTStore: its list() method shadows the builtin there
 import logging
 import re
 import threading
@@ -220,7 +221,7 @@ class DHTStore(ObjectStore):
         return found
 
     # ------------------------------------------------------------------ coroutines on the loop
-    async def _put(self, key: str, manifest: Manifest, pieces: list[bytes]) -> None:
+    async def _put(self, key: str, manifest: Manifest, pieces: builtins.list[bytes]) -> None:
         expiration = self._next_expiration()
 
         async def store_piece(index: int) -> None:
@@ -253,7 +254,7 @@ class DHTStore(ObjectStore):
         found = await self._node.get(self._obj_key(key), latest=True)
         return None if found is None else decode_manifest(found.value, key=key)
 
-    async def _fetch_pieces(self, key: str, manifest: Manifest) -> list[bytes]:
+    async def _fetch_pieces(self, key: str, manifest: Manifest) -> builtins.list[bytes]:
         async def fetch(index: int) -> bytes:
             found = await self._node.get(self._piece_key(manifest, index))
             if found is None:
@@ -264,7 +265,7 @@ class DHTStore(ObjectStore):
 
         return await self._bounded(fetch, range(manifest.n_pieces))
 
-    async def _walk(self, folder: str, partial: str) -> list[str]:
+    async def _walk(self, folder: str, partial: str) -> builtins.list[str]:
         found = await self._node.get(self._dir_key(folder), latest=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         keys: list[str] = []
@@ -282,7 +283,7 @@ class DHTStore(ObjectStore):
             keys.extend(sub)
         return keys
 
-    async def _bounded(self, fn: Callable[[V], Awaitable[T]], items: Iterable[V]) -> list[T]:
+    async def _bounded(self, fn: Callable[[V], Awaitable[T]], items: Iterable[V]) -> builtins.list[T]:
         """``[await fn(x) for x in items]``, at most ``max_concurrency`` at once; an error cancels the rest."""
         limit = asyncio.Semaphore(self.max_concurrency)
 
