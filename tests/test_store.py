@@ -74,7 +74,7 @@ class Servers:
     def dht(self) -> ObjectStore:
         if self.dht_store is None:
             if not HAVE_DHT:
-                pytest.skip("protocol/store/dht.py does not exist yet")
+                pytest.skip("the DHT backend (protocol/store/dht) is not installed")
             from servers_dht import start_dht_nodes
 
             from protocol.store.dht.store import DHTStore

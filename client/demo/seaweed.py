@@ -35,10 +35,12 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocol import layout
-from protocol.store.s3 import S3Store
+
+if TYPE_CHECKING:
+    from protocol.store.s3 import S3Store
 
 __all__ = [
     "Credentials",
@@ -329,6 +331,8 @@ class SeaweedS3:
         return {"endpoint_url": self.endpoint_url, "region": REGION, **creds.options()}
 
     def store(self, prefix: str = "", credentials: Credentials | None = None, **opts: Any) -> S3Store:
+        from protocol.store.s3 import S3Store  # boto3 loads when a store is opened, not with the launcher
+
         return S3Store(self.bucket, prefix, **{**self.store_options(credentials), **opts})
 
     def client(self, credentials: Credentials | None = None) -> Any:
