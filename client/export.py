@@ -125,14 +125,10 @@ def hf_config(
     return config
 
 
-def generation_config(cfg: ModelConfig, eos_id: int | None) -> dict[str, Any]:
-    """``generation_config.json``: stop at the end-of-document token, stay inside the trained context."""
-    return {
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": eos_id,
-        "max_length": cfg.max_seq_len,
-    }
+def generation_config(eos_id: int | None) -> dict[str, Any]:
+    """``generation_config.json``: generation stops at the end-of-document token. (No ``max_length``:
+    ``transformers`` warns when it meets ``max_new_tokens``; the trained context is in config.json.)"""
+    return {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
 
 
 def export_hf(ckpt: Checkpoint, spec: RunSpec, out_dir: str | Path, *, dtype: str = "fp32") -> list[Path]:
@@ -157,7 +153,7 @@ def export_hf(ckpt: Checkpoint, spec: RunSpec, out_dir: str | Path, *, dtype: st
     }
     files: dict[str, bytes] = {
         "config.json": _json(hf_config(cfg, eos_id=tokenizer.eos_id, dtype=dtype, provenance=provenance)),
-        "generation_config.json": _json(generation_config(cfg, tokenizer.eos_id)),
+        "generation_config.json": _json(generation_config(tokenizer.eos_id)),
         **tok_files,
     }
     out = Path(out_dir)

@@ -51,6 +51,9 @@ _window_option = click.option(
 )
 _dht_option = click.option("--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable).")
 _device_option = click.option("--device", default=None, help="Torch device (default: cuda when available, else cpu).")
+_threads_option = click.option(
+    "--threads", type=click.IntRange(0), default=0, help="Torch CPU threads (0: torch's default; 1 on a busy machine)."
+)
 
 
 @contextmanager
@@ -76,9 +79,12 @@ def _load(
     return spec, loc, load_checkpoint(spec, loc)
 
 
-def _device(device: str | None) -> str:
+def _device(device: str | None, threads: int) -> str:
+    """The torch device to use (cuda when there is one); ``threads`` > 0 sets torch's CPU threads."""
     import torch
 
+    if threads > 0:
+        torch.set_num_threads(threads)
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -197,6 +203,7 @@ def export_cmd(
 )
 @click.option("--task-limit", type=click.IntRange(1), default=None, help="At most this many examples per task.")
 @_device_option
+@_threads_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def eval_cmd(
     checkpoint: str | None,
@@ -209,6 +216,7 @@ def eval_cmd(
     tasks: str | None,
     task_limit: int | None,
     device: str | None,
+    threads: int,
     as_json: bool,
 ) -> None:
     """Validation loss, perplexity and bits per byte of a checkpoint, and zero-shot tasks.
@@ -233,7 +241,7 @@ def eval_cmd(
     with _user_errors():
         spec, loc, ckpt = _load(run_path, checkpoint, store_url, window, dht_peers)
         held = heldout_data(spec, data, sequences=sequences)
-        dev = _device(device)
+        dev = _device(device, threads)
         score = score_lm(model_of(spec, ckpt, dev), held.batches, held.tokenizer, dev)
         task_results = _zero_shot(spec, ckpt, task_list, dev, task_limit)
     report: dict[str, Any] = {
@@ -272,7 +280,9 @@ def _zero_shot(spec: RunSpec, ckpt: Checkpoint, tasks: list[str], device: str, l
 
 
 def _print_eval(r: dict[str, Any]) -> None:
-    t = Table(title=f"checkpoint {r['checkpoint']['window']} ({r['checkpoint']['fingerprint'][:16]}) on {r['data']}")
+    console = _console()
+    console.print(f"checkpoint {r['checkpoint']['window']} ({r['checkpoint']['fingerprint'][:16]}) on {r['data']}")
+    t = Table()
     t.add_column("metric")
     t.add_column("value", justify="right")
     t.add_row("sequences", f"{r['sequences']:,}")
@@ -281,7 +291,6 @@ def _print_eval(r: dict[str, Any]) -> None:
     t.add_row("loss (nats/token)", f"{r['loss']:.4f}")
     t.add_row("perplexity", f"{r['perplexity']:.3f}")
     t.add_row("bits per byte", f"{r['bits_per_byte']:.4f}")
-    console = _console()
     console.print(t)
     if r["tasks"]:
         tt = Table(title="zero-shot tasks (lm-eval)")
@@ -308,6 +317,7 @@ def _print_eval(r: dict[str, Any]) -> None:
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.95, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @_device_option
+@_threads_option
 def sample_cmd(
     checkpoint: str | None,
     run_path: str,
@@ -320,6 +330,7 @@ def sample_cmd(
     top_p: float,
     seed: int,
     device: str | None,
+    threads: int,
 ) -> None:
     """Continue a prompt with a checkpoint's model (KV-cached decoding).
 
@@ -333,7 +344,7 @@ def sample_cmd(
     with _user_errors():
         spec, _, ckpt = _load(run_path, checkpoint, store_url, window, dht_peers)
         tok = load_tokenizer(spec.data.tokenizer)
-        model = model_of(spec, ckpt, _device(device))
+        model = model_of(spec, ckpt, _device(device, threads))
     ids = ([tok.eos_id] if tok.eos_id is not None else []) + tok.encode(prompt)  # documents follow a separator
     if not ids:
         raise click.BadParameter("the prompt encodes to no tokens", param_hint="--prompt")

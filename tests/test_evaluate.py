@@ -173,3 +173,8 @@ def test_validator_evaluates_every_n_windows_as_sparseloco_eval_does(tmp_path: P
     assert out.exit_code == 0 and "evaluations of θ" in out.output and "leaderboard" in out.output
     out = runner.invoke(validator_cli, ["logs", "--db", db, "--summary", "--json"])
     assert {r["peer"] for r in json.loads(out.output)} == {p.peer_id for p in swarm.peers}
+
+
+def test_validator_run_takes_the_periodic_evaluation_as_local_options() -> None:
+    out = CliRunner().invoke(validator_cli, ["run", "--help"])
+    assert out.exit_code == 0 and "--eval-every" in out.output and "--eval-sequences" in out.output

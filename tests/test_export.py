@@ -98,7 +98,7 @@ def test_byte_tokenizer_json_maps_text_as_the_byte_tokenizer_does(tmp_path: Path
     assert auto(text)["input_ids"] == ours.encode(text) and auto.decode(auto(text)["input_ids"]) == text
     assert auto.eos_token_id == 0 and auto.pad_token_id == 0
     gen = json.loads((out / "generation_config.json").read_text())
-    assert gen["eos_token_id"] == 0 and gen["max_length"] == 64
+    assert gen["eos_token_id"] == 0 and gen["bos_token_id"] == 0  # a document starts after the separator
 
 
 def test_a_checkpoint_signed_by_another_key_is_refused(tmp_path: Path) -> None:
