@@ -86,7 +86,7 @@ def keygen(key_path: str) -> None:
 @click.option(
     "--eval-sequences",
     type=click.IntRange(1),
-    default=256,
+    default=256,  # validator.evaluation.DEFAULT_EVAL_SEQUENCES (that module loads torch)
     show_default=True,
     help="Validation sequences per periodic evaluation.",
 )
