@@ -203,6 +203,20 @@ class WindowRetry(Event):
     detail: str = ""
 
 
+@_event("model_evaluated")
+@dataclass(frozen=True, kw_only=True)
+class ModelEvaluated(Event):
+    """θ after aggregate ``window`` scored on the validation split (``--eval-every``; nats per token)."""
+
+    window: int
+    fingerprint: str
+    sequences: int
+    loss: float
+    perplexity: float
+    bits_per_byte: float
+    seconds: float
+
+
 # ---------------------------------------------------------------------- reading and writing
 def to_json(event: Event) -> str:
     return json.dumps(event.to_dict(), sort_keys=True, allow_nan=True)
@@ -273,6 +287,11 @@ def describe(event: Event) -> str:
         )
     if isinstance(event, WindowOpened):
         return f"window {event.window} open (base {event.base[:16]})"
+    if isinstance(event, ModelEvaluated):
+        return (
+            f"window {event.window} evaluated: loss={event.loss:.4f} perplexity={event.perplexity:.3f} "
+            f"bits_per_byte={event.bits_per_byte:.4f} on {event.sequences} sequences ({event.seconds:.1f}s)"
+        )
     if isinstance(event, ValidatorStarted):
         return f"validator {event.peer_id} run {event.run_id} store {event.store} device {event.device}"
     fields = {k: v for k, v in dataclasses.asdict(event).items() if k != "time" and v not in (None, "")}

@@ -56,7 +56,8 @@ def should_close(
 
 def is_checkpoint_window(window: int, cfg: WindowConfig) -> bool:
     """True when the parameters that open ``window`` (θ after aggregate ``window − 1``) are
-    published as a checkpoint: genesis (window 0) and every ``checkpoint_every`` windows after it."""
-    if window == 0:
+    published as a checkpoint: genesis (window 0), every ``checkpoint_every`` windows after it, and
+    the end of a run with ``max_windows`` (its final θ, what the run trained, is kept)."""
+    if window == 0 or window == cfg.max_windows:
         return True
     return cfg.checkpoint_every > 0 and window % cfg.checkpoint_every == 0

@@ -3,8 +3,9 @@
     sparseloco-validator keygen --key validator.pem          # prints the public key for the RunSpec
     sparseloco-validator run --run run.toml --key validator.pem --state vstate [--store URL] [--windows N]
                              [--device cuda] [--threads N] [--dht-peer MULTIADDR ...] [--status-json]
+                             [--eval-every N [--eval-sequences M]]
     sparseloco-validator logs --db vstate/contributions.sqlite [--peer ID] [--window A:B] [--rejected]
-                              [--windows] [--json | --csv] [--summary]
+                              [--windows | --evals] [--json | --csv] [--summary]
 
 ``run`` reports what happens as :mod:`protocol.events` records: one timestamped human line each
 (``2025-01-31 12:00:03 window 3 published: accepted=3 rejected=0 val_loss=4.5487 …``), or with
@@ -75,6 +76,20 @@ def keygen(key_path: str) -> None:
 @click.option("--windows", type=int, default=None, help="Stop after N windows (default: run until stopped).")
 @click.option("--threads", type=int, default=0, help="Torch CPU threads (0: torch's default).")
 @click.option("--status-json", is_flag=True, help="One JSON event per line on stdout instead of human lines.")
+@click.option(
+    "--eval-every",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Evaluate θ (loss, perplexity, bits per byte) every N windows into the log (0: never). Local, not in the RunSpec.",
+)
+@click.option(
+    "--eval-sequences",
+    type=click.IntRange(1),
+    default=256,  # validator.evaluation.DEFAULT_EVAL_SEQUENCES (that module loads torch)
+    show_default=True,
+    help="Validation sequences per periodic evaluation.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def run(
     run_path: str,
@@ -86,6 +101,8 @@ def run(
     windows: int | None,
     threads: int,
     status_json: bool,
+    eval_every: int,
+    eval_sequences: int,
     verbose: bool,
 ) -> None:
     """Validate windows: gather, check, score, aggregate, publish.
@@ -98,6 +115,8 @@ def run(
       window_published   window, accepted, rejected, val_loss, digest, fingerprint,
                          published_at, reasons {reason: count}, seconds {phase: s}
       window_retry       window, reason, detail       (a store error; retried)
+      model_evaluated    window, fingerprint, sequences, loss, perplexity,
+                         bits_per_byte, seconds       (--eval-every N)
       stopped            role, reason (done | stopped | interrupted), window
       failed             role, reason, detail
 
@@ -108,7 +127,9 @@ def run(
     )
     emit: Emit = EventWriter(sys.stdout) if status_json else _HumanLines(Console(highlight=False, soft_wrap=True))
     try:
-        validator = _open_validator(run_path, store_url, dht_peers, key_path, state_dir, device, threads, emit)
+        validator = _open_validator(
+            run_path, store_url, dht_peers, key_path, state_dir, device, threads, emit, (eval_every, eval_sequences)
+        )
     except ConfigError as exc:
         emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
         sys.exit(EXIT_CONFIG)
@@ -125,6 +146,7 @@ def _open_validator(
     device: str,
     threads: int,
     emit: Emit,
+    periodic_eval: tuple[int, int] = (0, 256),
 ) -> Validator:
     """The Validator the options describe; ValidatorStarted is its first event."""
     # torch and the node load here, not at import: `logs` (what sparseloco demo runs) stays quick.
@@ -136,8 +158,16 @@ def _open_validator(
         torch.set_num_threads(threads)
     spec = RunSpec.load(run_path)
     ident = Identity.load(Path(key_path).expanduser())
+    eval_every, eval_sequences = periodic_eval
     validator = Validator(
-        spec, open_from_settings(spec.storage, store_url, dht_peers), ident, state_dir, device=device, emit=emit
+        spec,
+        open_from_settings(spec.storage, store_url, dht_peers),
+        ident,
+        state_dir,
+        device=device,
+        emit=emit,
+        eval_every=eval_every,
+        eval_sequences=eval_sequences,
     )
     started = ValidatorStarted(
         peer_id=ident.peer_id,
@@ -221,6 +251,7 @@ _COLUMNS = (
 @click.option("--window", "window_range", default=None, help="Window N or range A:B (either end may be empty).")
 @click.option("--rejected", is_flag=True, help="Only rejected contributions.")
 @click.option("--windows", "per_window", is_flag=True, help="One row per window (outcome, val loss, fingerprint).")
+@click.option("--evals", "evaluations", is_flag=True, help="The periodic evaluations of θ (--eval-every).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (an array of rows).")
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV.")
 @click.option("--summary", is_flag=True, help="Leaderboard: windows, acceptance rate, mean score per peer.")
@@ -230,6 +261,7 @@ def logs(
     window_range: str | None,
     rejected: bool,
     per_window: bool,
+    evaluations: bool,
     as_json: bool,
     as_csv: bool,
     summary: bool,
@@ -245,14 +277,19 @@ def logs(
       --windows      window, status (decided | published), opened_at, closed_at,
                      published_at, base, digest (of the aggregate), fingerprint (of θ
                      after it), val_loss, accepted, rejected
+      --evals        window (θ after its aggregate), fingerprint, sequences, tokens,
+                     bytes, loss (nats/token), perplexity, bits_per_byte,
+                     evaluated_at, seconds
       --summary      peer, windows, accepted, acceptance_rate, mean_score, reputation,
-                     last_window
+                     last_window; the table also shows the periodic evaluations
     Times are unix seconds; absent values are null (empty in CSV).
     """
     if as_json and as_csv:
         raise click.UsageError("--json and --csv are exclusive")
     if per_window and (summary or peer or rejected):
         raise click.UsageError("--windows lists whole windows: --summary, --peer and --rejected do not apply")
+    if evaluations and (per_window or summary or peer or rejected):
+        raise click.UsageError("--evals lists evaluations: --windows, --summary, --peer and --rejected do not apply")
     if not Path(db).exists():
         raise click.ClickException(f"no contribution log at {db}")
     windows = _parse_range(window_range)
@@ -262,11 +299,17 @@ def logs(
             picked = [w for w in log.windows() if (lo is None or w.window >= lo) and (hi is None or w.window <= hi)]
             _emit([_window_row(w) for w in picked], as_json, as_csv, _windows_table)
             return
+        evals = [dataclasses.asdict(e) for e in log.evaluations(windows=windows)]
+        if evaluations:
+            _emit(evals, as_json, as_csv, _evals_table)
+            return
         if summary:
             board = [dataclasses.asdict(r) for r in log.leaderboard(windows=windows)]
             if peer:
                 board = [b for b in board if b["peer"].startswith(peer)]
             _emit(board, as_json, as_csv, _summary_table)
+            if evals and not (as_json or as_csv):
+                _emit(evals, False, False, _evals_table)
             return
         rows = log.rows(peer=peer, windows=windows, rejected_only=rejected)
         _emit([_flat(r) for r in rows], as_json, as_csv, _rows_table)
@@ -381,6 +424,23 @@ def _summary_table(rows: list[dict[str, object]]) -> Table:
             _fmt(r["mean_score"]),
             _fmt(r["reputation"], 3),
             str(r["last_window"]),
+        )
+    return t
+
+
+def _evals_table(rows: list[dict[str, object]]) -> Table:
+    t = Table(title=f"evaluations of θ ({len(rows)}, validation split)")
+    for c in ("window", "loss", "perplexity", "bits/byte", "sequences", "fingerprint", "seconds"):
+        t.add_column(c, justify="left" if c == "fingerprint" else "right")
+    for r in rows:
+        t.add_row(
+            str(r["window"]),
+            _fmt(r["loss"]),
+            _fmt(r["perplexity"], 3),
+            _fmt(r["bits_per_byte"]),
+            str(r["sequences"]),
+            _fmt(r["fingerprint"])[:16],
+            _fmt(r["seconds"], 1),
         )
     return t
 

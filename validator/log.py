@@ -12,7 +12,11 @@ upload order survives a restart).
     log.mark_published(3, digest="…", published_at=time.time())
     log.rows(peer=peer, windows=(0, 10), rejected_only=True)
 
-Tables: ``contributions``, ``checks`` (window, peer, check, passed, reason), ``windows``.
+Tables: ``contributions``, ``checks`` (window, peer, check, passed, reason), ``windows``, and
+``evaluations`` (the periodic evaluation of θ, ``sparseloco-validator run --eval-every N``):
+
+    log.record_evaluation(EvaluationRecord(window=9, loss=1.9, perplexity=6.7, bits_per_byte=2.7, ...))
+    log.evaluations(windows=(0, None))
 """
 
 from __future__ import annotations
@@ -24,7 +28,15 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOG_FILE", "CheckRow", "ContributionLog", "ContributionRecord", "LeaderRow", "WindowRecord"]
+__all__ = [
+    "LOG_FILE",
+    "CheckRow",
+    "ContributionLog",
+    "ContributionRecord",
+    "EvaluationRecord",
+    "LeaderRow",
+    "WindowRecord",
+]
 
 LOG_FILE = "contributions.sqlite"  # its name in a validator's state directory
 
@@ -72,6 +84,18 @@ CREATE TABLE IF NOT EXISTS windows (
     rejected INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS contributions_by_peer ON contributions (peer, window);
+CREATE TABLE IF NOT EXISTS evaluations (
+    window INTEGER PRIMARY KEY,
+    fingerprint TEXT NOT NULL,
+    sequences INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    loss REAL NOT NULL,
+    perplexity REAL NOT NULL,
+    bits_per_byte REAL NOT NULL,
+    evaluated_at REAL NOT NULL,
+    seconds REAL NOT NULL
+);
 """
 
 
@@ -131,6 +155,22 @@ class WindowRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvaluationRecord:
+    """θ after window ``window``'s aggregate, scored on the validation split (loss in nats/token)."""
+
+    window: int
+    fingerprint: str
+    sequences: int
+    tokens: int
+    bytes: int
+    loss: float
+    perplexity: float
+    bits_per_byte: float
+    evaluated_at: float
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class LeaderRow:
     """A peer's standing over the selected windows (``logs --summary``)."""
 
@@ -145,6 +185,7 @@ class LeaderRow:
 
 _CONTRIB_COLS = [f.name for f in fields(ContributionRecord) if f.name != "checks"]
 _WINDOW_COLS = [f.name for f in fields(WindowRecord)]
+_EVAL_COLS = [f.name for f in fields(EvaluationRecord)]
 
 
 class ContributionLog:
@@ -222,6 +263,14 @@ class ContributionLog:
                 (digest, published_at, window),
             )
 
+    def record_evaluation(self, rec: EvaluationRecord) -> None:
+        """Add (or, for a window evaluated again, replace) a periodic evaluation."""
+        with self._lock:
+            self._db.execute(
+                f"INSERT OR REPLACE INTO evaluations ({', '.join(_EVAL_COLS)}) VALUES ({', '.join('?' * len(_EVAL_COLS))})",
+                [getattr(rec, c) for c in _EVAL_COLS],
+            )
+
     def _upsert_contribution(self, rec: ContributionRecord) -> None:
         values = {c: getattr(rec, c) for c in _CONTRIB_COLS}
         values["accepted"] = int(rec.accepted)
@@ -255,6 +304,17 @@ class ContributionLog:
         with self._lock:
             rows = self._db.execute(f"SELECT {', '.join(_WINDOW_COLS)} FROM windows ORDER BY window").fetchall()
         return [WindowRecord(**dict(zip(_WINDOW_COLS, r))) for r in rows]
+
+    def evaluations(self, *, windows: tuple[int | None, int | None] = (None, None)) -> list[EvaluationRecord]:
+        """Periodic evaluations by window; ``windows`` is an inclusive range, either end open."""
+        lo, hi = windows
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {', '.join(_EVAL_COLS)} FROM evaluations "
+                "WHERE (? IS NULL OR window >= ?) AND (? IS NULL OR window <= ?) ORDER BY window",
+                (lo, lo, hi, hi),
+            ).fetchall()
+        return [EvaluationRecord(**dict(zip(_EVAL_COLS, r))) for r in rows]
 
     def rows(
         self,

@@ -4,7 +4,8 @@
     v.run(windows=10)            # resumes where the state directory and the store say it stopped
 
 It reports through ``emit`` (:mod:`protocol.events`): WindowOpened when it starts gathering a
-window, WindowPublished (also ``run_window``'s return value) and WindowRetry after a store error.
+window, WindowPublished (also ``run_window``'s return value), WindowRetry after a store error and,
+with ``eval_every`` (a local setting), ModelEvaluated (:mod:`validator.evaluation`).
 
 Per window t (docs/ARCHITECTURE.md, "One window, end to end"): gather the contributions under
 ``contrib/<t>/`` until the deadline or until every active peer (announced, and uploaded or
@@ -35,13 +36,14 @@ from protocol.chain import delta_of, read_aggregate
 from protocol.config import RunSpec
 from protocol.data import assigned_batches, open_dataset, random_batches, validation_batches
 from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
-from protocol.events import Event, WindowOpened, WindowPublished, WindowRetry
+from protocol.events import Event, ModelEvaluated, WindowOpened, WindowPublished, WindowRetry
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, param_schema, parameters_of
 from protocol.store.base import ObjectStore
 from protocol.windows import is_checkpoint_window
 from protocol.wire import GENESIS, Aggregate, Verified, decode_aggregate
 from validator import checks, publish, window_checks
+from validator.evaluation import DEFAULT_EVAL_SEQUENCES, PeriodicEval
 from validator.gather import PeerRegistry, Received, gather, list_contributions
 from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
 from validator.reputation import LATE, Outcome, Standing, is_excluded, standings, update
@@ -75,6 +77,8 @@ class Validator:
         device: str = "cpu",
         emit: Callable[[Event], None] | None = None,
         clock: Callable[[], float] = time.time,
+        eval_every: int = 0,
+        eval_sequences: int = DEFAULT_EVAL_SEQUENCES,
     ) -> None:
         if identity.public_key_hex not in spec.validator.public_keys:
             raise ConfigError(
@@ -90,6 +94,7 @@ class Validator:
         self.schema = param_schema(spec.model)
         self.model = build_model(spec.model).to(self.device)
         self.dataset = open_dataset(spec.data)
+        self.periodic = PeriodicEval(every=eval_every, sequences=eval_sequences, dataset=self.dataset, data=spec.data)
         self.stop = threading.Event()
         self.emit = emit or _ignore  # WindowOpened, WindowPublished, WindowRetry (protocol.events)
         self._gathering: int | None = None  # the window whose WindowOpened was emitted last
@@ -124,6 +129,7 @@ class Validator:
             if report is None:  # stopped mid-window: nothing published, a restart redoes it
                 break
             reports.append(report)
+            self._evaluate(report)
             state = self._state()
         return reports
 
@@ -151,6 +157,24 @@ class Validator:
         accepted = sorted((s for s in screened if s.reason is None), key=lambda s: s.peer)  # order-free Δ̄
         delta = aggregate([s.sparse for s in accepted], self.spec.outer.aggregation, self.spec.outer.clip)
         return self._publish(t, st, rows, delta, clock)  # log, aggregate, checkpoint, state
+
+    def _evaluate(self, report: WindowPublished) -> None:
+        """The periodic evaluation of θ after the aggregate just published, when due."""
+        if not self.periodic.due(report.window):
+            return
+        rec = self.periodic.evaluate(self.model, report.window, report.fingerprint, self.device)
+        self.log.record_evaluation(rec)
+        self.emit(
+            ModelEvaluated(
+                window=rec.window,
+                fingerprint=rec.fingerprint,
+                sequences=rec.sequences,
+                loss=rec.loss,
+                perplexity=rec.perplexity,
+                bits_per_byte=rec.bits_per_byte,
+                seconds=rec.seconds,
+            )
+        )
 
     def _opened(self, st: ValidatorState) -> None:
         """Emit WindowOpened once per window gathered by this process (a retry does not reopen it)."""

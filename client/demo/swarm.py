@@ -50,7 +50,6 @@ from protocol.events import (
     parse_line,
 )
 from protocol.identity import Identity
-from protocol.model import param_schema
 
 PRESET = Path(protocol.__file__).parent / "presets" / "demo.toml"
 VALIDATOR = "validator"
@@ -336,6 +335,8 @@ class LocalSwarm:
 
     def summary(self) -> dict[str, Any]:
         """The demo's result record (see ``sparseloco demo --help`` for the fields)."""
+        from protocol.model import param_schema  # torch loads here, not for `sparseloco --help`
+
         assert self.spec is not None
         windows = {w.window: w for w in self.log_windows() if w.status == "published"}
         order = sorted(windows)
