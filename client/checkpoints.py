@@ -7,7 +7,7 @@ signed the manifest. Which checkpoint is then named by a location and a window::
     spec = RunSpec.load("run.toml")
     loc = locate(spec, "RUN/store/ab12…/checkpoint/00000004")     # a checkpoint folder or its manifest
     loc = locate(spec, "s3://bucket/prefix", window="latest")       # a store URL, newest checkpoint
-    loc = locate(spec, None, window=4)                              # the RunSpec's storage.url
+    loc = locate(spec, None, window=4, settings=local.store)        # the store of the local settings
     ckpt = load_checkpoint(spec, loc)          # every file checked against the signed manifest,
     ckpt.params, ckpt.window, ckpt.signer      # θ against its fingerprint (protocol.chain)
     model = model_of(spec, ckpt, "cuda")       # protocol.model.Transformer holding θ, eval mode
@@ -19,6 +19,7 @@ path, a ``file://`` or an ``s3://`` URL) names both the store (``<root>``) and t
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from protocol.config import RunSpec
 from protocol.errors import ConfigError, MalformedPayload, ObjectNotFound, ProtocolError
 from protocol.identity import peer_id_of
 from protocol.model import Transformer, param_schema
+from protocol.settings import StoreSettings
 from protocol.store import open_from_settings
 from protocol.store.base import ObjectStore
 from protocol.wire import CheckpointManifest, Verified, decode_checkpoint
@@ -112,17 +114,19 @@ def locate(
     store_url: str | None = None,
     window: str | int | None = None,
     dht_peers: Sequence[str] = (),
+    settings: StoreSettings | None = None,
 ) -> Location:
     """The checkpoint that ``checkpoint`` (a path, a URL or None), ``--store`` and ``--window`` name.
 
     ``checkpoint`` inside a store's checkpoint layout fixes the store and the window; a store URL
-    or a local store directory fixes the store; None leaves the RunSpec's ``storage.url`` (or
-    ``store_url``). ``window`` picks among the store's checkpoints (``latest`` or None: the newest).
+    or a local store directory fixes the store; None leaves ``store_url`` or else the store of the
+    local ``settings`` (run.toml's ``[local]`` table, the environment, ``--settings``). ``window`` picks among the store's checkpoints (``latest`` or None: the newest).
     Naming a store or a window twice, differently, is a ConfigError.
     """
     wanted = parse_window(window)
     if checkpoint is None:
-        return Location(store_url or spec.storage.url, wanted, tuple(dht_peers))
+        default = (settings or StoreSettings()).url
+        return Location(store_url or default, wanted, tuple(dht_peers))
     if store_url is not None:
         raise ConfigError("give either CHECKPOINT or --store, not both")
     url = checkpoint if "://" in checkpoint else _local_url(checkpoint)
@@ -154,9 +158,12 @@ def _split_checkpoint_url(url: str) -> tuple[str, str | None, int | None]:
     return url, None, None
 
 
-def open_location(spec: RunSpec, loc: Location) -> ObjectStore:
-    """The store of ``loc``, opened with the RunSpec's storage settings (S3 endpoint, region …)."""
-    return open_from_settings(spec.storage, loc.store_url, loc.dht_peers)
+def open_location(loc: Location, settings: StoreSettings | None = None) -> ObjectStore:
+    """The store of ``loc``, opened with the local store ``settings`` (S3 endpoint, region, DHT
+    bootstrap …); an endpoint or region in the location's URL wins."""
+    base = settings or StoreSettings()
+    bootstrap = loc.dht_peers or base.dht_bootstrap
+    return open_from_settings(dataclasses.replace(base, url=loc.store_url, dht_bootstrap=tuple(bootstrap)))
 
 
 def checkpoint_windows(spec: RunSpec, store: ObjectStore) -> list[int]:
@@ -211,12 +218,12 @@ def list_checkpoints(spec: RunSpec, store: ObjectStore) -> list[CheckpointInfo]:
     return out
 
 
-def load_checkpoint(spec: RunSpec, loc: Location) -> Checkpoint:
+def load_checkpoint(spec: RunSpec, loc: Location, settings: StoreSettings | None = None) -> Checkpoint:
     """θ of the checkpoint ``loc`` names, verified: the manifest's signer is one of the RunSpec's
     validator keys, every file has the signed size and sha256, θ has the signed fingerprint and
     exactly the RunSpec's parameter shapes. Raises ConfigError when there is no such checkpoint
-    and a :class:`ProtocolError` when it does not verify."""
-    store = open_location(spec, loc)
+    and a :class:`ProtocolError` when it does not verify. ``settings``: see :func:`open_location`."""
+    store = open_location(loc, settings)
     try:
         window = loc.window
         if window is None:

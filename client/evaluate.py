@@ -30,6 +30,7 @@ from torch import Tensor
 from protocol.config import RunSpec
 from protocol.data import INDEX, open_dataset, text_documents, validation_batches
 from protocol.errors import ConfigError
+from protocol.settings import DataSettings
 from protocol.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["HeldOut", "heldout_data"]
@@ -45,14 +46,15 @@ class HeldOut:
     available_tokens: int  # held-out tokens the sequences were spread over
 
 
-def heldout_data(spec: RunSpec, data: str | None, *, sequences: int) -> HeldOut:
-    """The held-out sequences ``data`` names (see the module docstring)."""
+def heldout_data(spec: RunSpec, data: str | None, *, sequences: int, local: DataSettings | None = None) -> HeldOut:
+    """The held-out sequences ``data`` names (see the module docstring); ``local``: this machine's
+    data settings (the run's corpus ``local.source``, the cache)."""
     if sequences < 1:
         raise ConfigError("sequences must be >= 1")
-    d = spec.data
-    if data is None or data == d.source or _is_dataset(data) or _same_path(data, d.source):
-        source = d.source if data is None else data
-        ds = open_dataset(dataclasses.replace(d, source=source))
+    d, local = spec.data, local or DataSettings()
+    if data is None or data == local.source or _is_dataset(data) or _same_path(data, local.source):
+        source = local.source if data is None else data
+        ds = open_dataset(d, dataclasses.replace(local, source=source))
         return HeldOut(
             f"{source} (validation split)",
             validation_batches(ds, sequences, d.batch_size, d.seq_len),

@@ -4,7 +4,8 @@ Every command reads a checkpoint the validator signed, verified end to end (mani
 the RunSpec's validator keys, file hashes, θ fingerprint: :mod:`client.checkpoints`). The RunSpec
 is always given (``--run``): it holds the model's shape, the tokenizer and those keys. A checkpoint
 is then named by a path or URL inside a store (``…/<run>/checkpoint/<window>[/manifest]``), a
-store URL or directory with ``--window``, or ``--window`` alone (the RunSpec's ``storage.url``)::
+store URL or directory with ``--window``, or ``--window`` alone (the store of the local settings:
+run.toml's ``[local]`` table, ``SPARSELOCO_*`` variables)::
 
     sparseloco checkpoints --run run.toml
     sparseloco export --run run.toml --window latest hf-model/
@@ -32,6 +33,7 @@ from rich.table import Table
 
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, ProtocolError, StoreError
+from protocol.settings import load_settings
 
 if TYPE_CHECKING:
     from client.checkpoints import Checkpoint, Location
@@ -44,7 +46,7 @@ _run_option = click.option(
     "--run", "run_path", required=True, type=click.Path(dir_okay=False), help="The run's RunSpec TOML."
 )
 _store_option = click.option(
-    "--store", "store_url", default=None, help="Store URL (default: the RunSpec's storage.url)."
+    "--store", "store_url", default=None, help="Store URL (default: store.url of the local settings)."
 )
 _window_option = click.option(
     "--window", default=None, help="Checkpoint window, or 'latest' (the default: the newest checkpoint)."
@@ -75,8 +77,9 @@ def _load(
     from client.checkpoints import load_checkpoint, locate
 
     spec = RunSpec.load(run_path)
-    loc = locate(spec, checkpoint, store_url=store_url, window=window, dht_peers=dht_peers)
-    return spec, loc, load_checkpoint(spec, loc)
+    store = load_settings(run_path).store
+    loc = locate(spec, checkpoint, store_url=store_url, window=window, dht_peers=dht_peers, settings=store)
+    return spec, loc, load_checkpoint(spec, loc, store)
 
 
 def _device(device: str | None, threads: int) -> str:
@@ -118,7 +121,8 @@ def checkpoints_cmd(run_path: str, store_url: str | None, dht_peers: tuple[str, 
 
     with _user_errors():
         spec = RunSpec.load(run_path)
-        store = open_location(spec, Location(store_url or spec.storage.url, None, dht_peers))
+        settings = load_settings(run_path).store
+        store = open_location(Location(store_url or settings.url, None, dht_peers), settings)
         try:
             infos = list_checkpoints(spec, store)
         finally:
@@ -160,7 +164,7 @@ def export_cmd(
     OUT_DIR gets config.json, generation_config.json, model.safetensors and the tokenizer
     files; transformers' AutoModelForCausalLM / AutoTokenizer .from_pretrained(OUT_DIR) load it.
     CHECKPOINT (optional): a checkpoint folder or manifest inside a store, a store URL or
-    directory; without it, --store / the RunSpec's storage.url and --window.
+    directory; without it, --store / the local store.url and --window.
     """
     if len(paths) > 2:
         raise click.UsageError("expected [CHECKPOINT] OUT_DIR")
@@ -240,7 +244,7 @@ def eval_cmd(
     task_list = list(DEFAULT_TASKS) if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
     with _user_errors():
         spec, loc, ckpt = _load(run_path, checkpoint, store_url, window, dht_peers)
-        held = heldout_data(spec, data, sequences=sequences)
+        held = heldout_data(spec, data, sequences=sequences, local=load_settings(run_path).data)
         dev = _device(device, threads)
         score = score_lm(model_of(spec, ckpt, dev), held.batches, held.tokenizer, dev)
         task_results = _zero_shot(spec, ckpt, task_list, dev, task_limit)

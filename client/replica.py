@@ -1,6 +1,6 @@
 """A full replica: the whole model and its inner optimizer in this process, one window at a time.
 
-    replica = FullReplica(spec, data_key=identity.peer_id, device="cuda")
+    replica = FullReplica(spec, data_key=identity.peer_id, device="cuda", data=settings.data)
     result = replica.train(job)        # Trained (Δ̂, e′, optimizer state) or Skipped (stopped)
 
 The window: load θ_t into the model, H AdamW steps on the batches assigned to (run, data_key, t),
@@ -22,20 +22,32 @@ from protocol.config import RunSpec
 from protocol.data import assigned_batches, open_dataset
 from protocol.feedback import compress_step
 from protocol.model import build_model
+from protocol.settings import DataSettings
 from protocol.wire import PipelineRole
 
 __all__ = ["FullReplica"]
 
 
 class FullReplica:
-    """A :class:`~client.window.WindowTrainer` holding the whole model on ``device``."""
+    """A :class:`~client.window.WindowTrainer` holding the whole model on ``device``.
 
-    def __init__(self, spec: RunSpec, *, data_key: str, device: torch.device | str = "cpu") -> None:
+    ``data``: this machine's corpus (local settings); ``micro_batch_size``: gradient accumulation
+    (the local setting ``compute.micro_batch_size``, 0: none)."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        *,
+        data_key: str,
+        device: torch.device | str = "cpu",
+        data: DataSettings | None = None,
+        micro_batch_size: int = 0,
+    ) -> None:
         self.spec, self.data_key = spec, data_key
         self.device = torch.device(device)
-        self.dataset = open_dataset(spec.data)
+        self.dataset = open_dataset(spec.data, data)
         self.model = build_model(spec.model).to(self.device)
-        self.trainer = InnerTrainer(self.model, spec.inner, self.device, micro_batch_size=spec.data.micro_batch_size)
+        self.trainer = InnerTrainer(self.model, spec.inner, self.device, micro_batch_size=micro_batch_size)
 
     @property
     def role(self) -> PipelineRole | None:

@@ -4,7 +4,7 @@ A peer holds θ as CPU float32 tensors (the *master copy*; the trainer's model m
 Every change to θ goes through this module, and only from objects signed by a key in
 ``spec.validator.public_keys``::
 
-    sync = Sync(spec, store)
+    sync = Sync(spec, store, poll_interval_s=settings.poll_interval_s)
     pos = sync.bootstrap(params)                 # newest checkpoint + replay of the aggregates after it
     pos = sync.advance(params, pos)              # apply every aggregate published since ``pos``
     sync.wait_until_published(pos.window, stop_at=deadline)
@@ -63,14 +63,14 @@ class Position:
 class Sync:
     """Reads signed aggregates and checkpoints of one run from a store and applies them to θ."""
 
-    def __init__(self, spec: RunSpec, store: ObjectStore, *, poll_interval_s: float | None = None) -> None:
+    def __init__(self, spec: RunSpec, store: ObjectStore, *, poll_interval_s: float = 1.0) -> None:
         self.spec = spec
         self.store = store
         self.run = layout.run_id(spec.hash())
         self.run_hash = spec.hash()
         self.schema = param_schema(spec.model)
         self.signers = spec.validator.public_keys
-        self.poll_s = spec.windows.poll_interval_s if poll_interval_s is None else poll_interval_s
+        self.poll_s = poll_interval_s  # the local setting poll_interval_s
 
     # ------------------------------------------------------------------ discovery
     def checkpoint_windows(self) -> list[int]:

@@ -10,8 +10,10 @@ or ``uint32`` token files, memory-mapped on open::
 Documents are cut at line ends into ~16 KiB pieces, and each piece is assigned to the held-out ``val``
 split by a hash of (document name, piece number), so the split does not depend on file order and a
 single large file still splits. ``builtin:stdlib`` is the Python standard library's ``.py`` source (capped at
-:data:`STDLIB_CAP_BYTES`), tokenized on first use into ``$SPARSELOCO_CACHE`` (default
-``~/.cache/sparseloco``). It depends on the interpreter version; runs across machines should ship
+:data:`STDLIB_CAP_BYTES`), tokenized on first use into the cache (``[local.data] cache_dir``, else
+``$SPARSELOCO_CACHE``, else ``~/.cache/sparseloco``). Which corpus a machine reads is a local
+setting (:class:`protocol.settings.DataSettings`); how it is cut into batches is the RunSpec's
+:class:`~protocol.config.DataConfig`. It depends on the interpreter version; runs across machines should ship
 prepared shards (``scripts/prepare_data.py``) and compare :attr:`TokenDataset.digest`.
 
 **Assignment.** The train stream is cut into slots of ``seq_len + 1`` tokens (window-dependent
@@ -21,7 +23,7 @@ own lane, hence exactly disjoint; a string peer id is hashed to a lane per windo
 lane with probability 1/n_lanes). Everything is a pure function of (run seed, peer, window), so the
 validator reproduces a peer's batches exactly.
 
-    ds = open_dataset(spec.data)
+    ds = open_dataset(spec.data, settings.data)
     batches = assigned_batches(ds, spec.seed, peer_id, window, spec.inner.steps,
                                spec.data.batch_size, spec.data.seq_len)   # list of [B, T+1]
 """
@@ -47,6 +49,7 @@ from torch import Tensor
 from protocol.config import DataConfig
 from protocol.errors import ConfigError
 from protocol.files import atomic_write
+from protocol.settings import DataSettings
 from protocol.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
@@ -240,8 +243,10 @@ def _tokenize(tokenizer: ByteTokenizer | HFTokenizer, data: bytes, eos: bool = T
 
 
 # ----------------------------------------------------------------------------- sources
-def cache_dir() -> Path:
-    """``$SPARSELOCO_CACHE`` or ``~/.cache/sparseloco``."""
+def cache_dir(local: DataSettings | None = None) -> Path:
+    """``local.cache_dir``, else ``$SPARSELOCO_CACHE``, else ``~/.cache/sparseloco``."""
+    if local is not None and local.cache_dir:
+        return Path(local.cache_dir).expanduser()
     env = os.environ.get("SPARSELOCO_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "sparseloco"
 
@@ -275,38 +280,61 @@ def text_documents(path: str | Path) -> Iterator[tuple[str, bytes]]:
         yield str(p.relative_to(root) if p != root else p.name), data
 
 
-def open_dataset(cfg: DataConfig) -> TokenDataset:
-    """Open ``cfg.source``: ``builtin:stdlib``, a shard directory, or a text file/directory.
+def open_dataset(cfg: DataConfig, local: DataSettings | None = None) -> TokenDataset:
+    """Open this machine's corpus ``local.source`` (default ``builtin:stdlib``), a shard directory,
+    or a text file/directory, cut as the RunSpec's ``cfg`` says.
 
     Text sources are tokenized once into the cache, keyed by the source, its files' sizes and
     mtimes, the tokenizer and the validation fraction.
     """
+    local = local or DataSettings()
     tok = load_tokenizer(cfg.tokenizer)
-    if cfg.source == "builtin:stdlib":
+    if local.source == "builtin:stdlib":
         ver = sysconfig.get_python_version()
         key = _key("stdlib", VERSION, ver, tok.name, STDLIB_CAP_BYTES, PIECE_BYTES, cfg.val_fraction)
-        return _cached(key, stdlib_documents, tok, cfg.val_fraction)
-    src = Path(cfg.source).expanduser()
+        return _cached(key, stdlib_documents, tok, cfg.val_fraction, local)
+    src = Path(local.source).expanduser()
     if (src / INDEX).is_file():
         ds = open_shards(src)
         if ds.tokenizer != tok.name:
             raise ConfigError(f"{src} was tokenized with {ds.tokenizer!r}, the run uses {tok.name!r}")
         return ds
     if not src.exists():
-        raise ConfigError(f"data source not found: {cfg.source!r}")
+        raise ConfigError(f"data source not found: {local.source!r}")
     files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
     stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     key = _key("text", VERSION, str(src.resolve()), stamp, tok.name, PIECE_BYTES, cfg.val_fraction)
-    return _cached(key, lambda: text_documents(src), tok, cfg.val_fraction)
+    return _cached(key, lambda: text_documents(src), tok, cfg.val_fraction, local)
 
 
 def _cached(
-    key: str, docs: Callable[[], Iterable[tuple[str, bytes]]], tok: ByteTokenizer | HFTokenizer, val_fraction: float
+    key: str,
+    docs: Callable[[], Iterable[tuple[str, bytes]]],
+    tok: ByteTokenizer | HFTokenizer,
+    val_fraction: float,
+    local: DataSettings,
 ) -> TokenDataset:
-    out = cache_dir() / key
+    out = cache_dir(local) / key
     if (out / INDEX).is_file():
         return open_shards(out)
-    return write_shards(out, docs(), tok, val_fraction)
+    ds = write_shards(out, docs(), tok, val_fraction)
+    if local.cache_max_bytes:
+        _trim_cache(out.parent, keep=out, cap_bytes=local.cache_max_bytes)
+    return ds
+
+
+def _trim_cache(root: Path, *, keep: Path, cap_bytes: int) -> None:
+    """Remove the least recently written cache entries (never ``keep``) until ``root`` holds at
+    most ``cap_bytes``. An entry is one tokenized source; a removed one is rebuilt when needed."""
+    entries = [p for p in root.iterdir() if (p / INDEX).is_file()]  # published entries, not temporaries
+    size = {p: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in entries}
+    total = sum(size.values())
+    for p in sorted(entries, key=lambda p: p.stat().st_mtime):
+        if total <= cap_bytes:
+            return
+        if p != keep:
+            shutil.rmtree(p, ignore_errors=True)
+            total -= size[p]
 
 
 def _key(kind: str, *parts: Any) -> str:

@@ -52,6 +52,31 @@ def _event(kind: str) -> Any:
 
 
 # ---------------------------------------------------------------------- peer
+@_event("peer_started")
+@dataclass(frozen=True, kw_only=True)
+class PeerStarted(Event):
+    """Who and which run, before anything can wait: compare ``run_hash`` with the operator's
+    (``sparseloco run-id run.toml``). ``store``: where this peer looks for the run."""
+
+    peer_id: str
+    run_id: str
+    run_hash: str
+    store: str
+
+
+@_event("waiting_for_genesis")
+@dataclass(frozen=True, kw_only=True)
+class WaitingForGenesis(Event):
+    """No signed genesis checkpoint for ``run_hash`` in ``store`` yet; ``join`` gives up after
+    ``timeout_s`` (the validator is not up, or this run.toml differs from the operator's)."""
+
+    run_id: str
+    run_hash: str
+    store: str
+    waited_s: float
+    timeout_s: float
+
+
 @_event("announced")
 @dataclass(frozen=True, kw_only=True)
 class Announced(Event):
@@ -136,7 +161,8 @@ class ResumedUpload(Event):
 @_event("stopped")
 @dataclass(frozen=True, kw_only=True)
 class Stopped(Event):
-    """A peer or validator stopped; ``reason``: ``done``, ``interrupted`` or ``stopped``."""
+    """A peer or validator stopped; ``reason``: ``done``, ``interrupted`` or ``stopped``.
+    ``withdrawn``: a peer's signed withdrawal is in the store (the validator stops waiting for it)."""
 
     role: str = "peer"
     reason: str = "done"
@@ -144,6 +170,7 @@ class Stopped(Event):
     windows_trained: int = 0
     inner_s: float = 0.0
     fingerprint: str = ""
+    withdrawn: bool = False
 
 
 @_event("failed")
@@ -175,6 +202,18 @@ class WindowOpened(Event):
     window: int
     base: str
     opened_at: float
+
+
+@_event("window_waiting")
+@dataclass(frozen=True, kw_only=True)
+class WindowWaiting(Event):
+    """``window`` is still open because of ``waiting_for`` (peer ids expected but not uploaded yet);
+    ``uploaded`` contributions are in; the window closes in ``closes_in_s`` at the latest."""
+
+    window: int
+    waiting_for: list[str]
+    uploaded: int
+    closes_in_s: float
 
 
 @_event("window_published")
@@ -293,9 +332,30 @@ def describe(event: Event) -> str:
             f"bits_per_byte={event.bits_per_byte:.4f} on {event.sequences} sequences ({event.seconds:.1f}s)"
         )
     if isinstance(event, ValidatorStarted):
-        return f"validator {event.peer_id} run {event.run_id} store {event.store} device {event.device}"
+        return (
+            f"validator {event.peer_id} run {event.run_id} (hash {event.run_hash}) store {_plain(event.store)}"
+            f" device {event.device}"
+        )
+    if isinstance(event, PeerStarted):
+        return f"peer {event.peer_id} run {event.run_id} (hash {event.run_hash}) store {_plain(event.store)}"
+    if isinstance(event, WaitingForGenesis):
+        return (
+            f"waiting for genesis of run {event.run_id} in {_plain(event.store)}: {event.waited_s:.0f} s"
+            f" of {event.timeout_s:.0f} s (hash {event.run_hash})"
+        )
+    if isinstance(event, WindowWaiting):
+        ids = ", ".join(p[:12] for p in event.waiting_for)
+        return (
+            f"window {event.window} waiting for {len(event.waiting_for)} peer(s): {ids}"
+            f" ({event.uploaded} uploaded, closes in {event.closes_in_s:.0f} s at the latest)"
+        )
     fields = {k: v for k, v in dataclasses.asdict(event).items() if k != "time" and v not in (None, "")}
-    return f"[dim]{event.kind}[/dim] " + "  ".join(f"{k}={v}" for k, v in fields.items())
+    return f"[dim]{event.kind}[/dim] " + "  ".join(f"{k}={_plain(v)}" for k, v in fields.items())
+
+
+def _plain(value: object) -> str:
+    """``value`` as text that rich prints as is (``[local]`` in a message is not a markup tag)."""
+    return str(value).replace("[", "\\[")
 
 
 def _num(value: float | int | None, fmt: str) -> str:

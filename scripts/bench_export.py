@@ -62,12 +62,12 @@ def measure(name: str, repeats: int, workdir: Path) -> dict[str, Any]:
         {
             "model": {"preset": "tiny", **SIZES[name]},
             "validator": {"public_keys": [VALIDATOR.public_key_hex]},
-            "storage": {"url": f"file://{workdir / name / 'store'}"},
         }
     )
+    store_url = f"file://{workdir / name / 'store'}"
     n_params = sum(_numel(s) for s in param_schema(spec.model).values())
     params = {n: p.detach() for n, p in build_model(spec.model).named_parameters()}
-    with open_store(spec.storage.url) as store:
+    with open_store(store_url) as store:
         publish_checkpoint(
             store,
             layout.run_id(spec.hash()),
@@ -79,7 +79,7 @@ def measure(name: str, repeats: int, workdir: Path) -> dict[str, Any]:
             published_at=time.time(),
         )
     del params
-    loc = locate(spec, None, window=1)
+    loc = locate(spec, None, store_url=store_url, window=1)
     verify, write = [], {"fp32": [], "bf16": []}
     for _ in range(repeats):
         t0 = time.perf_counter()

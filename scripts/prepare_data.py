@@ -6,7 +6,8 @@
     python scripts/prepare_data.py --out data/fineweb --hf-dataset HuggingFaceFW/fineweb-edu \\
         --hf-config sample-10BT --max-docs 100000          # needs `datasets` and network access
 
-Point a run at the result with ``[data] source = "data/stdlib"``. The printed digest identifies the
+Point a machine at the result with the local setting ``[local.data] source = "data/stdlib"``
+(or ``SPARSELOCO_DATA_SOURCE=data/stdlib``). The printed digest identifies the
 shards; every participant of a run should see the same one.
 """
 

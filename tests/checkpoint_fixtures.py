@@ -13,6 +13,7 @@ from protocol import layout
 from protocol.config import RunSpec
 from protocol.identity import Identity
 from protocol.model import build_model
+from protocol.settings import StoreSettings, local_table_toml
 from protocol.store import open_store
 from protocol.wire import GENESIS
 from validator.publish import publish_checkpoint
@@ -46,6 +47,11 @@ class Run:
         return f"file://{self.store_dir}"
 
     @property
+    def settings(self) -> StoreSettings:
+        """The store settings run.toml's [local] table gives."""
+        return StoreSettings(url=self.store_url)
+
+    @property
     def run_id(self) -> str:
         return layout.run_id(self.spec.hash())
 
@@ -54,7 +60,7 @@ class Run:
 
 
 def make_run(tmp_path: Path, *, windows: tuple[int, ...] = (0, 4), signer: Identity = VALIDATOR, **model: Any) -> Run:
-    """A run.toml whose storage.url is a directory store holding signed checkpoints of ``windows``."""
+    """A run.toml whose [local] store.url is a directory store holding signed checkpoints of ``windows``."""
     store_dir = (tmp_path / "store").resolve()
     spec = RunSpec.from_dict(
         {
@@ -62,11 +68,10 @@ def make_run(tmp_path: Path, *, windows: tuple[int, ...] = (0, 4), signer: Ident
             "model": tiny_model(**model),
             "data": {"seq_len": 32, "batch_size": 4},
             "validator": {"public_keys": [VALIDATOR.public_key_hex], "eval_sequences": 8},
-            "storage": {"url": f"file://{store_dir}"},
         }
     )
     run_toml = tmp_path / "run.toml"
-    run_toml.write_text(spec.to_toml())
+    run_toml.write_text(spec.to_toml() + local_table_toml({"store": {"url": f"file://{store_dir}"}}))
     store = open_store(f"file://{store_dir}")
     params = {}
     for w in windows:

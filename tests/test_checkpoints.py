@@ -22,7 +22,7 @@ from protocol.store import open_store
 def test_locate_reads_the_store_and_window_out_of_a_checkpoint_location(tmp_path: Path) -> None:
     run = make_run(tmp_path, windows=(4,))
     spec, w4 = run.spec, layout.window_str(4)
-    assert locate(spec, None) == Location(spec.storage.url, None)
+    assert locate(spec, None, settings=run.settings) == Location(run.store_url, None)
     assert locate(spec, None, store_url="s3://b/p", window="7") == Location("s3://b/p", 7)
     assert locate(spec, str(run.checkpoint_dir(4))) == Location(run.store_url, 4)
     assert locate(spec, str(run.checkpoint_dir(4) / "manifest"), window="4") == Location(run.store_url, 4)

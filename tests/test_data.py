@@ -19,6 +19,7 @@ from protocol.data import (
     write_shards,
 )
 from protocol.errors import ConfigError
+from protocol.settings import DataSettings
 from protocol.tokenizer import ByteTokenizer, load_tokenizer
 
 N_TRAIN, N_VAL = 60_000, 2_000
@@ -120,16 +121,33 @@ def test_open_dataset_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     text.mkdir()
     (text / "a.txt").write_text("hello world\n" * 2000)
     (text / "b.bin").write_bytes(b"\x00\x01binary")  # skipped
-    ds = open_dataset(DataConfig(source=str(text), val_fraction=0.4))
+    ds = open_dataset(DataConfig(val_fraction=0.4), DataSettings(source=str(text)))
     assert len(ds.train) + len(ds.val) == len("hello world\n" * 2000) + 1
-    again = open_dataset(DataConfig(source=str(text), val_fraction=0.4))
+    again = open_dataset(DataConfig(val_fraction=0.4), DataSettings(source=str(text)))
     assert again.path == ds.path  # cached
     with pytest.raises(ConfigError):
-        open_dataset(DataConfig(source=str(tmp_path / "missing")))
+        open_dataset(DataConfig(), DataSettings(source=str(tmp_path / "missing")))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "index.json").write_text("{not json")
     with pytest.raises(ConfigError):
-        open_dataset(DataConfig(source=str(tmp_path / "bad")))
+        open_dataset(DataConfig(), DataSettings(source=str(tmp_path / "bad")))
+
+
+def test_cache_dir_setting_and_size_cap(tmp_path: Path) -> None:
+    """``data.cache_dir`` wins over $SPARSELOCO_CACHE; past ``cache_max_bytes`` the oldest entry goes."""
+    corpora = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "t.txt").write_text(f"{name} text\n" * 20000)
+        corpora.append(tmp_path / name)
+    cache = tmp_path / "cache"
+    cfg = DataConfig(val_fraction=0.4)  # a small corpus still has a val split
+    first = open_dataset(cfg, DataSettings(source=str(corpora[0]), cache_dir=str(cache)))
+    assert Path(first.path).parent == cache
+    entry = sum(f.stat().st_size for f in Path(first.path).rglob("*") if f.is_file())
+    local = DataSettings(source=str(corpora[1]), cache_dir=str(cache), cache_max_bytes=entry + entry // 2)
+    second = open_dataset(cfg, local)
+    assert Path(second.path).is_dir() and not Path(first.path).exists()  # one entry fits, not two
 
 
 def test_builtin_stdlib_corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,7 @@ from client.demo.processes import ProcessGroup
 from client.demo.swarm import PRESET
 from protocol.config import RunSpec
 from protocol.events import WindowPublished, read_events
+from protocol.settings import local_table, local_table_toml
 
 REQUIRED = {
     "windows_completed",
@@ -38,7 +39,7 @@ def small_preset(tmp_path: Path) -> Path:
         validator={"eval_sequences": 8},
     )
     path = tmp_path / "small.toml"
-    path.write_text(spec.to_toml())
+    path.write_text(spec.to_toml() + local_table_toml(local_table(PRESET)))  # the preset's [local] too
     return path
 
 

@@ -27,6 +27,7 @@ from protocol.evaluation import LMScore, score_lm, text_bytes
 from protocol.events import Event, ModelEvaluated
 from protocol.identity import Identity
 from protocol.model import Transformer, eval_loss
+from protocol.settings import LocalSettings
 from protocol.tokenizer import ByteTokenizer
 from validator.cli import cli as validator_cli
 from validator.log import LOG_FILE, ContributionLog
@@ -104,7 +105,7 @@ def test_cli_eval_json_and_table(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
     assert report["checkpoint"]["window"] == 4 and report["sequences"] == 8 and report["tasks"] == []
-    ckpt = load_checkpoint(run.spec, locate(run.spec, None, window=4))
+    ckpt = load_checkpoint(run.spec, locate(run.spec, None, window=4, settings=run.settings))
     batches = validation_batches(open_dataset(run.spec.data), 8, 4, 32)
     assert report["loss"] == pytest.approx(eval_loss(model_of(run.spec, ckpt), batches), rel=1e-6)
     assert report["bits_per_byte"] == pytest.approx(report["loss"] / math.log(2))
@@ -118,12 +119,15 @@ def test_cli_eval_json_and_table(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ the validator's periodic evaluation
 def test_validator_evaluates_every_n_windows_as_sparseloco_eval_does(tmp_path: Path) -> None:
     vkey = Identity.generate()
-    spec = tiny_spec(vkey, windows={"upload_deadline_s": 0.1, "max_windows": 2})
+    spec = tiny_spec(vkey, windows={"upload_deadline_s": 0.1})
+    local = LocalSettings.from_dict(
+        {"poll_interval_s": 0.02, "max_windows": 2, "validator": {"eval_every": 1, "eval_sequences": 12}}
+    )
     swarm = Swarm(spec, 2)
     events: list[Event] = []
     try:
         swarm.announce_all()
-        v = Validator(spec, swarm.handle(), vkey, tmp_path / "v", emit=events.append, eval_every=1, eval_sequences=12)
+        v = Validator(spec, swarm.handle(), vkey, tmp_path / "v", local=local, emit=events.append)
         v.resume()
         params = v._state().params
         for p in swarm.peers:  # window 0 moves θ

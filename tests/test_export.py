@@ -29,7 +29,7 @@ ROPE = {"rope_theta": 500.0, "norm_eps": 1e-6}  # not the defaults: both must re
 def exported(tmp_path: Path, *, tied: bool, dtype: str = "fp32") -> tuple[torch.nn.Module, torch.nn.Module, Path]:
     """(our model, the transformers model loaded from the export, the export directory)."""
     run = make_run(tmp_path, windows=(4,), tie_embeddings=tied, **ROPE)
-    ckpt = load_checkpoint(run.spec, locate(run.spec, None, window=4))
+    ckpt = load_checkpoint(run.spec, locate(run.spec, None, window=4, settings=run.settings))
     out = tmp_path / "hf"
     export_hf(ckpt, run.spec, out, dtype=dtype)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -104,7 +104,7 @@ def test_byte_tokenizer_json_maps_text_as_the_byte_tokenizer_does(tmp_path: Path
 def test_a_checkpoint_signed_by_another_key_is_refused(tmp_path: Path) -> None:
     run = make_run(tmp_path, windows=(4,), signer=Identity.from_seed(bytes(32)))
     with pytest.raises(UnknownSigner):
-        load_checkpoint(run.spec, locate(run.spec, None, window=4))
+        load_checkpoint(run.spec, locate(run.spec, None, window=4, settings=run.settings))
     out = CliRunner().invoke(main, ["export", "--run", str(run.run_toml), str(tmp_path / "hf")])
     assert out.exit_code == 2 and "does not verify" in out.output and not (tmp_path / "hf").exists()
 
@@ -127,7 +127,7 @@ def test_cli_exports_by_path_url_or_window(tmp_path: Path) -> None:
             [str(run.checkpoint_dir(4) / "manifest")],  # the manifest file
             [f"{run.store_url}/{run.run_id}/checkpoint/{layout.window_str(4)}"],  # a URL into the store
             [str(run.store_dir)],  # the store directory, newest checkpoint
-            ["--window", "latest"],  # the RunSpec's storage.url
+            ["--window", "latest"],  # the store of run.toml [local]
         ]
     ):
         out_dir = tmp_path / f"hf{i}"

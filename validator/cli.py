@@ -1,11 +1,15 @@
 """``sparseloco-validator``: run a validator, read its contribution log, make its key.
 
     sparseloco-validator keygen --key validator.pem          # prints the public key for the RunSpec
-    sparseloco-validator run --run run.toml --key validator.pem --state vstate [--store URL] [--windows N]
-                             [--device cuda] [--threads N] [--dht-peer MULTIADDR ...] [--status-json]
+    sparseloco-validator run --run run.toml --key validator.pem --state vstate [--settings FILE]
+                             [--store URL] [--dht-peer MULTIADDR ...] [--device cuda] [--threads N]
+                             [--windows N] [--status-json]
                              [--eval-every N [--eval-sequences M]]
     sparseloco-validator logs --db vstate/contributions.sqlite [--peer ID] [--window A:B] [--rejected]
                               [--windows | --evals] [--json | --csv] [--summary]
+
+Local settings (store, corpus, device, poll interval …; :mod:`protocol.settings`) come from the
+flags, then ``SPARSELOCO_*`` variables, then ``--settings FILE``, then run.toml's ``[local]`` table.
 
 ``run`` reports what happens as :mod:`protocol.events` records: one timestamped human line each
 (``2025-01-31 12:00:03 window 3 published: accepted=3 rejected=0 val_loss=4.5487 …``), or with
@@ -36,6 +40,7 @@ from protocol.config import RunSpec
 from protocol.errors import ConfigError
 from protocol.events import Event, EventWriter, Failed, Stopped, ValidatorStarted, describe
 from protocol.identity import Identity
+from protocol.settings import LocalSettings, load_settings, settings_help
 from protocol.store import open_from_settings
 from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
 
@@ -60,49 +65,66 @@ def cli() -> None:
 @click.option(
     "--key", "key_path", default=DEFAULT_KEY, show_default=True, help="Ed25519 key file (created if missing)."
 )
-def keygen(key_path: str) -> None:
-    """Create (or load) the validator key and print its public key for ``validator.public_keys``."""
-    ident = Identity.load_or_create(key_path)
-    click.echo(ident.public_key_hex)
+@click.option("--json", "as_json", is_flag=True, help='Print {"public_key": …, "peer_id": …}.')
+def keygen(key_path: str, as_json: bool) -> None:
+    """Create (or load) the validator key; print its public key (hex, for ``validator.public_keys``
+    in run.toml) and its id form (the peer id the validator signs and is listed under)."""
+    ident = Identity.load_or_create(Path(key_path).expanduser())
+    if as_json:
+        click.echo(json.dumps({"public_key": ident.public_key_hex, "peer_id": ident.peer_id}))
+        return
+    click.echo(f"public key  {ident.public_key_hex}")
+    click.echo(f"peer id     {ident.peer_id}")
 
 
-@cli.command()
+@cli.command(epilog=settings_help())
 @click.option("--run", "run_path", required=True, type=click.Path(dir_okay=False), help="RunSpec TOML.")
-@click.option("--store", "store_url", default=None, help="Store URL (default: the RunSpec's storage.url).")
-@click.option("--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable).")
+@click.option(
+    "--settings",
+    "settings_path",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Local settings TOML (the keys of run.toml's [local] table).",
+)
+@click.option("--store", "store_url", default=None, help="Store URL (setting store.url).")
+@click.option(
+    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
+)
 @click.option("--key", "key_path", default=DEFAULT_KEY, show_default=True, help="Validator Ed25519 key file.")
 @click.option("--state", "state_dir", default=DEFAULT_STATE, show_default=True, help="State directory (θ, log).")
-@click.option("--device", default="cpu", show_default=True, help="Torch device for scoring (cpu, cuda, cuda:1).")
+@click.option(
+    "--device", default=None, help="Torch device for scoring: cpu, cuda, cuda:1 (compute.device) [default: cpu]."
+)
 @click.option("--windows", type=int, default=None, help="Stop after N windows (default: run until stopped).")
-@click.option("--threads", type=int, default=0, help="Torch CPU threads (0: torch's default).")
+@click.option("--threads", type=int, default=None, help="Torch CPU threads (compute.threads; 0: torch's default).")
 @click.option("--status-json", is_flag=True, help="One JSON event per line on stdout instead of human lines.")
 @click.option(
     "--eval-every",
     type=click.IntRange(0),
-    default=0,
-    show_default=True,
-    help="Evaluate θ (loss, perplexity, bits per byte) every N windows into the log (0: never). Local, not in the RunSpec.",
+    default=None,
+    help="Evaluate θ (loss, perplexity, bits per byte) every N windows into the log (0: never) "
+    "[validator.eval_every, default 0].",
 )
 @click.option(
     "--eval-sequences",
     type=click.IntRange(1),
-    default=256,  # validator.evaluation.DEFAULT_EVAL_SEQUENCES (that module loads torch)
-    show_default=True,
-    help="Validation sequences per periodic evaluation.",
+    default=None,
+    help="Validation sequences per periodic evaluation [validator.eval_sequences, default 256].",
 )
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def run(
     run_path: str,
+    settings_path: str | None,
     store_url: str | None,
     dht_peers: tuple[str, ...],
     key_path: str,
     state_dir: str,
-    device: str,
+    device: str | None,
     windows: int | None,
-    threads: int,
+    threads: int | None,
     status_json: bool,
-    eval_every: int,
-    eval_sequences: int,
+    eval_every: int | None,
+    eval_sequences: int | None,
     verbose: bool,
 ) -> None:
     """Validate windows: gather, check, score, aggregate, publish.
@@ -112,6 +134,8 @@ def run(
     {"event": kind, "time": unix s, ...fields}):
       validator_started  peer_id, run_id, run_hash, store, device
       window_opened      window, base, opened_at      (gathering begins)
+      window_waiting     window, waiting_for [peer ids], uploaded, closes_in_s
+                         (every few seconds while expected peers are missing)
       window_published   window, accepted, rejected, val_loss, digest, fingerprint,
                          published_at, reasons {reason: count}, seconds {phase: s}
       window_retry       window, reason, detail       (a store error; retried)
@@ -126,10 +150,17 @@ def run(
         level=logging.DEBUG if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     emit: Emit = EventWriter(sys.stdout) if status_json else _HumanLines(Console(highlight=False, soft_wrap=True))
+    flags = {
+        "store.url": store_url,
+        "store.dht_bootstrap": list(dht_peers) or None,
+        "compute.device": device,
+        "compute.threads": threads,
+        "validator.eval_every": eval_every,
+        "validator.eval_sequences": eval_sequences,
+    }
     try:
-        validator = _open_validator(
-            run_path, store_url, dht_peers, key_path, state_dir, device, threads, emit, (eval_every, eval_sequences)
-        )
+        local = load_settings(run_path, settings_path=settings_path, flags=flags)
+        validator = _open_validator(run_path, local, key_path, state_dir, emit)
     except ConfigError as exc:
         emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
         sys.exit(EXIT_CONFIG)
@@ -137,43 +168,25 @@ def run(
     sys.exit(_serve(validator, windows, emit))
 
 
-def _open_validator(
-    run_path: str,
-    store_url: str | None,
-    dht_peers: tuple[str, ...],
-    key_path: str,
-    state_dir: str,
-    device: str,
-    threads: int,
-    emit: Emit,
-    periodic_eval: tuple[int, int] = (0, 256),
-) -> Validator:
+def _open_validator(run_path: str, local: LocalSettings, key_path: str, state_dir: str, emit: Emit) -> Validator:
     """The Validator the options describe; ValidatorStarted is its first event."""
     # torch and the node load here, not at import: `logs` (what sparseloco demo runs) stays quick.
     import torch
 
     from validator.node import Validator
 
-    if threads > 0:
-        torch.set_num_threads(threads)
+    if local.compute.threads > 0:
+        torch.set_num_threads(local.compute.threads)
     spec = RunSpec.load(run_path)
     ident = Identity.load(Path(key_path).expanduser())
-    eval_every, eval_sequences = periodic_eval
-    validator = Validator(
-        spec,
-        open_from_settings(spec.storage, store_url, dht_peers),
-        ident,
-        state_dir,
-        device=device,
-        emit=emit,
-        eval_every=eval_every,
-        eval_sequences=eval_sequences,
-    )
+    device = local.compute.device or "cpu"
+    store = open_from_settings(local.store)
+    validator = Validator(spec, store, ident, state_dir, device=device, local=local, emit=emit)
     started = ValidatorStarted(
         peer_id=ident.peer_id,
         run_id=validator.run_id,
         run_hash=validator.run_hash,
-        store=store_url or spec.storage.url,
+        store=local.store.location(),
         device=device,
     )
     emit(started)

@@ -1,15 +1,18 @@
 """The validator: one window at a time, every phase a call.
 
-    v = Validator(spec, open_store(url), Identity.load(key), state_dir, emit=EventWriter(sys.stdout))
+    v = Validator(spec, open_from_settings(local.store), Identity.load(key), state_dir, local=local,
+                  emit=EventWriter(sys.stdout))
     v.run(windows=10)            # resumes where the state directory and the store say it stopped
 
 It reports through ``emit`` (:mod:`protocol.events`): WindowOpened when it starts gathering a
-window, WindowPublished (also ``run_window``'s return value), WindowRetry after a store error and,
-with ``eval_every`` (a local setting), ModelEvaluated (:mod:`validator.evaluation`).
+window, WindowWaiting while expected peers have not uploaded (every few seconds, naming them),
+WindowPublished (also ``run_window``'s return value), WindowRetry after a store error and, with
+``validator.eval_every`` (a local setting), ModelEvaluated (:mod:`validator.evaluation`).
 
 Per window t (docs/ARCHITECTURE.md, "One window, end to end"): gather the contributions under
-``contrib/<t>/`` until the deadline or until every active peer (announced, and uploaded or
-announced lately) has uploaded; run the cheap
+``contrib/<t>/`` until the deadline or until every expected peer has uploaded (announced, not
+withdrawn, not excluded, and uploaded in window t − 1 or announced since it opened:
+:func:`validator.gather.expected_peers`); run the cheap
 checks on all of them; score a budgeted sample by loss; decide; aggregate the accepted ones;
 publish the signed aggregate (opening window t + 1) and, every ``checkpoint_every`` windows, a
 checkpoint. Every decision is a row of the contribution log. Crash safety: decisions are written
@@ -36,14 +39,15 @@ from protocol.chain import delta_of, read_aggregate
 from protocol.config import RunSpec
 from protocol.data import assigned_batches, open_dataset, random_batches, validation_batches
 from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
-from protocol.events import Event, ModelEvaluated, WindowOpened, WindowPublished, WindowRetry
+from protocol.events import Event, ModelEvaluated, WindowOpened, WindowPublished, WindowRetry, WindowWaiting
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, param_schema, parameters_of
+from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
-from protocol.windows import is_checkpoint_window
+from protocol.windows import gather_close, is_checkpoint_window
 from protocol.wire import GENESIS, Aggregate, Verified, decode_aggregate
 from validator import checks, publish, window_checks
-from validator.evaluation import DEFAULT_EVAL_SEQUENCES, PeriodicEval
+from validator.evaluation import PeriodicEval
 from validator.gather import PeerRegistry, Received, gather, list_contributions
 from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
 from validator.reputation import LATE, Outcome, Standing, is_excluded, standings, update
@@ -51,6 +55,11 @@ from validator.scoring import LossScore, pick_sample, score_update, scoring_unit
 from validator.state import ValidatorState, load_state, save_state
 
 __all__ = ["LOG_FILE", "Validator"]
+
+# How often the validator re-reads the announcement of a peer it waits for (a withdrawal ends the
+# wait) and reports whom it waits for.
+RECHECK_S = 1.0
+WAITING_REPORT_S = 5.0
 
 
 class _PhaseClock:
@@ -75,10 +84,9 @@ class Validator:
         state_dir: str | Path,
         *,
         device: str = "cpu",
+        local: LocalSettings | None = None,
         emit: Callable[[Event], None] | None = None,
         clock: Callable[[], float] = time.time,
-        eval_every: int = 0,
-        eval_sequences: int = DEFAULT_EVAL_SEQUENCES,
     ) -> None:
         if identity.public_key_hex not in spec.validator.public_keys:
             raise ConfigError(
@@ -86,6 +94,7 @@ class Validator:
                 "RunSpec; peers would reject its aggregates (run `sparseloco-validator keygen`)"
             )
         self.spec, self.store, self.identity = spec, store, identity
+        self.local = local or LocalSettings()
         self.run_hash = spec.hash()
         self.run_id = layout.run_id(self.run_hash)
         self.state_dir = Path(state_dir)
@@ -93,10 +102,15 @@ class Validator:
         self.device = torch.device(device)
         self.schema = param_schema(spec.model)
         self.model = build_model(spec.model).to(self.device)
-        self.dataset = open_dataset(spec.data)
-        self.periodic = PeriodicEval(every=eval_every, sequences=eval_sequences, dataset=self.dataset, data=spec.data)
+        self.dataset = open_dataset(spec.data, self.local.data)
+        self.periodic = PeriodicEval(
+            every=self.local.validator.eval_every,
+            sequences=self.local.validator.eval_sequences,
+            dataset=self.dataset,
+            data=spec.data,
+        )
         self.stop = threading.Event()
-        self.emit = emit or _ignore  # WindowOpened, WindowPublished, WindowRetry (protocol.events)
+        self.emit = emit or _ignore  # WindowOpened, WindowWaiting, WindowPublished, WindowRetry
         self._gathering: int | None = None  # the window whose WindowOpened was emitted last
         self.clock = clock
         self.registry = PeerRegistry(store, self.run_id, self.run_hash, clock)
@@ -110,10 +124,10 @@ class Validator:
     # ------------------------------------------------------------------ the loop
     def run(self, windows: int | None = None) -> list[WindowPublished]:
         """Resume (or start at genesis) and run ``windows`` windows (None: until stopped or
-        ``windows.max_windows``)."""
+        the local setting ``max_windows``)."""
         state = self.state or self.resume()
         reports: list[WindowPublished] = []
-        limit = self.spec.windows.max_windows
+        limit = self.local.max_windows
         while not self.stop.is_set() and (windows is None or len(reports) < windows):
             if limit and state.window >= limit:
                 break
@@ -121,7 +135,7 @@ class Validator:
                 report = self.run_window()
             except StoreError as exc:  # a value at the window boundary: retry (or adopt what got out)
                 self.emit(WindowRetry(window=state.window, reason=exc.reason, detail=str(exc)))
-                self.stop.wait(self.spec.windows.poll_interval_s)
+                self.stop.wait(self.local.poll_interval_s)
                 self._adopt_published()
                 state = self._state()
                 self._load_params(state.params)  # the model may hold the unpublished θ_{t+1}
@@ -275,13 +289,26 @@ class Validator:
         )
 
     def _gather(self, t: int, opened_at: float, ctx: checks.Context) -> dict[str, Received]:
-        """Until the deadline, or until every active peer (see ``gather.active_peers``) uploaded."""
+        """Until the deadline, or until every expected peer (:func:`validator.gather.expected_peers`)
+        uploaded."""
         cfg = self.spec.validator
-        rows = self.log.rows(windows=(max(0, t - cfg.active_windows), t - 1))
-        recent = {r.peer for r in rows if r.reason != "bad_signature"}  # forged uploads prove nothing
+        prev = self.log.rows(windows=(t - 1, t - 1)) if t > 0 else []
+        uploaded_last = {r.peer for r in prev if r.reason != "bad_signature"}  # forged uploads prove nothing
+        opened_last = self.log.window(t - 1) if t > 0 else None
+        since = opened_last.opened_at if opened_last is not None else None
+        waiting = _WaitingReport(t, gather_close(opened_at, self.spec.windows), self.clock, self.emit)
+
+        def expected(uploaded: frozenset[str]) -> frozenset[str]:
+            self.registry.refresh()
+            # Re-read the announcements of the peers still awaited (a withdrawal ends the wait) and
+            # of the withdrawn ones (a peer that comes back is expected again).
+            awaited = self.registry.expected(uploaded_last, since) - uploaded
+            self.registry.recheck(awaited | self.registry.withdrawn, RECHECK_S)
+            want = self.registry.expected(uploaded_last, since) - ctx.excluded
+            waiting.report(want - uploaded, len(uploaded))
+            return want
 
         def seen(peer: str, now: float) -> float:
-            recent.add(peer)  # an upload in this window is activity too
             return self.log.note_received(t, peer, received_at=now, nbytes=None)
 
         return gather(
@@ -290,9 +317,10 @@ class Validator:
             t,
             opened_at=opened_at,
             windows=self.spec.windows,
+            poll_interval_s=self.local.poll_interval_s,
             max_bytes=cfg.max_contribution_bytes,
-            concurrency=cfg.max_gather_concurrency,
-            expected=lambda: self.registry.active(recent, cfg.announcement_ttl_s) - ctx.excluded,
+            concurrency=self.local.validator.gather_concurrency,
+            expected=expected,
             stop=self.stop,
             clock=self.clock,
             on_seen=seen,
@@ -441,7 +469,7 @@ class Validator:
     def _advance(self, st: ValidatorState, agg: Verified[Aggregate], params: dict[str, torch.Tensor]) -> None:
         """Move to window t + 1: checkpoint when due, then the state file (the commit point)."""
         nxt = ValidatorState(self.run_hash, st.window + 1, agg.digest, agg.value.published_at, params)
-        if is_checkpoint_window(nxt.window, self.spec.windows):
+        if is_checkpoint_window(nxt.window, self.spec.windows, self.local.max_windows):
             publish.publish_checkpoint(
                 self.store,
                 self.run_id,
@@ -500,6 +528,25 @@ class Validator:
         if not hasattr(self, "_val"):
             self._val = validation_batches(self.dataset, self.spec.validator.eval_sequences, d.batch_size, d.seq_len)
         return eval_loss(self.model, self._val, self.device)
+
+
+class _WaitingReport:
+    """Emits WindowWaiting for one window: the peers it waits for, at most every
+    ``WAITING_REPORT_S`` seconds, the first time once it has waited that long."""
+
+    def __init__(self, window: int, closes_at: float, clock: Callable[[], float], emit: Callable[[Event], None]):
+        self.window, self.closes_at, self.clock, self.emit = window, closes_at, clock, emit
+        self.last = clock()
+
+    def report(self, missing: frozenset[str], uploaded: int) -> None:
+        now = self.clock()
+        if not missing or now - self.last < WAITING_REPORT_S:
+            return
+        self.last = now
+        closes_in = round(max(0.0, self.closes_at - now), 1)
+        self.emit(
+            WindowWaiting(window=self.window, waiting_for=sorted(missing), uploaded=uploaded, closes_in_s=closes_in)
+        )
 
 
 def _ignore(event: Event) -> None:

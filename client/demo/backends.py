@@ -6,8 +6,9 @@ after itself::
 
     with open_backend("s3", run_dir, processes) as backend:
         backend.url                          # s3://sparseloco
+        backend.store_settings               # run.toml [local.store] suggestions (endpoint, bootstrap nodes)
         backend.validator_env()              # admin credential
-        backend.peer_env(peer_id)            # a credential scoped to that peer's keys
+        backend.peer_env(run_hash, peer_id)  # a credential scoped to that peer's keys
         backend.args()                       # ["--dht-peer", maddr, ...] for dht
 """
 
@@ -36,7 +37,7 @@ class Backend:
 
     kind: str
     url: str
-    storage: dict[str, Any] = field(default_factory=dict)  # RunSpec [storage] overrides
+    store_settings: dict[str, Any] = field(default_factory=dict)  # [local.store] besides the url
     _args: list[str] = field(default_factory=list)
     _validator_env: dict[str, str] = field(default_factory=dict)
     _server: SeaweedS3 | None = None
@@ -47,12 +48,14 @@ class Backend:
     def validator_env(self) -> dict[str, str]:
         return dict(self._validator_env)
 
-    def peer_env(self, run_hash: str, peer_id: str) -> dict[str, str]:
-        """Environment of one peer: for S3 a credential that may write only that peer's objects."""
+    def peer_env(self, run_hash: str, peer_id: str, *, may_contribute: bool = True) -> dict[str, str]:
+        """Environment of one peer: for S3 a credential that may write only that peer's objects
+        (``may_contribute=False``: its announcement only, a credential that cannot upload)."""
         if self.kind != "s3":
             return {}
         assert self._server is not None
-        grants = peer_grants(layout.run_id(run_hash), peer_id)  # its contributions and its announcement
+        contributions, announcement = peer_grants(layout.run_id(run_hash), peer_id)
+        grants = (contributions, announcement) if may_contribute else (announcement,)
         creds = self._server.issue_credentials(*grants, name=peer_id[:8])
         return creds.env(self._server.endpoint_url)
 
@@ -65,8 +68,8 @@ def open_backend(kind: str, run_dir: Path, group: ProcessGroup) -> Iterator[Back
     elif kind == "s3":
         with _seaweed() as server:
             env = server.admin.env(server.endpoint_url)
-            storage = {"s3_endpoint": server.endpoint_url, "s3_region": "us-east-1"}
-            yield Backend("s3", server.url(), storage, _validator_env=env, _server=server)
+            store = {"s3_endpoint": server.endpoint_url, "s3_region": "us-east-1"}
+            yield Backend("s3", server.url(), store, _validator_env=env, _server=server)
     elif kind == "dht":
         maddrs = _dht_bootstrap(group)
         yield Backend("dht", "dht://", {"dht_bootstrap": maddrs}, [a for m in maddrs for a in ("--dht-peer", m)])

@@ -32,6 +32,7 @@ from protocol.events import (
     SyncFailed,
     WindowPublished,
     WindowRetry,
+    WindowWaiting,
     describe,
 )
 
@@ -128,6 +129,8 @@ class _Progress:
                 )
             elif isinstance(e, (WindowRetry, Failed)):
                 self.console.print(f"[bold]validator[/bold] [yellow]{describe(e)}[/yellow]")
+            elif isinstance(e, WindowWaiting):
+                self.console.print(f"[bold]validator[/bold] {describe(e)}")
         elif isinstance(e, PeerWindow):
             self.console.print(
                 f"{name:>8} window {e.window} {e.outcome}"

@@ -10,8 +10,11 @@ processes' events until the last window is published, and prints a summary::
         swarm.follow(until=swarm.finished, timeout_s=600)
         summary = swarm.summary()          # val loss per window, fingerprints_equal, bytes …
 
-The integration tests drive the same class to inject faults (kill a peer mid-window, restart the
-validator, start a late joiner). Peers run ``sparseloco-peer join --status-json`` and the validator
+The run directory's ``run.toml`` holds the RunSpec and a ``[local]`` table with the store (URL,
+endpoint, DHT bootstrap nodes), ``max_windows`` and the preset's own local settings; each process
+gets its per-process settings as flags and ``SPARSELOCO_*`` variables (device, threads, the join
+timeout). The integration tests drive the same class to inject faults (kill a peer mid-window,
+restart the validator, start a late joiner, stop a peer cleanly). Peers run ``sparseloco-peer join --status-json`` and the validator
 ``sparseloco-validator run --status-json``: both write :mod:`protocol.events` records as JSON lines,
 read here with :func:`protocol.events.parse_line`. The contribution log is read through its owner,
 ``sparseloco-validator logs --json`` (:mod:`client.demo.validator_log`). Nothing here imports the
@@ -50,6 +53,7 @@ from protocol.events import (
     parse_line,
 )
 from protocol.identity import Identity
+from protocol.settings import env_name, local_table, local_table_toml
 
 PRESET = Path(protocol.__file__).parent / "presets" / "demo.toml"
 VALIDATOR = "validator"
@@ -83,20 +87,27 @@ class LocalSwarm:
         store: str = "file",
         preset: str | Path = PRESET,
         overrides: Mapping[str, Mapping[str, Any]] | None = None,
+        local: Mapping[str, Any] | None = None,
         peer_threads: int = 1,
+        join_timeout_s: float = 300.0,
         on_event: Callable[[str, Event], None] | None = None,
     ) -> None:
+        """``overrides``: RunSpec sections over the preset's; ``local``: run.toml [local] settings
+        over the preset's [local] table; ``join_timeout_s``: each peer's ``peer.join_timeout_s``."""
         self._own_dir = run_dir is None
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="sparseloco-demo-"))
         self.n_peers, self.windows, self.store_kind = peers, windows, store
         self.preset, self.overrides = Path(preset), dict(overrides or {})
+        self.local = dict(local or {})
         self.peer_threads = peer_threads
+        self.join_timeout_s = join_timeout_s
         self.validator_threads = (
             max(1, (os.cpu_count() or 1) // max(1, peers + 1)) if peer_threads == 1 else peer_threads
         )
         self._accounted: set[tuple[str, float]] = set()
         self.validator_ready = False
         self.peer_envs: dict[str, dict[str, str]] = {}
+        self.may_exit: set[str] = set()  # processes whose non-zero exit is expected (stopped, tested)
         self.validator_opened: list[int] = []  # the window each validator (re)start resumed at
         self._validator_restarted = False  # ValidatorStarted seen, its first WindowOpened not yet
         self.on_event = on_event  # (process name, event) for every event a validator or peer writes
@@ -123,16 +134,24 @@ class LocalSwarm:
         self._stack.close()
 
     def _write_run(self) -> RunSpec:
+        """run.toml: the preset's RunSpec with ``overrides`` and the validator key, and a [local]
+        table with the store, max_windows, the preset's own [local] table and ``local``."""
         assert self.backend is not None
         vkey = Identity.generate()
         vkey.save(self.validator_key)
         base = RunSpec.load(self.preset)
         sections: dict[str, dict[str, Any]] = {k: dict(v) for k, v in self.overrides.items()}
         sections.setdefault("validator", {})["public_keys"] = [vkey.public_key_hex]
-        sections.setdefault("windows", {})["max_windows"] = self.windows
-        sections["storage"] = {**sections.get("storage", {}), "url": self.backend.url, **self.backend.storage}
         spec = base.replace(**sections)
-        self.run_toml.write_text(spec.to_toml())
+        local: dict[str, Any] = {}
+        for layer in (
+            local_table(self.preset),
+            self.local,
+            {"max_windows": self.windows, "store": {"url": self.backend.url, **self.backend.store_settings}},
+        ):
+            for key, value in layer.items():
+                local[key] = {**local.get(key, {}), **value} if isinstance(value, Mapping) else value
+        self.run_toml.write_text(spec.to_toml() + local_table_toml(local))
         return spec
 
     @property
@@ -151,6 +170,12 @@ class LocalSwarm:
         return self.run_dir / "peers" / f"peer-{i}"
 
     # ------------------------------------------------------------------ processes
+    @property
+    def store_url(self) -> str:
+        """The store every process opens (run.toml's local.store.url)."""
+        assert self.backend is not None
+        return self.backend.url
+
     def start_validator(self) -> None:
         assert self.group is not None and self.backend is not None
         argv = python_console("sparseloco-validator") + [
@@ -167,6 +192,7 @@ class LocalSwarm:
         # One thread, like each peer: OpenMP threads spinning on an oversubscribed machine made
         # the validator's evaluation ~8x slower than its single-threaded speed.
         env = {**self.backend.validator_env(), "OMP_NUM_THREADS": str(self.validator_threads)}
+        self.may_exit.discard(VALIDATOR)
         self.group.start(VALIDATOR, argv, env=env)
 
     def start_peers_then_validator(self, timeout_s: float = 300.0) -> None:
@@ -209,7 +235,12 @@ class LocalSwarm:
         ]
         if name not in self.peer_envs:  # a restarted peer keeps its credential
             self.peer_envs[name] = self.backend.peer_env(self.spec.hash(), ident.peer_id)
-        env = {**self.peer_envs[name], "OMP_NUM_THREADS": str(self.peer_threads)}
+        env = {
+            **self.peer_envs[name],
+            "OMP_NUM_THREADS": str(self.peer_threads),
+            env_name("peer.join_timeout_s"): str(self.join_timeout_s),
+        }
+        self.may_exit.discard(name)
         self.group.start(name, argv, env=env)
         view = self.peers.setdefault(name, PeerView(name))
         view.peer_id = ident.peer_id
@@ -231,7 +262,9 @@ class LocalSwarm:
         self.group.signal(name, signal.SIGCONT)
 
     def stop(self, name: str) -> int:
+        """SIGTERM ``name`` (a clean stop: a peer withdraws its announcement) and wait for it."""
         assert self.group is not None
+        self.may_exit.add(name)  # 130, stopped on purpose
         rc = self.group.stop(name)
         self._account_wall(name)
         return rc
@@ -306,7 +339,7 @@ class LocalSwarm:
         assert self.group is not None
         for name, child in self.group.children.items():
             rc = child.returncode
-            if rc is not None and rc > 0:  # negative: ended by a signal (kill, stop), not a failure
+            if rc is not None and rc > 0 and name not in self.may_exit:  # negative: killed by a signal
                 tail = child.log_path.read_text(errors="replace")[-2000:] if child.log_path.exists() else ""
                 raise DemoError(f"{name} exited with status {rc}; log {child.log_path}:\n{tail}")
 
@@ -419,6 +452,7 @@ def run_demo(
         windows=windows,
         store=store,
         peer_threads=default_threads(peers),
+        join_timeout_s=timeout_s,
         on_event=on_event,
         overrides=overrides,
         preset=preset,

@@ -24,6 +24,7 @@ from client.window import Skipped, Trained, WindowJob, WindowStats, hardware_of
 from protocol.config import RunSpec
 from protocol.data import open_dataset
 from protocol.errors import ConfigError
+from protocol.settings import DataSettings
 from protocol.wire import PipelineRole
 
 __all__ = ["StageTrainer"]
@@ -42,12 +43,13 @@ class StageTrainer:
         rendezvous: str,
         device: torch.device | str = "cpu",
         backend: str = "gloo",
+        data: DataSettings | None = None,
     ) -> None:
         if not spec.pipeline.enabled:
             raise ConfigError("this run does not accept pipeline replicas (pipeline.enabled = false)")
         self.spec, self.rendezvous = spec, rendezvous
         self.pipeline = PipelineStage(spec, group=group, stage=stage, stages=stages, device=device, backend=backend)
-        self.dataset = open_dataset(spec.data)
+        self.dataset = open_dataset(spec.data, data)  # this machine's corpus (local settings)
         self._role = PipelineRole(group, stage, stages)
 
     @property

@@ -9,15 +9,14 @@
     open_store("dht://", initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."])
 
 Options go to the backend's constructor (:class:`LocalStore`, :class:`S3Store`, ``DHTStore``).
-A RunSpec's ``[storage]`` section opens with :func:`store_from_config`, and with the command line's
-``--store`` / ``--dht-peer`` on top of it with :func:`open_from_settings`.
+Peers and the validator open the store their local settings name (``[local.store]``, the
+environment and ``--store`` / ``--dht-peer``: :mod:`protocol.settings`) with
+:func:`open_from_settings`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -27,7 +26,7 @@ from protocol.store.local import LocalStore
 from protocol.store.memory import MemoryStore
 
 if TYPE_CHECKING:
-    from protocol.config import StorageConfig
+    from protocol.settings import StoreSettings
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -39,7 +38,6 @@ __all__ = [
     "open_from_settings",
     "open_store",
     "put_once",
-    "store_from_config",
 ]
 
 # Query parameters an s3:// URL may carry (never secrets: URLs end up in logs).
@@ -114,29 +112,22 @@ def _open_dht(url: str, options: dict[str, Any]) -> ObjectStore:
     return _build(DHTStore, peers, **options)
 
 
-def store_from_config(cfg: StorageConfig, **options: Any) -> ObjectStore:
-    """Open the store of a RunSpec's ``[storage]`` section; ``options`` add or override."""
-    scheme = cfg.url.partition("://")[0].lower()
+def open_from_settings(settings: StoreSettings, **options: Any) -> ObjectStore:
+    """Open the store of a process's local settings (``settings.store``); ``options`` (credentials,
+    timeouts) add to or override what the settings give the backend.
+
+    ``s3://``: ``s3_endpoint`` and ``s3_region`` (an endpoint or region in the URL was already
+    lifted into them, :func:`protocol.settings.lift_url_settings`). ``dht://``: ``dht_bootstrap``
+    are the nodes to join through.
+    """
+    scheme = settings.url.partition("://")[0].lower()
     merged: dict[str, Any] = {}
     if scheme == "s3":
-        if cfg.s3_endpoint:
-            merged["endpoint_url"] = cfg.s3_endpoint
-        if cfg.s3_region:
-            merged["region"] = cfg.s3_region
+        if settings.s3_endpoint:
+            merged["endpoint_url"] = settings.s3_endpoint
+        if settings.s3_region:
+            merged["region"] = settings.s3_region
     elif scheme == "dht":
-        merged["initial_peers"] = list(cfg.dht_bootstrap)
+        merged["initial_peers"] = list(settings.dht_bootstrap)
     merged.update(options)
-    return open_store(cfg.url, **merged)
-
-
-def open_from_settings(
-    cfg: StorageConfig, url: str | None = None, dht_peers: Sequence[str] = (), **options: Any
-) -> ObjectStore:
-    """Open the store of a RunSpec's ``[storage]`` section as a command line adjusts it.
-
-    ``url`` (``--store``) replaces ``cfg.url`` when given. ``dht_peers`` (``--dht-peer``) are tried
-    before ``cfg.dht_bootstrap``, which stays usable as a fallback. ``options`` as for
-    :func:`store_from_config`. Peers and the validator open their stores through this one function.
-    """
-    storage = dataclasses.replace(cfg, url=url or cfg.url, dht_bootstrap=(*dht_peers, *cfg.dht_bootstrap))
-    return store_from_config(storage, **options)
+    return open_store(settings.url, **merged)
