@@ -143,7 +143,9 @@ def _join(
     if spec.windows.max_windows > 0:
         until = min(until, spec.windows.max_windows) if until is not None else spec.windows.max_windows
     trainer = _window_trainer(spec, identity.peer_id, device, pipeline)
-    store = open_from_settings(spec.storage, store_url, dht_peers)
+    store = open_from_settings(
+        spec.storage, store_url, dht_peers, identity=identity, validator_keys=spec.validator.public_keys
+    )
     display = PeerDisplay(json_lines=status_json)
     try:
         with display:

@@ -129,7 +129,7 @@ def test_checkpoint_weights_are_checked_against_their_manifest(tmp_path: Path) -
     entry = CheckpointFile(
         checkpoint_key(RUN_ID, 4, "model.safetensors"), hashlib.sha256(weights).hexdigest(), len(weights)
     )
-    manifest = CheckpointManifest(RUN, 4, "genesis", "ab" * 32, (entry,), 1.0)
+    manifest = CheckpointManifest(RUN, 4, "genesis", "ab" * 32, (entry,), 1.0, launch="cd" * 32)
     folder = tmp_path / "checkpoint" / "00000004"
     folder.mkdir(parents=True)
     (folder / "manifest").write_bytes(encode_checkpoint(manifest, VALIDATOR))

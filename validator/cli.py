@@ -136,9 +136,10 @@ def _open_validator(
         torch.set_num_threads(threads)
     spec = RunSpec.load(run_path)
     ident = Identity.load(Path(key_path).expanduser())
-    validator = Validator(
-        spec, open_from_settings(spec.storage, store_url, dht_peers), ident, state_dir, device=device, emit=emit
+    store = open_from_settings(
+        spec.storage, store_url, dht_peers, identity=ident, validator_keys=spec.validator.public_keys
     )
+    validator = Validator(spec, store, ident, state_dir, device=device, emit=emit)
     started = ValidatorStarted(
         peer_id=ident.peer_id,
         run_id=validator.run_id,

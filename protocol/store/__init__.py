@@ -6,11 +6,16 @@
     open_store("s3://bucket/prefix", endpoint_url="https://...", region="auto",
                access_key="...", secret_key="...")   # or credentials from the AWS env/profile
     open_store("s3://bucket/prefix?endpoint=http://127.0.0.1:8333&region=us-east-1")
-    open_store("dht://", initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."])
+    open_store("dht://", initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."],
+               identity=ident, validator_keys=spec.validator.public_keys)
 
 Options go to the backend's constructor (:class:`LocalStore`, :class:`S3Store`, ``DHTStore``).
 A RunSpec's ``[storage]`` section opens with :func:`store_from_config`, and with the command line's
-``--store`` / ``--dht-peer`` on top of it with :func:`open_from_settings`.
+``--store`` / ``--dht-peer`` on top of it with :func:`open_from_settings`. Those take the
+participant's ``identity`` and the run's ``validator_keys``: a DHT has no permissions of its own, so
+its records are signed with the identity and checked against the validator keys (see
+:mod:`protocol.store.dht.policy`); the other backends do not use them (their own credentials
+decide who may write).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from protocol.store.memory import MemoryStore
 
 if TYPE_CHECKING:
     from protocol.config import StorageConfig
+    from protocol.identity import Identity
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -114,8 +120,15 @@ def _open_dht(url: str, options: dict[str, Any]) -> ObjectStore:
     return _build(DHTStore, peers, **options)
 
 
-def store_from_config(cfg: StorageConfig, **options: Any) -> ObjectStore:
-    """Open the store of a RunSpec's ``[storage]`` section; ``options`` add or override."""
+def store_from_config(
+    cfg: StorageConfig,
+    *,
+    identity: Identity | None = None,
+    validator_keys: Sequence[bytes | str] = (),
+    **options: Any,
+) -> ObjectStore:
+    """Open the store of a RunSpec's ``[storage]`` section; ``options`` add or override.
+    ``identity``/``validator_keys``: see the module doc (used by ``dht://`` only)."""
     scheme = cfg.url.partition("://")[0].lower()
     merged: dict[str, Any] = {}
     if scheme == "s3":
@@ -124,19 +137,26 @@ def store_from_config(cfg: StorageConfig, **options: Any) -> ObjectStore:
         if cfg.s3_region:
             merged["region"] = cfg.s3_region
     elif scheme == "dht":
-        merged["initial_peers"] = list(cfg.dht_bootstrap)
+        merged.update(initial_peers=list(cfg.dht_bootstrap), identity=identity, validator_keys=list(validator_keys))
     merged.update(options)
     return open_store(cfg.url, **merged)
 
 
 def open_from_settings(
-    cfg: StorageConfig, url: str | None = None, dht_peers: Sequence[str] = (), **options: Any
+    cfg: StorageConfig,
+    url: str | None = None,
+    dht_peers: Sequence[str] = (),
+    *,
+    identity: Identity | None = None,
+    validator_keys: Sequence[bytes | str] = (),
+    **options: Any,
 ) -> ObjectStore:
     """Open the store of a RunSpec's ``[storage]`` section as a command line adjusts it.
 
     ``url`` (``--store``) replaces ``cfg.url`` when given. ``dht_peers`` (``--dht-peer``) are tried
-    before ``cfg.dht_bootstrap``, which stays usable as a fallback. ``options`` as for
-    :func:`store_from_config`. Peers and the validator open their stores through this one function.
+    before ``cfg.dht_bootstrap``, which stays usable as a fallback. ``identity``, ``validator_keys``
+    and ``options`` as for :func:`store_from_config`. Peers and the validator open their stores
+    through this one function.
     """
     storage = dataclasses.replace(cfg, url=url or cfg.url, dht_bootstrap=(*dht_peers, *cfg.dht_bootstrap))
-    return store_from_config(storage, **options)
+    return store_from_config(storage, identity=identity, validator_keys=validator_keys, **options)
