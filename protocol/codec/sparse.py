@@ -242,9 +242,9 @@ def unpack(data: bytes, shape: tuple[int, ...], cfg: CodecConfig) -> Encoded:
     if cfg.index_coding == "rice":
         local, side = decode_rice(view[pos:], ks, sizes, 2)
     else:
-        side = unpack_bits(view[pos : pos + code_bytes], g.nnz, 2, "codes")
+        side = unpack_bits(view[pos : pos + code_bytes], g.nnz, 2, "codes").astype(np.uint8)
         local = unpack12(view[pos + code_bytes :], ks, sizes)
-    codes = torch.from_numpy(side.astype(np.uint8, copy=False))
+    codes = torch.from_numpy(side)
     return Encoded(
         g.shape,
         cfg,
