@@ -20,6 +20,7 @@ first.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 
@@ -64,9 +65,21 @@ Signers = Collection[bytes | str]
 
 
 def weights_bytes(params: Mapping[str, torch.Tensor], *, window: int) -> bytes:
+    """θ as safetensors, the same bytes for the same θ and window (a checkpoint can be written
+    again byte for byte, as a launch's genesis must be)."""
     tensors = {n: t.detach().to("cpu").contiguous() for n, t in sorted(params.items())}
     meta = {"window": str(window), "fingerprint": fingerprint(tensors)}
-    return bytes(st_save(tensors, metadata=meta))
+    return _sorted_header(bytes(st_save(tensors, metadata=meta)))
+
+
+def _sorted_header(blob: bytes) -> bytes:
+    """``blob`` with its safetensors header written with sorted keys: safetensors writes the
+    metadata map in hash order, which differs between calls. Offsets are relative to the data,
+    so only the header (padded to 8 bytes, as safetensors does) changes."""
+    n = int.from_bytes(blob[:8], "little")
+    text = json.dumps(json.loads(blob[8 : 8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + blob[8 + n :]
 
 
 def publish_checkpoint(
