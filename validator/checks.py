@@ -234,16 +234,14 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
     """Run ``size`` … ``excluded`` on the bytes found at ``contrib/<window>/<peer>``. Pure."""
     size = check_size(len(data), ctx.max_bytes)
     if not size.passed:
-        return foreign(peer, size, f"{size.reason}: {len(data)} bytes, cap {ctx.max_bytes}")
+        return foreign(peer, "size", f"{size.reason}: {len(data)} bytes, cap {ctx.max_bytes}")
     try:
         env = open_envelope(data, max_bytes=ctx.max_bytes, run_hash=None, kind=Kind.CONTRIBUTION)
     except ProtocolError as exc:  # not a signed object at all: nobody can be named
-        *passed, failed = rows_for_error(exc.reason)
-        return foreign(peer, failed, str(exc), tuple(passed))
+        return foreign(peer, rows_for_error(exc.reason)[-1].name, str(exc))
     attribution = _attribution(peer, env, ctx)
     if attribution is not None:
-        row, detail = attribution
-        return foreign(peer, row, detail, (ok("size"), ok("format")))
+        return foreign(peer, *attribution)
     try:
         # With the window, codec and schema given, a hostile tensor table is refused before the
         # codec allocates anything for it; a subset of the schema is fine (pipeline stages).
@@ -274,22 +272,24 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
     return Screened(peer=peer, checks=tuple(rows), reason=None, contribution=verified, sparse=sparse)
 
 
-def foreign(peer: str, failed: CheckRow, detail: str, passed: tuple[CheckRow, ...] = ()) -> Screened:
+def foreign(peer: str, check: str, detail: str) -> Screened:
     """An object at ``peer``'s key that ``peer`` did not sign for this run and window (module doc):
-    rejected as ``foreign``; the failed check keeps its name, the detail says what was found."""
-    row = CheckRow(failed.name, False, FOREIGN)
-    return Screened(peer=peer, checks=(*passed, row), reason=FOREIGN, detail=f"not signed by this peer: {detail}")
+    rejected as ``foreign`` by ``check`` (the checks before it passed); the detail says what was found."""
+    passed = tuple(ok(n) for n in CHECK_ORDER[: CHECK_ORDER.index(check)] if n in _DECODE_CHECKS)
+    rows = (*passed, CheckRow(check, False, FOREIGN))
+    return Screened(peer=peer, checks=rows, reason=FOREIGN, detail=f"not signed by this peer: {detail}")
 
 
-def _attribution(peer: str, env: Envelope, ctx: Context) -> tuple[CheckRow, str] | None:
-    """Why a verified envelope is not ``peer``'s object of this run and window, or None if it is."""
+def _attribution(peer: str, env: Envelope, ctx: Context) -> tuple[str, str] | None:
+    """(check, what was found) when a verified envelope is not ``peer``'s object of this run and
+    window; None when it is."""
     signer = peer_id_of(env.public_key)
     if signer != peer:
-        return fail("signature", "bad_signature"), f"signed by {signer}"
+        return "signature", f"signed by {signer}"
     if env.run_hash != ctx.run_hash:
-        return fail("run", "wrong_run"), f"signed for run {env.run_hash[:16]}, a copy from another run"
+        return "run", f"signed for run {env.run_hash[:16]}, a copy from another run"
     if env.window != ctx.window:
-        return fail("window", "wrong_window"), f"signed for window {env.window}, a copy from another window"
+        return "window", f"signed for window {env.window}, a copy from another window"
     return None
 
 

@@ -308,7 +308,7 @@ class Validator:
 
     def _screen(self, r: Received, ctx: checks.Context) -> checks.Screened:
         if r.data is None and r.reason == "too_large":  # never read, so nobody can be named
-            return checks.foreign(r.peer, checks.fail("size", "too_large"), f"too_large: {r.detail}")
+            return checks.foreign(r.peer, "size", f"too_large: {r.detail}")
         if r.data is None:
             name = "fetch"
             return checks.Screened(
