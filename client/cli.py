@@ -171,7 +171,7 @@ def _join(
     if local.max_windows > 0:
         until = min(until, local.max_windows) if until is not None else local.max_windows
     trainer = _window_trainer(spec, local, identity.peer_id, device, pipeline)
-    store = open_from_settings(local.store)
+    store = open_from_settings(local.store, identity=identity, validator_keys=spec.validator.public_keys)
     display = PeerDisplay(json_lines=status_json)
     peer = Peer(spec, store, identity, state, trainer, local=local, display=display)
     try:

@@ -337,7 +337,7 @@ class Peer:
         before = self.pos.window
         if self.pending is not None and self.pending.window == self.pos.window:
             self.display.update(phase="waiting for aggregate")
-            self.sync.wait_until_published(self.pos.window, should_stop=lambda: self._stop)
+            self.sync.wait_until_published(self.pos.window, base=self.pos.base, should_stop=lambda: self._stop)
         try:
             if self._diverged:
                 self.pos = self.sync.bootstrap(self.params, on_apply=self._applied)
@@ -512,12 +512,16 @@ class Peer:
     def _wait_window_closed(self, window: int) -> None:
         """Wait for ``window``'s aggregate, so the next iteration moves on instead of retraining it."""
         try:
-            self.sync.wait_until_published(window, should_stop=lambda: self._stop)
+            self.sync.wait_until_published(window, base=self._base_of(window), should_stop=lambda: self._stop)
         except StoreError:
             time.sleep(self.sync.poll_s)  # the store is failing too: the loop retries and records it
 
+    def _base_of(self, window: int) -> str | None:
+        """The base an aggregate of ``window`` must chain onto, when this peer knows it."""
+        return self.pos.base if window == self.pos.window else None
+
     def _window_open(self, window: int) -> bool:
-        if self.sync.aggregate_published(window):
+        if self.sync.aggregate_published(window, self._base_of(window)):
             return False
         if self.pos.opened_at is None or window != self.pos.window:
             return True

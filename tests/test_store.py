@@ -28,6 +28,7 @@ from protocol.errors import (
     PayloadTooLarge,
     StoreError,
 )
+from protocol.identity import Identity
 from protocol.settings import StoreSettings
 from protocol.store import (
     LocalStore,
@@ -39,6 +40,7 @@ from protocol.store import (
 )
 
 HAVE_DHT = importlib.util.find_spec("protocol.store.dht.store") is not None
+DHT_WRITER = Identity.from_seed(b"w" * 32)  # a validator key of the DHT suite's run
 BACKENDS = [
     "memory",
     "local",
@@ -78,8 +80,11 @@ class Servers:
 
             from protocol.store.dht.store import DHTStore
 
-            self.dht_peers = self._stack.enter_context(start_dht_nodes(2))
-            self.dht_store = self._stack.enter_context(DHTStore(self.dht_peers))
+            # The suite's keys are not peers' own keys: the store writes as a validator of the run.
+            self.dht_peers = self._stack.enter_context(start_dht_nodes(2, validator_keys=[DHT_WRITER.public_key]))
+            self.dht_store = self._stack.enter_context(
+                DHTStore(self.dht_peers, identity=DHT_WRITER, validator_keys=[DHT_WRITER.public_key])
+            )
         return self.dht_store
 
     def close(self) -> None:
@@ -363,10 +368,11 @@ def test_open_store_dht(servers: Servers) -> None:
     writer.put(key, b"over the DHT")
     assert servers.dht_peers
     url = "dht://?peers=" + ",".join(servers.dht_peers[:1])
-    with open_store(url, initial_peers=servers.dht_peers[1:]) as reader:
+    keys = [DHT_WRITER.public_key]
+    with open_store(url, initial_peers=servers.dht_peers[1:], validator_keys=keys) as reader:
         assert reader.get(key) == b"over the DHT"
     cfg = StoreSettings(url="dht://", dht_bootstrap=tuple(servers.dht_peers))
-    with open_from_settings(cfg) as reader:
+    with open_from_settings(cfg, validator_keys=keys) as reader:
         assert reader.get(key) == b"over the DHT"
 
 

@@ -15,7 +15,7 @@ import torch
 
 from protocol import layout
 from protocol.aggregate import apply_outer
-from protocol.chain import delta_of, read_aggregate
+from protocol.chain import delta_of, read_aggregate, read_launch
 from protocol.errors import ConfigError
 from protocol.events import Event, WindowOpened, WindowPublished, WindowRetry, WindowWaiting
 from protocol.identity import Identity
@@ -54,12 +54,17 @@ def theta0(sw: Swarm) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in parameters_of(build_model(sw.spec.model)).items()}
 
 
+def launch(sw: Swarm) -> str:
+    """The digest of the store's genesis manifest: the base of window 0."""
+    return read_launch(sw.store, sw.run, sw.run_hash, allowed_signers=sw.spec.validator.public_keys).digest
+
+
 def test_honest_window_is_accepted_and_peers_reproduce_the_fingerprint(swarm: Swarm, vkey: Identity, tmp_path) -> None:
     v = make_validator(swarm, vkey, tmp_path)
     params = theta0(swarm)
     digests = {}
     for p in swarm.peers[:3]:
-        blob = swarm.honest(p, params, 0, GENESIS)
+        blob = swarm.honest(p, params, 0, v.state.base)
         swarm.upload(p.peer_id, 0, blob)
         digests[p.peer_id] = __import__("hashlib").sha256(blob).hexdigest()
 
@@ -73,7 +78,8 @@ def test_honest_window_is_accepted_and_peers_reproduce_the_fingerprint(swarm: Sw
     )
     agg = verified.value
     assert {m.peer_id: m.digest for m in agg.manifest} == digests
-    assert agg.base == GENESIS and agg.published_at == report.published_at > 0
+    assert v.state is not None and agg.published_at == report.published_at > 0
+    assert agg.base == v.log.window(0).base == launch(swarm)  # window 0 builds on the genesis manifest
     apply_outer(params, delta_of(agg), agg.alpha)
     assert fingerprint(params) == agg.fingerprint == report.fingerprint
     assert v.state is not None and v.state.window == 1 and v.state.base == verified.digest
@@ -93,7 +99,7 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
     honest_a, honest_b, honest_c, mallory = swarm.peers
     params = theta0(swarm)
     # window 0: honest, so that window 1 has a base other than genesis and old blobs to replay
-    old = {p.peer_id: swarm.honest(p, params, 0, GENESIS) for p in (honest_a, honest_b, honest_c)}
+    old = {p.peer_id: swarm.honest(p, params, 0, v.state.base) for p in (honest_a, honest_b, honest_c)}
     for pid, blob in old.items():
         swarm.upload(pid, 0, blob)
     assert v.run_window() is not None
@@ -143,18 +149,19 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
         honest_a.peer_id: None,
         honest_b.peer_id: None,
         honest_c.peer_id: None,
-        forged.peer_id: "bad_signature",
-        replayed.peer_id: "wrong_window",
+        # not signed by the peer for this run and window: never blamed on it (neutral "foreign")
+        forged.peer_id: "foreign",
+        replayed.peer_id: "foreign",
+        oversized.peer_id: "foreign",
+        truncated.peer_id: "foreign",
+        wrong_run.peer_id: "foreign",
+        empty.peer_id: "foreign",
         stale.peer_id: "stale_base",
-        oversized.peer_id: "too_large",
-        truncated.peer_id: "malformed",
-        wrong_run.peer_id: "wrong_run",
         nan.peer_id: "non_finite",
         huge.peer_id: "norm_outlier",
         negated.peer_id: "harmful",
         unregistered.peer_id: "unregistered",
         mallory.peer_id: "copied",
-        empty.peer_id: "empty",
     }
     assert reasons == expected
     assert report.accepted == 3 and report.rejected == len(expected) - 3
@@ -179,7 +186,7 @@ def test_killed_before_publishing_redoes_the_window_without_double_counting(
     v = make_validator(swarm, vkey, tmp_path)
     params = theta0(swarm)
     for p in swarm.peers[:3]:
-        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, GENESIS))
+        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, v.state.base))
     v.store.faults.crash_mid_upload(layout.aggregate_key(swarm.run, 0))  # type: ignore[attr-defined]
     with pytest.raises(SimulatedCrash):
         v.run_window()
@@ -190,7 +197,7 @@ def test_killed_before_publishing_redoes_the_window_without_double_counting(
 
     v2 = make_validator(swarm, vkey, tmp_path)
     assert v2.state is not None and v2.state.window == 0
-    swarm.upload(swarm.peers[3].peer_id, 0, swarm.honest(swarm.peers[3], params, 0, GENESIS))  # arrives meanwhile
+    swarm.upload(swarm.peers[3].peer_id, 0, swarm.honest(swarm.peers[3], params, 0, v.state.base))  # arrives meanwhile
     report = v2.run_window()
     assert report is not None and report.accepted == 4
     rows = v2.log.rows(windows=(0, 0))
@@ -207,7 +214,7 @@ def test_killed_after_publishing_adopts_the_published_aggregate(swarm: Swarm, vk
     v = make_validator(swarm, vkey, tmp_path)
     params = theta0(swarm)
     for p in swarm.peers[:3]:
-        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, GENESIS))
+        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, v.state.base))
     assert v.run_window() is not None
     base1 = v.state.base  # type: ignore[union-attr]
     for p in swarm.peers[:3]:
@@ -238,7 +245,7 @@ def test_lost_state_directory_replays_the_chain_from_the_store(swarm: Swarm, vke
     v = make_validator(swarm, vkey, tmp_path / "a")
     params = theta0(swarm)
     for p in swarm.peers[:2]:
-        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, GENESIS))
+        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, v.state.base))
     report = v.run_window()
     assert report is not None
     v.close()
@@ -269,10 +276,10 @@ def test_repeated_failure_excludes_then_readmits_and_late_uploads_are_logged(vke
     params = theta0(sw)
     sw.upload(bad.peer_id, 0, sw.honest(bad, params, 0, "cd" * 32))  # stale base: one failure
     for p in (a, b):
-        sw.upload(p.peer_id, 0, sw.honest(p, params, 0, GENESIS))
+        sw.upload(p.peer_id, 0, sw.honest(p, params, 0, v.state.base))
     assert v.run_window() is not None
     sw.announce(latecomer)
-    sw.upload(latecomer.peer_id, 0, sw.honest(latecomer, params, 0, GENESIS))  # after window 0 closed
+    sw.upload(latecomer.peer_id, 0, sw.honest(latecomer, params, 0, v.state.base))  # after window 0 closed
     for w in (1, 2):
         st = v.state
         assert st is not None
@@ -300,7 +307,7 @@ def test_peers_announcing_mid_window_are_waited_for_and_registered(vkey: Identit
     sw.announce(b)
     v = make_validator(sw, vkey, tmp_path)
     params = theta0(sw)
-    blobs = {p.peer_id: sw.honest(p, params, 0, GENESIS) for p in sw.peers}
+    blobs = {p.peer_id: sw.honest(p, params, 0, v.state.base) for p in sw.peers}
     sw.upload(a.peer_id, 0, blobs[a.peer_id])
 
     def late_arrivals() -> None:
@@ -379,13 +386,13 @@ def test_store_failures_are_retried_and_corrupted_reads_rejected(swarm: Swarm, v
     v = make_validator(swarm, vkey, tmp_path, events)
     params = theta0(swarm)
     for p in swarm.peers[:3]:
-        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, GENESIS))
-    swarm.upload(swarm.peers[3].peer_id, 0, swarm.honest(swarm.peers[3], params, 0, GENESIS))
+        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, v.state.base))
+    swarm.upload(swarm.peers[3].peer_id, 0, swarm.honest(swarm.peers[3], params, 0, v.state.base))
     faults = v.store.faults  # type: ignore[attr-defined]
     faults.fail_put(1, layout.aggregate_key(swarm.run, 0))  # the first publish attempt fails
     faults.corrupt(layout.contrib_key(swarm.run, 0, swarm.peers[3].peer_id))  # this reader sees flipped bits
     reports = v.run(windows=1)
-    assert len(reports) == 1 and reports[0].accepted == 3 and reports[0].reasons == {"bad_signature": 1}
+    assert len(reports) == 1 and reports[0].accepted == 3 and reports[0].reasons == {"foreign": 1}
     assert [f[0] for f in faults.fired].count("fail") == 1
     assert len(v.log.rows(windows=(0, 0))) == 4 and v.state is not None and v.state.window == 1
     assert fingerprint(parameters_of(v.model)) == reports[0].fingerprint  # the model holds θ_1
@@ -403,6 +410,7 @@ def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity,
     import signal
     import subprocess
     import sys
+    import time
 
     from protocol.events import Stopped, ValidatorStarted, parse_line
     from protocol.settings import local_table_toml
@@ -417,8 +425,12 @@ def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity,
     sw.store = LocalStore(store_dir)  # type: ignore[assignment]
     sw.announce_all()
     params = theta0(sw)
+    # genesis first (the validator continues the launch the store holds), so peers know window 0's base
+    root = publish.publish_checkpoint(
+        sw.store, sw.run, sw.run_hash, 0, aggregate=GENESIS, params=params, identity=vkey, published_at=time.time()
+    )
     for p in sw.peers:
-        sw.upload(p.peer_id, 0, sw.honest(p, params, 0, GENESIS))
+        sw.upload(p.peer_id, 0, sw.honest(p, params, 0, root.digest))
     cmd = [
         sys.executable,
         "-m",

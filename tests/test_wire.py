@@ -481,6 +481,8 @@ def _with_published_at(blob: bytes, value: Scalar | None, signer: Identity) -> b
     r.take(32)  # base / aggregate digest
     if kind == Kind.AGGREGATE:
         r.f64()  # alpha
+    else:
+        r.take(32)  # launch
     r.text(128)  # fingerprint
     start = len(body) - r.remaining
     meta = read_metadata(r)

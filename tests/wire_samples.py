@@ -33,6 +33,7 @@ SCHEMA = {"blocks.0.attn.wq.weight": (64, 96), "blocks.0.norm.weight": (100,), "
 PEER = Identity.from_seed(b"p" * 32)
 VALIDATOR = Identity.from_seed(b"v" * 32)
 BASE = hashlib.sha256(b"aggregate 6").hexdigest()
+LAUNCH = hashlib.sha256(b"genesis manifest").hexdigest()
 PUBLISHED_AT = 1_767_225_600.25
 
 
@@ -62,7 +63,8 @@ def checkpoint(window: int = 10) -> CheckpointManifest:
         CheckpointFile(checkpoint_key(RUN_ID, window, "model.safetensors"), hashlib.sha256(b"m").hexdigest(), 123456),
         CheckpointFile(checkpoint_key(RUN_ID, window, "optimizer.safetensors"), hashlib.sha256(b"o").hexdigest(), 99),
     )
-    return CheckpointManifest(RUN, window, BASE, hashlib.sha256(b"theta").hexdigest(), files, PUBLISHED_AT, {"step": 9})
+    theta = hashlib.sha256(b"theta").hexdigest()
+    return CheckpointManifest(RUN, window, BASE, theta, files, PUBLISHED_AT, {"step": 9}, LAUNCH)
 
 
 def announcement(window: int = 3) -> Announcement:

@@ -10,7 +10,15 @@ reason; later checks are not run)::
 ``size`` … ``finite`` are mostly enforced by :func:`protocol.wire.decode_contribution` (given the
 window, the run's codec and the model's schema, so a hostile tensor table is refused before the
 codec allocates anything) and :func:`protocol.codec.unpack`; :func:`rows_for_error` maps the ``reason`` of the
-:class:`~protocol.errors.ProtocolError` they raise to the check that failed. ``screen`` runs the
+:class:`~protocol.errors.ProtocolError` they raise to the check that failed.
+
+**Blame only what a peer signed.** The bytes at ``contrib/<t>/<peer>`` may not be the peer's: on a
+shared directory anyone can write there, and any store can be handed a copy of the peer's own
+object of another window or run. Unless the object is signed by ``<peer>`` for this run and window
+(``size`` through ``window``), it says nothing about the peer: it is rejected with reason
+``foreign`` (:data:`~validator.reputation.FOREIGN`, neutral for reputation) and the detail says what
+was found, instead of ``bad_signature`` or ``wrong_window`` against the peer. Everything after
+that (a malformed body, the codec, the schema …) the peer signed, and is its own. ``screen`` runs the
 per-contribution checks on one received object; ``norm`` and ``copy`` need the whole window
 (:func:`check_norm`, :mod:`validator.copies`), ``score`` the loss evaluation
 (:mod:`validator.scoring`); those window-level checks live in :mod:`validator.window_checks`.
@@ -27,8 +35,12 @@ import torch
 from protocol.aggregate import SparseDict, sparse_of
 from protocol.config import CodecConfig
 from protocol.errors import ProtocolError
-from protocol.wire import Contribution, Verified, decode_contribution
+from protocol.identity import peer_id_of
+from protocol.wire import Contribution, Kind, Verified
+from protocol.wire.contribution import parse_contribution
+from protocol.wire.frame import Envelope, open_envelope
 from validator.log import CheckRow
+from validator.reputation import FOREIGN
 
 __all__ = [
     "CHECK_ORDER",
@@ -43,6 +55,7 @@ __all__ = [
     "check_size",
     "check_sync",
     "check_window",
+    "foreign",
     "lower_median",
     "rows_for_error",
     "screen",
@@ -219,28 +232,24 @@ class Screened:
 
 def screen(peer: str, data: bytes, ctx: Context) -> Screened:
     """Run ``size`` … ``excluded`` on the bytes found at ``contrib/<window>/<peer>``. Pure."""
-    rows: list[CheckRow] = [check_size(len(data), ctx.max_bytes)]
-    if not rows[0].passed:
-        return Screened(
-            peer=peer, checks=tuple(rows), reason=rows[0].reason, detail=f"{len(data)} bytes, cap {ctx.max_bytes}"
-        )
+    size = check_size(len(data), ctx.max_bytes)
+    if not size.passed:
+        return foreign(peer, "size", f"{size.reason}: {len(data)} bytes, cap {ctx.max_bytes}")
+    try:
+        env = open_envelope(data, max_bytes=ctx.max_bytes, run_hash=None, kind=Kind.CONTRIBUTION)
+    except ProtocolError as exc:  # not a signed object at all: nobody can be named
+        return foreign(peer, rows_for_error(exc.reason)[-1].name, str(exc))
+    attribution = _attribution(peer, env, ctx)
+    if attribution is not None:
+        return foreign(peer, *attribution)
     try:
         # With the window, codec and schema given, a hostile tensor table is refused before the
         # codec allocates anything for it; a subset of the schema is fine (pipeline stages).
-        verified = decode_contribution(
-            data,
-            run_hash=ctx.run_hash,
-            max_bytes=ctx.max_bytes,
-            sender=peer,
-            window=ctx.window,
-            schema=ctx.schema,
-            partial=True,
-            codec_cfg=ctx.codec,
-        )
+        verified = parse_contribution(env, schema=ctx.schema, partial=True, codec_cfg=ctx.codec)
     except ProtocolError as exc:
         return _undecodable(peer, exc, ctx)
     c = verified.value
-    rows += [ok("format"), ok("signature"), ok("run")]
+    rows = [ok("size"), ok("format"), ok("signature"), ok("run")]
     sparse: SparseDict = {}
     check: Callable[[], CheckRow]
     for check in (
@@ -261,6 +270,27 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
         if row.name == "schema":
             sparse = sparse_of(c.tensors)  # decoded once, after the shapes are known to be sane
     return Screened(peer=peer, checks=tuple(rows), reason=None, contribution=verified, sparse=sparse)
+
+
+def foreign(peer: str, check: str, detail: str) -> Screened:
+    """An object at ``peer``'s key that ``peer`` did not sign for this run and window (module doc):
+    rejected as ``foreign`` by ``check`` (the checks before it passed); the detail says what was found."""
+    passed = tuple(ok(n) for n in CHECK_ORDER[: CHECK_ORDER.index(check)] if n in _DECODE_CHECKS)
+    rows = (*passed, CheckRow(check, False, FOREIGN))
+    return Screened(peer=peer, checks=rows, reason=FOREIGN, detail=f"not signed by this peer: {detail}")
+
+
+def _attribution(peer: str, env: Envelope, ctx: Context) -> tuple[str, str] | None:
+    """(check, what was found) when a verified envelope is not ``peer``'s object of this run and
+    window; None when it is."""
+    signer = peer_id_of(env.public_key)
+    if signer != peer:
+        return "signature", f"signed by {signer}"
+    if env.run_hash != ctx.run_hash:
+        return "run", f"signed for run {env.run_hash[:16]}, a copy from another run"
+    if env.window != ctx.window:
+        return "window", f"signed for window {env.window}, a copy from another window"
+    return None
 
 
 def _undecodable(peer: str, exc: ProtocolError, ctx: Context) -> Screened:

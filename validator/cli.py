@@ -180,7 +180,7 @@ def _open_validator(run_path: str, local: LocalSettings, key_path: str, state_di
     spec = RunSpec.load(run_path)
     ident = Identity.load(Path(key_path).expanduser())
     device = local.compute.device or "cpu"
-    store = open_from_settings(local.store)
+    store = open_from_settings(local.store, identity=ident, validator_keys=spec.validator.public_keys)
     validator = Validator(spec, store, ident, state_dir, device=device, local=local, emit=emit)
     started = ValidatorStarted(
         peer_id=ident.peer_id,

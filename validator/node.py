@@ -20,11 +20,18 @@ checkpoint. Every decision is a row of the contribution log. Crash safety: decis
 restart adopts an aggregate it finds already published for its window, and otherwise re-decides
 the window (rows are keyed by (window, peer) and reputation is derived from them, so nothing is
 lost or counted twice).
+
+Launches: the chain grows from the digest of a genesis manifest (:mod:`protocol.chain`). Without a
+state directory the validator continues the launch whose genesis the store holds, or publishes a
+new genesis; with one, it continues only its own launch and refuses a store holding another
+(``ConfigError``). Objects of other launches, and anything at a chain key that does not verify, are
+never adopted: they are overwritten when the validator publishes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +42,7 @@ import torch
 
 from protocol import layout
 from protocol.aggregate import SparseDict, aggregate, apply_outer
-from protocol.chain import delta_of, read_aggregate
+from protocol.chain import delta_of, next_aggregate, read_launch
 from protocol.config import RunSpec
 from protocol.data import assigned_batches, open_dataset, random_batches, validation_batches
 from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
@@ -45,12 +52,12 @@ from protocol.model import build_model, eval_loss, fingerprint, param_schema, pa
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
 from protocol.windows import gather_close, is_checkpoint_window
-from protocol.wire import GENESIS, Aggregate, Verified, decode_aggregate
+from protocol.wire import GENESIS, Aggregate, CheckpointManifest, Verified, decode_aggregate
 from validator import checks, publish, window_checks
 from validator.evaluation import PeriodicEval
 from validator.gather import PeerRegistry, Received, gather, list_contributions
 from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
-from validator.reputation import LATE, Outcome, Standing, is_excluded, standings, update
+from validator.reputation import FOREIGN, LATE, Outcome, Standing, is_excluded, standings, update
 from validator.scoring import LossScore, pick_sample, score_update, scoring_units, take_sequences
 from validator.state import ValidatorState, load_state, save_state
 
@@ -60,6 +67,8 @@ __all__ = ["LOG_FILE", "Validator"]
 # wait) and reports whom it waits for.
 RECHECK_S = 1.0
 WAITING_REPORT_S = 5.0
+
+log = logging.getLogger(__name__)
 
 
 class _PhaseClock:
@@ -198,61 +207,84 @@ class Validator:
 
     # ------------------------------------------------------------------ start / resume
     def resume(self) -> ValidatorState:
-        state = load_state(self.state_dir, self.run_hash) or self._genesis()
+        saved = load_state(self.state_dir, self.run_hash)
+        state = self._genesis() if saved is None else self._same_launch(saved)
         self._load_params(state.params)
         self.state = state
         self._adopt_published()
         return self._state()
 
     def _genesis(self) -> ValidatorState:
+        """Without a state: continue the launch whose genesis the store holds (a lost state
+        directory: the chain in the store is the truth), or start a new launch by publishing a
+        genesis manifest, whose digest roots the chain. A genesis that does not verify counts as
+        absent; objects of earlier launches never chain onto a new one."""
         params = {n: p.detach().clone() for n, p in parameters_of(build_model(self.spec.model)).items()}
-        try:
-            _, stored, opened_at = publish.load_checkpoint(
-                self.store, self.run_id, self.run_hash, 0, allowed_signers=self.signers
-            )
-            if fingerprint(stored) != fingerprint(params):
-                raise ConfigError("the store's genesis checkpoint differs from θ₀ built from this RunSpec")
-        except ProtocolError as exc:
-            raise ConfigError(f"the store's genesis checkpoint is unusable: {exc}") from exc
-        except ObjectNotFound:
-            opened_at = self.clock()
-            publish.publish_checkpoint(
-                self.store,
-                self.run_id,
-                self.run_hash,
-                0,
-                aggregate=GENESIS,
-                params=params,
-                identity=self.identity,
-                published_at=opened_at,
-            )
-        state = ValidatorState(self.run_hash, 0, GENESIS, opened_at, params)
+        launch = self._stored_launch()
+        if launch is not None and launch.value.fingerprint != fingerprint(params):
+            raise ConfigError("the store's genesis checkpoint differs from θ₀ built from this RunSpec")
+        if launch is None:
+            launch = self._publish_genesis(params, self.clock())
+        at = launch.value.published_at
+        state = ValidatorState(self.run_hash, 0, launch.digest, at, params, launch=launch.digest, launched_at=at)
         save_state(self.state_dir, state)
         return state
 
+    def _same_launch(self, state: ValidatorState) -> ValidatorState:
+        """A saved state continues its own launch only: the store's genesis must be that launch
+        (written again, byte for byte, when the store lost it); another launch is a ConfigError."""
+        stored = self._stored_launch()
+        if stored is None:
+            params = {n: p.detach().clone() for n, p in parameters_of(build_model(self.spec.model)).items()}
+            stored = self._publish_genesis(params, state.launched_at)
+        if stored.digest != state.launch:
+            raise ConfigError(
+                f"the store holds launch {stored.digest[:16]} of this run, but the state in {self.state_dir} "
+                f"continues launch {state.launch[:16]}: use a store without the other launch, or move "
+                "the state directory away to continue the store's launch"
+            )
+        return state
+
+    def _stored_launch(self) -> Verified[CheckpointManifest] | None:
+        """The store's genesis manifest; None when there is none or it does not verify."""
+        try:
+            return read_launch(self.store, self.run_id, self.run_hash, allowed_signers=self.signers)
+        except ObjectNotFound:
+            return None
+        except ProtocolError as exc:
+            log.warning("the store's genesis manifest does not verify; treated as absent: %s", exc)
+            return None
+
+    def _publish_genesis(self, params: dict[str, torch.Tensor], published_at: float) -> Verified[CheckpointManifest]:
+        return publish.publish_checkpoint(
+            self.store,
+            self.run_id,
+            self.run_hash,
+            0,
+            aggregate=GENESIS,
+            params=params,
+            identity=self.identity,
+            published_at=published_at,
+        )
+
     def _adopt_published(self) -> None:
         """Apply aggregates already published for the saved window (a crash after publishing, or a
-        lost state directory): the chain in the store is the truth."""
+        lost state directory): the chain in the store is the truth. What lies at the key without
+        verifying or chaining onto this state (junk, another launch's) is not published."""
         while True:
             st = self._state()
-            try:
-                agg = read_aggregate(
-                    self.store,
-                    self.run_id,
-                    self.run_hash,
-                    st.window,
-                    allowed_signers=self.signers,
-                    max_bytes=self.spec.validator.max_aggregate_bytes,
-                    schema=self.schema,
-                )
-            except ProtocolError as exc:
-                raise ConfigError(
-                    f"the store's aggregate {st.window} is invalid; cannot continue the chain: {exc}"
-                ) from exc
+            agg = next_aggregate(
+                self.store,
+                self.run_id,
+                self.run_hash,
+                st.window,
+                st.base,
+                allowed_signers=self.signers,
+                max_bytes=self.spec.validator.max_aggregate_bytes,
+                schema=self.schema,
+            )
             if agg is None:
                 return
-            if agg.value.base != st.base:
-                raise ConfigError(f"published aggregate {st.window} does not follow this validator's state")
             params = {n: p.detach().clone() for n, p in st.params.items()}
             apply_outer(params, delta_of(agg.value), agg.value.alpha)
             if fingerprint(params) != agg.value.fingerprint:
@@ -293,7 +325,7 @@ class Validator:
         uploaded."""
         cfg = self.spec.validator
         prev = self.log.rows(windows=(t - 1, t - 1)) if t > 0 else []
-        uploaded_last = {r.peer for r in prev if r.reason != "bad_signature"}  # forged uploads prove nothing
+        uploaded_last = {r.peer for r in prev if r.reason not in ("bad_signature", FOREIGN)}  # forgeries prove nothing
         opened_last = self.log.window(t - 1) if t > 0 else None
         since = opened_last.opened_at if opened_last is not None else None
         waiting = _WaitingReport(t, gather_close(opened_at, self.spec.windows), self.clock, self.emit)
@@ -327,8 +359,10 @@ class Validator:
         )
 
     def _screen(self, r: Received, ctx: checks.Context) -> checks.Screened:
+        if r.data is None and r.reason == "too_large":  # never read, so nobody can be named
+            return checks.foreign(r.peer, "size", f"too_large: {r.detail}")
         if r.data is None:
-            name = "size" if r.reason == "too_large" else "fetch"
+            name = "fetch"
             return checks.Screened(
                 peer=r.peer, checks=(checks.fail(name, r.reason or "store_error"),), reason=r.reason, detail=r.detail
             )
@@ -443,7 +477,16 @@ class Validator:
             rejected=len(rows) - len(accepted),
         )
         self.log.record_window(win, rows)
-        self.store.put(layout.aggregate_key(self.run_id, t), blob, if_absent=True)
+        publish.publish_aggregate(
+            self.store,
+            self.run_id,
+            self.run_hash,
+            t,
+            blob,
+            base=st.base,
+            allowed_signers=self.signers,
+            max_bytes=self.spec.validator.max_aggregate_bytes,
+        )
         agg = decode_aggregate(blob, run_hash=self.run_hash, max_bytes=len(blob), allowed_signers=self.signers)
         self.log.mark_published(t, digest=agg.digest, published_at=published_at)
         self._advance(st, agg, nxt)
@@ -468,7 +511,15 @@ class Validator:
 
     def _advance(self, st: ValidatorState, agg: Verified[Aggregate], params: dict[str, torch.Tensor]) -> None:
         """Move to window t + 1: checkpoint when due, then the state file (the commit point)."""
-        nxt = ValidatorState(self.run_hash, st.window + 1, agg.digest, agg.value.published_at, params)
+        nxt = ValidatorState(
+            self.run_hash,
+            st.window + 1,
+            agg.digest,
+            agg.value.published_at,
+            params,
+            launch=st.launch,
+            launched_at=st.launched_at,
+        )
         if is_checkpoint_window(nxt.window, self.spec.windows, self.local.max_windows):
             publish.publish_checkpoint(
                 self.store,
@@ -479,6 +530,7 @@ class Validator:
                 params=params,
                 identity=self.identity,
                 published_at=nxt.opened_at,
+                launch=st.launch,
             )
         save_state(self.state_dir, nxt)
         self.state = nxt

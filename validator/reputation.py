@@ -9,8 +9,9 @@ accepted windows leave it unchanged (no evidence either way)::
 
 ``exclude_after_failures`` consecutive rejections exclude the peer for the next
 ``exclude_windows`` windows; its uploads in those windows are logged with reason ``excluded`` and
-neither count as new failures nor extend the exclusion. Late uploads (``late``) and
-contributions beyond ``max_contributors`` (``over_capacity``) are neutral too.
+neither count as new failures nor extend the exclusion. Late uploads (``late``), contributions
+beyond ``max_contributors`` (``over_capacity``) and objects at a peer's key that the peer did not
+sign for that window (``foreign``: forged, overwritten or replayed by someone else) are neutral too.
 
 Because :func:`standings` recomputes everything from the (window, peer) rows, re-deciding a window
 after a crash cannot count a failure twice.
@@ -23,11 +24,12 @@ from dataclasses import dataclass, replace
 
 from protocol.config import ValidatorConfig
 
-__all__ = ["EXCLUDED", "LATE", "Outcome", "Standing", "is_excluded", "standings", "update"]
+__all__ = ["EXCLUDED", "FOREIGN", "LATE", "Outcome", "Standing", "is_excluded", "standings", "update"]
 
 EXCLUDED = "excluded"
 LATE = "late"  # uploaded after the window closed: not evidence of bad faith, just missed
-NEUTRAL = frozenset({EXCLUDED, LATE, "over_capacity"})  # rejections that say nothing about the peer
+FOREIGN = "foreign"  # not signed by the peer for this run and window: says nothing about the peer
+NEUTRAL = frozenset({EXCLUDED, LATE, FOREIGN, "over_capacity"})  # rejections that say nothing about the peer
 
 
 @dataclass(frozen=True)

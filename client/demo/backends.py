@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,8 +61,11 @@ class Backend:
 
 
 @contextmanager
-def open_backend(kind: str, run_dir: Path, group: ProcessGroup) -> Iterator[Backend]:
-    """Start the store of kind ``file``, ``s3`` or ``dht`` for a swarm in ``run_dir``."""
+def open_backend(
+    kind: str, run_dir: Path, group: ProcessGroup, validator_keys: Sequence[str] = ()
+) -> Iterator[Backend]:
+    """Start the store of kind ``file``, ``s3`` or ``dht`` for a swarm in ``run_dir``.
+    ``validator_keys`` (hex): the run's validator keys, which every DHT node must know."""
     if kind == "file":
         yield Backend("file", f"file://{(run_dir / 'store').resolve()}")
     elif kind == "s3":
@@ -71,7 +74,7 @@ def open_backend(kind: str, run_dir: Path, group: ProcessGroup) -> Iterator[Back
             store = {"s3_endpoint": server.endpoint_url, "s3_region": "us-east-1"}
             yield Backend("s3", server.url(), store, _validator_env=env, _server=server)
     elif kind == "dht":
-        maddrs = _dht_bootstrap(group)
+        maddrs = _dht_bootstrap(group, validator_keys)
         yield Backend("dht", "dht://", {"dht_bootstrap": maddrs}, [a for m in maddrs for a in ("--dht-peer", m)])
     else:
         raise ConfigError(f"unknown store kind {kind!r}; choose one of {', '.join(KINDS)}")
@@ -97,10 +100,12 @@ def _seaweed() -> Iterator[SeaweedS3]:
 
 
 # ---------------------------------------------------------------------- DHT (hivemind)
-def _dht_bootstrap(group: ProcessGroup, timeout_s: float = 60.0) -> list[str]:
+def _dht_bootstrap(group: ProcessGroup, validator_keys: Sequence[str], timeout_s: float = 60.0) -> list[str]:
     """Start a bootstrap DHT node on 127.0.0.1 in ``group``; return its multiaddrs."""
+    keys = [arg for key in validator_keys for arg in ("--validator-key", key)]
     group.start(
-        "dht-bootstrap", [sys.executable, "-m", "protocol.store.dht.serve", "--host", "127.0.0.1", "--port", "0"]
+        "dht-bootstrap",
+        [sys.executable, "-m", "protocol.store.dht.serve", "--host", "127.0.0.1", "--port", "0", *keys],
     )
     maddrs: list[str] = []
     deadline = time.monotonic() + timeout_s

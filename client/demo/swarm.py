@@ -123,8 +123,12 @@ class LocalSwarm:
     def __enter__(self) -> LocalSwarm:
         try:
             self.group = self._stack.enter_context(ProcessGroup(self.run_dir / "logs", grace_s=10.0))
-            self.backend = self._stack.enter_context(open_backend(self.store_kind, self.run_dir, self.group))
-            self.spec = self._write_run()
+            vkey = Identity.generate()  # first: every DHT node is told the run's validator key
+            vkey.save(self.validator_key)
+            self.backend = self._stack.enter_context(
+                open_backend(self.store_kind, self.run_dir, self.group, [vkey.public_key_hex])
+            )
+            self.spec = self._write_run(vkey)
         except BaseException:
             self._stack.close()
             raise
@@ -133,12 +137,10 @@ class LocalSwarm:
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
-    def _write_run(self) -> RunSpec:
+    def _write_run(self, vkey: Identity) -> RunSpec:
         """run.toml: the preset's RunSpec with ``overrides`` and the validator key, and a [local]
         table with the store, max_windows, the preset's own [local] table and ``local``."""
         assert self.backend is not None
-        vkey = Identity.generate()
-        vkey.save(self.validator_key)
         base = RunSpec.load(self.preset)
         sections: dict[str, dict[str, Any]] = {k: dict(v) for k, v in self.overrides.items()}
         sections.setdefault("validator", {})["public_keys"] = [vkey.public_key_hex]

@@ -6,17 +6,23 @@
     open_store("s3://bucket/prefix", endpoint_url="https://...", region="auto",
                access_key="...", secret_key="...")   # or credentials from the AWS env/profile
     open_store("s3://bucket/prefix?endpoint=http://127.0.0.1:8333&region=us-east-1")
-    open_store("dht://", initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."])
+    open_store("dht://", initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."],
+               identity=ident, validator_keys=spec.validator.public_keys)
 
 Options go to the backend's constructor (:class:`LocalStore`, :class:`S3Store`, ``DHTStore``).
 Peers and the validator open the store their local settings name (``[local.store]``, the
 environment and ``--store`` / ``--dht-peer``: :mod:`protocol.settings`) with
-:func:`open_from_settings`.
+:func:`open_from_settings`. They take the participant's
+``identity`` and the run's ``validator_keys``: a DHT has no permissions of its own, so its records
+are signed with the identity and checked against the validator keys (see
+:mod:`protocol.store.dht.policy`); the other backends do not use them (their own credentials decide
+who may write).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -26,6 +32,7 @@ from protocol.store.local import LocalStore
 from protocol.store.memory import MemoryStore
 
 if TYPE_CHECKING:
+    from protocol.identity import Identity
     from protocol.settings import StoreSettings
 
 __all__ = [
@@ -112,13 +119,20 @@ def _open_dht(url: str, options: dict[str, Any]) -> ObjectStore:
     return _build(DHTStore, peers, **options)
 
 
-def open_from_settings(settings: StoreSettings, **options: Any) -> ObjectStore:
+def open_from_settings(
+    settings: StoreSettings,
+    *,
+    identity: Identity | None = None,
+    validator_keys: Sequence[bytes | str] = (),
+    **options: Any,
+) -> ObjectStore:
     """Open the store of a process's local settings (``settings.store``); ``options`` (credentials,
     timeouts) add to or override what the settings give the backend.
 
     ``s3://``: ``s3_endpoint`` and ``s3_region`` (an endpoint or region in the URL was already
     lifted into them, :func:`protocol.settings.lift_url_settings`). ``dht://``: ``dht_bootstrap``
-    are the nodes to join through.
+    are the nodes to join through; ``identity``/``validator_keys`` sign and check its records (see
+    the module doc).
     """
     scheme = settings.url.partition("://")[0].lower()
     merged: dict[str, Any] = {}
@@ -128,6 +142,8 @@ def open_from_settings(settings: StoreSettings, **options: Any) -> ObjectStore:
         if settings.s3_region:
             merged["region"] = settings.s3_region
     elif scheme == "dht":
-        merged["initial_peers"] = list(settings.dht_bootstrap)
+        merged.update(
+            initial_peers=list(settings.dht_bootstrap), identity=identity, validator_keys=list(validator_keys)
+        )
     merged.update(options)
     return open_store(settings.url, **merged)
