@@ -73,7 +73,8 @@ def measure(name: str, repeats: int, workdir: Path) -> dict[str, Any]:
             layout.run_id(spec.hash()),
             spec.hash(),
             1,
-            aggregate=GENESIS,
+            aggregate="ab" * 32,  # a checkpoint after window 0 names its aggregate and launch
+            launch="cd" * 32,
             params=params,
             identity=VALIDATOR,
             published_at=time.time(),

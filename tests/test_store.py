@@ -330,7 +330,8 @@ def test_open_from_settings_passes_what_the_settings_name(tmp_path: Path, monkey
     monkeypatch.setattr(protocol.store, "open_store", lambda url, **o: seen.append((url, o)) or MemoryStore())
     open_from_settings(StoreSettings(url="dht://", dht_bootstrap=("/ip4/10.0.0.2/tcp/1/p2p/QmCli",)))
     open_from_settings(StoreSettings(url="s3://b/p?endpoint=http://h:1&profile=x", s3_endpoint="http://other:2"))
-    assert seen[0] == ("dht://", {"initial_peers": ["/ip4/10.0.0.2/tcp/1/p2p/QmCli"]})
+    dht_options = {"initial_peers": ["/ip4/10.0.0.2/tcp/1/p2p/QmCli"], "identity": None, "validator_keys": []}
+    assert seen[0] == ("dht://", dht_options)
     # the URL's endpoint is a setting and wins; other parameters stay in the URL
     assert seen[1] == ("s3://b/p?profile=x", {"endpoint_url": "http://h:1", "region": "auto"})
 
