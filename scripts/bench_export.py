@@ -42,7 +42,6 @@ from protocol.config import RunSpec
 from protocol.identity import Identity
 from protocol.model import build_model, param_schema
 from protocol.store import open_store
-from protocol.wire import GENESIS
 from validator.publish import publish_checkpoint
 
 BILLION = 1_000_000_000
