@@ -143,7 +143,7 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
         honest_a.peer_id: None,
         honest_b.peer_id: None,
         honest_c.peer_id: None,
-        forged.peer_id: "bad_signature",
+        forged.peer_id: "foreign_object",  # not held against the peer whose key it sits at
         replayed.peer_id: "wrong_window",
         stale.peer_id: "stale_base",
         oversized.peer_id: "too_large",
@@ -152,12 +152,17 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
         nan.peer_id: "non_finite",
         huge.peer_id: "norm_outlier",
         negated.peer_id: "harmful",
-        unregistered.peer_id: "unregistered",
         mallory.peer_id: "copied",
         empty.peer_id: "empty",
     }
     assert reasons == expected
     assert report.accepted == 3 and report.rejected == len(expected) - 3
+    # an upload under a key no announcement names is counted, never read or given a row
+    assert unregistered.peer_id not in reasons and report.reasons["unannounced"] == 1
+    assert v.log.window(1).unannounced == 1  # type: ignore[union-attr]
+    # an upload under a key no announcement names is counted, never read or given a row
+    assert unregistered.peer_id not in reasons and report.reasons["unannounced"] == 1
+    assert v.log.window(1).unannounced == 1  # type: ignore[union-attr]
     agg = read_aggregate(
         swarm.store, swarm.run, swarm.run_hash, 1, allowed_signers=spec.validator.public_keys, max_bytes=1 << 26
     )

@@ -4,21 +4,25 @@ A check returns a :class:`~validator.log.CheckRow` ``(name, passed, reason)``; `
 stable name written to the contribution log. Order (the first failure decides the rejection
 reason; later checks are not run)::
 
-    size  format  signature  run  window  registered  codec  schema  finite  sync  excluded  norm  copy  score
-    capacity
+    size  format  signature  run  window  registered  codec  schema  finite  sync  excluded
+    immutable  norm  copy  score  duplicate  probation  capacity  stable
 
 ``size`` … ``finite`` are mostly enforced by :func:`protocol.wire.decode_contribution` (given the
 window, the run's codec and the model's schema, so a hostile tensor table is refused before the
 codec allocates anything) and :func:`protocol.codec.unpack`; :func:`rows_for_error` maps the ``reason`` of the
 :class:`~protocol.errors.ProtocolError` they raise to the check that failed. ``screen`` runs the
-per-contribution checks on one received object; ``norm`` and ``copy`` need the whole window
-(:func:`check_norm`, :mod:`validator.copies`), ``score`` the loss evaluation
-(:mod:`validator.scoring`); those window-level checks live in :mod:`validator.window_checks`.
+per-contribution checks on one received object; the checks from ``immutable`` on need the log,
+the whole window, the loss evaluation or the aggregate and live in :mod:`validator.window_checks`.
+
+**Whose fault.** Only what a peer signed is held against it (:mod:`validator.reputation`). Bytes
+at a peer's key whose envelope does not verify fail ``size``, ``format`` or ``signature``; an
+object validly signed by *another* key fails ``signature`` with reason ``foreign_object`` (on a
+shared store anyone can write anywhere). Once the envelope is the peer's, a body that does not
+parse fails ``schema`` with reason ``malformed``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
@@ -27,26 +31,27 @@ import torch
 from protocol.aggregate import SparseDict, sparse_of
 from protocol.config import CodecConfig
 from protocol.errors import ProtocolError
+from protocol.identity import peer_id_of
 from protocol.wire import Contribution, Verified, decode_contribution
+from protocol.wire.frame import Kind, open_envelope
 from validator.log import CheckRow
 
 __all__ = [
     "CHECK_ORDER",
+    "FOREIGN_OBJECT",
     "Context",
     "Screened",
     "check_codec",
     "check_excluded",
     "check_finite",
-    "check_norm",
     "check_registered",
     "check_schema",
     "check_size",
     "check_sync",
     "check_window",
-    "lower_median",
+    "envelope_signer",
     "rows_for_error",
     "screen",
-    "tensor_norms",
 ]
 
 CHECK_ORDER = (
@@ -61,11 +66,17 @@ CHECK_ORDER = (
     "finite",
     "sync",
     "excluded",
+    "immutable",
     "norm",
     "copy",
     "score",
+    "duplicate",
+    "probation",
     "capacity",
+    "stable",
 )
+
+FOREIGN_OBJECT = "foreign_object"
 
 # ProtocolError.reason (raised while decoding) -> the check that failed
 _REASON_CHECK = {
@@ -96,13 +107,16 @@ def fail(name: str, reason: str) -> CheckRow:
     return CheckRow(name, False, reason)
 
 
-def rows_for_error(reason: str, registered: CheckRow | None = None) -> tuple[CheckRow, ...]:
+def rows_for_error(reason: str, registered: CheckRow | None = None, *, signed: bool = False) -> tuple[CheckRow, ...]:
     """Check rows for a decode failure: every check before the failing one passed.
 
     Only checks decoding performs are claimed (it is given the window, codec and schema);
     ``registered``, when given, is the registration check's row and is placed in its turn (a
-    failed one ends the rows: it decides the rejection)."""
+    failed one ends the rows: it decides the rejection). ``signed``: the envelope verified as the
+    peer's, so a structural failure is in the body it signed (check ``schema``)."""
     name = _REASON_CHECK.get(reason, "format")
+    if signed and name in ("size", "format", "signature"):
+        name = "schema"
     rows: list[CheckRow] = []
     for n in CHECK_ORDER[: CHECK_ORDER.index(name)]:
         if n in _DECODE_CHECKS:
@@ -160,35 +174,6 @@ def check_excluded(excluded: bool) -> CheckRow:
     return fail("excluded", "excluded") if excluded else ok("excluded")
 
 
-def tensor_norms(sparse: SparseDict) -> dict[str, float]:
-    return {name: float(torch.linalg.vector_norm(vals.double())) for name, (_, vals) in sparse.items()}
-
-
-def lower_median(xs: Collection[float]) -> float:
-    """The lower median: with two contributions it is the smaller one, so one huge update cannot
-    drag the reference up to half its own size."""
-    s = sorted(xs)
-    return s[(len(s) - 1) // 2]
-
-
-def window_medians(norms: Collection[Mapping[str, float]]) -> dict[str, float]:
-    """Per tensor, the lower median of the norms of the contributions that sent it."""
-    by_name: dict[str, list[float]] = {}
-    for n in norms:
-        for name, v in n.items():
-            by_name.setdefault(name, []).append(v)
-    return {name: lower_median(vs) for name, vs in by_name.items()}
-
-
-def check_norm(norms: Mapping[str, float], medians: Mapping[str, float], max_ratio: float) -> CheckRow:
-    """Every tensor's norm must be ≤ ``max_ratio`` × the window's median for that tensor."""
-    for name, v in norms.items():
-        med = medians.get(name, 0.0)
-        if not math.isfinite(v) or (med > 0.0 and v > max_ratio * med) or (med == 0.0 and v > 0.0):
-            return fail("norm", "norm_outlier")
-    return ok("norm")
-
-
 # ---------------------------------------------------------------------------- one contribution
 @dataclass(frozen=True, kw_only=True)
 class Context:
@@ -218,7 +203,9 @@ class Screened:
 
 
 def screen(peer: str, data: bytes, ctx: Context) -> Screened:
-    """Run ``size`` … ``excluded`` on the bytes found at ``contrib/<window>/<peer>``. Pure."""
+    """Run ``size`` … ``excluded`` on the bytes found at ``contrib/<window>/<peer>``. Pure.
+
+    The result holds the decoded sparse form, not ``data``: the caller can drop the bytes."""
     rows: list[CheckRow] = [check_size(len(data), ctx.max_bytes)]
     if not rows[0].passed:
         return Screened(
@@ -227,18 +214,21 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
     try:
         # With the window, codec and schema given, a hostile tensor table is refused before the
         # codec allocates anything for it; a subset of the schema is fine (pipeline stages).
+        # The signer is compared with ``peer`` below, not here: a failure of an object that
+        # someone else signed must not be reported as this peer's.
         verified = decode_contribution(
             data,
             run_hash=ctx.run_hash,
             max_bytes=ctx.max_bytes,
-            sender=peer,
             window=ctx.window,
             schema=ctx.schema,
             partial=True,
             codec_cfg=ctx.codec,
         )
     except ProtocolError as exc:
-        return _undecodable(peer, exc, ctx)
+        return _undecodable(peer, data, exc, ctx)
+    if verified.sender != peer:
+        return _foreign(peer, verified.sender)
     c = verified.value
     rows += [ok("format"), ok("signature"), ok("run")]
     sparse: SparseDict = {}
@@ -263,13 +253,31 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
     return Screened(peer=peer, checks=tuple(rows), reason=None, contribution=verified, sparse=sparse)
 
 
-def _undecodable(peer: str, exc: ProtocolError, ctx: Context) -> Screened:
-    """A contribution that failed to decode; an unregistered sender is named as such when its
-    check comes before the failing one."""
-    rows = rows_for_error(exc.reason, check_registered(peer, ctx.registered))
+def _undecodable(peer: str, data: bytes, exc: ProtocolError, ctx: Context) -> Screened:
+    """A contribution that failed to decode, attributed to whoever signed it: an object signed by
+    another key is ``foreign_object``; an unregistered sender is named as such when its check
+    comes before the failing one."""
+    signer = envelope_signer(data, ctx.max_bytes)
+    if signer is not None and signer != peer:
+        return _foreign(peer, signer)
+    rows = rows_for_error(exc.reason, check_registered(peer, ctx.registered), signed=signer is not None)
     if rows[-1].name == "registered":
         return Screened(peer=peer, checks=rows, reason=rows[-1].reason, detail="no signed announcement for this peer")
     return Screened(peer=peer, checks=rows, reason=exc.reason, detail=str(exc))
+
+
+def _foreign(peer: str, signer: str) -> Screened:
+    rows = (ok("size"), ok("format"), fail("signature", FOREIGN_OBJECT))
+    return Screened(peer=peer, checks=rows, reason=FOREIGN_OBJECT, detail=f"signed by {signer}, not by {peer}")
+
+
+def envelope_signer(data: bytes, max_bytes: int) -> str | None:
+    """The peer id whose signature over ``data`` verifies, or None when the envelope does not."""
+    try:
+        env = open_envelope(data, max_bytes=max_bytes, run_hash=None, kind=Kind.CONTRIBUTION)
+    except ProtocolError:
+        return None
+    return peer_id_of(env.public_key)
 
 
 def _detail(row: CheckRow, c: Contribution, ctx: Context) -> str:
