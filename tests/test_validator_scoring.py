@@ -9,8 +9,8 @@ from protocol.aggregate import sparse_of
 from protocol.data import assigned_batches, random_batches
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, parameters_of
-from tests.validator_fixtures import Swarm, tiny_spec
 from protocol.wire import PipelineRole
+from tests.validator_fixtures import Swarm, tiny_spec
 from validator.scoring import LossScore, plan_sample, score_update, scoring_batches, scoring_units, take_sequences
 
 
