@@ -91,12 +91,14 @@ def clip_to_median_norm(contribs: Sequence[SparseDict]) -> list[SparseDict]:
 @dataclass(frozen=True)
 class NormLimit:
     """Caps on one contribution's part of one tensor: the L2 norm of all its values (``norm``) and
-    of each row (``row``; a row is ``row_len`` consecutive flat positions, the last dimensions of
-    the tensor). ``row = 0`` or ``row_len = 0``: no row cap."""
+    of each row (a row is ``row_len`` consecutive flat positions, the last dimensions of the
+    tensor): ``row`` for every row, and ``rows`` (one cap per row, float64) when given, the
+    smaller of the two applying. ``row = 0`` or ``row_len = 0``: no row cap."""
 
     norm: float
     row: float = 0.0
     row_len: int = 0
+    rows: Tensor | None = None
 
 
 def clip_to_limits(contribs: Sequence[SparseDict], limits: Mapping[str, NormLimit]) -> list[SparseDict]:
@@ -121,7 +123,10 @@ def _clip_values(idx: Tensor, vals: Tensor, limit: NormLimit) -> Tensor:
         rows = torch.div(idx, limit.row_len, rounding_mode="floor")
         uniq, inverse = torch.unique(rows, return_inverse=True)
         row_norms = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, v * v).sqrt()
-        scale = torch.where(row_norms > limit.row, limit.row / row_norms.clamp_min(1e-300), 1.0)
+        cap = torch.full((len(uniq),), limit.row, dtype=torch.float64)
+        if limit.rows is not None:
+            cap = torch.minimum(cap, limit.rows.to(torch.float64)[uniq])
+        scale = torch.where(row_norms > cap, cap / row_norms.clamp_min(1e-300), 1.0)
         v = v * scale[inverse]
     norm = float(torch.linalg.vector_norm(v))
     if norm > limit.norm >= 0.0 and norm > 0.0:

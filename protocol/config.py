@@ -176,6 +176,9 @@ class ValidatorConfig:
     eval_scale: float = 1.0  # update scale applied when measuring loss after
     # An update that raises the loss on held-out random data by more than this fraction is harmful.
     eval_harm_tolerance: float = 0.002
+    # An update that lowers the loss on its own data by less than this share of what the
+    # established peers' updates achieve in the same window is ineffective.
+    eval_min_gain_ratio: float = 0.25
     # Norms are compared with the validator's reference (per tensor, from accepted updates of
     # earlier windows; validator/reference.py): above norm_max_ratio × it in any tensor is an
     # outlier, a total below norm_min_ratio × it too small to count.
@@ -192,7 +195,7 @@ class ValidatorConfig:
     reputation_decay: float = 0.9
     exclude_after_failures: int = 3
     exclude_windows: int = 5
-    # A new identity is on probation until this many of its updates were scored and helped:
+    # A new identity is on probation until this many of its updates were scored and accepted:
     # until then only its scored, helpful updates count.
     probation_passes: int = 1
     max_contributors: int = 64

@@ -104,10 +104,14 @@ def test_reference_moves_at_a_bounded_rate_and_round_trips() -> None:
     with pytest.raises(ValueError):
         NormReference.from_json('{"w": [NaN, 0]}')
     # caps: the established median, kept within [reference, headroom x reference]
-    caps = clip_limits(ref, [{"w": TensorNorms(5.0, 0.3)}], {"w": (4, 8)}, headroom=2.0, rows=True)
-    assert caps["w"].norm == 2.0 and caps["w"].row == pytest.approx(0.3) and caps["w"].row_len == 8
-    caps = clip_limits(ref, [{"w": TensorNorms(0.01, 0.0)}], {"w": (4, 8)}, headroom=2.0, rows=False)
-    assert caps["w"].norm == 1.0 and caps["w"].row == 0.0
+    big = {"w": (torch.tensor([0, 8]), torch.tensor([5.0, 0.3]))}  # norm ~5, rows 5.0 and 0.3
+    caps = clip_limits(ref, [big], {"w": (4, 8)}, headroom=2.0, rows=True)
+    assert caps["w"].norm == 2.0 and caps["w"].row == pytest.approx(0.4) and caps["w"].row_len == 8
+    # each row: headroom x max(what established peers did to that row, the RMS row = 1 / 2)
+    assert caps["w"].rows is not None and caps["w"].rows.tolist() == pytest.approx([10.0, 1.0, 1.0, 1.0])
+    small = {"w": (torch.tensor([0]), torch.tensor([0.01]))}
+    caps = clip_limits(ref, [small], {"w": (4, 8)}, headroom=2.0, rows=False)
+    assert caps["w"].norm == 1.0 and caps["w"].row == 0.0 and caps["w"].rows is None
 
 
 def test_rows_for_error_name_the_failing_check() -> None:
@@ -186,12 +190,16 @@ def test_copy_scan_later_upload_is_the_copier() -> None:
     assert scan({"x": _entry(a), "y": _entry(np.arange(80, 180))}, {"x": 1.0, "y": 2.0}, CopyRule())[0] == {}
 
 
-def test_copy_scan_same_time_is_a_tie_not_a_copy() -> None:
+def test_copy_scan_unknown_order_is_a_tie_not_a_copy() -> None:
     a = np.arange(50)
     v, _ = scan({"x": _entry(a), "y": _entry(a)}, {"x": 1.0, "y": 1.0}, CopyRule())
     assert set(v) == {"x", "y"} and all(c.tie for c in v.values())
-    v, _ = scan({"x": _entry(a), "y": _entry(a)}, {"x": 1.0, "y": 1.05}, CopyRule(tie_s=0.1))
-    assert all(c.tie for c in v.values())  # fetched within one poll of each other: order unknown
+    # listed in the same poll (1.0), read one after the other: which came first is unknown
+    v, _ = scan({"x": _entry(a), "y": _entry(a)}, {"x": 1.01, "y": 1.02}, CopyRule(), {"x": 1.0, "y": 1.0})
+    assert set(v) == {"x", "y"} and all(c.tie for c in v.values())
+    # y's key appeared only after x's bytes were read: y is the copier
+    v, _ = scan({"x": _entry(a), "y": _entry(a)}, {"x": 1.01, "y": 2.02}, CopyRule(), {"x": 1.0, "y": 2.0})
+    assert set(v) == {"y"} and not v["y"].tie
 
 
 def test_copy_scan_catches_a_partial_copy_by_its_rare_positions() -> None:
@@ -273,8 +281,8 @@ def test_window_checks_norm_copy_score_capacity() -> None:
     out = wc.norms([a, b, copy, huge, tiny, rejected], ref, {"w": (64, 64)}, max_ratio=10.0, min_ratio=0.1)
     assert [s.reason for s in out] == [None, None, None, "norm_outlier", "norm_tiny", "too_large"]
     assert out[5] is rejected  # rejected ones pass through untouched
-    out, ties = wc.copies(out, {"a": 1.0, "b": 2.0, "c": 3.0, "h": 0.0}, {"w": (64, 64)}, CopyRule())
-    assert [s.reason for s in out[:4]] == [None, None, "copied", "norm_outlier"] and ties == {}
+    out = wc.copies(out, {"a": 1.0, "b": 2.0, "c": 3.0, "h": 0.0}, {"w": (64, 64)}, CopyRule())
+    assert [s.reason for s in out[:4]] == [None, None, "copied", "norm_outlier"]
     assert "overlap 1.00" in (out[2].detail or "") and "with a" in (out[2].detail or "")
     out = wc.scores(out, {"a": LossScore(5.0, 4.0, 5.0, 4.5), "b": LossScore(5.0, 5.1, 5.0, 4.9)}, 0.0)
     assert [s.reason for s in out[:2]] == [None, "harmful"]
@@ -287,16 +295,14 @@ def test_window_checks_norm_copy_score_capacity() -> None:
     assert wc.offsets({"b": (2,), "a": (3, 2)}) == {"a": 0, "b": 6}
 
 
-def test_window_checks_duplicates_probation_and_harm_to_general_loss() -> None:
+def test_window_checks_ties_probation_harm_and_effect() -> None:
     from validator import window_checks as wc
     from validator.scoring import LossScore
 
-    x, y, z, n = (_screened(p, [i], [1.0]) for i, p in enumerate("xyzn"))
-    good, better = LossScore(5.0, 4.0, 5.0, 4.9), LossScore(5.0, 3.9, 5.0, 4.9)
-    out = wc.duplicates([x, y, z], {"x": "y", "y": "x"}, {"x": good, "y": better})
-    assert [s.reason for s in out] == ["duplicate", None, None]  # the higher score stays, nobody blamed
-    out = wc.duplicates([x, y], {"x": "y", "y": "x"}, {"x": good})
-    assert [s.reason for s in out] == ["duplicate", "duplicate"]  # not both scored: both set aside
+    x, y, n = (_screened(p, [0, 1, 2, 3], [1.0] * 4) for p in "xyn")
+    out = wc.copies([x, y], {"x": 1.01, "y": 1.02}, {"w": (64, 64)}, CopyRule(), {"x": 1.0, "y": 1.0})
+    assert [s.reason for s in out] == [None, None] and "order unknown" in (out[1].detail or "")  # a tie
+    good = LossScore(5.0, 4.0, 5.0, 4.9)
     out = wc.probation([x, n], established={"x"}, loss_scores={})
     assert [s.reason for s in out] == [None, "probation"]
     assert wc.probation([n], established=set(), loss_scores={"n": good})[0].reason is None
@@ -305,7 +311,31 @@ def test_window_checks_duplicates_probation_and_harm_to_general_loss() -> None:
     assert raises.score == pytest.approx(0.8) and raises.score < LossScore(5.0, 4.0, 5.0, 5.0).score
     assert wc.scores([x], {"x": raises}, 0.002)[0].reason == "harmful_general"
     assert wc.scores([x], {"x": LossScore(5.0, 4.0, 5.0, 5.005)}, 0.002)[0].reason is None  # within tolerance
+    # helps, but by far less than the established peers' updates did
+    assert wc.scores([x], {"x": LossScore(5.0, 4.99, 5.0, 4.99)}, 0.002, min_gain=0.05)[0].reason == "ineffective"
     assert wc.stable([x, y], {"y"})[1].reason == "non_finite_result"
+
+
+def test_agreement_with_established_uploads_orders_probation() -> None:
+    from validator.consensus import agreement
+
+    idx = np.arange(100, dtype=np.int64)
+    up = np.ones(100, dtype=np.float32)
+    entries = {
+        "k1": (idx, up),
+        "k2": (idx, up),
+        "same": (idx[:50], up[:50]),
+        "flipped": (idx[:50], -up[:50]),
+        "elsewhere": (idx + 1000, up),
+    }
+    got = agreement(entries, {"k1", "k2"})
+    assert got["same"] == 51 / 52 and got["flipped"] == 1 / 52 and got["elsewhere"] == 0.5
+    assert got["k1"] == got["k2"] == 101 / 102  # an established peer is compared with the others
+    assert agreement({"a": (idx, up)}, set()) == {"a": 0.5}
+    # per tensor: an edit in a second tensor that nobody else makes counts, however well the rest agrees
+    two = {**entries, "edit": (np.concatenate([idx, idx + 5000]), np.ones(200, dtype=np.float32))}
+    starts = np.array([0, 5000], dtype=np.int64)
+    assert agreement(two, {"k1", "k2"}, starts)["edit"] == 0.5 < agreement(two, {"k1", "k2"})["edit"]
 
 
 # ------------------------------------------------------------------ hostile tensor tables

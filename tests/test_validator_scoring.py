@@ -11,20 +11,26 @@ from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, parameters_of
 from protocol.wire import PipelineRole
 from tests.validator_fixtures import Swarm, tiny_spec
-from validator.scoring import LossScore, plan_sample, score_update, scoring_batches, scoring_units, take_sequences
+from validator.scoring import (
+    LossScore,
+    plan_sample,
+    probation_order,
+    score_update,
+    scoring_batches,
+    scoring_units,
+    take_sequences,
+)
 
 
-def _plan(est: list[str], new: list[str], budget: int, slots: int, seed: bytes = b"s", prio: list[str] | None = None):  # type: ignore[no-untyped-def]
-    return plan_sample(
-        established=est, probation=new, priority=prio or [], budget=budget, probation_slots=slots, seed=seed
-    )
+def _plan(est: list[str], new: list[str], budget: int, slots: int, seed: bytes = b"s") -> list[str]:
+    return plan_sample(established=est, probation=new, budget=budget, probation_slots=slots, seed=seed)
 
 
 def test_plan_sample_is_deterministic_bounded_and_varies_by_seed() -> None:
     peers = [f"p{i}" for i in range(20)]
     a = _plan(peers, [], 5, 2)
     assert len(a) == 5 and set(a) <= set(peers) and a == sorted(a)
-    assert a == _plan(list(reversed(peers)), [], 5, 2)
+    assert a == _plan(list(peers), [], 5, 2) and set(peers[:3]) <= set(a)  # half (rounded up) in order
     assert any(_plan(peers, [], 5, 2, seed=bytes([w])) != a for w in range(6))
     assert _plan(peers, [], 0, 2) == [] and _plan(peers[:2], [], 5, 2) == peers[:2]
 
@@ -36,8 +42,11 @@ def test_plan_sample_reserves_slots_so_new_identities_cannot_starve_known_ones()
     assert sum(p.startswith("k") for p in plan) == 5 and sum(p.startswith("s") for p in plan) == 3
     assert sum(p.startswith("s") for p in _plan(known[:2], flood, 8, 3)) == 6  # unused known slots go to them
     assert sum(p.startswith("k") for p in _plan(known, flood[:1], 8, 3)) == 6  # and the other way round
-    tie = _plan(known, flood, 8, 3, prio=["s999", "k5"])
-    assert {"s999", "k5"} <= set(tie) and len(tie) == 8  # near-duplicate pairs are scored first
+    assert _plan([], ["s2", "s1", "s3"], 2, 1) == ["s1", "s2"]  # probation in the order given
+    # half the established slots go to the first in the order given (the least agreeing)
+    assert "k5" in _plan(["k5", *known[:5]], [], 2, 0) and "k5" in _plan(["k5", *known[:5]], [], 1, 0)
+    order = probation_order(["a", "b", "c"], {"a": 0.5, "b": 0.9, "c": 0.1}, b"s")
+    assert order == ["b", "a", "c"]  # most agreement with established uploads first
 
 
 def test_scoring_batches_come_from_the_held_out_split_and_follow_the_seed(swarm: Swarm) -> None:

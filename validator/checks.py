@@ -5,7 +5,7 @@ stable name written to the contribution log. Order (the first failure decides th
 reason; later checks are not run)::
 
     size  format  signature  run  window  registered  codec  schema  finite  sync  excluded
-    immutable  norm  copy  score  duplicate  probation  capacity  stable
+    immutable  norm  copy  score  probation  capacity  stable
 
 ``size`` … ``finite`` are mostly enforced by :func:`protocol.wire.decode_contribution` (given the
 window, the run's codec and the model's schema, so a hostile tensor table is refused before the
@@ -70,7 +70,6 @@ CHECK_ORDER = (
     "norm",
     "copy",
     "score",
-    "duplicate",
     "probation",
     "capacity",
     "stable",

@@ -266,12 +266,11 @@ def logs(
       mutated             other bytes than the ones first read, signed by the peer
       norm_outlier        a tensor above norm_max_ratio x the validator's reference
       norm_tiny*          an update below norm_min_ratio x the reference: does not count
-      copied              shares the values of an earlier upload (index or rare-position
-                          overlap with agreeing signs)
-      duplicate*          near-identical to an upload read at the same time; the one
-                          with the better score stays (or neither when not both scored)
+      copied              shares the values of an upload read before its key appeared
+                          (index or rare-position overlap with agreeing signs)
       harmful             does not lower the loss on the peer's own data
       harmful_general     raises the loss on held-out data
+      ineffective         lowers it far less than established peers' updates do
       probation*          a new identity whose update was not scored in this window
       over_capacity*      more than max_contributors passed
       non_finite_result   with it the aggregate makes θ or the loss non-finite

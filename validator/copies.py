@@ -22,15 +22,20 @@ yield their pairs (at most m − 1 per entry), so counting shared rare positions
 number of kept values. Only each peer's few best candidates are then compared exactly (one sorted
 intersection each). At 1B parameters × 256 peers all pairs would take hours; this takes one sort.
 
-**Order.** A contribution's time is when the validator fetched its exact bytes
-(:mod:`validator.gather`). Peers are taken in that order; a peer matching an earlier,
-not-itself-copied peer is the copier. Two matching peers fetched within ``tie_s`` of each other
-are a *tie*: the order is unknown, so neither is a copier (the validator settles the pair by
-score, without holding it against either; :mod:`validator.window_checks`).
+**Order.** A contribution's time is when the validator read its exact bytes (``read_at``,
+:mod:`validator.gather`); its key may have been listed earlier (``listed_at``) and the bytes behind
+a key can change until they are read. X provably came before Y only when X's bytes were read
+before Y's key was even listed: ``read_at[X] < listed_at[Y]``. Peers are taken in reading order;
+a peer matching an earlier, not-itself-copied peer that provably came first is the copier. When
+neither provably came first (listed in the same poll, say) the pair is a *tie*: neither is a
+copier (the validator settles the pair by score, without holding it against either;
+:mod:`validator.window_checks`). A copier cannot appear first by uploading placeholder bytes early
+and swapping them: the bytes it is judged by are the ones read.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -47,12 +52,11 @@ CANDIDATES = 3  # partners per peer compared exactly
 
 @dataclass(frozen=True)
 class CopyRule:
-    """Thresholds (``validator.copy_*`` of the RunSpec) and the time resolution of uploads."""
+    """Thresholds (``validator.copy_*`` of the RunSpec)."""
 
     overlap: float = 0.6
     rare: float = 0.3
     signs: float = 0.8
-    tie_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ class Similarity:
 
 @dataclass(frozen=True)
 class CopyVerdict:
-    """``peer`` matches the earlier ``original``; ``tie``: fetched at the same time, order unknown."""
+    """``peer`` matches the earlier ``original``; ``tie``: neither provably came first."""
 
     peer: str
     original: str
@@ -101,13 +105,18 @@ def similarity(a: tuple[I64, F32], b: tuple[I64, F32], rare_shared: int, rare_a:
 
 
 def scan(
-    entries: Mapping[str, tuple[I64, F32]], received: Mapping[str, float], rule: CopyRule
+    entries: Mapping[str, tuple[I64, F32]],
+    read_at: Mapping[str, float],
+    rule: CopyRule,
+    listed_at: Mapping[str, float] | None = None,
 ) -> tuple[dict[str, CopyVerdict], dict[str, float]]:
     """(verdicts, largest index overlap of each peer with a candidate). ``entries``: per peer its
-    sorted unique global indices and their values; ``received``: when each was fetched.
+    sorted unique global indices and their values; ``read_at`` / ``listed_at``: when its bytes were
+    read and its key first listed (default: ``read_at``).
 
     A verdict with ``tie=False`` names a copier; tied pairs get a verdict each (``tie=True``)."""
-    peers = sorted(entries, key=lambda p: (received.get(p, float("inf")), p))
+    listed = read_at if listed_at is None else listed_at
+    peers = sorted(entries, key=lambda p: (read_at.get(p, math.inf), p))
     if len(peers) < 2:
         return {}, {p: 0.0 for p in peers}
     shared, rare_of = _rare_pairs(peers, entries)
@@ -118,7 +127,6 @@ def scan(
     background = len(peers) >= MIN_BACKGROUND
     verdicts: dict[str, CopyVerdict] = {}
     for i, peer in enumerate(peers):
-        t = received.get(peer, float("inf"))
         matches = [
             (orig, sims[_pair(peer, orig)])
             for orig in peers[:i]
@@ -129,7 +137,7 @@ def scan(
         if not matches:
             continue
         orig, sim = max(matches, key=lambda m: (m[1].overlap, m[1].rare))
-        tie = abs(t - received.get(orig, float("inf"))) <= rule.tie_s
+        tie = not read_at.get(orig, math.inf) < listed.get(peer, -math.inf)
         verdicts[peer] = CopyVerdict(peer, orig, sim, tie=tie)
         if tie:
             verdicts[orig] = CopyVerdict(orig, peer, sim, tie=True)

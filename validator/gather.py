@@ -70,6 +70,7 @@ class Received:
     peer: str
     key: str
     received_at: float  # when its bytes arrived (or when the validator gave up on them)
+    listed_at: float | None = None  # when its key was first listed in this gather
     nbytes: int | None = None
     digest: str | None = None  # sha256 of the bytes read
     screened: Screened | None = None  # the per-contribution checks, with the decoded sparse form
@@ -272,9 +273,11 @@ class _Fetcher:
         self.keys: dict[str, str] = {}
         self.done: dict[str, Received] = {}
         self.started: set[str] = set()
+        self.listed: dict[str, float] = {}
 
-    def want(self, peer: str, key: str) -> None:
+    def want(self, peer: str, key: str, now: float) -> None:
         """Queue ``peer``'s upload unless it is read, being read or queued (a store error is retried)."""
+        self.listed.setdefault(peer, now)
         retry = peer in self.done and self.done[peer].reason == "store_error"
         if (peer in self.done and not retry) or peer in self.pending or peer in self.queue:
             return
@@ -316,6 +319,7 @@ class _Fetcher:
                 peer=peer,
                 key=self.keys[peer],
                 received_at=f.at,
+                listed_at=self.listed.get(peer),
                 nbytes=f.nbytes,
                 digest=f.digest,
                 screened=f.screened,
@@ -396,7 +400,7 @@ def gather(
                     uploaded.add(peer)
                     if on_listed is not None:
                         on_listed(peer)
-                f.want(peer, key)
+                f.want(peer, key, now)
             f.submit()
             want = expected() if callable(expected) else expected  # peers may announce mid-window
             if stop.is_set() or should_close(now, opened_at, windows, expected=want, uploaded=uploaded):

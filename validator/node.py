@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from protocol import layout
@@ -55,6 +56,7 @@ from protocol.windows import is_checkpoint_window
 from protocol.wire import GENESIS, Aggregate, Verified, decode_aggregate
 from validator import checks, publish, randomness, reference, window_checks
 from validator.budgets import Budgets
+from validator.consensus import agreement
 from validator.copies import CopyRule
 from validator.gather import (
     EXCLUDED,
@@ -77,7 +79,16 @@ from validator.reputation import (
     standings,
     update,
 )
-from validator.scoring import LossScore, plan_sample, score_update, scoring_batches, scoring_units, take_sequences
+from validator.scoring import (
+    LossScore,
+    plan_sample,
+    probation_order,
+    score_update,
+    scoring_batches,
+    scoring_units,
+    suspicion_order,
+    take_sequences,
+)
 from validator.state import ValidatorState, load_state, save_state
 
 __all__ = ["LOG_FILE", "Validator"]
@@ -212,23 +223,21 @@ class Validator:
             return None
         clock.lap("gather")
         received = gathered.received
-        screened, times = self._screened(t, received)  # read and checked while gathering
+        screened, read_at, listed_at = self._screened(t, received)  # read and checked while gathering
         screened = window_checks.norms(
             screened, st.reference, self.schema, max_ratio=cfg.norm_max_ratio, min_ratio=cfg.norm_min_ratio
         )
         rule = CopyRule(cfg.copy_overlap_threshold, cfg.copy_rare_threshold, cfg.copy_sign_agreement)
-        rule = replace(rule, tie_s=self.spec.windows.poll_interval_s)
-        screened, ties = window_checks.copies(screened, times, self.schema, rule)
+        screened = window_checks.copies(screened, read_at, self.schema, rule, listed_at)
         clock.lap("checks")
         live = {s.peer: s for s in screened if s.reason is None and s.contribution is not None}
         root = randomness.contributions_root({p: s.contribution.digest for p, s in live.items() if s.contribution})
         seed = randomness.window_seed(w.secret, root)
         limits = self._limits(st.reference, [s for p, s in live.items() if p in w.established])
-        newcomer_limits = self._limits(st.reference, [])  # the reference itself: no headroom on probation
+        newcomer_limits = self._newcomer_limits(limits, st.reference)
         clipped = {p: self._clip(s.sparse, limits if p in w.established else newcomer_limits) for p, s in live.items()}
-        scores = self._score(w, clipped, ties, seed)  # budgeted, on the clipped form
-        screened = window_checks.scores(screened, scores, cfg.eval_harm_tolerance)  # harmful updates rejected
-        screened = window_checks.duplicates(screened, ties, scores)
+        scores = self._score(w, clipped, seed)  # budgeted, on the clipped form
+        screened = window_checks.scores(screened, scores, cfg.eval_harm_tolerance, self._min_gain(w, scores))
         screened = window_checks.probation(screened, w.established, scores)
         ref, bootstrapped = st.reference, False
         if ref.empty and self.spec.outer.clip == "median":  # no history yet: start one
@@ -393,24 +402,30 @@ class Validator:
             clock=self.clock,
         )
 
-    def _screened(self, t: int, received: Mapping[str, Received]) -> tuple[list[checks.Screened], dict[str, float]]:
-        """The per-contribution verdicts, the first time each peer's bytes were read (kept in the
-        log across restarts), and the ``immutable`` check against the first digest."""
+    def _screened(
+        self, t: int, received: Mapping[str, Received]
+    ) -> tuple[list[checks.Screened], dict[str, float], dict[str, float]]:
+        """The per-contribution verdicts, when each peer's bytes were first read (kept in the log
+        across restarts) and its key listed, and the ``immutable`` check against the first digest."""
         out: list[checks.Screened] = []
-        times: dict[str, float] = {}
+        read_at: dict[str, float] = {}
+        listed_at: dict[str, float] = {}
         first_digest: dict[str, str | None] = {}
         for peer in sorted(received):
             r = received[peer]
-            times[peer] = r.received_at
+            read_at[peer] = r.received_at
+            listed_at[peer] = r.received_at if r.listed_at is None else r.listed_at
             if r.screened is None:
                 out.append(_unread(r))
                 continue
             if r.screened.contribution is not None:  # signed by the peer: its bytes, its time
-                times[peer], first_digest[peer] = self.log.note_received(
+                first, first_digest[peer] = self.log.note_received(
                     t, peer, received_at=r.received_at, nbytes=r.nbytes, digest=r.screened.contribution.digest
                 )
+                if first < r.received_at:  # read before a restart: when it was listed is unknown
+                    read_at[peer], listed_at[peer] = first, -math.inf
             out.append(r.screened)
-        return window_checks.immutable(out, first_digest), times
+        return window_checks.immutable(out, first_digest), read_at, listed_at
 
     def _limits(
         self, ref: reference.NormReference, established: Sequence[checks.Screened]
@@ -419,8 +434,22 @@ class Validator:
         cfg = self.spec.validator
         if ref.empty or self.spec.outer.clip != "median":
             return None
-        measures = [reference.measure(s.sparse, self.schema) for s in established]
-        return reference.clip_limits(ref, measures, self.schema, headroom=cfg.clip_headroom, rows=cfg.row_clip)
+        sparse = [s.sparse for s in established]
+        return reference.clip_limits(ref, sparse, self.schema, headroom=cfg.clip_headroom, rows=cfg.row_clip)
+
+    def _newcomer_limits(
+        self, limits: Mapping[str, NormLimit] | None, ref: reference.NormReference
+    ) -> dict[str, NormLimit] | None:
+        """The caps for identities on probation: the window's, but never above the reference
+        (no headroom until they have a record)."""
+        if limits is None:
+            return None
+        out = {}
+        for name, lim in limits.items():
+            r = ref.tensors[name]
+            rows = None if lim.rows is None else lim.rows / self.spec.validator.clip_headroom
+            out[name] = replace(lim, norm=min(lim.norm, r.norm), row=min(lim.row, r.row), rows=rows)
+        return out
 
     def _clip(self, sparse: SparseDict, limits: Mapping[str, NormLimit] | None) -> SparseDict:
         return sparse if limits is None else clip_to_limits([sparse], limits)[0]
@@ -436,24 +465,26 @@ class Validator:
         if helped:
             best = max(helped, key=lambda p: (scores[p].own_gain, p))
             ref = reference.bootstrap(reference.measure(live[best].sparse, self.schema))
-            return ref, reference.clip_limits(ref, [], self.schema, headroom=1.0, rows=cfg.row_clip)
+            limits = reference.clip_limits(ref, [live[best].sparse], self.schema, headroom=1.0, rows=cfg.row_clip)
+            return ref, limits
         if not standing:
             return reference.NormReference(), None
         median = reference.window_value([reference.measure(live[p].sparse, self.schema) for p in standing])
         fallback = reference.NormReference(median)
         return reference.NormReference(), reference.clip_limits(fallback, [], self.schema, headroom=1.0, rows=False)
 
-    def _score(
-        self, w: _Window, clipped: Mapping[str, SparseDict], ties: Mapping[str, str], seed: bytes
-    ) -> dict[str, LossScore]:
+    def _score(self, w: _Window, clipped: Mapping[str, SparseDict], seed: bytes) -> dict[str, LossScore]:
         cfg, data = self.spec.validator, self.spec.data
         roles = {p: a.role for p, a in self.registry.announcements.items() if p in clipped}
         units = scoring_units(clipped, roles, pipelines=self.spec.pipeline.enabled)
         known = [u for u, ps in units.items() if all(p in w.established for p in ps)]
+        offs = window_checks.offsets(self.schema)
+        entries = {p: window_checks.global_entries(sp, offs) for p, sp in clipped.items()}
+        agree = agreement(entries, w.established, np.array(sorted(offs.values()), dtype=np.int64))
+        unit_agree = {u: min(agree.get(p, 0.5) for p in ps) for u, ps in units.items()}
         sample = plan_sample(
-            established=known,
-            probation=[u for u in units if u not in known],
-            priority=[u for u, ps in units.items() if any(p in ties for p in ps)],
+            established=suspicion_order(known, unit_agree, seed),
+            probation=probation_order([u for u in units if u not in known], unit_agree, seed),
             budget=cfg.eval_peers_per_window,
             probation_slots=cfg.eval_probation_peers,
             seed=seed,
@@ -477,6 +508,14 @@ class Validator:
             )
             out.update((peer, score) for peer in units[key])
         return out
+
+    def _min_gain(self, w: _Window, scores: Mapping[str, LossScore]) -> float | None:
+        """What a scored update must at least lower its own loss by: ``eval_min_gain_ratio`` × the
+        lower median of the established peers' helpful updates in this window (None: none scored)."""
+        gains = [sc.own_gain for p, sc in scores.items() if p in w.established and sc.own_gain > 0]
+        if not gains:
+            return None
+        return self.spec.validator.eval_min_gain_ratio * reference.lower_median(gains)
 
     def _rank(self, w: _Window, scores: Mapping[str, LossScore], seed: bytes) -> Callable[[str], Any]:
         """Who is kept when too many pass: established peers first, then reputation so far plus

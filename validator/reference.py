@@ -12,7 +12,9 @@ windows and persisted in its state file:
 * **clip** (:func:`clip_limits`): every contribution is scaled down to a cap per tensor and per row
   before it is scored and aggregated. The cap is the lower median of this window's *established*
   contributions (peers past probation), kept between the reference and ``clip_headroom`` × it:
-  new identities cannot move it, and established ones only within that band.
+  new identities cannot move it, and established ones only within that band. Each row of a
+  matrix is capped by what established peers do to *that* row in the window (a rare token's row
+  barely moves), so one contributor cannot spend its norm on one row.
 * **advance** (:func:`advance`): after a window, each tensor's reference moves towards the lower
   median of the updates accepted from established peers, by at most a factor ``reference_step``
   (honest norms grow while error feedback fills up and shrink as the learning rate decays; an
@@ -44,6 +46,8 @@ __all__ = [
     "clip_limits",
     "lower_median",
     "measure",
+    "row_length",
+    "row_norms",
     "window_value",
 ]
 
@@ -148,25 +152,59 @@ def _toward(old: float, new: float, step: float) -> float:
     return min(max(new, old / step), old * step)
 
 
+def row_norms(sparse: SparseDict, schema: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Per matrix the contribution sent, the L2 norm of each of its rows (float64, 0 where it kept
+    nothing)."""
+    out = {}
+    for name, (idx, vals) in sparse.items():
+        row_len = row_length(schema[name])
+        if row_len:
+            rows = torch.div(idx, row_len, rounding_mode="floor")
+            v = vals.double()
+            out[name] = torch.zeros(schema[name][0], dtype=torch.float64).index_add_(0, rows, v * v).sqrt()
+    return out
+
+
 def clip_limits(
     ref: NormReference,
-    established: Sequence[Mapping[str, TensorNorms]],
+    established: Sequence[SparseDict],
     schema: Mapping[str, tuple[int, ...]],
     *,
     headroom: float,
     rows: bool,
 ) -> dict[str, NormLimit]:
-    """The caps of this window, per tensor of the reference: the lower median of the established
-    contributions' norms, kept within [reference, headroom × reference] (the reference alone
-    when no established peer sent the tensor)."""
-    median = window_value(established)
+    """The caps of this window, per tensor of the reference, from the ``established``
+    contributions standing in it (peers past probation; newcomers never move a cap):
+
+    * tensor: their lower median norm, kept within [reference, headroom × reference];
+    * every row: the same for the largest row norm;
+    * each row of a matrix (``rows``): at most headroom × the larger of that row's lower median
+      norm among them and the tensor's root-mean-square row (reference norm / √rows). A row that
+      established peers barely change this window (a rare token's) cannot be moved much by one
+      contributor, however it spends the norm the tensor cap allows.
+
+    With no established contribution for a tensor, the reference alone decides."""
+    median = window_value([measure(s, schema) for s in established])
+    per_row: dict[str, list[torch.Tensor]] = {}
+    if rows:
+        for s in established:
+            for name, norms in row_norms(s, schema).items():
+                per_row.setdefault(name, []).append(norms)
     out = {}
     for name, r in ref.tensors.items():
         m = median.get(name)
         norm = r.norm if m is None else min(max(m.norm, r.norm), headroom * r.norm)
         row = r.row if m is None else min(max(m.row, r.row), headroom * r.row)
         row_len = row_length(schema[name]) if name in schema else 0
-        out[name] = NormLimit(norm=norm, row=row if rows else 0.0, row_len=row_len if rows else 0)
+        if not (rows and row_len):
+            out[name] = NormLimit(norm=norm)
+            continue
+        rms = r.norm / math.sqrt(schema[name][0])
+        typical = per_row.get(name)
+        base = (
+            torch.stack(typical).median(dim=0).values if typical else torch.zeros(schema[name][0], dtype=torch.float64)
+        )
+        out[name] = NormLimit(norm=norm, row=row, row_len=row_len, rows=headroom * base.clamp_min(rms))
     return out
 
 

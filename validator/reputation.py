@@ -13,16 +13,17 @@ neither count as new failures nor extend the exclusion.
 
 Only what the peer provably did counts against it. Neutral (no evidence either way): late uploads
 (``late``), contributions beyond ``max_contributors`` (``over_capacity``) or the window's fetch
-budget (``over_budget``), unscored uploads of identities on probation (``probation``), the loser
-of a same-time near-duplicate pair (``duplicate``), updates too small to count (``norm_tiny``),
+budget (``over_budget``), unscored uploads of identities on probation (``probation``), updates
+too small to count (``norm_tiny``),
 and every failure of the bytes at the peer's key that the peer's signature does not cover: store
 errors and timeouts (check ``fetch``), oversized, empty or unparseable envelopes, bad signatures
 and objects signed by someone else (``foreign_object``; checks ``size``, ``format``,
 ``signature``). On a shared store anyone can write there.
 
-**Probation.** A peer is *established* once ``probation_passes`` of its updates were scored, had a
-positive score and were accepted (``Standing.passes``); until then only its scored, helpful
-updates count (validator/window_checks.py, ``probation``).
+**Probation.** A peer is *established* once ``probation_passes`` of its updates were scored and
+accepted, i.e. lowered the loss on its own data without raising it on held-out data
+(``Standing.passes``); until then only its scored, helpful updates count
+(validator/window_checks.py, ``probation``).
 
 Because :func:`standings` recomputes everything from the (window, peer) rows, re-deciding a window
 after a crash cannot count a failure twice.
@@ -51,7 +52,7 @@ __all__ = [
 EXCLUDED = "excluded"
 LATE = "late"  # uploaded after the window closed: not evidence of bad faith, just missed
 # rejections that say nothing about the peer
-NEUTRAL = frozenset({EXCLUDED, LATE, "over_capacity", "over_budget", "probation", "duplicate", "norm_tiny"})
+NEUTRAL = frozenset({EXCLUDED, LATE, "over_capacity", "over_budget", "probation", "norm_tiny"})
 # checks whose failure concerns bytes the peer's signature does not cover (or the store)
 UNATTRIBUTABLE_CHECKS = frozenset({"fetch", "size", "format", "signature"})
 
@@ -79,7 +80,7 @@ class Standing:
     failures: int = 0  # consecutive rejected windows
     excluded_until: int = 0  # excluded for windows < excluded_until
     windows: int = 0
-    passes: int = 0  # windows in which an update was scored, helped and was accepted
+    passes: int = 0  # windows in which an update was scored and accepted
 
 
 def is_excluded(standing: Standing, window: int) -> bool:
@@ -110,7 +111,7 @@ def update(prev: Standing, outcome: Outcome, cfg: ValidatorConfig) -> Standing:
     if cfg.exclude_after_failures > 0 and failures >= cfg.exclude_after_failures:
         excluded_until = outcome.window + 1 + cfg.exclude_windows
         failures = 0
-    passed = outcome.accepted and outcome.score is not None and outcome.score > 0
+    passed = outcome.accepted and outcome.score is not None  # scored and it helped (not harmful)
     return replace(
         prev,
         reputation=rep,

@@ -14,7 +14,9 @@ A peer that trained on the data it was assigned improves its own sequences more 
 own loss by raising the loss elsewhere is never rewarded. It is *harmful*, and rejected, when it
 does not lower the loss on its own data (``harmful``: noise, sign-flipped, scaled) or raises the
 loss on held-out data by more than ``eval_harm_tolerance`` × ``random_before``
-(``harmful_general``).
+(``harmful_general``); and *ineffective* when it lowers the loss on its own data by less than
+``eval_min_gain_ratio`` × the median of what established peers' scored updates achieve in the
+same window (``ineffective``: noise at a plausible norm helps a little, by chance).
 
 **What peers cannot know.** The sample and the random sequences are drawn from the window's seed
 (:mod:`validator.randomness`), fixed only once uploads are closed: a peer cannot tell whether it
@@ -22,10 +24,11 @@ will be scored, nor tune an update to the sequences it is scored on. The random 
 from the held-out split, which nobody trains on (:func:`scoring_batches`).
 
 **Budget.** At most ``eval_peers_per_window`` updates are scored (:func:`plan_sample`), whatever
-the number of peers: first the members of same-time near-duplicate pairs (the score settles
-them), then up to ``eval_probation_peers`` identities on probation (their updates count only when
-scored) and established peers in the remaining slots; slots one group cannot use go to the
-other, so a flood of new identities never takes the slots of known peers.
+the number of peers: up to ``eval_probation_peers`` identities on probation (their updates count
+only when scored; those agreeing most with the window's established uploads first,
+:func:`probation_order`) and established peers in the remaining slots (half to those agreeing
+least with the others, :func:`suspicion_order`, half drawn at random); slots one group cannot
+use go to the other, so a flood of new identities never takes the slots of known peers.
 
 **Units.** A pipeline replica's stages trained one model jointly on one data key, so they are
 scored as one update (:func:`scoring_units`) — but only in a run with ``pipeline.enabled`` and
@@ -53,6 +56,8 @@ __all__ = [
     "LossScore",
     "data_key",
     "plan_sample",
+    "probation_order",
+    "suspicion_order",
     "scoring_batches",
     "scoring_units",
     "score_update",
@@ -96,26 +101,38 @@ def _draw(seed: bytes, label: str, item: str) -> bytes:
 
 def plan_sample(
     *,
-    established: Collection[str],
-    probation: Collection[str],
-    priority: Collection[str],
+    established: Sequence[str],
+    probation: Sequence[str],
     budget: int,
     probation_slots: int,
     seed: bytes,
 ) -> list[str]:
-    """The units to score (sorted): all of ``priority`` that fit, then up to ``probation_slots``
-    of ``probation`` and the rest from ``established``, unused slots going to the other group.
-    Within a group the choice is a keyed hash of the window's ``seed``: unpredictable before the
-    window closed, reproducible by anyone after the reveal."""
+    """The units to score (sorted): up to ``probation_slots`` of ``probation`` (taken in the order
+    given: the caller's preference) and the rest from ``established``, slots one group cannot use
+    going to the other. Half the established slots (rounded up) go to the first of
+    ``established`` in the order given (the validator puts those agreeing least with the others
+    first), the rest to a draw by a keyed hash of the window's ``seed``: every peer may be scored
+    in any window, unpredictably before the window closed, reproducibly after the reveal."""
     if budget <= 0:
         return []
-    pick = sorted(priority, key=lambda u: _draw(seed, "score", u))[:budget]
-    left = budget - len(pick)
-    est = sorted((u for u in established if u not in pick), key=lambda u: _draw(seed, "score", u))
-    new = sorted((u for u in probation if u not in pick and u not in est), key=lambda u: _draw(seed, "score", u))
-    n_new = min(len(new), max(min(probation_slots, left), left - len(est)))
-    n_est = min(len(est), left - n_new)
-    return sorted(pick + new[:n_new] + est[:n_est])
+    new = [u for u in probation if u not in set(established)]
+    n_new = min(len(new), max(min(probation_slots, budget), budget - len(established)))
+    n_est = min(len(established), budget - n_new)
+    first = list(established[: (n_est + 1) // 2])
+    rest = sorted((u for u in established if u not in set(first)), key=lambda u: _draw(seed, "score", u))
+    return sorted(new[:n_new] + first + rest[: n_est - len(first)])
+
+
+def probation_order(units: Collection[str], agreement: Mapping[str, float], seed: bytes) -> list[str]:
+    """Units on probation in the order they are scored: highest agreement with the window's
+    established uploads first (:mod:`validator.consensus`), then by the window's seed."""
+    return sorted(units, key=lambda u: (-agreement.get(u, 0.5), _draw(seed, "probation", u)))
+
+
+def suspicion_order(units: Collection[str], agreement: Mapping[str, float], seed: bytes) -> list[str]:
+    """Established units in the order half their scoring slots go: least agreement with the
+    other established uploads first, then by the window's seed."""
+    return sorted(units, key=lambda u: (agreement.get(u, 0.5), _draw(seed, "suspicion", u)))
 
 
 def data_key(peer: str, role: PipelineRole | None) -> str:

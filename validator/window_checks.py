@@ -1,5 +1,5 @@
 """The checks that need more than one contribution: immutability, norm against the validator's
-reference, copies, loss-score harm, same-time duplicates, probation, capacity, a finite result.
+reference, copies, loss-score harm and effect, probation, capacity, a finite result.
 
 Each takes the window's :class:`~validator.checks.Screened` list and returns it with one more check
 row on every contribution still standing (rejected ones pass through untouched). Pure functions.
@@ -22,14 +22,13 @@ from validator.reference import NormReference, check_norms, measure
 from validator.scoring import LossScore
 
 __all__ = [
-    "DUPLICATE",
     "MUTATED",
     "NON_FINITE_RESULT",
     "OVER_CAPACITY",
     "PROBATION",
     "capacity",
     "copies",
-    "duplicates",
+    "global_entries",
     "immutable",
     "norms",
     "offsets",
@@ -41,7 +40,6 @@ __all__ = [
 
 OVER_CAPACITY = "over_capacity"
 MUTATED = "mutated"
-DUPLICATE = "duplicate"
 PROBATION = "probation"
 NON_FINITE_RESULT = "non_finite_result"
 
@@ -85,35 +83,45 @@ def norms(
 
 def copies(
     screened: Sequence[Screened],
-    received: Mapping[str, float],
+    read_at: Mapping[str, float],
     schema: Mapping[str, tuple[int, ...]],
     rule: CopyRule,
-) -> tuple[list[Screened], dict[str, str]]:
+    listed_at: Mapping[str, float] | None = None,
+) -> list[Screened]:
     """Reject the later of two near-identical contributions as ``copied`` (see
-    :mod:`validator.copies`); returns the screened list and the same-time pairs (peer -> twin),
-    which pass this check and are settled by :func:`duplicates`."""
+    :mod:`validator.copies`: ``read_at``, ``listed_at``). A pair whose order is unknown is a tie:
+    neither is rejected (the original must never lose one); the row says so."""
     offs = offsets(schema)
-    entries = {s.peer: _global(s.sparse, offs) for s in screened if s.reason is None}
-    verdicts, best = scan(entries, received, rule)
-    ties = {p: v.original for p, v in verdicts.items() if v.tie}
+    entries = {s.peer: global_entries(s.sparse, offs) for s in screened if s.reason is None}
+    verdicts, best = scan(entries, read_at, rule, listed_at)
     out = []
     for s in screened:
         if s.reason is None:
             v = verdicts.get(s.peer)
             s = replace(s, overlap=best.get(s.peer))
-            if v is None or v.tie:
+            if v is None:
                 s = with_row(s, checks.ok("copy"))
+            elif v.tie:
+                note = f"near-identical to {v.original[:12]}, read in the same poll: order unknown, neither is a copy"
+                s = replace(with_row(s, checks.ok("copy")), detail=note)
             else:
                 sim = v.similarity
                 detail = f"overlap {sim.overlap:.2f}, rare {sim.rare:.2f}, signs {sim.signs:.2f} with {v.original[:12]}"
                 s = with_row(s, checks.fail("copy", "copied"), detail)
         out.append(s)
-    return out, ties
+    return out
 
 
-def scores(screened: Sequence[Screened], loss_scores: Mapping[str, LossScore], tolerance: float) -> list[Screened]:
+def scores(
+    screened: Sequence[Screened],
+    loss_scores: Mapping[str, LossScore],
+    tolerance: float,
+    min_gain: float | None = None,
+) -> list[Screened]:
     """Reject scored contributions whose update does not lower the loss on the peer's own data
-    (``harmful``) or raises it on held-out data (``harmful_general``)."""
+    (``harmful``), raises it on held-out data (``harmful_general``), or lowers it by less than
+    ``min_gain`` (``ineffective``: the validator passes a share of what established peers'
+    updates achieve in this window; noise at a plausible norm lowers it a little, by chance)."""
     out = []
     for s in screened:
         sc = loss_scores.get(s.peer)
@@ -124,30 +132,11 @@ def scores(screened: Sequence[Screened], loss_scores: Mapping[str, LossScore], t
             elif sc.harms_general(tolerance):
                 detail = f"held-out loss {sc.loss_random_before:.4f} -> {sc.loss_random_after:.4f}"
                 s = with_row(s, checks.fail("score", "harmful_general"), detail)
+            elif min_gain is not None and sc.own_gain < min_gain:
+                detail = f"own loss lowered by {sc.own_gain:.4f}, less than {min_gain:.4f}"
+                s = with_row(s, checks.fail("score", "ineffective"), detail)
             else:
                 s = with_row(s, checks.ok("score"))
-        out.append(s)
-    return out
-
-
-def duplicates(
-    screened: Sequence[Screened], ties: Mapping[str, str], loss_scores: Mapping[str, LossScore]
-) -> list[Screened]:
-    """Settle same-time near-duplicate pairs without blaming either: when both were scored the
-    one with the higher score stays, otherwise both are set aside (``duplicate``, neutral)."""
-    live = {s.peer for s in screened if s.reason is None}
-    out = []
-    for s in screened:
-        twin = ties.get(s.peer)
-        if s.reason is None and twin is not None:
-            mine, theirs = loss_scores.get(s.peer), loss_scores.get(twin)
-            if twin not in live:
-                s = with_row(s, checks.ok("duplicate"))
-            elif mine is not None and theirs is not None and mine.score > theirs.score:
-                s = with_row(s, checks.ok("duplicate"))
-            else:
-                detail = f"fetched at the same time as a near-identical upload of {twin[:12]}"
-                s = with_row(s, checks.fail("duplicate", DUPLICATE), detail)
         out.append(s)
     return out
 
@@ -214,7 +203,7 @@ def total_norm(sparse: SparseDict) -> float:
     return math.sqrt(sum(float((v.double() ** 2).sum()) for _, v in sparse.values()))
 
 
-def _global(sparse: SparseDict, offs: Mapping[str, int]) -> tuple[I64, F32]:
+def global_entries(sparse: SparseDict, offs: Mapping[str, int]) -> tuple[I64, F32]:
     """(global indices, values), sorted: tensors are offset in name order and each tensor's
     indices are strictly increasing, so concatenating in name order sorts them."""
     names = sorted(n for n in sparse if n in offs)
