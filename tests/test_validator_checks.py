@@ -12,7 +12,7 @@ from protocol.identity import Identity
 from protocol.windows import gather_close, is_checkpoint_window, should_close, upload_deadline
 from protocol.wire import GENESIS, Contribution, encode_contribution
 from validator import checks
-from validator.copies import CopyRule, global_indices, overlap, scan
+from validator.copies import CopyRule, scan, similarity
 from validator.log import CheckRow
 from validator.reputation import EXCLUDED, Outcome, Standing, is_excluded, standings, update
 
@@ -165,11 +165,17 @@ def test_screen_never_raises_on_garbage(peer: Identity) -> None:
 
 
 # ------------------------------------------------------------------ copies
-def test_overlap_and_global_indices() -> None:
-    g = global_indices({"a": np.array([0, 5]), "b": np.array([1])}, {"a": 0, "b": 10})
-    assert g.tolist() == [0, 5, 11]
-    assert overlap(np.array([1, 2, 3, 4]), np.array([3, 4, 5, 6])) == 0.5
-    assert overlap(np.array([], dtype=np.int64), np.array([1])) == 0.0
+def test_global_entries_and_similarity() -> None:
+    from validator.window_checks import global_entries
+
+    sparse = {"b": (torch.tensor([1]), torch.tensor([2.0])), "a": (torch.tensor([0, 5]), torch.tensor([1.0, -1.0]))}
+    idx, vals = global_entries(sparse, {"a": 0, "b": 10})
+    assert idx.tolist() == [0, 5, 11] and vals.tolist() == [1.0, -1.0, 2.0]
+    a = (np.array([1, 2, 3, 4]), np.array([1.0, 1.0, 1.0, 1.0], dtype=np.float32))
+    b = (np.array([3, 4, 5, 6]), np.array([1.0, -1.0, 1.0, 1.0], dtype=np.float32))
+    s = similarity(a, b, rare_shared=1, rare_a=2, rare_b=4)
+    assert s.overlap == 0.5 and s.signs == 0.5 and s.rare == 0.5
+    assert similarity((np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)), b, 0, 0, 4).overlap == 0.0
 
 
 def _entry(idx: np.ndarray, sign: float = 1.0) -> tuple[np.ndarray, np.ndarray]:

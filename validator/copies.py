@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MIN_BACKGROUND", "CopyRule", "CopyVerdict", "Similarity", "global_indices", "overlap", "scan", "similarity"]
+__all__ = ["MIN_BACKGROUND", "CopyRule", "CopyVerdict", "Similarity", "scan", "similarity"]
 
 I64 = npt.NDArray[np.int64]
 F32 = npt.NDArray[np.float32]
@@ -74,22 +74,6 @@ class CopyVerdict:
     original: str
     similarity: Similarity
     tie: bool = False
-
-
-def global_indices(sparse: Mapping[str, np.ndarray], offsets: Mapping[str, int]) -> np.ndarray:
-    """One sorted int64 array of ``offsets[name] + flat index`` over every tensor present."""
-    parts = [np.asarray(idx, dtype=np.int64) + offsets[name] for name, idx in sparse.items() if name in offsets]
-    if not parts:
-        return np.zeros(0, dtype=np.int64)
-    return np.sort(np.concatenate(parts))
-
-
-def overlap(a: np.ndarray, b: np.ndarray) -> float:
-    """Share of the smaller index set also present in the other (0 when either is empty)."""
-    if len(a) == 0 or len(b) == 0:
-        return 0.0
-    common = np.intersect1d(a, b, assume_unique=True).size
-    return common / min(len(a), len(b))
 
 
 def similarity(a: tuple[I64, F32], b: tuple[I64, F32], rare_shared: int, rare_a: int, rare_b: int) -> Similarity:
