@@ -240,9 +240,10 @@ class Validator:
         screened = window_checks.scores(screened, scores, cfg.eval_harm_tolerance, self._min_gain(w, scores))
         screened = window_checks.probation(screened, w.established, scores)
         ref, bootstrapped = st.reference, False
-        if ref.empty and self.spec.outer.clip == "median":  # no history yet: start one
-            ref, limits = self._bootstrap(screened, scores, live)
-            clipped = {p: self._clip(s.sparse, limits) for p, s in live.items()}
+        if ref.empty:  # no history yet: start one
+            ref, first = self._bootstrap(screened, scores, live)
+            if self.spec.outer.clip == "median":
+                clipped = {p: self._clip(s.sparse, first) for p, s in live.items()}
             bootstrapped = not ref.empty
         screened = window_checks.capacity(screened, self._rank(w, scores, seed), cfg.max_contributors)
         clock.lap("scoring")
