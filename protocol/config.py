@@ -175,13 +175,35 @@ class ValidatorConfig:
     max_contribution_bytes: int = 64 * 1024 * 1024
     max_aggregate_bytes: int = 512 * 1024 * 1024
     eval_peers_per_window: int = 8  # loss-scoring budget
+    # Of those, the slots reserved for identities on probation (more when fewer established
+    # peers need scoring): a flood of new identities cannot crowd out the scoring of known ones.
+    eval_probation_peers: int = 4
     eval_sequences: int = 16
     eval_scale: float = 1.0  # update scale applied when measuring loss after
-    norm_max_ratio: float = 10.0  # reject norms above ratio × window median
+    # An update that raises the loss on held-out random data by more than this fraction is harmful.
+    eval_harm_tolerance: float = 0.002
+    # An update that lowers the loss on its own data by less than this share of what the
+    # established peers' updates achieve in the same window is ineffective.
+    eval_min_gain_ratio: float = 0.25
+    # Norms are compared with the validator's reference (per tensor, from accepted updates of
+    # earlier windows; validator/reference.py): above norm_max_ratio × it in any tensor is an
+    # outlier, a total below norm_min_ratio × it too small to count.
+    norm_max_ratio: float = 10.0
+    norm_min_ratio: float = 0.1
+    reference_step: float = 2.0  # the reference moves by at most this factor per window
+    clip_headroom: float = 2.0  # clip caps lie between the reference and headroom × it
+    row_clip: bool = True  # cap every row of a matrix too, not only the whole tensor
     copy_overlap_threshold: float = 0.6
+    # A later upload sharing this share of an earlier one's rare positions (selected by few
+    # others), with signs agreeing at least copy_sign_agreement, is a copy.
+    copy_rare_threshold: float = 0.3
+    copy_sign_agreement: float = 0.8
     reputation_decay: float = 0.9
     exclude_after_failures: int = 3
     exclude_windows: int = 5
+    # A new identity is on probation until this many of its updates were scored and accepted:
+    # until then only its scored, helpful updates count.
+    probation_passes: int = 1
     max_contributors: int = 64
 
     def __post_init__(self) -> None:

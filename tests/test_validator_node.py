@@ -152,7 +152,7 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
         # not signed by the peer for this run and window: never blamed on it (neutral "foreign")
         forged.peer_id: "foreign",
         replayed.peer_id: "foreign",
-        oversized.peer_id: "foreign",
+        oversized.peer_id: "too_large",  # never read: too large to fetch, neutral (check size)
         truncated.peer_id: "foreign",
         wrong_run.peer_id: "foreign",
         empty.peer_id: "foreign",
@@ -160,11 +160,16 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
         nan.peer_id: "non_finite",
         huge.peer_id: "norm_outlier",
         negated.peer_id: "harmful",
-        unregistered.peer_id: "unregistered",
         mallory.peer_id: "copied",
     }
     assert reasons == expected
     assert report.accepted == 3 and report.rejected == len(expected) - 3
+    # an upload under a key no announcement names is counted, never read or given a row
+    assert unregistered.peer_id not in reasons and report.reasons["unannounced"] == 1
+    assert v.log.window(1).unannounced == 1  # type: ignore[union-attr]
+    # an upload under a key no announcement names is counted, never read or given a row
+    assert unregistered.peer_id not in reasons and report.reasons["unannounced"] == 1
+    assert v.log.window(1).unannounced == 1  # type: ignore[union-attr]
     agg = read_aggregate(
         swarm.store, swarm.run, swarm.run_hash, 1, allowed_signers=spec.validator.public_keys, max_bytes=1 << 26
     )

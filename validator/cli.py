@@ -289,13 +289,40 @@ def logs(
                      decided rows only
       --windows      window, status (decided | published), opened_at, closed_at,
                      published_at, base, digest (of the aggregate), fingerprint (of θ
-                     after it), val_loss, accepted, rejected
+                     after it), val_loss, accepted, rejected, unannounced (uploads under
+                     keys of peers without an announcement: counted, never read)
       --evals        window (θ after its aggregate), fingerprint, sequences, tokens,
                      bytes, loss (nats/token), perplexity, bits_per_byte,
                      evaluated_at, seconds
       --summary      peer, windows, accepted, acceptance_rate, mean_score, reputation,
                      last_window; the table also shows the periodic evaluations
-    Times are unix seconds; absent values are null (empty in CSV).
+    Times are unix seconds; absent values are null (empty in CSV). Rows exist only for
+    announced peers.
+
+    \b
+    Rejection reasons (* = never held against the peer):
+      foreign*            bytes at the peer's key that the peer did not sign for this run
+                          and window: too large, not an envelope, a bad signature, signed by
+                          another key, or the peer's own object of another run or window
+      unregistered wrong_codec schema_mismatch invalid_indices
+      non_finite stale_base malformed (a body the peer signed)
+                          what the peer signed breaks the protocol
+      excluded*           the peer is serving an exclusion for repeated failures
+      over_budget*        beyond the window's read budget (keys or bytes)
+      not_found* store_error* fetch_timeout*
+                          the store failed or was too slow
+      mutated             other bytes than the ones first read, signed by the peer
+      norm_outlier        a tensor above norm_max_ratio x the validator's reference
+      norm_tiny*          an update below norm_min_ratio x the reference: does not count
+      copied              shares the values of an upload read before its key appeared
+                          (index or rare-position overlap with agreeing signs)
+      harmful             does not lower the loss on the peer's own data
+      harmful_general     raises the loss on held-out data
+      ineffective         lowers it far less than established peers' updates do
+      probation*          a new identity whose update was not scored in this window
+      over_capacity*      more than max_contributors passed
+      non_finite_result   with it the aggregate makes θ or the loss non-finite
+      late*               uploaded after the window closed
     """
     if as_json and as_csv:
         raise click.UsageError("--json and --csv are exclusive")

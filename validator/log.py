@@ -3,11 +3,13 @@
 It is also the validator's durable memory of decisions. Rows are keyed by (window, peer), so
 re-deciding a window after a crash overwrites instead of double-counting, and reputation is derived
 from the rows (see :mod:`validator.reputation`) rather than kept as a counter that a restart could
-bump twice. ``received_at`` is kept from the first time a contribution was seen (the copy check's
-upload order survives a restart).
+bump twice. ``received_at`` and ``digest`` are kept from the first time a contribution's bytes were
+read (the copy check's upload order survives a restart, and so does the digest that later bytes at
+the same key are compared with). Rows exist only for announced peers: keys of unknown peers are
+counted per window (``windows.unannounced``), never stored one by one.
 
     log = ContributionLog("state/contributions.sqlite")
-    log.note_received(3, peer, received_at=time.time(), nbytes=n)
+    log.note_received(3, peer, received_at=time.time(), nbytes=n, digest=d)
     log.record_window(WindowRecord(window=3, ...), [ContributionRecord(...), ...])
     log.mark_published(3, digest="…", published_at=time.time())
     log.rows(peer=peer, windows=(0, 10), rejected_only=True)
@@ -81,7 +83,8 @@ CREATE TABLE IF NOT EXISTS windows (
     fingerprint TEXT,
     val_loss REAL,
     accepted INTEGER NOT NULL DEFAULT 0,
-    rejected INTEGER NOT NULL DEFAULT 0
+    rejected INTEGER NOT NULL DEFAULT 0,
+    unannounced INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS contributions_by_peer ON contributions (peer, window);
 CREATE TABLE IF NOT EXISTS evaluations (
@@ -152,6 +155,7 @@ class WindowRecord:
     val_loss: float | None = None
     accepted: int = 0
     rejected: int = 0
+    unannounced: int = 0  # uploads under keys of peers without an announcement (not read)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +204,13 @@ class ContributionLog:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # a decided window must survive a power cut
         self._db.executescript(_SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Add the columns a log written by an older version lacks."""
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(windows)")}
+        if "unannounced" not in have:
+            self._db.execute("ALTER TABLE windows ADD COLUMN unannounced INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         with self._lock:
@@ -212,18 +223,26 @@ class ContributionLog:
         self.close()
 
     # ------------------------------------------------------------------ writes
-    def note_received(self, window: int, peer: str, *, received_at: float, nbytes: int | None) -> float:
-        """Remember when a contribution was first seen; returns the first-seen time (kept across
-        restarts, so the later uploader of a copied pair stays the later one)."""
+    def note_received(
+        self, window: int, peer: str, *, received_at: float, nbytes: int | None, digest: str | None = None
+    ) -> tuple[float, str | None]:
+        """Remember when a contribution's bytes were first read and their digest; returns the
+        first (time, digest) (kept across restarts, so the later uploader of a copied pair stays
+        the later one, and bytes replaced at the key are noticed)."""
         with self._lock:
             self._db.execute(
-                "INSERT OR IGNORE INTO contributions (window, peer, received_at, bytes) VALUES (?, ?, ?, ?)",
-                (window, peer, received_at, nbytes),
+                "INSERT OR IGNORE INTO contributions (window, peer, received_at, bytes, digest) VALUES (?, ?, ?, ?, ?)",
+                (window, peer, received_at, nbytes, digest),
+            )
+            self._db.execute(
+                "UPDATE contributions SET digest = ? WHERE window = ? AND peer = ? AND digest IS NULL AND decided = 0",
+                (digest, window, peer),
             )
             row = self._db.execute(
-                "SELECT received_at FROM contributions WHERE window = ? AND peer = ?", (window, peer)
+                "SELECT received_at, digest FROM contributions WHERE window = ? AND peer = ?", (window, peer)
             ).fetchone()
-        return float(row[0]) if row and row[0] is not None else received_at
+        first = float(row[0]) if row and row[0] is not None else received_at
+        return first, (row[1] if row else digest)
 
     def record_window(self, win: WindowRecord, rows: Iterable[ContributionRecord]) -> None:
         """Write a window's decisions atomically: all rows and the window record, or nothing."""

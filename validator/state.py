@@ -1,8 +1,9 @@
 """The validator's durable state: θ_t and where window t stands, in one safetensors file.
 
 ``state.safetensors`` holds the parameters that open the current window plus metadata
-(window, the digest of the aggregate it trained from, when the window opened, the run hash, and
-the launch: the digest and time of the genesis manifest this chain grows from). It is
+(window, the digest of the aggregate it trained from, when the window opened, the run hash, the
+launch: the digest and time of the genesis manifest this chain grows from, and the norm reference
+learned from accepted updates, :mod:`validator.reference`). It is
 replaced atomically (temp file, fsync, rename) after every published aggregate, so a validator
 killed at any instant restarts either before or after a window, never in between; the store tells
 which (an aggregate already published for the saved window is adopted, not recomputed).
@@ -10,7 +11,7 @@ which (an aggregate already published for the saved window is adopted, not recom
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from safetensors.torch import save as st_save
 
 from protocol.errors import ConfigError
 from protocol.files import atomic_write
+from validator.reference import NormReference
 
 __all__ = ["STATE_FILE", "ValidatorState", "load_state", "save_state"]
 
@@ -35,6 +37,7 @@ class ValidatorState:
     params: dict[str, torch.Tensor]
     launch: str  # digest of the genesis manifest: the base of window 0 and the root of the chain
     launched_at: float  # its published_at, so that the same genesis can be written again
+    reference: NormReference = field(default_factory=NormReference)  # empty: none learned yet
 
 
 def save_state(directory: str | Path, state: ValidatorState) -> None:
@@ -47,6 +50,7 @@ def save_state(directory: str | Path, state: ValidatorState) -> None:
         "opened_at": repr(state.opened_at),
         "launch": state.launch,
         "launched_at": repr(state.launched_at),
+        "reference": state.reference.to_json(),
     }
     blob = st_save({n: t.detach().to("cpu").contiguous() for n, t in state.params.items()}, metadata=meta)
     atomic_write(d / STATE_FILE, blob)
@@ -70,6 +74,7 @@ def load_state(directory: str | Path, run_hash: str) -> ValidatorState | None:
             params=dict(params),
             launch=meta["launch"],
             launched_at=float(meta["launched_at"]),
+            reference=NormReference.from_json(meta.get("reference", "{}")),
         )
     except (SafetensorError, KeyError, ValueError, OSError) as exc:
         raise ConfigError(f"validator state {path} is unreadable: {exc}") from exc
