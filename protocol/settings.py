@@ -201,8 +201,8 @@ def _names(cls: type[Any] = LocalSettings, prefix: str = "") -> Iterator[tuple[s
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            yield from _names(tp, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            yield from _names(tp, f"{prefix}{f.name}.")
         else:
             yield prefix + f.name, tp
 
