@@ -37,13 +37,15 @@ from protocol import layout
 from protocol.aggregate import SparseDict, aggregate, apply_outer
 from protocol.chain import delta_of, read_aggregate
 from protocol.config import RunSpec
-from protocol.data import assigned_batches, open_dataset, random_batches, validation_batches
+from protocol.data import assigned_batches, random_batches, validation_batches
 from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
 from protocol.events import Event, ModelEvaluated, WindowOpened, WindowPublished, WindowRetry, WindowWaiting
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, param_schema, parameters_of
+from protocol.run_data import dataset_of, run_tokenizer
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
+from protocol.tokens import TokenDataset
 from protocol.windows import gather_close, is_checkpoint_window
 from protocol.wire import GENESIS, Aggregate, Verified, decode_aggregate
 from validator import checks, publish, window_checks
@@ -87,6 +89,7 @@ class Validator:
         local: LocalSettings | None = None,
         emit: Callable[[Event], None] | None = None,
         clock: Callable[[], float] = time.time,
+        dataset: TokenDataset | None = None,
     ) -> None:
         if identity.public_key_hex not in spec.validator.public_keys:
             raise ConfigError(
@@ -102,12 +105,13 @@ class Validator:
         self.device = torch.device(device)
         self.schema = param_schema(spec.model)
         self.model = build_model(spec.model).to(self.device)
-        self.dataset = open_dataset(spec.data, self.local.data)
+        self.dataset = dataset if dataset is not None else _open_dataset(spec, store, self.local)
         self.periodic = PeriodicEval(
             every=self.local.validator.eval_every,
             sequences=self.local.validator.eval_sequences,
             dataset=self.dataset,
             data=spec.data,
+            tokenizer=lambda: run_tokenizer(spec, store, self.local.data),
         )
         self.stop = threading.Event()
         self.emit = emit or _ignore  # WindowOpened, WindowWaiting, WindowPublished, WindowRetry
@@ -547,6 +551,20 @@ class _WaitingReport:
         self.emit(
             WindowWaiting(window=self.window, waiting_for=sorted(missing), uploaded=uploaded, closes_in_s=closes_in)
         )
+
+
+def _open_dataset(spec: RunSpec, store: ObjectStore, local: LocalSettings) -> TokenDataset:
+    """The run's dataset (its manifest verified now; shards are fetched when scoring needs them).
+    A run without a usable dataset manifest cannot be validated: ConfigError."""
+    try:
+        return dataset_of(spec, store, local.data)
+    except ObjectNotFound as exc:
+        raise ConfigError(
+            f"the store holds no dataset manifest for run {layout.run_id(spec.hash())} ({exc}): create the run "
+            "with `sparseloco-validator init`, or check store.url"
+        ) from exc
+    except ProtocolError as exc:
+        raise ConfigError(f"the run's dataset manifest does not verify: {exc}") from exc
 
 
 def _ignore(event: Event) -> None:
