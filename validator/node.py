@@ -89,7 +89,6 @@ class Validator:
         local: LocalSettings | None = None,
         emit: Callable[[Event], None] | None = None,
         clock: Callable[[], float] = time.time,
-        dataset: TokenDataset | None = None,
     ) -> None:
         if identity.public_key_hex not in spec.validator.public_keys:
             raise ConfigError(
@@ -105,7 +104,7 @@ class Validator:
         self.device = torch.device(device)
         self.schema = param_schema(spec.model)
         self.model = build_model(spec.model).to(self.device)
-        self.dataset = dataset if dataset is not None else _open_dataset(spec, store, self.local)
+        self.dataset = _open_dataset(spec, store, self.local)  # scoring reads the peers' dataset
         self.periodic = PeriodicEval(
             every=self.local.validator.eval_every,
             sequences=self.local.validator.eval_sequences,
