@@ -35,6 +35,8 @@ from protocol.settings import LocalSettings, load_settings, settings_help
 
 if TYPE_CHECKING:  # the torch-heavy modules load after argument parsing
     from client.window import WindowTrainer
+    from protocol.store.base import ObjectStore
+    from protocol.tokens import TokenDataset
 
 EXIT_CANNOT_JOIN = 1
 EXIT_CONFIG = 2
@@ -160,6 +162,11 @@ def _join(
     spec = RunSpec.load(run_path)
     if not spec.validator.public_keys:
         raise ConfigError("the RunSpec lists no validator.public_keys: there is nobody whose aggregates to trust")
+    if not spec.data.dataset:
+        raise ConfigError(
+            f"{run_path} names no dataset (data.dataset): a run's data lies in its store, and its operator "
+            "creates the run.toml with `sparseloco-validator init`"
+        )
     if local.compute.threads > 0:
         torch.set_num_threads(local.compute.threads)
     device = local.compute.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -170,8 +177,8 @@ def _join(
     until = until_window
     if local.max_windows > 0:
         until = min(until, local.max_windows) if until is not None else local.max_windows
-    trainer = _window_trainer(spec, local, identity.peer_id, device, pipeline)
     store = open_from_settings(local.store, identity=identity, validator_keys=spec.validator.public_keys)
+    trainer = _window_trainer(spec, local, store, identity.peer_id, device, pipeline)
     display = PeerDisplay(json_lines=status_json)
     peer = Peer(spec, store, identity, state, trainer, local=local, display=display)
     try:
@@ -220,18 +227,29 @@ def _key_path(key_path: str | None, state_dir: str | None, spec: RunSpec | None)
 
 
 def _window_trainer(
-    spec: RunSpec, local: LocalSettings, peer_id: str, device: str, pipeline: dict[str, Any] | None
+    spec: RunSpec,
+    local: LocalSettings,
+    store: ObjectStore,
+    peer_id: str,
+    device: str,
+    pipeline: dict[str, Any] | None,
 ) -> WindowTrainer:
-    """How this peer trains a window: the whole model, or its stage of a pipeline replica."""
+    """How this peer trains a window: the whole model, or its stage of a pipeline replica; either
+    reads the run's dataset from ``store`` into this machine's data cache."""
+    from protocol.run_data import open_run_dataset
+
+    def dataset() -> TokenDataset:
+        return open_run_dataset(spec, store, local.data)
+
     if pipeline is None:
         from client.replica import FullReplica
 
         return FullReplica(
-            spec, data_key=peer_id, device=device, data=local.data, micro_batch_size=local.compute.micro_batch_size
+            spec, data_key=peer_id, device=device, data=dataset, micro_batch_size=local.compute.micro_batch_size
         )
     from client.pipeline.trainer import StageTrainer
 
-    return StageTrainer(spec, device=device, data=local.data, **pipeline)
+    return StageTrainer(spec, device=device, data=dataset, **pipeline)
 
 
 @main.command("id")

@@ -235,7 +235,7 @@ def eval_cmd(
     tokens, bytes, loss (nats/token), perplexity, bits_per_byte, tasks [{task, metrics,
     skipped}], seconds.
     """
-    from client.checkpoints import model_of
+    from client.checkpoints import model_of, open_location
     from client.evaluate import heldout_data
     from client.zero_shot import DEFAULT_TASKS
     from protocol.evaluation import score_lm
@@ -244,7 +244,9 @@ def eval_cmd(
     task_list = list(DEFAULT_TASKS) if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
     with _user_errors():
         spec, loc, ckpt = _load(run_path, checkpoint, store_url, window, dht_peers)
-        held = heldout_data(spec, data, sequences=sequences, local=load_settings(run_path).data)
+        local = load_settings(run_path)
+        with open_location(loc, local.store) as store:  # the run's dataset and tokenizer lie there
+            held = heldout_data(spec, data, sequences=sequences, local=local.data, store=store)
         dev = _device(device, threads)
         score = score_lm(model_of(spec, ckpt, dev), held.batches, held.tokenizer, dev)
         task_results = _zero_shot(spec, ckpt, task_list, dev, task_limit)

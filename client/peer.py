@@ -438,6 +438,9 @@ class Peer:
                 upload_bytes=len(staged.blob),
                 upload_s=round(upload_s, 3),
                 feedback_norm=round(self.feedback.norm(), 6),
+                data_bytes=st.data.fetched_bytes,
+                data_hits=st.data.hits,
+                data_misses=st.data.misses,
             )
         )
         if self._refused >= self.local.peer.max_upload_failures:

@@ -161,3 +161,11 @@ class IncompleteObject(ObjectNotFound):
     DHT nodes, or never written)."""
 
     reason = "incomplete"
+
+
+class DataUnavailable(StoreError):
+    """A shard of the run's dataset could not be had intact: the store failed, or kept returning
+    bytes that do not hash to the name the signed dataset manifest gives them. Nothing is trained
+    or scored on it; the next window tries again."""
+
+    reason = "data_unavailable"

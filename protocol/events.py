@@ -146,6 +146,9 @@ class PeerWindow(Event):
     upload_bytes: int = 0
     upload_s: float = 0.0
     feedback_norm: float | None = None
+    data_bytes: int = 0  # fetched from the store since the last trained window (shards, prefetch)
+    data_hits: int = 0  # shards the window read that were already local (cached or prefetched)
+    data_misses: int = 0  # shards it had to wait for
 
 
 @_event("resumed_upload")
@@ -314,7 +317,9 @@ def describe(event: Event) -> str:
             f"[bold]window {event.window}[/bold] {event.outcome}"
             f"  loss {_num(event.loss, '{:.4f}')}"
             f"  upload {_num(event.upload_bytes or None, '{:,}')} B"
-            f"  inner {event.inner_s:.1f} s" + (f"  ({event.reason})" if event.reason else "")
+            f"  inner {event.inner_s:.1f} s"
+            + (f"  data {event.data_bytes:,} B" if event.data_bytes else "")
+            + (f"  ({event.reason})" if event.reason else "")
         )
     if isinstance(event, WindowPublished):
         reasons = " ".join(f"{k}={v}" for k, v in sorted(event.reasons.items()))

@@ -2,7 +2,7 @@
 
 The RunSpec (:mod:`protocol.config`) is what every participant must agree on; its hash names the
 run. Everything else is a *local setting*: how this machine reaches the store (URL, endpoint,
-region, DHT bootstrap nodes), where its corpus and cache live, how often it polls, which device and
+region, DHT bootstrap nodes), where it caches the run's data, how often it polls, which device and
 how many threads it uses, when it gives up. Local settings never enter the hash, so a peer that
 writes ``127.0.0.1`` where the operator wrote ``localhost`` is still in the operator's run.
 
@@ -17,7 +17,7 @@ and the processes ``sparseloco demo`` starts::
 
     settings = load_settings("run.toml", settings_path=None, env=os.environ,
                              flags={"store.url": "s3://bucket/run", "compute.device": None})
-    settings.store.url, settings.data.source, settings.peer.join_timeout_s
+    settings.store.url, settings.data.cache_dir, settings.peer.join_timeout_s
 
 A setting's name is ``section.field`` (``store.url``) or a top-level ``field``
 (``poll_interval_s``); its environment variable is ``SPARSELOCO_`` and the name upper-cased with
@@ -31,8 +31,8 @@ An ``s3://bucket/prefix?endpoint=URL&region=NAME`` store URL carries settings to
 URL was given in, so ``--store s3://…?endpoint=…`` overrides an endpoint in run.toml.
 
 Each component receives only its own subtree: the store opener ``settings.store``
-(:func:`protocol.store.open_from_settings`), the corpus ``settings.data``
-(:func:`protocol.data.open_dataset`), and so on.
+(:func:`protocol.store.open_from_settings`), the data cache ``settings.data``
+(:func:`protocol.run_data.open_run_dataset`), and so on.
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ __all__ = [
 ENV_PREFIX = "SPARSELOCO_"
 # SPARSELOCO_* variables that are not settings: the data cache's default location.
 _OTHER_ENV = frozenset({"SPARSELOCO_CACHE"})
+# Settings that no longer exist, and what replaced them (named in the error an old file gets).
+_REMOVED = {"data.source": "the run's dataset lies in its store, created by `sparseloco-validator init`"}
 # s3:// URL parameters that are store settings (the others stay in the URL: protocol.store).
 _URL_SETTINGS = {"endpoint": "s3_endpoint", "endpoint_url": "s3_endpoint", "region": "s3_region"}
 
@@ -109,14 +111,13 @@ class StoreSettings:
 
 @dataclass(frozen=True)
 class DataSettings:
-    """The corpus on this machine. ``source``: ``builtin:stdlib`` (the Python standard library's
-    source, no download), a shard directory, or a text file/directory. ``cache_dir``: where text
-    sources are tokenized to ("": ``$SPARSELOCO_CACHE`` or ``~/.cache/sparseloco``);
-    ``cache_max_bytes``: the cache's size cap, oldest entries removed first (0: no cap)."""
+    """This machine's copy of the run's data. The dataset itself lies in the run's store (the
+    RunSpec's ``data.dataset``); a process fetches the shards its batches need and keeps them,
+    verified, in ``cache_dir`` ("": ``$SPARSELOCO_CACHE`` or ``~/.cache/sparseloco``), the least
+    recently used going first once they would exceed ``cache_max_bytes`` (0: no cap)."""
 
-    source: str = "builtin:stdlib"
     cache_dir: str = ""
-    cache_max_bytes: int = 0
+    cache_max_bytes: int = 16 << 30
 
     def __post_init__(self) -> None:
         _require(self.cache_max_bytes >= 0, "data.cache_max_bytes must be >= 0")
@@ -296,7 +297,9 @@ def _layer(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
             known = {n.split(".", 1)[1] for n in SETTINGS if n.startswith(key + ".")}
             unknown = sorted(set(value) - known)
             if unknown:
-                raise ConfigError(f"unknown key(s) in {where}: {', '.join(f'{key}.{k}' for k in unknown)}")
+                raise ConfigError(
+                    f"unknown key(s) in {where}: {', '.join(_removed_hint(f'{key}.{k}') for k in unknown)}"
+                )
             out[key] = dict(value)
         elif key in SETTINGS:
             out[key] = value
@@ -313,6 +316,10 @@ def _layer(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def _removed_hint(name: str) -> str:
+    return f"{name} (no longer a setting: {_REMOVED[name]})" if name in _REMOVED else name
+
+
 def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for var, text in env.items():
@@ -320,6 +327,9 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
             continue
         name = _BY_ENV.get(var)
         if name is None:
+            removed = [n for n in _REMOVED if env_name(n) == var]
+            if removed:
+                raise ConfigError(f"{var} is no longer a setting: {_REMOVED[removed[0]]}")
             raise ConfigError(f"unknown setting in the environment: {var} (known: {', '.join(sorted(_BY_ENV))})")
         flat[name] = _from_text(SETTINGS[name], text, var)
     return _nest(flat)

@@ -278,8 +278,16 @@ def test_a_peer_whose_uploads_are_denied_stops_with_status_3(run_dir: Path) -> N
         ) as admin:
             blob = admin.get(peer_key(run_id(swarm.spec.hash()), ident.peer_id))
     assert rc == 3
-    assert [(w, e.outcome) for w, e in sorted(view.windows.items())] == [(0, "failed"), (1, "failed"), (2, "failed")]
-    assert all("access_denied" in (e.reason or "") for e in view.windows.values())
+    # Window 0 opens when init publishes genesis, before the peer starts: on a slow machine its 8 s
+    # deadline may pass first, and the peer skips it without trying to upload.
+    outcomes = [(w, e.outcome) for w, e in sorted(view.windows.items())]
+    tried = [(w, o) for w, o in outcomes if o != "skipped"]
+    assert [o for _, o in tried] == ["failed"] * 3 and [w for w, _ in tried] == list(
+        range(tried[0][0], tried[0][0] + 3)
+    )
+    late = ("window closed before training started", "deadline passed during training")
+    assert all(w == 0 and view.windows[w].reason in late for w, o in outcomes if o == "skipped")
+    assert all("access_denied" in (view.windows[w].reason or "") for w, _ in tried)
     failed = [e for e in view.events if isinstance(e, Failed)]
     assert failed and failed[-1].reason == "uploads_refused" and ident.peer_id in failed[-1].detail
     ann = decode_announcement(blob, run_hash=swarm.spec.hash(), max_bytes=1 << 16, sender=ident.peer_id)

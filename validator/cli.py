@@ -1,6 +1,9 @@
-"""``sparseloco-validator``: run a validator, read its contribution log, make its key.
+"""``sparseloco-validator``: create a run, run its validator, read its contribution log, make its key.
 
     sparseloco-validator keygen --key validator.pem          # prints the public key for the RunSpec
+    sparseloco-validator init --corpus PATH... --store URL --key validator.pem --out run.toml
+                              [--tokenizer bytes|tokenizer.json] [--preset NAME | --spec base.toml]
+                              [--text-field text] [--name NAME] [--shard-tokens N] [--json]
     sparseloco-validator run --run run.toml --key validator.pem --state vstate [--settings FILE]
                              [--store URL] [--dht-peer MULTIADDR ...] [--device cuda] [--threads N]
                              [--windows N] [--status-json]
@@ -15,7 +18,7 @@ flags, then ``SPARSELOCO_*`` variables, then ``--settings FILE``, then run.toml'
 (``2025-01-31 12:00:03 window 3 published: accepted=3 rejected=0 val_loss=4.5487 …``), or with
 ``--status-json`` one JSON object per line on stdout and nothing else there (what ``sparseloco
 demo`` reads). Ctrl-C or SIGTERM finish or abandon the current window cleanly (a restart resumes
-it). Exit codes: 0 done, 2 configuration/identity error, 130 interrupted.
+it). Exit codes: 0 done, 1 the store failed at start, 2 configuration/identity error, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import csv
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -34,22 +38,25 @@ from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from protocol.config import RunSpec
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, ProtocolError, StoreError
 from protocol.events import Event, EventWriter, Failed, Stopped, ValidatorStarted, describe
 from protocol.identity import Identity
-from protocol.settings import LocalSettings, load_settings, settings_help
+from protocol.settings import LocalSettings, load_settings, resolve_settings, settings_help
 from protocol.store import open_from_settings
 from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
 
 if TYPE_CHECKING:
+    from validator.init import InitResult
     from validator.node import Validator
 
 DEFAULT_KEY = "~/.sparseloco/validator.pem"
 DEFAULT_STATE = "validator-state"
 ROLE = "validator"
+EXIT_STORE = 1
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 
@@ -75,6 +82,154 @@ def keygen(key_path: str, as_json: bool) -> None:
         return
     click.echo(f"public key  {ident.public_key_hex}")
     click.echo(f"peer id     {ident.peer_id}")
+
+
+@cli.command()
+@click.option(
+    "--corpus",
+    "corpus",
+    multiple=True,
+    required=True,
+    help="builtin:stdlib, a text file or directory, a .jsonl file, or a shard directory (repeatable).",
+)
+@click.option("--store", "store_url", required=True, help="Store URL the run lives in (written to [local.store]).")
+@click.option(
+    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
+)
+@click.option(
+    "--key", "key_path", default=DEFAULT_KEY, show_default=True, help="Validator Ed25519 key (created if missing)."
+)
+@click.option(
+    "--tokenizer",
+    default="bytes",
+    show_default=True,
+    help="'bytes', or a tokenizer.json (stored in the run's store, named by its sha256 in the RunSpec).",
+)
+@click.option("--text-field", default="text", show_default=True, help="The text field of JSONL lines.")
+@click.option(
+    "--preset", default=None, help="A run preset (protocol/presets: demo) or a model preset (tiny, small, 150m …)."
+)
+@click.option(
+    "--spec", "spec_path", default=None, type=click.Path(exists=True, dir_okay=False), help="Base RunSpec TOML."
+)
+@click.option("--name", default=None, help="The run's name (RunSpec name) [default: the base's].")
+@click.option("--shard-tokens", type=click.IntRange(1), default=None, help="Tokens per shard [default: 1 Mi].")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="The run.toml to write (new).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+def init(
+    corpus: tuple[str, ...],
+    store_url: str,
+    dht_peers: tuple[str, ...],
+    key_path: str,
+    tokenizer: str,
+    text_field: str,
+    preset: str | None,
+    spec_path: str | None,
+    name: str | None,
+    shard_tokens: int | None,
+    out_path: str,
+    as_json: bool,
+) -> None:
+    """Create a run from a corpus: tokenize it once into content-addressed shards, put them and a
+    signed dataset manifest into the run's store, publish genesis, and write run.toml.
+
+    \b
+    The RunSpec is the base (--preset or --spec) with data.dataset (the manifest's digest),
+    data.tokenizer ('bytes' or 'hf:<sha256>'), this key in validator.public_keys and
+    model.vocab_size at least the tokenizer's; run.toml's [local] table names the store (and
+    keeps the base's [local] table). Peers fetch only the shards their batches need.
+    Prints the run id and run hash. Exit status: 0 done, 1 the store failed, 2 configuration.
+    """
+    from validator.dataset import DEFAULT_SHARD_TOKENS
+    from validator.init import base_spec, init_run
+
+    err = Console(stderr=True, highlight=False)
+    try:
+        base, table = base_spec(preset, spec_path)
+        store_table = {"url": store_url, **({"dht_bootstrap": list(dht_peers)} if dht_peers else {})}
+        table = {**table, "store": {**table.get("store", {}), **store_table}}
+        flags = {"store.url": store_url, "store.dht_bootstrap": list(dht_peers) or None}
+        settings = resolve_settings(run_local=table, env=os.environ, flags=flags)
+        identity = Identity.load_or_create(Path(key_path).expanduser())
+        with _InitProgress(err) as steps:
+            result = init_run(
+                list(corpus),
+                base=base,
+                local=table,
+                store=settings.store,
+                identity=identity,
+                out=out_path,
+                tokenizer=tokenizer,
+                name=name,
+                shard_tokens=shard_tokens or DEFAULT_SHARD_TOKENS,
+                text_field=text_field,
+                steps=steps,
+            )
+    except ConfigError as exc:
+        err.print(f"sparseloco-validator init: {exc}")
+        sys.exit(EXIT_CONFIG)
+    except (StoreError, ProtocolError) as exc:
+        err.print(f"sparseloco-validator init: the store failed: {exc}")
+        sys.exit(EXIT_STORE)
+    _print_init(result, settings.store.location(), as_json)
+
+
+def _print_init(r: InitResult, store: str, as_json: bool) -> None:
+    if as_json:
+        fields = {
+            "run_id": r.run_id,
+            "run_hash": r.run_hash,
+            "dataset": r.dataset,
+            "tokenizer": r.spec.data.tokenizer,
+            "shards": r.shards,
+            "train_tokens": r.train_tokens,
+            "val_tokens": r.val_tokens,
+            "data_bytes": r.data_bytes,
+            "documents": r.documents,
+            "store": store,
+            "run_toml": str(r.out),
+        }
+        click.echo(json.dumps(fields))
+        return
+    click.echo(f"run id     {r.run_id}")
+    click.echo(f"run hash   {r.run_hash}")
+    click.echo(
+        f"dataset    {r.dataset}  ({r.documents:,} documents, {r.shards} shards, {r.train_tokens:,} train + "
+        f"{r.val_tokens:,} val tokens, {r.data_bytes / 2**20:.1f} MiB)"
+    )
+    click.echo(f"tokenizer  {r.spec.data.tokenizer}")
+    click.echo(f"store      {store}")
+    click.echo(f"wrote      {r.out}  (give it to every peer: sparseloco-peer join --run {r.out.name})")
+
+
+class _InitProgress:
+    """``init``'s progress bars on stderr (rich): tokenizing, then uploading."""
+
+    def __init__(self, console: Console) -> None:
+        self.bars = Progress(
+            TextColumn("{task.description:<10}"),
+            BarColumn(),
+            DownloadColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        )
+
+    def __enter__(self) -> _InitProgress:
+        self.bars.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bars.stop()
+
+    def tokenizing(self, total_bytes: int) -> Callable[[int], None]:
+        return self._task("tokenizing", total_bytes)
+
+    def uploading(self, total_bytes: int) -> Callable[[int], None]:
+        return self._task("uploading", total_bytes)
+
+    def _task(self, what: str, total: int) -> Callable[[int], None]:
+        task = self.bars.add_task(what, total=total or None)
+        return lambda n: self.bars.advance(task, n)
 
 
 @cli.command(epilog=settings_help())
@@ -144,7 +299,8 @@ def run(
       stopped            role, reason (done | stopped | interrupted), window
       failed             role, reason, detail
 
-    Exit status: 0 done, 2 configuration or identity error, 130 stopped or interrupted.
+    Exit status: 0 done, 1 the store failed at start, 2 configuration or identity error, 130 stopped
+    or interrupted.
     """
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -164,6 +320,9 @@ def run(
     except ConfigError as exc:
         emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
         sys.exit(EXIT_CONFIG)
+    except StoreError as exc:  # the run's dataset manifest could not be read
+        emit(Failed(role=ROLE, reason=exc.reason, detail=str(exc)))
+        sys.exit(EXIT_STORE)
     _install_stop(validator)
     sys.exit(_serve(validator, windows, emit))
 
@@ -178,6 +337,11 @@ def _open_validator(run_path: str, local: LocalSettings, key_path: str, state_di
     if local.compute.threads > 0:
         torch.set_num_threads(local.compute.threads)
     spec = RunSpec.load(run_path)
+    if not spec.data.dataset:
+        raise ConfigError(
+            f"{run_path} names no dataset (data.dataset): a run's data lies in its store; create the run "
+            "with `sparseloco-validator init`"
+        )
     ident = Identity.load(Path(key_path).expanduser())
     device = local.compute.device or "cpu"
     store = open_from_settings(local.store, identity=ident, validator_keys=spec.validator.public_keys)

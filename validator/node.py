@@ -57,13 +57,15 @@ from protocol import layout
 from protocol.aggregate import NormLimit, SparseDict, aggregate, apply_outer, clip_to_limits
 from protocol.chain import delta_of, next_aggregate, read_launch
 from protocol.config import RunSpec
-from protocol.data import assigned_batches, open_dataset, validation_batches
+from protocol.data import assigned_batches, validation_batches
 from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
 from protocol.events import Event, ModelEvaluated, WindowOpened, WindowPublished, WindowRetry, WindowWaiting
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, param_schema, parameters_of
+from protocol.run_data import dataset_of, run_tokenizer
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
+from protocol.tokens import TokenDataset
 from protocol.windows import gather_close, is_checkpoint_window
 from protocol.wire import GENESIS, Aggregate, CheckpointManifest, Verified, decode_aggregate
 from validator import checks, publish, randomness, reference, window_checks
@@ -183,12 +185,13 @@ class Validator:
         self.device = torch.device(device)
         self.schema = param_schema(spec.model)
         self.model = build_model(spec.model).to(self.device)
-        self.dataset = open_dataset(spec.data, self.local.data)
+        self.dataset = _open_dataset(spec, store, self.local)  # scoring reads the peers' dataset
         self.periodic = PeriodicEval(
             every=self.local.validator.eval_every,
             sequences=self.local.validator.eval_sequences,
             dataset=self.dataset,
             data=spec.data,
+            tokenizer=lambda: run_tokenizer(spec, store, self.local.data),
         )
         self.stop = threading.Event()
         self.emit = emit or _ignore  # WindowOpened, WindowWaiting, WindowPublished, WindowRetry
@@ -925,6 +928,20 @@ def _culprits(peers: Sequence[str], fine: Callable[[Sequence[str]], bool]) -> li
         return list(peers)
     mid = len(peers) // 2
     return _culprits(peers[:mid], fine) + _culprits(peers[mid:], fine)
+
+
+def _open_dataset(spec: RunSpec, store: ObjectStore, local: LocalSettings) -> TokenDataset:
+    """The run's dataset (its manifest verified now; shards are fetched when scoring needs them).
+    A run without a usable dataset manifest cannot be validated: ConfigError."""
+    try:
+        return dataset_of(spec, store, local.data)
+    except ObjectNotFound as exc:
+        raise ConfigError(
+            f"the store holds no dataset manifest for run {layout.run_id(spec.hash())} ({exc}): create the run "
+            "with `sparseloco-validator init`, or check store.url"
+        ) from exc
+    except ProtocolError as exc:
+        raise ConfigError(f"the run's dataset manifest does not verify: {exc}") from exc
 
 
 def _ignore(event: Event) -> None:

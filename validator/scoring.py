@@ -42,13 +42,11 @@ import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from protocol.aggregate import SparseDict, apply_outer
-from protocol.data import TokenDataset, pipeline_data_key
-from protocol.errors import ConfigError
+from protocol.data import TokenDataset, pipeline_data_key, random_batches
 from protocol.model import eval_loss, parameters_of
 from protocol.wire import PipelineRole
 
@@ -164,14 +162,11 @@ def scoring_batches(
     dataset: TokenDataset, seed: bytes, n_sequences: int, batch_size: int, seq_len: int
 ) -> list[Tensor]:
     """``n_sequences`` random held-out sequences [≤ batch_size, seq_len + 1] drawn with ``seed``
-    (the window's): the "random" data of the window's scores."""
-    span = seq_len + 1
-    if len(dataset.val) < span:
-        raise ConfigError(f"validation split of {len(dataset.val)} tokens is shorter than one sequence")
-    gen = np.random.default_rng(int.from_bytes(hashlib.sha256(b"scoring|" + seed).digest()[:8], "little"))
-    starts = gen.integers(0, len(dataset.val) - span + 1, size=n_sequences)
-    rows = [dataset.val.read(int(s), span).astype(np.int64) for s in starts]
-    return list(torch.split(torch.from_numpy(np.stack(rows)), batch_size))
+    (the window's): the "random" data of the window's scores, from a few pages of the validation
+    split (so a few shards are read)."""
+    draw = int.from_bytes(hashlib.sha256(b"scoring|" + seed).digest()[:8], "little")
+    n_batches = -(-n_sequences // batch_size)
+    return take_sequences(random_batches(dataset, draw, n_batches, batch_size, seq_len, split="val"), n_sequences)
 
 
 def take_sequences(batches: Sequence[Tensor], n: int) -> list[Tensor]:
