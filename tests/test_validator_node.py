@@ -415,25 +415,34 @@ def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity,
     import signal
     import subprocess
     import sys
-    import time
 
+    from protocol.chain import read_launch
     from protocol.events import Stopped, ValidatorStarted, parse_line
-    from protocol.settings import local_table_toml
+    from protocol.run_data import dataset_of
+    from protocol.settings import StoreSettings
     from protocol.store.local import LocalStore
+    from validator.init import init_run
 
     store_dir = tmp_path / "store"
-    spec = tiny_spec(vkey, windows={"upload_deadline_s": 30.0})
     local = {"poll_interval_s": 0.02, "store": {"url": f"file://{store_dir}"}}
-    (tmp_path / "run.toml").write_text(spec.to_toml() + local_table_toml(local))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f_{i}(x):\n    return x * {i}  # line {i}\n" for i in range(20000)))
+    # the run as operators create it: dataset and genesis in the store, run.toml written by init
+    spec = init_run(
+        [str(corpus)],
+        base=tiny_spec(vkey, windows={"upload_deadline_s": 30.0}, data={"val_fraction": 0.1}),
+        local=local,
+        store=StoreSettings(url=f"file://{store_dir}"),
+        identity=vkey,
+        out=tmp_path / "run.toml",
+    ).spec
     vkey.save(tmp_path / "v.pem")
     sw = Swarm(spec, 2)
     sw.store = LocalStore(store_dir)  # type: ignore[assignment]
+    sw.dataset = dataset_of(spec, sw.store)  # the peers train on the run's dataset, as real ones do
     sw.announce_all()
     params = theta0(sw)
-    # genesis first (the validator continues the launch the store holds), so peers know window 0's base
-    root = publish.publish_checkpoint(
-        sw.store, sw.run, sw.run_hash, 0, aggregate=GENESIS, params=params, identity=vkey, published_at=time.time()
-    )
+    root = read_launch(sw.store, sw.run, sw.run_hash, allowed_signers=[vkey.public_key])  # window 0's base
     for p in sw.peers:
         sw.upload(p.peer_id, 0, sw.honest(p, params, 0, root.digest))
     cmd = [
