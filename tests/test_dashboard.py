@@ -94,7 +94,7 @@ def test_current_window_says_what_it_shows(built: Built) -> None:
         c = views.current(log)
     assert c.open_window == built.windows and c.last is not None and c.last.status == "decided"
     assert [r.peer for r in c.uploaded] == list(built.pending) and c.uploaded_total == 2
-    assert set(c.not_read) == {PEERS[2], PEERS[3], EVIL} and c.not_read_total == 3
+    assert set(c.not_read) == {PEERS[2], PEERS[3], EVIL} and c.not_read_total == 3 and c.last_peers == 5
     assert not c.waiting_recorded and "window_waiting" in c.shown
 
 

@@ -109,7 +109,7 @@ def _current_box(c: Current) -> str:
         parts.append(f"<div>uploads read so far: <b>{c.uploaded_total}</b></div>")
         if c.last is not None:
             parts.append(
-                f"<div>not read yet of the {c.last.accepted + c.last.rejected} peers in window {c.last.window}: "
+                f"<div>not read yet of the {c.last_peers} peers in window {c.last.window}: "
                 f"<b>{c.not_read_total}</b></div>"
             )
         parts.append("</div>")

@@ -115,9 +115,9 @@ class Current:
     """Where the validator stands, as far as the log tells.
 
     ``last`` is the newest decided (or published) window; ``open_window`` the one after it, which
-    the validator gathers now. ``uploaded`` are the uploads read so far in windows not decided yet;
-    ``not_read`` the peers with a row in ``last`` whose upload to the open window has not been read
-    (at most ``LIST_CAP``; ``not_read_total`` counts all). ``waiting_recorded`` says whether the log
+    the validator gathers now. ``uploaded`` are the uploads read so far in the open window;
+    ``not_read`` the peers among the ``last_peers`` with a row in ``last`` whose upload to the open
+    window has not been read (lists hold at most ``LIST_CAP``; the totals count all). ``waiting_recorded`` says whether the log
     holds the validator's own list of whom it waits for (it does not; ``shown`` says what is shown).
     """
 
@@ -125,6 +125,7 @@ class Current:
     open_window: int | None
     uploaded: list[Received]
     uploaded_total: int
+    last_peers: int
     not_read: list[str]
     not_read_total: int
     waiting_recorded: bool
@@ -197,6 +198,7 @@ def current(log: ContributionLog) -> Current:
         open_window=open_window,
         uploaded=read[:LIST_CAP],
         uploaded_total=len(read),
+        last_peers=len(before),
         not_read=not_read[:LIST_CAP],
         not_read_total=len(not_read),
         waiting_recorded=False,
