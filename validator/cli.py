@@ -9,7 +9,8 @@
                              [--windows N] [--status-json]
                              [--eval-every N [--eval-sequences M]]
     sparseloco-validator logs --db vstate/contributions.sqlite [--peer ID] [--window A:B] [--rejected]
-                              [--windows | --evals] [--json | --csv] [--summary]
+                              [--windows | --evals] [--json | --csv] [--summary] [--plot PNG]
+    sparseloco-validator dashboard --db vstate/contributions.sqlite [--host 127.0.0.1] [--port 8080]
 
 Local settings (store, corpus, device, poll interval …; :mod:`protocol.settings`) come from the
 flags, then ``SPARSELOCO_*`` variables, then ``--settings FILE``, then run.toml's ``[local]`` table.
@@ -30,6 +31,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -432,6 +434,14 @@ _COLUMNS = (
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (an array of rows).")
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV.")
 @click.option("--summary", is_flag=True, help="Leaderboard: windows, acceptance rate, mean score per peer.")
+@click.option(
+    "--plot",
+    "plot_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Write the dashboard's charts to this PNG (val loss, outcomes per window, rejections by reason; "
+    "--window picks windows; needs matplotlib: pip install 'sparseloco[plot]').",
+)
 def logs(
     db: str,
     peer: str | None,
@@ -442,6 +452,7 @@ def logs(
     as_json: bool,
     as_csv: bool,
     summary: bool,
+    plot_path: str | None,
 ) -> None:
     """Show the contribution log: who sent what, how it scored, why it was rejected.
 
@@ -497,6 +508,9 @@ def logs(
     if not Path(db).exists():
         raise click.ClickException(f"no contribution log at {db}")
     windows = _parse_range(window_range)
+    if plot_path is not None:
+        _plot(db, plot_path, windows, others=(peer, rejected, per_window, evaluations, as_json, as_csv, summary))
+        return
     with ContributionLog(db) as log:
         if per_window:
             lo, hi = windows
@@ -517,6 +531,20 @@ def logs(
             return
         rows = log.rows(peer=peer, windows=windows, rejected_only=rejected)
         _emit([_flat(r) for r in rows], as_json, as_csv, _rows_table)
+
+
+def _plot(db: str, path: str, windows: tuple[int | None, int | None], others: tuple[object, ...]) -> None:
+    """``logs --plot``: the charts of the whole log (or of ``--window``) as one PNG."""
+    from validator.plots import write_plots  # matplotlib loads only for a plot
+
+    if any(others):
+        raise click.UsageError("--plot draws whole windows: only --window applies")
+    try:
+        with ContributionLog(db, readonly=True) as log:
+            write_plots(log, path, windows=windows)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote {path}")
 
 
 def _parse_range(text: str | None) -> tuple[int | None, int | None]:
@@ -647,6 +675,45 @@ def _evals_table(rows: list[dict[str, object]]) -> Table:
             _fmt(r["seconds"], 1),
         )
     return t
+
+
+# ------------------------------------------------------------------------------ dashboard
+@cli.command()
+@click.option(
+    "--db", default=str(Path(DEFAULT_STATE) / LOG_FILE), show_default=True, help="Contribution log (read only)."
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="Port (0: a free one).")
+def dashboard(db: str, host: str, port: int) -> None:
+    """Serve the contribution log as web pages: leaderboard (first and last seen, windows, acceptance,
+    mean score, reputation), one page per peer, validation loss and outcomes per window (SVG charts),
+    rejections by reason, and the window the validator has open.
+
+    \b
+    The same data as JSON, for other tools:
+      /api/overview  /api/leaderboard?page=N&per_page=M  /api/peers/<id>?page=N
+      /api/windows?from=A&to=B&points=N  /api/rejections?from=A&to=B  /api/current
+    The log is opened read-only on every request, so it can run beside a running
+    validator. Prints "dashboard at URL" once it listens; Ctrl-C or SIGTERM stops it.
+    """
+    from validator.dashboard import Dashboard
+
+    try:
+        server = Dashboard(db, host=host, port=port)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    click.echo(f"dashboard at {server.start()}  (log {db}, read-only; Ctrl-C stops)")
+    sys.stdout.flush()  # whoever started it reads the URL from a pipe
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
 
 
 def main() -> None:
