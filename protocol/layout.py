@@ -6,6 +6,7 @@
     <run>/aggregate/<window>                signed aggregate
     <run>/checkpoint/<window>/<file>        checkpoint files; ``manifest`` is the signed manifest
     <run>/peers/<peer_id>                   signed announcement
+    <run>/probe/<peer_id>                   any bytes: a peer's write and bandwidth probe (preflight)
 
 ``<run>`` is :func:`run_id` of the RunSpec hash (its first 16 hex characters) unless an operator
 names it. Windows are zero-padded to 8 digits so that a lexicographic listing is in window order.
@@ -33,7 +34,7 @@ CHECKPOINT_MANIFEST = "manifest"
 _RUN_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _WINDOW_RE = re.compile(rf"^[0-9]{{{WINDOW_DIGITS}}}$")
-KINDS = ("contrib", "aggregate", "checkpoint", "peers")
+KINDS = ("contrib", "aggregate", "checkpoint", "peers", "probe")
 
 
 def run_id(run_hash: str) -> str:
@@ -109,10 +110,16 @@ def peer_key(run: str, peer_id: str) -> str:
     return peers_prefix(run) + _peer(peer_id)
 
 
+def probe_key(run: str, peer_id: str) -> str:
+    """Where ``sparseloco-peer preflight`` checks that this peer can write, and how fast: nobody
+    reads it as part of the run."""
+    return f"{_run(run)}/probe/{_peer(peer_id)}"
+
+
 # ------------------------------------------------------------------------------ parsing
 @dataclass(frozen=True)
 class ParsedKey:
-    """What a key names. ``window`` is None for peers; ``peer_id``/``file`` where applicable."""
+    """What a key names. ``window`` is None for peers and probes; ``peer_id``/``file`` where applicable."""
 
     run: str
     kind: str  # one of KINDS
@@ -140,6 +147,6 @@ def parse_key(key: str, *, run: str | None = None) -> ParsedKey:
         return ParsedKey(r, kind, parse_window(rest[0]))
     if kind == "checkpoint" and len(rest) == 2:
         return ParsedKey(r, kind, parse_window(rest[0]), file=check_file_name(rest[1]))
-    if kind == "peers" and len(rest) == 1:
+    if kind in ("peers", "probe") and len(rest) == 1:
         return ParsedKey(r, kind, peer_id=_peer(rest[0]))
     raise MalformedPayload(f"key {key!r} does not follow the object layout")

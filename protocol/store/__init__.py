@@ -9,9 +9,10 @@
     open_store("dht://", initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."])
 
 Options go to the backend's constructor (:class:`LocalStore`, :class:`S3Store`, ``DHTStore``).
-Peers and the validator open the store their local settings name (``[local.store]``, the
-environment and ``--store`` / ``--dht-peer``: :mod:`protocol.settings`) with
-:func:`open_from_settings`.
+The validator opens the store its local settings name (``[local.store]``, the environment and
+``--store`` / ``--dht-peer``: :mod:`protocol.settings`) with :func:`open_from_settings`; a peer
+with :func:`open_peer_store`, which goes through the run's grant server when the settings name one
+(``store.grant_url``: :class:`~protocol.store.granted.GrantedStore`, no credential needed).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from protocol.store.local import LocalStore
 from protocol.store.memory import MemoryStore
 
 if TYPE_CHECKING:
+    from protocol.identity import Identity
     from protocol.settings import StoreSettings
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "check_key",
     "check_prefix",
     "open_from_settings",
+    "open_peer_store",
     "open_store",
     "put_once",
 ]
@@ -131,3 +134,22 @@ def open_from_settings(settings: StoreSettings, **options: Any) -> ObjectStore:
         merged["initial_peers"] = list(settings.dht_bootstrap)
     merged.update(options)
     return open_store(settings.url, **merged)
+
+
+def open_peer_store(settings: StoreSettings, identity: Identity, run_hash: str, **options: Any) -> ObjectStore:
+    """The store a peer of run ``run_hash`` opens: with ``settings.grant_url`` a
+    :class:`~protocol.store.granted.GrantedStore` that signs its grant requests with ``identity``
+    (reading anonymously from ``settings.url`` when ``settings.public_reads``); otherwise
+    :func:`open_from_settings` (a credential from the AWS chain, a directory, the DHT)."""
+    if not settings.grant_url:
+        if settings.public_reads:
+            raise ConfigError("store.public_reads needs store.grant_url (writes go through its grants)")
+        return open_from_settings(settings, **options)
+    from protocol.store.granted import GrantedStore
+
+    reads = None
+    if settings.public_reads:
+        if settings.url.partition("://")[0].lower() != "s3":
+            raise ConfigError(f"store.public_reads reads an s3:// bucket anonymously, not {settings.url!r}")
+        reads = open_from_settings(settings, anonymous=True)
+    return GrantedStore(settings.grant_url, identity, run_hash, reads=reads, **options)
