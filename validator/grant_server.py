@@ -25,8 +25,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from protocol.errors import ConfigError
-from protocol.grants import GRANT_PATH, INFO_PATH, MAX_REQUEST_BYTES, SIGNATURE_HEADER, GrantRefused, encode_grant
-from protocol.grants import encode_refusal as refusal_body
+from protocol.grants import (
+    GRANT_PATH,
+    INFO_PATH,
+    MAX_REQUEST_BYTES,
+    SIGNATURE_HEADER,
+    GrantRefused,
+    encode_grant,
+    encode_refusal,
+)
 from validator.grants import GrantDesk
 
 __all__ = ["GrantServer"]
@@ -131,11 +138,16 @@ class _Handler(BaseHTTPRequestHandler):
                 GrantRefused("not_found", f"GET {INFO_PATH} describes the run; there is nothing at {self.path}")
             )
             return
-        self._answer(HTTPStatus.OK, json.dumps(self.desk.info()).encode())
+        try:
+            info = self.desk.info(self.client_address[0])
+        except GrantRefused as refusal:
+            self._refuse(refusal)
+            return
+        self._answer(HTTPStatus.OK, json.dumps(info).encode())
 
     def _refuse(self, refusal: GrantRefused) -> None:
         headers = {"Retry-After": str(math.ceil(refusal.retry_after_s))} if refusal.retry_after_s > 0 else {}
-        self._answer(refusal.status, refusal_body(refusal), headers, close=refusal.status >= 400)
+        self._answer(refusal.status, encode_refusal(refusal), headers, close=refusal.status >= 400)
 
     def _answer(self, status: int, body: bytes, headers: dict[str, str] | None = None, *, close: bool = False) -> None:
         self.send_response(status)

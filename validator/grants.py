@@ -197,8 +197,10 @@ class GrantDesk:
         )
         return grant
 
-    def info(self) -> dict[str, object]:
-        """What ``GET /v1/info`` answers: the run, and the open window and its upload deadline."""
+    def info(self, address: str) -> dict[str, object]:
+        """What ``GET /v1/info`` answers ``address`` (within its rate): the run, and the open
+        window and its upload deadline."""
+        self._within_rate(self._addresses, address, self.clock(), f"address {address}")
         open_now = self.open_window()
         return {
             "run_id": self.run_id,
