@@ -280,11 +280,7 @@ class Preflight:
     def _reads(self) -> Check:
         signers = self.spec.validator.public_keys
         try:
-            windows = sorted(
-                layout.parse_key(k, run=self.run_id).window or 0
-                for k in self.store.list(layout.checkpoints_prefix(self.run_id))
-                if k.endswith("/" + layout.CHECKPOINT_MANIFEST)
-            )
+            windows = self._checkpoint_windows()
             if not windows:
                 return _failed("reads", "not_found", "the store lists no checkpoint of this run")
             newest = read_manifest(self.store, self.run_id, self.run_hash, windows[-1], allowed_signers=signers)
@@ -302,6 +298,18 @@ class Preflight:
             checkpoint_bytes=sum(sizes),
             aggregate_bytes=self._aggregate_bytes,
         )
+
+    def _checkpoint_windows(self) -> list[int]:
+        """Windows with a checkpoint manifest, ascending (keys that do not parse are not ours)."""
+        windows = []
+        for key in self.store.list(layout.checkpoints_prefix(self.run_id)):
+            try:
+                parsed = layout.parse_key(key, run=self.run_id)
+            except ProtocolError:
+                continue
+            if parsed.file == layout.CHECKPOINT_MANIFEST and parsed.window is not None:
+                windows.append(parsed.window)
+        return sorted(windows)
 
     def _grant(self) -> Check:
         store = self.store
