@@ -48,12 +48,11 @@ from protocol.identity import Identity
 from protocol.settings import LocalSettings, load_settings, settings_help
 from protocol.store import open_from_settings
 from protocol.store.presign import Presigner
-from validator.grant_server import GrantServer
-from validator.grants import GrantDesk, OpenWindows
 from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
-from validator.state import STATE_FILE
 
 if TYPE_CHECKING:
+    from validator.grant_server import GrantServer
+    from validator.grants import OpenWindows
     from validator.node import Validator
 
 DEFAULT_KEY = "~/.sparseloco/validator.pem"
@@ -195,6 +194,10 @@ def run(
         "validator.tls_cert": tls_cert,
         "validator.tls_key": tls_key,
     }
+    # torch and the grant desk load here, not at import: `logs` (what sparseloco demo runs) stays quick.
+    from validator.grants import OpenWindows
+    from validator.state import STATE_FILE
+
     windows_open = OpenWindows()  # the grant desk's view of the window clock, from our own events
 
     def emit_all(event: Event) -> None:
@@ -247,6 +250,9 @@ def _open_validator(run_path: str, local: LocalSettings, key_path: str, state_di
 
 def _grant_server(validator: Validator, local: LocalSettings, windows_open: OpenWindows, emit: Emit) -> GrantServer:
     """The started grant server of ``validator`` (its store signs the grants); GrantsServed says where."""
+    from validator.grant_server import GrantServer
+    from validator.grants import GrantDesk
+
     if not isinstance(validator.store, Presigner):
         raise ConfigError(
             f"--grant-port hands out presigned S3 requests: it needs an s3:// store, not {local.store.url}"
