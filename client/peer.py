@@ -42,9 +42,10 @@ Failures at a window boundary (store errors, bad aggregates, missed deadlines) b
 outcomes (a :class:`~protocol.events.PeerWindow` event with ``outcome`` and ``reason``). What stops
 the peer: configuration and identity errors; no genesis checkpoint of its run hash within
 ``peer.join_timeout_s`` (:class:`RunNotFound`: its run.toml differs from the operator's, or the
-validator is not up); and ``peer.max_upload_failures`` consecutive contributions the store refused
-while reads work (:class:`UploadsRefused`: a credential that may read but not write, so training
-on would only stall the run).
+validator is not up; a store that does not answer yet, such as a grant server whose validator is
+starting, is waited for within the same bound); and ``peer.max_upload_failures`` consecutive
+contributions the store refused while reads work (:class:`UploadsRefused`: a credential that may
+read but not write, so training on would only stall the run).
 
 Leaving. However :meth:`Peer.run` ends once the peer has announced (done, :meth:`stop`, Ctrl-C,
 one of the errors above), it replaces its announcement by a signed withdrawal: the validator stops

@@ -230,7 +230,7 @@ def encode_grant(grant: Presigned) -> bytes:
 
 
 def decode_grant(body: bytes) -> Presigned:
-    """A grant server's 200 answer; ``MalformedPayload``-like :class:`GrantRefused` ``malformed``
+    """A grant server's 200 answer as a :class:`Presigned`; :class:`GrantRefused` ``malformed``
     when it is not one (a proxy's error page, a server of another version)."""
     if len(body) > MAX_GRANT_BYTES:
         raise GrantRefused("malformed", f"grant over {MAX_GRANT_BYTES} bytes")

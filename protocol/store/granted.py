@@ -96,7 +96,11 @@ class _Retry(Exception):
 
 
 class _Regrant(Exception):
-    """The store refused a cached grant: ask for a new one and try again (once)."""
+    """The store refused a cached grant (``denied``): ask for a new one and try again, once."""
+
+    def __init__(self, denied: AccessDenied) -> None:
+        super().__init__(str(denied))
+        self.denied = denied
 
 
 class GrantedStore(ObjectStore):
@@ -133,8 +137,9 @@ class GrantedStore(ObjectStore):
 
     # ------------------------------------------------------------------ grants
     def ask(self, request: GrantRequest) -> Presigned:
-        """One grant, fresh from the server (retried while it is unreachable); refusals raise
-        :class:`GrantRefused`. What ``sparseloco-peer preflight`` uses to check a grant alone."""
+        """One grant, fresh from the server (retried while it is unreachable); a refusal raises
+        :class:`GrantNotGiven` (``PayloadTooLarge`` for ``too_large``). What ``sparseloco-peer
+        preflight`` uses to check a grant without using it."""
         return self._attempts(f"grant {request.op} {request.key!r}", lambda: self._ask_once(request), regrant=False)
 
     def info(self) -> dict[str, Any]:
@@ -205,11 +210,10 @@ class GrantedStore(ObjectStore):
         while True:
             try:
                 return once()
-            except _Regrant:
+            except _Regrant as exc:
                 if regranted or not regrant:
-                    raise AccessDenied(f"{what}: the store refused a fresh grant") from None
+                    raise exc.denied from None  # a fresh grant refused too: not an expiry
                 regranted = True
-                continue
             except GrantRefused as exc:
                 raise _store_error(what, self.grant_url, exc) from None
             except _Retry as exc:
@@ -290,9 +294,9 @@ class GrantedStore(ObjectStore):
         grant = self._granted(op, key, token)
         try:
             return grant, self._send(grant, key)
-        except AccessDenied:
+        except AccessDenied as exc:
             self._forget(op, key, token)  # expired, or signed by a credential that is gone
-            raise _Regrant() from None
+            raise _Regrant(exc) from None
 
     def _read_once(self, op: str, key: str, max_bytes: int) -> bytes:
         with self._read_response(op, key)[1] as resp:
