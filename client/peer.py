@@ -471,8 +471,8 @@ class Peer:
         key = f"{self.run_id}/contrib/<window>/{self.identity.peer_id}"
         return (
             f"the store refused this peer's contribution in {self._refused} consecutive windows "
-            f"(last: {reason}) while reading from it works: the credential cannot write {key} in "
-            f"{self.local.store.location()}. Ask the operator for a credential that may write there; "
+            f"(last: {reason}) while reading from it works: this peer may not write {key} in "
+            f"{self.local.store.location()}. Ask the operator for a credential (or grants) that may write there; "
             "training on without uploading would only hold the run's windows open"
         )
 
