@@ -76,6 +76,11 @@ def check_file_name(name: str) -> str:
 
 
 # ------------------------------------------------------------------------------ builders
+def contribs_prefix(run: str) -> str:
+    """Every window's contributions (what retention lists)."""
+    return f"{_run(run)}/contrib/"
+
+
 def contrib_prefix(run: str, window: int) -> str:
     return f"{_run(run)}/contrib/{window_str(window)}/"
 

@@ -168,7 +168,10 @@ class ValidatorSettings:
     ``eval_every``: evaluate θ on held-out data every N windows (0: never), on ``eval_sequences``
     sequences, recorded beside the contribution log. ``grant_port``: serve grants to peers
     without credentials on this port (0: no grant server), bound to ``grant_host``, over HTTPS
-    with ``tls_cert``/``tls_key`` (PEM files; both or neither)."""
+    with ``tls_cert``/``tls_key`` (PEM files; both or neither). ``retain_windows``: delete
+    contributions and aggregates older than the last N windows after each publish (0: keep
+    everything), keeping what a joiner needs; ``retain_checkpoint_every``: keep every M-th
+    checkpoint besides (0: only those catch-up needs) (:mod:`validator.retention`)."""
 
     gather_concurrency: int = 16
     eval_every: int = 0
@@ -177,6 +180,8 @@ class ValidatorSettings:
     grant_host: str = "0.0.0.0"
     tls_cert: str = ""
     tls_key: str = ""
+    retain_windows: int = 0
+    retain_checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
         _require(self.gather_concurrency >= 1, "validator.gather_concurrency must be >= 1")
@@ -184,6 +189,11 @@ class ValidatorSettings:
         _require(self.eval_sequences >= 1, "validator.eval_sequences must be >= 1")
         _require(0 <= self.grant_port <= 65535, "validator.grant_port must be in 0..65535")
         _require(bool(self.tls_cert) == bool(self.tls_key), "validator.tls_cert and validator.tls_key go together")
+        _require(
+            self.retain_windows == 0 or self.retain_windows >= 2,
+            "validator.retain_windows must be 0 (keep everything) or >= 2",
+        )
+        _require(self.retain_checkpoint_every >= 0, "validator.retain_checkpoint_every must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@
                              [--windows N] [--status-json]
                              [--eval-every N [--eval-sequences M]]
                              [--grant-port PORT [--grant-host HOST] [--tls-cert PEM --tls-key PEM]]
-                             [--wait-for-peers N]
+                             [--wait-for-peers N] [--retain-windows K [--retain-checkpoint-every M]]
+    sparseloco-validator gc --run run.toml [--store URL] [--retain-windows K]
+                            [--retain-checkpoint-every M] [--key validator.pem] [--dry-run] [--json]
     sparseloco-validator logs --db vstate/contributions.sqlite [--peer ID] [--window A:B] [--rejected]
                               [--windows | --evals] [--json | --csv] [--summary] [--plot PNG]
     sparseloco-validator dashboard --db vstate/contributions.sqlite [--host 127.0.0.1] [--port 8080]
@@ -292,6 +294,20 @@ class _InitProgress:
     default=0,
     help="A new run: publish genesis (open window 0) only once N peers have announced.",
 )
+@click.option(
+    "--retain-windows",
+    type=click.IntRange(0),
+    default=None,
+    help="After each publish, delete contributions and aggregates older than the last K windows, "
+    "keeping what joiners need (validator.retain_windows; 0: keep everything, K >= 2).",
+)
+@click.option(
+    "--retain-checkpoint-every",
+    type=click.IntRange(0),
+    default=None,
+    help="With --retain-windows: also keep every M-th checkpoint (validator.retain_checkpoint_every; "
+    "0: only those catch-up needs).",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def run(
     run_path: str,
@@ -311,6 +327,8 @@ def run(
     tls_cert: str | None,
     tls_key: str | None,
     wait_for_peers: int,
+    retain_windows: int | None,
+    retain_checkpoint_every: int | None,
     verbose: bool,
 ) -> None:
     """Validate windows: gather, check, score, aggregate, publish.
@@ -351,6 +369,8 @@ def run(
         "validator.grant_host": grant_host,
         "validator.tls_cert": tls_cert,
         "validator.tls_key": tls_key,
+        "validator.retain_windows": retain_windows,
+        "validator.retain_checkpoint_every": retain_checkpoint_every,
     }
     # torch and the grant desk load here, not at import: `logs` (what sparseloco demo runs) stays quick.
     from validator.grants import OpenWindows
@@ -380,6 +400,84 @@ def run(
             _wait_for_peers(validator, wait_for_peers)
         code = _serve(validator, windows, emit_all)
     sys.exit(code)
+
+
+@cli.command(epilog=settings_help())
+@click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False), help="RunSpec TOML.")
+@click.option(
+    "--settings",
+    "settings_path",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Local settings TOML (the keys of run.toml's [local] table).",
+)
+@click.option("--store", "store_url", default=None, help="Store URL (setting store.url).")
+@click.option(
+    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
+)
+@click.option(
+    "--retain-windows",
+    type=click.IntRange(0),
+    default=None,
+    help="Keep contributions and aggregates of the last K windows (validator.retain_windows; K >= 2).",
+)
+@click.option(
+    "--retain-checkpoint-every",
+    type=click.IntRange(0),
+    default=None,
+    help="Also keep every M-th checkpoint (validator.retain_checkpoint_every; 0: only those catch-up needs).",
+)
+@click.option(
+    "--key",
+    "key_path",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Validator Ed25519 key: a dht:// store deletes only the validator's records.",
+)
+@click.option("--dry-run", is_flag=True, help="List what would be deleted; delete nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+def gc(
+    run_path: str,
+    settings_path: str | None,
+    store_url: str | None,
+    dht_peers: tuple[str, ...],
+    retain_windows: int | None,
+    retain_checkpoint_every: int | None,
+    key_path: str | None,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Delete what the retention policy no longer keeps: contributions and aggregates older than
+    the last K windows, checkpoints before the newest one a joiner can start from (except genesis
+    and every M-th). The newest checkpoint, every aggregate after it, the dataset and the
+    announcements always stay. The run's window is read from its newest signed aggregate. Lists
+    every key with its size, and totals of what goes and what stays.
+
+    Exit status: 0 done, 1 a store error, 2 configuration error (retention off, bad RunSpec).
+    """
+    from validator.collection import collect_run
+
+    flags = {
+        "store.url": store_url,
+        "store.dht_bootstrap": list(dht_peers) or None,
+        "validator.retain_windows": retain_windows,
+        "validator.retain_checkpoint_every": retain_checkpoint_every,
+    }
+    try:
+        local = load_settings(run_path, settings_path=settings_path, flags=flags)
+        spec = RunSpec.load(run_path)
+        ident = Identity.load(Path(key_path)) if key_path else None
+        report = collect_run(spec, local, identity=ident, dry_run=dry_run)
+    except ConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_CONFIG)
+    except StoreError as exc:
+        click.echo(f"store error: {exc}", err=True)
+        sys.exit(EXIT_STORE)
+    if as_json:
+        click.echo(json.dumps(report.to_dict()))
+    else:
+        report.print(Console(highlight=False, soft_wrap=True))
 
 
 def _open_validator(run_path: str, local: LocalSettings, key_path: str, state_dir: str, emit: Emit) -> Validator:

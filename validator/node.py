@@ -55,7 +55,7 @@ import torch
 
 from protocol import layout
 from protocol.aggregate import NormLimit, SparseDict, aggregate, apply_outer, clip_to_limits
-from protocol.chain import delta_of, next_aggregate, read_launch
+from protocol.chain import checkpoint_base, delta_of, next_aggregate, read_launch, read_manifest, read_weights
 from protocol.config import RunSpec
 from protocol.data import assigned_batches, validation_batches
 from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
@@ -68,7 +68,7 @@ from protocol.store.base import ObjectStore
 from protocol.tokens import TokenDataset
 from protocol.windows import gather_close, is_checkpoint_window
 from protocol.wire import GENESIS, Aggregate, CheckpointManifest, Verified, decode_aggregate
-from validator import checks, publish, randomness, reference, window_checks
+from validator import checks, publish, randomness, reference, retention, window_checks
 from validator.budgets import Budgets
 from validator.consensus import agreement
 from validator.copies import CopyRule
@@ -115,6 +115,9 @@ WAITING_REPORT_S = 5.0
 # An announcement tracked this long (in upload deadlines) by an identity with no record may make
 # room for others when the registry is full.
 IDLE_WINDOWS = 4
+# Keys the retention policy deletes after one publish at most: a long run that turns retention on
+# spreads its backlog over the next windows (`sparseloco-validator gc` collects it at once).
+MAX_DELETES_PER_WINDOW = 1000
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +211,8 @@ class Validator:
             max_tracked=self.budgets.max_tracked_peers,
         )
         self.signers = sorted(set(spec.validator.public_keys))
+        v = self.local.validator
+        self.retention = retention.Retention(v.retain_windows, v.retain_checkpoint_every)
         self.state: ValidatorState | None = None
         self._standing_cache: tuple[int, dict[str, Standing]] | None = None
 
@@ -341,8 +346,27 @@ class Validator:
             launch = self._publish_genesis(params, self.clock())
         at = launch.value.published_at
         state = ValidatorState(self.run_hash, 0, launch.digest, at, params, launch=launch.digest, launched_at=at)
+        state = self._from_checkpoint(state) or state
         save_state(self.state_dir, state)
         return state
+
+    def _from_checkpoint(self, genesis: ValidatorState) -> ValidatorState | None:
+        """When the aggregates after genesis are gone (retention, ``sparseloco-validator gc``),
+        continue the store's launch from its newest checkpoint that verifies (what a joining peer
+        loads); None when aggregate 0 is still there (the whole chain is replayed) or no later
+        checkpoint verifies."""
+        if self._next_published(genesis) is not None:
+            return None
+        for window in reversed([w for w in retention.checkpoint_windows(self.store, self.run_id) if w > 0]):
+            try:
+                verified = read_manifest(self.store, self.run_id, self.run_hash, window, allowed_signers=self.signers)
+                base = checkpoint_base(verified, genesis.launch)
+                params = read_weights(self.store, verified.value, schema=self.schema)
+            except (ProtocolError, StoreError) as exc:
+                log.warning("checkpoint %d cannot restart the validator: %s", window, exc)
+                continue
+            return replace(genesis, window=window, base=base, opened_at=verified.value.published_at, params=params)
+        return None
 
     def _same_launch(self, state: ValidatorState) -> ValidatorState:
         """A saved state continues its own launch only: the store's genesis must be that launch
@@ -381,22 +405,26 @@ class Validator:
             published_at=published_at,
         )
 
+    def _next_published(self, st: ValidatorState) -> Verified[Aggregate] | None:
+        """The published aggregate that continues ``st``, if any (junk at the key is absent)."""
+        return next_aggregate(
+            self.store,
+            self.run_id,
+            self.run_hash,
+            st.window,
+            st.base,
+            allowed_signers=self.signers,
+            max_bytes=self.spec.validator.max_aggregate_bytes,
+            schema=self.schema,
+        )
+
     def _adopt_published(self) -> None:
         """Apply aggregates already published for the saved window (a crash after publishing, or a
         lost state directory): the chain in the store is the truth. What lies at the key without
         verifying or chaining onto this state (junk, another launch's) is not published."""
         while True:
             st = self._state()
-            agg = next_aggregate(
-                self.store,
-                self.run_id,
-                self.run_hash,
-                st.window,
-                st.base,
-                allowed_signers=self.signers,
-                max_bytes=self.spec.validator.max_aggregate_bytes,
-                schema=self.schema,
-            )
+            agg = self._next_published(st)
             if agg is None:
                 return
             params = {n: p.detach().clone() for n, p in st.params.items()}
@@ -820,6 +848,30 @@ class Validator:
         save_state(self.state_dir, nxt)
         self.state = nxt
         self._load_params(params)
+        self._collect(nxt.window)
+
+    def _collect(self, current: int) -> None:
+        """Apply the local retention policy now that window ``current`` is open
+        (:mod:`validator.retention`), at most ``MAX_DELETES_PER_WINDOW`` keys. The window is already
+        committed: a store error here is logged and the next window collects again."""
+        if not self.retention.enabled:
+            return
+        try:
+            plan = retention.plan_collection(
+                self.store,
+                self.run_id,
+                self.run_hash,
+                current=current,
+                policy=self.retention,
+                signers=self.signers,
+                max_deletes=MAX_DELETES_PER_WINDOW,
+            )
+            deleted = retention.collect(self.store, plan)
+        except StoreError as exc:
+            log.warning("retention at window %d failed, retried next window: %s", current, exc)
+            return
+        if deleted:
+            log.info("retention at window %d deleted %d objects (anchor %d)", current, deleted, plan.anchor)
 
     def _record_late(self, window: int) -> None:
         """Rows for announced peers whose upload to ``window`` arrived after it closed."""

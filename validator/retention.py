@@ -1,0 +1,205 @@
+"""Retention: which objects of a run the validator deletes, so that its store stops growing.
+
+Nothing in the protocol ever needs an old contribution, and a late joiner needs only the newest
+checkpoint and the aggregates after it (:mod:`client.sync`), yet every window adds N contributions,
+one aggregate and, every ``checkpoint_every`` windows, a full fp32 θ. A retention policy is a local
+choice of the validator (never part of the RunSpec: peers do not care how long objects are kept)::
+
+    policy = Retention(windows=16, checkpoint_every=100)
+    plan = plan_collection(store, run, run_hash, current=state.window, policy=policy, signers=keys)
+    collect(store, plan)                      # deletes plan.delete, in order
+
+With ``current`` the window the validator is at (aggregates ``< current`` are published) and the
+*horizon* ``h = current − windows``:
+
+* contributions of windows ``< h`` are deleted: the validator reads only the current window and the
+  one before it (late uploads);
+* the *anchor* is the newest checkpoint at a window ``≤ h`` whose signed manifest verifies and
+  belongs to the store's launch (genesis when there is none). Aggregates before the anchor are
+  deleted, and so are checkpoints before it, except genesis (the root of the chain) and every
+  ``checkpoint_every``-th (archival snapshots, 0: none);
+* everything else stays: every checkpoint after the anchor (so the newest one), every aggregate
+  from the anchor on, the dataset, announcements and anything that is not a layout key.
+
+So a joiner always finds the newest checkpoint and every aggregate after it, and a peer that began
+catching up from any checkpoint less than ``windows`` windows ago finds every aggregate it still has
+to replay: only a checkpoint at least that old, with a newer one also at least that old, loses the
+aggregates after it. A checkpoint is deleted manifest first, then its files (the reverse of
+publishing: a manifest never names a missing file).
+
+The validator applies its policy after each publish (:meth:`validator.node.Validator._advance`),
+at most ``max_deletes`` keys a window so that turning retention on for a long run spreads the
+backlog over the next windows; ``sparseloco-validator gc`` applies it at once (or shows it with
+``--dry-run``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from protocol import layout
+from protocol.chain import checkpoint_base, read_aggregate, read_launch, read_manifest
+from protocol.errors import ConfigError, MalformedPayload, ObjectNotFound, ProtocolError
+from protocol.store.base import ObjectStore
+
+__all__ = ["MIN_WINDOWS", "Plan", "Retention", "checkpoint_windows", "collect", "plan_collection", "published_window"]
+
+log = logging.getLogger(__name__)
+
+#: The fewest windows a policy may keep: the validator reads the contributions of the window it
+#: gathers and of the one before it (uploads that arrived late).
+MIN_WINDOWS = 2
+
+Signers = Collection[bytes | str]
+
+
+@dataclass(frozen=True)
+class Retention:
+    """``windows``: keep contributions and aggregates of the last N windows (0: keep everything,
+    the policy is off). ``checkpoint_every``: also keep every checkpoint whose window is a multiple
+    of M (0: only the ones catch-up needs, genesis and those after the anchor)."""
+
+    windows: int = 0
+    checkpoint_every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.windows != 0 and self.windows < MIN_WINDOWS:
+            raise ConfigError(f"retention must keep at least {MIN_WINDOWS} windows (or 0: keep everything)")
+        if self.checkpoint_every < 0:
+            raise ConfigError("retention checkpoint_every must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.windows > 0
+
+    def archived(self, window: int) -> bool:
+        """Whether the checkpoint of ``window`` is kept whatever the anchor (genesis, archival)."""
+        return window == 0 or (self.checkpoint_every > 0 and window % self.checkpoint_every == 0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a policy deletes at window ``current``: ``delete`` in a safe order (oldest first, a
+    checkpoint's manifest before its files), ``kept`` the run's chain keys it keeps. ``horizon``
+    and ``anchor`` as in the module doc. ``more`` is True when ``max_deletes`` cut the plan short."""
+
+    current: int
+    horizon: int
+    anchor: int
+    delete: tuple[str, ...]
+    kept: tuple[str, ...]
+    more: bool = False
+
+
+def plan_collection(
+    store: ObjectStore,
+    run: str,
+    run_hash: str,
+    *,
+    current: int,
+    policy: Retention,
+    signers: Signers,
+    max_deletes: int | None = None,
+) -> Plan:
+    """The keys ``policy`` deletes from ``store`` when the run is at window ``current`` (see the
+    module doc); an empty plan when the policy is off. Reads three listings and the manifests of
+    the anchor candidates; deletes nothing."""
+    horizon = current - policy.windows
+    if not policy.enabled or horizon <= 0:
+        return Plan(current, max(horizon, 0), 0, (), ())
+    contribs = _parsed(store.list(layout.contribs_prefix(run)), run)
+    aggregates = _parsed(store.list(layout.aggregate_prefix(run)), run)
+    checkpoints = _parsed(store.list(layout.checkpoints_prefix(run)), run)
+    anchor = _anchor(store, run, run_hash, checkpoints, horizon, signers)
+    delete: list[str] = [k for w, k in contribs if w < horizon]
+    delete += [k for w, k in aggregates if w < anchor]
+    delete += _checkpoint_order((w, k) for w, k in checkpoints if w < anchor and not policy.archived(w))
+    doomed = set(delete)
+    kept = tuple(k for _, k in (*contribs, *aggregates, *checkpoints) if k not in doomed)
+    more = max_deletes is not None and len(delete) > max_deletes
+    if more:
+        delete = delete[:max_deletes]
+    return Plan(current, horizon, anchor, tuple(delete), kept, more)
+
+
+def collect(store: ObjectStore, plan: Plan) -> int:
+    """Delete ``plan.delete`` in order; the number of keys deleted (deleting a key that is already
+    gone is not an error, so a collection interrupted half-way is simply planned and run again)."""
+    for key in plan.delete:
+        store.delete(key)
+    return len(plan.delete)
+
+
+def published_window(store: ObjectStore, run: str, run_hash: str, *, signers: Signers, max_bytes: int) -> int:
+    """The window a run is at, read from its store (what ``sparseloco-validator gc`` collects
+    against, without the validator's state): one past its newest aggregate that verifies, 0 when
+    there is none. Keys that do not verify are skipped: a forged aggregate far ahead must not make
+    every real object look old."""
+    for window, _ in reversed(_parsed(store.list(layout.aggregate_prefix(run)), run)):
+        try:
+            if read_aggregate(store, run, run_hash, window, allowed_signers=signers, max_bytes=max_bytes) is not None:
+                return window + 1
+        except ProtocolError as exc:
+            log.warning("aggregate %d does not verify; not counted: %s", window, exc)
+    return 0
+
+
+def checkpoint_windows(store: ObjectStore, run: str) -> list[int]:
+    """Windows whose checkpoint manifest is in ``store``, ascending (verified by whoever reads them)."""
+    return sorted({w for w, k in _parsed(store.list(layout.checkpoints_prefix(run)), run) if k.endswith("/manifest")})
+
+
+def _parsed(keys: Iterable[str], run: str) -> list[tuple[int, str]]:
+    """(window, key) of every layout key with a window; keys that are not ours are never touched."""
+    out: list[tuple[int, str]] = []
+    for key in keys:
+        try:
+            parsed = layout.parse_key(key, run=run)
+        except MalformedPayload:
+            log.debug("retention leaves the foreign key %r alone", key)
+            continue
+        if parsed.window is not None:
+            out.append((parsed.window, key))
+    return sorted(out)
+
+
+def _anchor(
+    store: ObjectStore,
+    run: str,
+    run_hash: str,
+    checkpoints: Sequence[tuple[int, str]],
+    horizon: int,
+    signers: Signers,
+) -> int:
+    """The newest checkpoint window ``≤ horizon`` whose manifest verifies, belongs to the store's
+    launch and whose files are all there; 0 (genesis) when there is none. A forged or damaged
+    manifest is never an anchor: trusting one would delete the aggregates a joiner needs."""
+    manifests = sorted(
+        {w for w, k in checkpoints if 0 < w <= horizon and k == layout.checkpoint_manifest_key(run, w)}, reverse=True
+    )
+    if not manifests:
+        return 0
+    present = {k for _, k in checkpoints}
+    try:
+        launch = read_launch(store, run, run_hash, allowed_signers=signers).digest
+    except (ObjectNotFound, ProtocolError) as exc:
+        log.warning("no verified genesis manifest; retention keeps every aggregate: %s", exc)
+        return 0
+    for window in manifests:
+        try:
+            verified = read_manifest(store, run, run_hash, window, allowed_signers=signers)
+            checkpoint_base(verified, launch)
+        except (ObjectNotFound, ProtocolError) as exc:
+            log.warning("checkpoint %d is not an anchor for retention: %s", window, exc)
+            continue
+        if all(f.key in present for f in verified.value.files):
+            return window
+        log.warning("checkpoint %d misses files; not an anchor for retention", window)
+    return 0
+
+
+def _checkpoint_order(items: Iterable[tuple[int, str]]) -> list[str]:
+    """Checkpoint keys oldest window first, each window's manifest before its files."""
+    return [k for _, _, k in sorted((w, not k.endswith("/" + layout.CHECKPOINT_MANIFEST), k) for w, k in items)]
