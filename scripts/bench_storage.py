@@ -189,6 +189,7 @@ def table(result: Mapping[str, Any]) -> Table:
         "growth / window",
         "after 1000 windows",
         "retained: growth / window",
+        "retained: steady",
         "retained: after 1000",
     ):
         t.add_column(col, justify="right")
@@ -201,6 +202,7 @@ def table(result: Mapping[str, Any]) -> Table:
             _gib(r["growth_per_window"]),
             _gib(r["after_1000_windows"]),
             _gib(r["retained_growth_per_window"]),
+            _gib(r["retained_steady_bytes"]),
             _gib(r["retained_after_1000_windows"]),
         )
     return t
