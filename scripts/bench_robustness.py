@@ -53,6 +53,7 @@ from protocol.data import assigned_batches, open_dataset, random_batches, valida
 from protocol.feedback import FeedbackState, compress_step
 from protocol.identity import Identity
 from protocol.model import build_model, lm_loss, parameters_of
+from protocol.settings import LocalSettings
 from protocol.store.memory import MemoryStore
 from protocol.wire import Announcement, Contribution, encode_announcement, encode_contribution
 from validator.budgets import Budgets
@@ -62,6 +63,7 @@ from validator.reference import clip_limits
 torch.set_num_threads(1)
 
 MODEL = {"dim": 64, "n_layers": 1, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 64}
+LOCAL = LocalSettings(poll_interval_s=0.02)
 TARGET_TOKEN = ord("$")  # the token the targeted-row attacker promotes (3e-5 of the corpus)
 Params = dict[str, torch.Tensor]
 
@@ -71,7 +73,7 @@ def bench_spec(vkey: Identity, *, max_contributors: int, row_clip: bool = True) 
         model=MODEL,
         data={"seq_len": 32, "batch_size": 4},
         inner={"steps": 4, "lr": 3e-3, "warmup_steps": 1},
-        windows={"upload_deadline_s": 10.0, "poll_interval_s": 0.02, "gather_grace_s": 0.05, "checkpoint_every": 1000},
+        windows={"upload_deadline_s": 10.0, "gather_grace_s": 0.05, "checkpoint_every": 1000},
         validator={
             "public_keys": [vkey.public_key_hex],
             "eval_sequences": 8,
@@ -517,7 +519,7 @@ def run_scenario(
             sw.announce(h.identity)
     attackers = sc.attackers(sw, len(honest_ids), attack_from)
     early = [a for a in attackers if isinstance(a, Established)]  # join a window early to earn a record
-    v = Validator(spec, MemoryStore(sw.name), vkey, state_dir, budgets=sc.budgets)
+    v = Validator(spec, MemoryStore(sw.name), vkey, state_dir, local=LOCAL, budgets=sc.budgets)
     v.resume()
     crashes, peak, gather_s = 0, 0, []
     for t in range(windows):
@@ -560,7 +562,7 @@ def run_scenario(
             crashes += 1
             traceback.print_exc(file=sys.stderr)
             v.close()
-            v = Validator(spec, MemoryStore(sw.name), vkey, state_dir, budgets=sc.budgets)  # a restart
+            v = Validator(spec, MemoryStore(sw.name), vkey, state_dir, local=LOCAL, budgets=sc.budgets)  # a restart
             v.resume()
         feeder.join()
     out = _measure(v, sw, honest, attackers, windows)

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-
-yaml = pytest.importorskip("yaml")
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILES = ("Dockerfile", "Dockerfile.validator")
