@@ -24,23 +24,20 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
 
 from protocol import layout
 from protocol.chain import MAX_MANIFEST_BYTES, read_weights
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, MalformedPayload, ObjectNotFound, ProtocolError
 from protocol.identity import peer_id_of
+from protocol.model import Transformer, param_schema
 from protocol.settings import StoreSettings
 from protocol.store import open_from_settings
 from protocol.store.base import ObjectStore
 from protocol.wire import CheckpointManifest, Verified, decode_checkpoint
-
-if TYPE_CHECKING:  # listing and naming checkpoints never loads torch; reading θ does
-    import torch
-    from torch import Tensor
-
-    from protocol.model import Transformer
 
 __all__ = [
     "Checkpoint",
@@ -238,8 +235,6 @@ def load_checkpoint(spec: RunSpec, loc: Location, settings: StoreSettings | None
             v = read_signed_manifest(spec, store, window)
         except ObjectNotFound:
             raise ConfigError(f"no checkpoint of window {window} in {loc.store_url}") from None
-        from protocol.model import param_schema
-
         params = read_weights(store, v.value, schema=param_schema(spec.model))
         return Checkpoint(v.value, params, v.public_key.hex(), loc.store_url)
     finally:
@@ -248,10 +243,6 @@ def load_checkpoint(spec: RunSpec, loc: Location, settings: StoreSettings | None
 
 def model_of(spec: RunSpec, ckpt: Checkpoint, device: str | torch.device = "cpu") -> Transformer:
     """The run's model holding θ of ``ckpt``, in eval mode on ``device``."""
-    import torch
-
-    from protocol.model import Transformer
-
     with torch.device("cpu"):
         model = Transformer(spec.model)  # θ replaces the initial weights: no need for build_model's θ₀
     model.load_state_dict(ckpt.params, strict=True)

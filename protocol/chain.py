@@ -27,9 +27,6 @@ is also the read cap (a 1B-parameter θ is 4 GiB, far above any aggregate cap).
 
 Aggregates and manifests come back with their proof (:class:`~protocol.wire.Verified`): an
 aggregate's digest is the base of the next window, the genesis manifest's digest the launch.
-
-Reading and verifying the chain needs no torch (``sparseloco status``, ``checkpoints``); torch and
-safetensors load only in :func:`delta_of` and :func:`read_weights`, which hand tensors on.
 """
 
 from __future__ import annotations
@@ -37,9 +34,13 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
 
 from protocol import layout
+from protocol.aggregate import SparseDict
 from protocol.errors import (
     DigestMismatch,
     MalformedPayload,
@@ -48,13 +49,9 @@ from protocol.errors import (
     SchemaMismatch,
     StaleBase,
 )
+from protocol.model import fingerprint
 from protocol.store.base import ObjectStore
 from protocol.wire import GENESIS, Aggregate, CheckpointManifest, Verified, decode_aggregate, decode_checkpoint
-
-if TYPE_CHECKING:
-    import torch
-
-    from protocol.aggregate import SparseDict
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
@@ -140,8 +137,6 @@ def next_aggregate(
 
 def delta_of(agg: Aggregate) -> SparseDict:
     """An aggregate's Δ̄ in :mod:`protocol.aggregate`'s form (what ``apply_outer`` takes)."""
-    import torch
-
     return {name: (t.indices.to(torch.int64), t.values.to(torch.float32)) for name, t in agg.tensors.items()}
 
 
@@ -183,12 +178,6 @@ def read_weights(
     store: ObjectStore, manifest: CheckpointManifest, *, schema: Schema | None = None
 ) -> dict[str, torch.Tensor]:
     """θ from the files a verified manifest lists (float32, CPU), each checked against its entry."""
-    import torch
-    from safetensors import SafetensorError
-    from safetensors.torch import load as st_load
-
-    from protocol.model import fingerprint
-
     if not manifest.files:
         raise MalformedPayload(f"checkpoint {manifest.window} lists no files")
     params: dict[str, torch.Tensor] = {}

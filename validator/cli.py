@@ -31,7 +31,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-import logging
 import os
 import signal
 import sys
@@ -52,6 +51,7 @@ from protocol.config import RunSpec
 from protocol.errors import ConfigError, ProtocolError, StoreError
 from protocol.events import Event, EventWriter, Failed, GrantsServed, Stopped, ValidatorStarted, describe
 from protocol.identity import Identity
+from protocol.logformat import FORMATS, JsonLogLines, setup_logging
 from protocol.settings import LocalSettings, load_settings, resolve_settings, settings_help
 from protocol.store import open_from_settings
 from protocol.store.presign import Presigner
@@ -292,6 +292,22 @@ class _InitProgress:
     default=0,
     help="A new run: publish genesis (open window 0) only once N peers have announced.",
 )
+@click.option(
+    "--log-format",
+    type=click.Choice(FORMATS),
+    default="human",
+    show_default=True,
+    help="human: timestamped lines; json: one JSON object per line (time, level, logger, event, message, "
+    "the event's fields), events on stdout, log records on stderr.",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (window, phase, accepted/rejected, "
+    "check failures by reason, phase durations, peers expected/uploaded, bytes read …).",
+)
+@click.option("--metrics-host", default="0.0.0.0", show_default=True, help="Address the metrics endpoint binds.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def run(
     run_path: str,
@@ -311,6 +327,9 @@ def run(
     tls_cert: str | None,
     tls_key: str | None,
     wait_for_peers: int,
+    log_format: str,
+    metrics_port: int | None,
+    metrics_host: str,
     verbose: bool,
 ) -> None:
     """Validate windows: gather, check, score, aggregate, publish.
@@ -336,10 +355,14 @@ def run(
     Exit status: 0 done, 1 the store failed at start, 2 configuration or identity error, 130 stopped
     or interrupted.
     """
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    emit: Emit = EventWriter(sys.stdout) if status_json else _HumanLines(Console(highlight=False, soft_wrap=True))
+    setup_logging(log_format, verbose=verbose, stream=sys.stderr)
+    emit: Emit
+    if status_json:
+        emit = EventWriter(sys.stdout)
+    elif log_format == "json":
+        emit = JsonLogLines(sys.stdout, role=ROLE)
+    else:
+        emit = _HumanLines(Console(highlight=False, soft_wrap=True))
     flags = {
         "store.url": store_url,
         "store.dht_bootstrap": list(dht_peers) or None,
@@ -357,12 +380,20 @@ def run(
     from validator.state import STATE_FILE
 
     windows_open = OpenWindows()  # the grant desk's view of the window clock, from our own events
+    sinks: list[Emit] = [windows_open.observe]
 
     def emit_all(event: Event) -> None:
-        windows_open.observe(event)
+        for sink in sinks:
+            sink(event)
         emit(event)
 
     with ExitStack() as stack:
+        if metrics_port is not None:
+            from protocol.metrics import Metrics
+
+            metrics = Metrics(role=ROLE)
+            sinks.append(metrics)
+            stack.enter_context(metrics.serve(metrics_port, metrics_host))
         try:
             local = load_settings(run_path, settings_path=settings_path, flags=flags)
             validator = _open_validator(run_path, local, key_path, state_dir, emit_all)
@@ -553,6 +584,29 @@ def logs(
                      last_window; the table also shows the periodic evaluations
     Times are unix seconds; absent values are null (empty in CSV). Rows exist only for
     announced peers.
+
+    \b
+    Columns of the table (one row per contribution):
+      accepted / reason  the decision; the reason of a rejection (below)
+      bytes     the contribution's size in the store
+      norm      its update's norm (checked against the reference: norm_outlier, norm_tiny)
+      overlap   its largest Top-k index overlap with an upload read before it (0..1; the
+                copy check), – when not compared
+      own Δ     loss_own_after − loss_own_before: the change of the loss on the peer's own
+                assigned data when its update alone is applied (negative = it learned)
+      random Δ  the same on random held-out sequences, shared by every peer of the window
+      score     own gain − |random gain| (gain = before − after): > 0 means the update lowered
+                the loss on its own data more than it moved it elsewhere; – when not scored
+                (only a sample of peers is scored per window)
+      rep       reputation after the window: an exponential moving average (decay
+                validator.reputation_decay) of +1 for a scored update with score > 0, −1 for
+                a score ≤ 0 or a rejection held against the peer; unscored accepted windows
+                and the rejections marked * below leave it unchanged. It can be negative for
+                accepted work: an update within eval_harm_tolerance is accepted (it did no
+                harm) but a score ≤ 0 is no evidence of useful training, so it counts −1.
+      weight    its weight in the aggregate (1.0 accepted, 0.0 rejected)
+    Peers read their own row of each window (accepted, reason, score, rep) from the outcomes
+    the validator publishes with every aggregate (<run>/outcomes/<window>, protocol.outcomes).
 
     \b
     Rejection reasons (* = never held against the peer):

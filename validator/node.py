@@ -787,6 +787,8 @@ class Validator:
             published_at=published_at,
             reasons=reasons,
             seconds=clock.seconds,
+            uploaded=len(rows),
+            download_bytes=sum(r.bytes or 0 for r in rows),
         )
         self.emit(report)
         return report

@@ -1,0 +1,183 @@
+"""What operators and volunteers see of a running node: metrics, JSON logs, published outcomes.
+
+The unit tests feed :mod:`protocol.metrics` and :mod:`protocol.logformat` typed events and read
+back the Prometheus exposition text and the JSON lines; the outcomes object is checked against
+its aggregate's digest. The integration test scrapes the ``--metrics-port`` endpoints of a real
+validator and peer process of a small swarm and checks that the peer learned its real score.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from protocol.errors import DigestMismatch, MalformedPayload
+from protocol.events import Applied, PeerWindow, WindowOpened, WindowPublished, WindowWaiting
+from protocol.identity import Identity
+from protocol.logformat import JsonFormatter, JsonLogLines
+from protocol.metrics import Metrics
+from protocol.outcomes import PeerOutcome, decode_outcomes, encode_outcomes, outcomes_digest
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of Prometheus exposition text."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return samples(resp.read().decode())
+
+
+def test_peer_metrics_follow_events_over_http() -> None:
+    metrics = Metrics(role="peer")
+    with metrics.serve(0, "127.0.0.1") as server:
+        metrics(
+            PeerWindow(window=3, outcome="uploaded", loss=2.5, tokens=1000, inner_s=2.0, upload_bytes=70, data_bytes=9)
+        )
+        phase = scrape(server.port)
+        assert phase[("sparseloco_phase", (("phase", "waiting_for_aggregate"),))] == 1
+        metrics(
+            Applied(
+                window=3,
+                fingerprint="f",
+                included=False,
+                weight=None,
+                contributors=2,
+                accepted=False,
+                reason="norm_too_large",
+                score=-0.25,
+                reputation=-0.1,
+            )
+        )
+        got = scrape(server.port)
+    assert got[("sparseloco_window", ())] == 4
+    assert got[("sparseloco_inner_loss", ())] == 2.5
+    assert got[("sparseloco_tokens_per_second", ())] == 500
+    assert got[("sparseloco_upload_bytes_total", ())] == 70
+    assert got[("sparseloco_data_bytes_total", ())] == 9
+    assert got[("sparseloco_score", ())] == -0.25
+    assert got[("sparseloco_reputation", ())] == -0.1
+    assert got[("sparseloco_contributions_total", (("outcome", "rejected"),))] == 1
+    assert got[("sparseloco_check_failures_total", (("reason", "norm_too_large"),))] == 1
+    assert got[("sparseloco_phase", (("phase", "training"),))] == 1
+    assert got[("sparseloco_phase", (("phase", "waiting_for_aggregate"),))] == 0
+    assert got[("sparseloco_phase_seconds", (("phase", "inner"),))] == 2.0
+
+
+def test_validator_metrics() -> None:
+    metrics = Metrics(role="validator")
+    metrics(WindowOpened(window=5, base="b", opened_at=0.0))
+    metrics(WindowWaiting(window=5, waiting_for=["a", "b"], uploaded=1, closes_in_s=3.0))
+    metrics(
+        WindowPublished(
+            window=5,
+            accepted=2,
+            rejected=1,
+            val_loss=3.5,
+            digest="d",
+            fingerprint="f",
+            published_at=1.0,
+            reasons={"stale_base": 1},
+            seconds={"gather": 1.5},
+            uploaded=3,
+            download_bytes=300,
+        )
+    )
+    from prometheus_client import generate_latest
+
+    got = samples(generate_latest(metrics.registry).decode())
+    assert got[("sparseloco_peers_expected", ())] == 3
+    assert got[("sparseloco_peers_uploaded", ())] == 3
+    assert got[("sparseloco_contributions_total", (("outcome", "accepted"),))] == 2
+    assert got[("sparseloco_check_failures_total", (("reason", "stale_base"),))] == 1
+    assert got[("sparseloco_phase_seconds", (("phase", "gather"),))] == 1.5
+    assert got[("sparseloco_download_bytes_total", ())] == 300
+    assert got[("sparseloco_val_loss", ())] == 3.5
+
+
+def test_json_log_lines_have_the_fixed_fields() -> None:
+    stream = io.StringIO()
+    JsonLogLines(stream, role="peer")(PeerWindow(window=2, outcome="skipped", reason="late"))
+    record = logging.LogRecord("validator.node", logging.WARNING, __file__, 1, "slow %s", ("store",), None)
+    lines = [json.loads(stream.getvalue()), json.loads(JsonFormatter().format(record))]
+    for line in lines:
+        assert {"time", "level", "logger", "event", "message"} <= set(line)
+        assert line["time"].endswith("Z")
+    assert lines[0]["event"] == "window" and lines[0]["window"] == 2 and "[" not in lines[0]["message"]
+    assert lines[1] == {**lines[1], "level": "warning", "event": "log", "message": "slow store"}
+
+
+def test_outcomes_are_bound_to_their_digest() -> None:
+    peer = Identity.generate().peer_id
+    blob = encode_outcomes("ab" * 32, 7, [PeerOutcome(peer, False, "copied", 0.5, -0.2)])
+    table = decode_outcomes(blob, digest=outcomes_digest(blob), run_hash="ab" * 32, window=7)
+    assert table.get(peer) == PeerOutcome(peer, False, "copied", 0.5, -0.2)
+    with pytest.raises(DigestMismatch):
+        decode_outcomes(blob.replace(b"copied", b"copier"), digest=outcomes_digest(blob), run_hash="ab" * 32, window=7)
+    with pytest.raises(MalformedPayload):
+        decode_outcomes(blob, digest=outcomes_digest(blob), run_hash="ab" * 32, window=8)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.integration
+def test_swarm_metrics_endpoints_and_real_scores(tmp_path: Path) -> None:
+    """A validator and a peer with --metrics-port: scraped while they run; the peer's Applied
+    events carry the validator's verdict on its contribution, not the manifest weight."""
+    from client.demo.swarm import VALIDATOR, LocalSwarm
+    from tests.test_integration_swarm import TIMEOUT_S, small
+
+    vport, pport = free_port(), free_port()
+    with LocalSwarm(
+        tmp_path / "run",
+        peers=2,
+        windows=3,
+        store="file",
+        overrides=small(),
+        validator_args=["--metrics-port", str(vport), "--metrics-host", "127.0.0.1"],
+    ) as swarm:
+        swarm.start_validator()
+        swarm.wait_validator_ready(TIMEOUT_S)
+        swarm.start_peer(0, "--metrics-port", str(pport), "--metrics-host", "127.0.0.1")
+        swarm.start_peer(1)
+        p0 = swarm.peers["peer-0"]
+
+        def judged() -> bool:
+            return any(isinstance(e, Applied) and e.accepted is not None for e in p0.events)
+
+        swarm.follow(judged, timeout_s=TIMEOUT_S)
+        swarm.pause(VALIDATOR)  # the peer now waits for the next aggregate: it stays up to be scraped
+        try:
+            peer = scrape(pport)
+        finally:
+            swarm.resume(VALIDATOR)
+        validator = scrape(vport)
+        verdict = next(e for e in p0.events if isinstance(e, Applied) and e.accepted is not None)
+        swarm.follow(swarm.finished, timeout_s=TIMEOUT_S)
+        swarm.wait_exit(timeout_s=60.0)
+    assert verdict.accepted and verdict.score is not None and verdict.reputation is not None
+    assert peer[("sparseloco_window", ())] >= 1
+    assert peer[("sparseloco_upload_bytes_total", ())] > 0
+    assert peer[("sparseloco_tokens_per_second", ())] > 0
+    assert peer[("sparseloco_contributions_total", (("outcome", "accepted"),))] >= 1
+    assert ("sparseloco_score", ()) in peer and ("sparseloco_reputation", ()) in peer
+    assert validator[("sparseloco_contributions_total", (("outcome", "accepted"),))] >= 2
+    assert validator[("sparseloco_peers_uploaded", ())] >= 1
+    assert validator[("sparseloco_download_bytes_total", ())] > 0
+    assert ("sparseloco_phase_seconds", (("phase", "gather"),)) in validator
