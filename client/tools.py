@@ -8,19 +8,25 @@ Each subcommand is a thin click command; the work lives in the library. To add o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import click
 
 from client.demo.cli import demo as demo_cmd
 from client.model_tools import COMMANDS as MODEL_COMMANDS
 from protocol.config import RunSpec
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, StoreError
 from protocol.identity import public_key_from_hex
 from protocol.layout import run_id
 from protocol.settings import local_table
+
+if TYPE_CHECKING:
+    from client.inspect import InspectResult
 
 EXIT_INVALID = 2
 INSPECT_MAX_BYTES = 1 << 30  # client.inspect.DEFAULT_MAX_BYTES (that module loads torch)
@@ -35,14 +41,41 @@ def main() -> None:
 @click.command("inspect")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(dir_okay=True, path_type=str))
 @click.option("--max-bytes", type=int, default=INSPECT_MAX_BYTES, show_default=True, help="Size cap per object.")
+@click.option(
+    "--run",
+    "run_path",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="RunSpec TOML: require its run hash and its validator keys (OK then means signed by this run's "
+    "validator); its [local] store settings open store URLs.",
+)
 @click.option("--run-hash", default=None, help="Also require this RunSpec hash (64 hex).")
 @click.option(
     "--validator-key", "validator_keys", multiple=True, help="Hex public key allowed to sign aggregates (repeatable)."
 )
-def inspect_cmd(paths: tuple[str, ...], max_bytes: int, run_hash: str | None, validator_keys: tuple[str, ...]) -> None:
-    """Validate signed object files (signature, structure, payloads) and print one line per file.
+@click.option("--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr for dht:// URLs (repeatable).")
+def inspect_cmd(
+    paths: tuple[str, ...],
+    max_bytes: int,
+    run_path: str | None,
+    run_hash: str | None,
+    validator_keys: tuple[str, ...],
+    dht_peers: tuple[str, ...],
+) -> None:
+    """Validate signed objects (signature, structure, payloads) and print one line per object.
 
-    Exit status 0 when every file is valid, 2 otherwise. A directory stands for all files below it.
+    \b
+    PATHS are files, directories (every file below), or store URLs: a key, a prefix,
+    a run or a whole store, e.g.
+      sparseloco inspect --run run.toml s3://bucket/runs/<run id>/aggregate/00000003
+      sparseloco inspect --run run.toml file:///srv/store        (the run's objects)
+      sparseloco inspect dht://<run id>/checkpoint/ --dht-peer /ip4/…
+    S3 credentials and endpoints come from the AWS_* variables, the URL's query
+    (?endpoint=…&region=…) or --run's [local] store settings.
+
+    Without --run or --validator-key, OK means well-formed and signed by the key it names, not
+    that this run's validator signed it (stderr says so). Exit status 0 when every object is
+    valid, 2 otherwise.
     """
     from client.inspect import inspect_paths
 
@@ -50,13 +83,79 @@ def inspect_cmd(paths: tuple[str, ...], max_bytes: int, run_hash: str | None, va
         raise click.BadParameter("must be 64 lowercase hex characters", param_hint="--run-hash")
     try:
         allowed = [public_key_from_hex(k) for k in validator_keys] or None
+        spec = RunSpec.load(run_path) if run_path else None
     except ConfigError as exc:
-        raise click.BadParameter(str(exc), param_hint="--validator-key") from None
+        raise click.BadParameter(str(exc), param_hint="--validator-key/--run") from None
+    if spec is not None:
+        if run_hash is not None and run_hash != spec.hash():
+            raise click.BadParameter(f"{run_path} has run hash {spec.hash()}", param_hint="--run-hash")
+        run_hash = spec.hash()
+        allowed = [*(allowed or []), *(public_key_from_hex(k) for k in spec.validator.public_keys)]
+    check = Checks(max_bytes, run_hash, allowed)
     all_ok = True
-    for result in inspect_paths(paths, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed):
-        click.echo(result.line)
-        all_ok &= result.ok
+    for path in paths:
+        if "://" in path:
+            results = _inspect_url(path, run_path, spec, dht_peers, check)
+        else:
+            results = inspect_paths([path], max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed)
+        for result in results:
+            click.echo(result.line)
+            all_ok &= result.ok
+    _trust_note(spec, run_hash, allowed)
     sys.exit(0 if all_ok else EXIT_INVALID)
+
+
+def _inspect_url(
+    url: str, run_path: str | None, spec: RunSpec | None, dht_peers: tuple[str, ...], check: Checks
+) -> Iterator[InspectResult]:
+    """The objects a store URL names (see ``inspect --help``); an unusable URL is one INVALID line."""
+    from client.inspect import inspect_store, split_store_url
+    from protocol.settings import StoreSettings, load_settings
+    from protocol.store import open_from_settings
+
+    root, prefix = split_store_url(url, run_id(spec.hash()) if spec is not None else None)
+    try:
+        base = load_settings(run_path).store if run_path else StoreSettings()
+        bootstrap = tuple(dht_peers) or base.dht_bootstrap
+        store = open_from_settings(dataclasses.replace(base, url=root, dht_bootstrap=bootstrap))
+    except (ConfigError, StoreError) as exc:
+        from client.inspect import InspectResult, printable
+
+        reason = exc.reason if isinstance(exc, StoreError) else "config_error"
+        yield InspectResult(url, False, printable(f"INVALID {url} {reason}: {exc}"), reason=reason)
+        return
+    with store:
+        yield from inspect_store(
+            store,
+            prefix,
+            label=root.partition("?")[0],
+            max_bytes=check.max_bytes,
+            run_hash=check.run_hash,
+            allowed_signers=check.allowed_signers,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Checks:
+    """What ``inspect`` requires of every object."""
+
+    max_bytes: int
+    run_hash: str | None
+    allowed_signers: list[bytes] | None
+
+
+def _trust_note(spec: RunSpec | None, run_hash: str | None, allowed: list[bytes] | None) -> None:
+    """What OK meant, on stderr (stdout holds exactly one line per object)."""
+    if spec is not None:
+        note = f"checked against run {run_id(spec.hash())} (hash {spec.hash()}): OK means signed by its validator"
+        note += " (aggregates, checkpoints, dataset) or by a peer for this run (contributions, announcements)"
+    elif allowed:
+        note = "OK means aggregates and checkpoints were signed by a --validator-key"
+        note += f", for run hash {run_hash}" if run_hash else " (any run: give --run or --run-hash)"
+    else:
+        note = "no --run or --validator-key: OK means well-formed and validly signed by the key it names, not"
+        note += " that a run's validator signed it"
+    click.echo(f"note: {note}", err=True)
 
 
 @click.command("run-id")
