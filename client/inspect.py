@@ -16,7 +16,8 @@ the run's layout (:mod:`protocol.layout`) begins::
         for r in inspect_store(store, prefix, label=root): ...
 
 Data shards and tokenizers (named by their sha256) and checkpoint weight files (listed by a valid
-manifest among the inspected objects) are checked against their names and manifests.
+manifest among the inspected objects) are checked against their names and manifests, a window's
+outcomes (:mod:`protocol.outcomes`) against the digest its aggregate signed.
 
 The files come from anywhere, so what they make it print is treated as hostile too: every line is
 one line of printable text (control characters, escape sequences and bidirectional overrides in
@@ -30,13 +31,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 from protocol import layout
 from protocol.errors import PayloadTooLarge, ProtocolError, StoreError
+from protocol.outcomes import OUTCOMES, decode_outcomes
 from protocol.store.base import ObjectStore
 from protocol.wire import (
     Aggregate,
@@ -212,9 +214,10 @@ def inspect_store(
     if not keys:
         yield _invalid(f"{label}/{prefix}", "not_found", "no object at this key or under this prefix")
         return
+    check = partial(inspect_bytes, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed_signers)
     results: dict[str, InspectResult] = {}
     for key in keys:
-        path = f"{label.rstrip('/')}/{key}"
+        path = label + key if label.endswith("://") else f"{label.rstrip('/')}/{key}"
         try:
             data = store.get(key, max_bytes=max_bytes)
         except (ProtocolError, StoreError) as exc:
@@ -223,10 +226,10 @@ def inspect_store(
         named = _named_by_digest(key)
         if named is not None:
             results[key] = _check_named(path, data, named)
-            continue
-        results[key] = inspect_bytes(
-            data, path, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed_signers
-        )
+        elif _is_outcomes(key):
+            results[key] = _check_outcomes(store, key, path, data, check)
+        else:
+            results[key] = check(data, path)
     listed = {
         entry.key: (r.obj.value.window, entry)
         for r in results.values()
@@ -239,6 +242,35 @@ def inspect_store(
             data = store.get(key, max_bytes=entry.size + 1)
             r = _check_listed(r.path, data, window, entry)
         yield r
+
+
+def _is_outcomes(key: str) -> bool:
+    parts = key.split("/")
+    return len(parts) == 3 and parts[1] == "outcomes"
+
+
+def _check_outcomes(
+    store: ObjectStore, key: str, path: str, data: bytes, check: Callable[[bytes, str], InspectResult]
+) -> InspectResult:
+    """Outcomes carry no signature: they are checked against the digest their aggregate signed."""
+    run, _, window_text = key.split("/")
+    try:
+        window = layout.parse_window(window_text)
+        agg_key = layout.aggregate_key(run, window)
+        agg = check(store.get(agg_key, max_bytes=DEFAULT_MAX_BYTES), agg_key)
+        if agg.obj is None or not isinstance(agg.obj.value, Aggregate):
+            return _invalid(path, agg.reason or "malformed", f"its aggregate does not verify: {agg.line}")
+        digest = agg.obj.value.metadata.get(OUTCOMES)
+        if not isinstance(digest, str):
+            return _invalid(path, "malformed", "its aggregate names no outcomes")
+        table = decode_outcomes(data, digest=digest, run_hash=agg.obj.value.run_hash, window=window)
+    except (ProtocolError, StoreError) as exc:
+        return _invalid(path, exc.reason, str(exc))
+    accepted = sum(r.accepted for r in table.rows.values())
+    line = (
+        f"OK outcomes window={window} peers={len(table.rows)} accepted={accepted} digest={_short(digest)} path={path}"
+    )
+    return InspectResult(path, True, printable(line))
 
 
 def _named_by_digest(key: str) -> str | None:

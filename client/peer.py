@@ -394,6 +394,10 @@ class Peer:
                 "aggregate": agg.digest,
                 "included": bool(mine),
                 "weight": weight,
+                "accepted": verdict.accepted if verdict else None,
+                "reason": verdict.reason if verdict else None,
+                "score": verdict.score if verdict else None,
+                "reputation": verdict.reputation if verdict else None,
                 "time": round(time.time(), 3),
             }
         )

@@ -12,7 +12,9 @@ import dataclasses
 import json
 import re
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
@@ -27,6 +29,7 @@ from protocol.settings import local_table
 
 if TYPE_CHECKING:
     from client.inspect import InspectResult
+    from client.status import RunStatus
 
 EXIT_INVALID = 2
 INSPECT_MAX_BYTES = 1 << 30  # client.inspect.DEFAULT_MAX_BYTES (that module loads torch)
@@ -182,6 +185,120 @@ def run_id_cmd(run_path: str, as_json: bool) -> None:
     click.echo(f"run hash  {run_hash}")
 
 
+@click.command("status")
+@click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False), help="RunSpec TOML.")
+@click.option(
+    "--state",
+    "state_dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="The local peer's state directory [default: ~/.sparseloco/<run id>].",
+)
+@click.option("--store", "store_url", default=None, help="Store URL (setting store.url).")
+@click.option("--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def status_cmd(
+    run_path: str, state_dir: str | None, store_url: str | None, dht_peers: tuple[str, ...], as_json: bool
+) -> None:
+    """Where the run stands and whether this peer agrees with it.
+
+    \b
+    Shows the chain head (the newest aggregate signed by the run's validator:
+    window, digest, published_at, θ fingerprint), the last checkpoint, the
+    peers of the head's window (accepted from the aggregate's manifest; with
+    the validator's published outcomes also the rejected ones, their reason,
+    score and reputation) and whether the local peer's θ matches the chain
+    (the last record of its state directory's windows.jsonl against the
+    chain's aggregate of that window).
+
+    JSON fields: run_id, run_hash, store, head {window, digest, published_at,
+    fingerprint, accepted, rejected, val_loss}, head_error, checkpoint {window,
+    published_at, fingerprint, bytes}, peers [{peer, accepted, reason, score,
+    reputation}], outcomes (published | none | unreadable: …), local {peer_id,
+    window, fingerprint, matches, detail}.
+
+    Exit status: 0 (1 when the local peer's θ differs from the chain), 2 configuration error.
+    """
+    from client.status import run_status
+    from protocol.identity import Identity
+    from protocol.settings import load_settings
+    from protocol.store import open_peer_store
+
+    try:
+        spec = RunSpec.load(run_path)
+        flags = {"store.url": store_url, "store.dht_bootstrap": list(dht_peers) or None}
+        settings = load_settings(run_path, flags=flags).store
+        state = Path(state_dir) if state_dir else Path("~/.sparseloco").expanduser() / run_id(spec.hash())
+        key = state / "key.pem"
+        identity = Identity.load(key) if key.exists() else Identity.generate()  # reads need no standing
+        with open_peer_store(settings, identity, spec.hash(), validator_keys=spec.validator.public_keys) as store:
+            status = run_status(
+                spec,
+                store,
+                store_url=settings.location(),
+                state_dir=state if state.exists() else None,
+                peer_id=identity.peer_id if key.exists() else None,
+            )
+    except (ConfigError, StoreError) as exc:
+        click.echo(f"sparseloco status: {exc}", err=True)
+        sys.exit(EXIT_INVALID)
+    if as_json:
+        click.echo(json.dumps(status.to_json(), sort_keys=True, allow_nan=False))
+    else:
+        _print_status(status)
+    sys.exit(1 if status.local is not None and status.local.matches is False else 0)
+
+
+def _print_status(status: RunStatus) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def when(ts: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+    click.echo(f"run        {status.run_id} (hash {status.run_hash})  store {status.store}")
+    h = status.head
+    if h is None:
+        click.echo("head       no signed aggregate yet" + (f" ({status.head_error})" if status.head_error else ""))
+    else:
+        loss = f"  val_loss {h.val_loss:.4f}" if h.val_loss is not None else ""
+        click.echo(
+            f"head       window {h.window}  digest {h.digest[:16]}  published {when(h.published_at)}"
+            f"  θ {h.fingerprint[:16]}  accepted {h.accepted}  rejected {_opt(h.rejected)}{loss}"
+        )
+    c = status.checkpoint
+    click.echo(
+        f"checkpoint window {c['window']}  published {when(c['published_at'])}  θ {str(c['fingerprint'])[:16]}"
+        f"  {c['bytes']:,} B"
+        if c
+        else "checkpoint none"
+    )
+    if status.local is None:
+        click.echo("local      no peer state directory")
+    else:
+        mark = {True: "MATCH", False: "DIFFERS", None: "-"}[status.local.matches]
+        click.echo(f"local      {mark}  {status.local.detail}")
+    if h is not None:
+        table = Table(title=f"peers of window {h.window} (outcomes: {status.outcomes})")
+        for col in ("peer", "accepted", "reason", "score", "rep"):
+            table.add_column(col)
+        me = status.local.peer_id if status.local else None
+        for r in status.peers:
+            table.add_row(
+                r.peer + (" (you)" if r.peer == me else ""),
+                "yes" if r.accepted else "no",
+                r.reason or "",
+                _opt(r.score, "{:+.4g}"),
+                _opt(r.reputation, "{:.3f}"),
+            )
+        Console(highlight=False).print(table)
+
+
+def _opt(value: float | int | None, fmt: str = "{}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+main.add_command(status_cmd)
 main.add_command(run_id_cmd)
 main.add_command(inspect_cmd)
 main.add_command(demo_cmd)  # the local swarm launcher (client/demo/cli.py)

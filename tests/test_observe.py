@@ -181,3 +181,80 @@ def test_swarm_metrics_endpoints_and_real_scores(tmp_path: Path) -> None:
     assert validator[("sparseloco_peers_uploaded", ())] >= 1
     assert validator[("sparseloco_download_bytes_total", ())] > 0
     assert ("sparseloco_phase_seconds", (("phase", "gather"),)) in validator
+
+
+# ---------------------------------------------------------------------- outcomes, status, inspect over a store
+def test_validator_publishes_outcomes_that_status_and_inspect_read(tmp_path: Path) -> None:
+    """One window with honest peers and one stale upload: the aggregate names the outcomes' digest,
+    status shows the head, every uploader (the rejected one with its reason) and whether a local
+    windows.jsonl matches the chain; inspect over the store with the run's keys passes every object."""
+    import hashlib
+
+    from client.inspect import inspect_store
+    from client.status import run_status
+    from protocol import layout
+    from protocol.chain import read_aggregate
+    from protocol.model import build_model, parameters_of
+    from protocol.outcomes import OUTCOMES, read_outcomes
+    from tests.validator_fixtures import LOCAL, Swarm, tiny_spec
+    from validator.node import Validator
+
+    vkey = Identity.generate()
+    sw = Swarm(tiny_spec(vkey), 3)
+    try:
+        sw.announce_all()
+        v = Validator(sw.spec, sw.handle(), vkey, tmp_path / "v", local=LOCAL)
+        v.resume()
+        params = {n: p.detach().clone() for n, p in parameters_of(build_model(sw.spec.model)).items()}
+        for p in sw.peers[:2]:
+            sw.upload(p.peer_id, 0, sw.honest(p, params, 0, v.state.base))
+        stale = sw.peers[2]
+        sw.upload(stale.peer_id, 0, sw.honest(stale, params, 0, hashlib.sha256(b"another base").hexdigest()))
+        assert v.run_window() is not None
+
+        agg = read_aggregate(
+            sw.store, sw.run, sw.run_hash, 0, allowed_signers=sw.spec.validator.public_keys, max_bytes=1 << 26
+        )
+        assert agg is not None and isinstance(agg.value.metadata[OUTCOMES], str)
+        table = read_outcomes(sw.store, sw.run, agg)
+        assert table is not None and set(table.rows) == {p.peer_id for p in sw.peers}
+        assert table.rows[stale.peer_id].accepted is False and table.rows[stale.peer_id].reason == "stale_base"
+
+        state = tmp_path / "peer"
+        state.mkdir()
+        record = {"window": 0, "aggregate": agg.digest, "fingerprint": agg.value.fingerprint}
+        (state / "windows.jsonl").write_text(json.dumps(record) + "\n")
+        status = run_status(sw.spec, sw.store, store_url="memory://", state_dir=state, peer_id=sw.peers[0].peer_id)
+        assert status.head is not None and status.head.window == 0 and status.head.digest == agg.digest
+        assert status.outcomes == "published"
+        assert {r.peer: r.accepted for r in status.peers} == {p.peer_id: p != stale for p in sw.peers}
+        assert status.local is not None and status.local.matches is True
+        json.dumps(status.to_json(), allow_nan=False)
+        (state / "windows.jsonl").write_text(json.dumps({**record, "fingerprint": "0" * 64}) + "\n")
+        diverged = run_status(sw.spec, sw.store, store_url="memory://", state_dir=state, peer_id=None)
+        assert diverged.local is not None and diverged.local.matches is False
+
+        keys = [k.hex() for k in map(bytes.fromhex, sw.spec.validator.public_keys)]
+        results = list(
+            inspect_store(sw.store, f"{sw.run}/", label="memory://", run_hash=sw.run_hash, allowed_signers=keys)
+        )
+        kinds = {layout.parse_key(r.path.removeprefix("memory://")).kind for r in results}
+        assert {"aggregate", "contrib", "peers", "outcomes", "checkpoint"} <= kinds
+        assert all(r.ok for r in results), [r.line for r in results if not r.ok]
+        assert any(r.line.startswith("OK outcomes window=0 peers=3 accepted=2") for r in results)
+    finally:
+        sw.close()
+
+
+def test_split_store_url() -> None:
+    from client.inspect import split_store_url
+
+    run = "ab12cd34ef56ab78"
+    assert split_store_url(f"s3://b/runs/{run}/aggregate/00000003?region=x") == (
+        "s3://b/runs?region=x",
+        f"{run}/aggregate/00000003",
+    )
+    assert split_store_url(f"file:///srv/store/{run}/contrib/") == ("file:///srv/store", f"{run}/contrib/")
+    assert split_store_url("file:///srv/store", run) == ("file:///srv/store", f"{run}/")
+    assert split_store_url(f"file:///srv/store/{run}", run) == ("file:///srv/store", f"{run}")
+    assert split_store_url(f"dht://{run}/checkpoint/00000000/manifest")[1] == f"{run}/checkpoint/00000000/manifest"
