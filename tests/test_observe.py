@@ -258,3 +258,43 @@ def test_split_store_url() -> None:
     assert split_store_url("file:///srv/store", run) == ("file:///srv/store", f"{run}/")
     assert split_store_url(f"file:///srv/store/{run}", run) == ("file:///srv/store", f"{run}")
     assert split_store_url(f"dht://{run}/checkpoint/00000000/manifest")[1] == f"{run}/checkpoint/00000000/manifest"
+
+
+# ---------------------------------------------------------------------- commands that never train load no torch
+_PROBE = """
+import sys
+from importlib import import_module
+module, func, *args = sys.argv[1:]
+sys.argv = [module, *args]
+try:
+    getattr(import_module(module), func)()
+except SystemExit:
+    pass
+print("TORCH_LOADED" if "torch" in sys.modules else "TORCH_FREE", file=sys.stderr)
+"""
+
+
+def test_commands_that_do_not_train_never_import_torch(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from checkpoint_fixtures import make_run
+
+    from validator.log import ContributionLog
+
+    run = make_run(tmp_path, windows=(0,))
+    with ContributionLog(tmp_path / "log.sqlite"):
+        pass
+    commands = [
+        ["validator.cli", "main", "keygen", "--key", str(tmp_path / "v.pem")],
+        ["validator.cli", "main", "logs", "--db", str(tmp_path / "log.sqlite")],
+        ["validator.cli", "main", "run", "--help"],
+        ["client.tools", "main", "run-id", str(run.run_toml)],
+        ["client.tools", "main", "--help"],
+        ["client.cli", "main", "id", "--state", str(tmp_path / "peer")],
+        ["client.cli", "main", "--help"],
+        ["client.cli", "main", "join", "--help"],
+    ]
+    for argv in commands:
+        proc = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=120)
+        assert proc.stderr.strip().endswith("TORCH_FREE"), (argv, proc.stdout[-500:], proc.stderr[-2000:])
