@@ -6,6 +6,7 @@
     sparseloco-peer join --run run.toml --store s3://bucket/run      # credentials: AWS_* env vars
     sparseloco-peer join --run run.toml --store dht:// --dht-peer /ip4/1.2.3.4/tcp/31337/p2p/Qm…
     sparseloco-peer id --state ~/.sparseloco/<run id>                # the peer id (the key is created)
+    sparseloco-peer join --run run.toml --metrics-port 9100 --log-format json   # for monitoring
 
 Parse, build, run, close: the work lives in :mod:`client.peer`; this module resolves the local
 settings (:mod:`protocol.settings`: flags > SPARSELOCO_* > --settings FILE > run.toml [local]) and
@@ -21,10 +22,10 @@ the announcement withdraws it, so the validator does not wait for this peer.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,9 @@ EXIT_CONFIG = 2
 EXIT_UPLOADS_REFUSED = 3
 EXIT_INTERRUPTED = 130
 KEY_FILE = "key.pem"  # in the state directory, as LocalState.key_path names it
+# What join says outside the event stream (a configuration error, where the metrics are): through
+# logging, so that it carries a timestamp, or is a JSON line with --log-format json.
+_log = logging.getLogger("sparseloco.peer")
 
 
 @click.group()
@@ -163,7 +167,7 @@ def join(
         local = load_settings(run_path, settings_path=settings_path, flags=flags)
         code = _join(run_path, local, key_path, state_dir, max_windows, until_window, status_json, pipeline, out)
     except ConfigError as exc:
-        _say(f"sparseloco-peer: {exc}")
+        _log.error(f"sparseloco-peer: {exc}")
         code = EXIT_CONFIG
     sys.exit(code)
 
@@ -204,7 +208,7 @@ def _join(
         metrics = Metrics(role="peer")
         sinks.append(metrics)
         server = metrics.serve(out.metrics_port, out.metrics_host)
-        _say(f"metrics at http://{out.metrics_host}:{server.port}/metrics")
+        _log.info(f"metrics at http://{out.metrics_host}:{server.port}/metrics")
     display = PeerDisplay(json_lines=status_json, log_format=out.log_format, sinks=sinks)
     peer = Peer(spec, store, identity, state, trainer, local=local, display=display)
     try:
@@ -216,13 +220,13 @@ def _join(
         return EXIT_INTERRUPTED
     except UploadsRefused as exc:
         display.emit(Failed(reason=exc.reason, detail=str(exc)))
-        _say(f"sparseloco-peer: stopped: {exc}")
+        _log.error(f"sparseloco-peer: stopped: {exc}")
         return EXIT_UPLOADS_REFUSED
     except (RunNotFound, ProtocolError, StoreError) as exc:
         # Only reached when joining itself fails (no genesis, no usable checkpoint, store unreachable).
         display.emit(Failed(reason=exc.reason, detail=str(exc)))
         hint = "" if isinstance(exc, RunNotFound) else _run_hint(spec, local)
-        _say(f"sparseloco-peer: cannot join: {exc}{hint}")
+        _log.error(f"sparseloco-peer: cannot join: {exc}{hint}")
         return EXIT_CANNOT_JOIN
     finally:
         store.close()
@@ -237,11 +241,6 @@ class Output:
     log_format: str = "human"
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
-
-
-def _say(message: str) -> None:
-    """A line on stderr, timestamped like every other line of the peer's log."""
-    click.echo(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}", err=True)
 
 
 def _load_spec(run_path: str) -> RunSpec:

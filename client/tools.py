@@ -280,18 +280,19 @@ def _print_status(status: RunStatus) -> None:
         click.echo(f"local      {mark}  {status.local.detail}")
     if h is not None:
         table = Table(title=f"peers of window {h.window} (outcomes: {status.outcomes})")
-        for col in ("peer", "accepted", "reason", "score", "rep"):
-            table.add_column(col)
+        for col in ("peer", "", "accepted", "reason", "score", "rep"):
+            table.add_column(col, no_wrap=True)
         me = status.local.peer_id if status.local else None
         for r in status.peers:
             table.add_row(
-                r.peer + (" (you)" if r.peer == me else ""),
+                r.peer,
+                "you" if r.peer == me else "",
                 "yes" if r.accepted else "no",
                 r.reason or "",
                 _opt(r.score, "{:+.4g}"),
                 _opt(r.reputation, "{:.3f}"),
             )
-        Console(highlight=False).print(table)
+        Console(highlight=False, width=None if sys.stdout.isatty() else 120).print(table)  # a pipe: no truncation
 
 
 def _opt(value: float | int | None, fmt: str = "{}") -> str:

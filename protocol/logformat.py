@@ -100,4 +100,6 @@ def setup_logging(log_format: str, *, verbose: bool, stream: IO[str]) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    # The commands' own messages (``sparseloco.*`` loggers) are worth reading without --verbose.
+    logging.getLogger("sparseloco").setLevel(logging.DEBUG if verbose else logging.INFO)
     logging.captureWarnings(True)

@@ -298,3 +298,43 @@ def test_commands_that_do_not_train_never_import_torch(tmp_path: Path) -> None:
     for argv in commands:
         proc = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=120)
         assert proc.stderr.strip().endswith("TORCH_FREE"), (argv, proc.stdout[-500:], proc.stderr[-2000:])
+
+
+def test_both_commands_timestamp_human_lines_and_write_json_lines(tmp_path: Path) -> None:
+    """A run.toml without a dataset: each command reports the configuration error as a timestamped
+    human line, or as a JSON object with the fixed fields under --log-format json."""
+    import re
+    import subprocess
+    import sys
+
+    from checkpoint_fixtures import make_run
+
+    run = make_run(tmp_path, windows=(0,))
+    base = {
+        "validator": ["validator.cli", "main", "run", "--run", str(run.run_toml), "--key", str(tmp_path / "v.pem")],
+        "peer": ["client.cli", "main", "join", "--run", str(run.run_toml), "--state", str(tmp_path / "p")],
+    }
+    (tmp_path / "v.pem").write_bytes(b"")  # never read: the run.toml is refused first
+    stamp = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}")
+    for role, argv in base.items():
+        for fmt in ("human", "json"):
+            cmd = [sys.executable, "-c", _RUN, *argv, "--log-format", fmt]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 2, (role, fmt, proc.stdout, proc.stderr)
+            lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+            assert lines and any("dataset" in line for line in lines), (role, fmt, lines)
+            for line in lines:
+                if fmt == "human":
+                    assert stamp.match(line), (role, line)
+                else:
+                    record = json.loads(line)
+                    assert {"time", "level", "logger", "event", "message"} <= set(record), line
+
+
+_RUN = """
+import sys
+from importlib import import_module
+module, func, *args = sys.argv[1:]
+sys.argv = [module, *args]
+getattr(import_module(module), func)()
+"""

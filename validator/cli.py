@@ -9,7 +9,7 @@
                              [--windows N] [--status-json]
                              [--eval-every N [--eval-sequences M]]
                              [--grant-port PORT [--grant-host HOST] [--tls-cert PEM --tls-key PEM]]
-                             [--wait-for-peers N]
+                             [--wait-for-peers N] [--metrics-port PORT] [--log-format human|json]
     sparseloco-validator logs --db vstate/contributions.sqlite [--peer ID] [--window A:B] [--rejected]
                               [--windows | --evals] [--json | --csv] [--summary] [--plot PNG]
     sparseloco-validator dashboard --db vstate/contributions.sqlite [--host 127.0.0.1] [--port 8080]
@@ -22,7 +22,8 @@ without a store credential get presigned requests for their own keys and for rea
 ``run`` reports what happens as :mod:`protocol.events` records: one timestamped human line each
 (``2025-01-31 12:00:03 window 3 published: accepted=3 rejected=0 val_loss=4.5487 …``), or with
 ``--status-json`` one JSON object per line on stdout and nothing else there (what ``sparseloco
-demo`` reads). Ctrl-C or SIGTERM finish or abandon the current window cleanly (a restart resumes
+demo`` reads), or with ``--log-format json`` one JSON log object per line (:mod:`protocol.logformat`);
+``--metrics-port`` serves Prometheus metrics fed by the same events (:mod:`protocol.metrics`). Ctrl-C or SIGTERM finish or abandon the current window cleanly (a restart resumes
 it). Exit codes: 0 done, 1 the store failed at start, 2 configuration/identity error, 130 interrupted.
 """
 
