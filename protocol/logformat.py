@@ -8,7 +8,7 @@ with the same fixed fields, for a log collector::
      "event": "window_published", "message": "window 3 published: …", "window": 3, "accepted": 3, …}
     {"time": "…", "level": "warning", "logger": "validator.node", "event": "log", "message": "…"}
 
-``time`` is ISO 8601 UTC, ``level`` one of debug, info, warning, error; ``event`` the event kind
+``time`` is ISO 8601 UTC, ``level`` one of debug, info, warning, error, critical; ``event`` the event kind
 (``log`` for a plain log record); the event's own fields follow (its unix ``time`` is ``time``).
 ``--log-format human`` (the default) prefixes every line, log records too, with the local time.
 
@@ -73,6 +73,15 @@ class JsonLogLines:
             self.stream.flush()
 
 
+def level_name(levelno: int) -> str:
+    """debug, info, warning, error or critical: fixed names (a library may rename the levels
+    ``logging`` prints, as hivemind does with ``WARN``)."""
+    for threshold, name in ((logging.CRITICAL, "critical"), (logging.ERROR, "error"), (logging.WARNING, "warning")):
+        if levelno >= threshold:
+            return name
+    return "info" if levelno >= logging.INFO else "debug"
+
+
 class JsonFormatter(logging.Formatter):
     """A ``logging`` record as a JSON line with the fixed fields (``event`` is ``log``)."""
 
@@ -82,7 +91,7 @@ class JsonFormatter(logging.Formatter):
             message += "\n" + self.formatException(record.exc_info)
         body = {
             "time": iso_time(record.created),
-            "level": record.levelname.lower(),
+            "level": level_name(record.levelno),
             "logger": record.name,
             "event": "log",
             "message": message,
