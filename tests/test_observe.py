@@ -167,6 +167,8 @@ def test_swarm_metrics_endpoints_and_real_scores(tmp_path: Path) -> None:
             peer = scrape(pport)
         finally:
             swarm.resume(VALIDATOR)
+        # The validator reports window 0 published after the peers can read its aggregate.
+        swarm.follow(lambda: 0 in swarm.published, timeout_s=TIMEOUT_S)
         validator = scrape(vport)
         verdict = next(e for e in p0.events if isinstance(e, Applied) and e.accepted is not None)
         swarm.follow(swarm.finished, timeout_s=TIMEOUT_S)
