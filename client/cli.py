@@ -6,6 +6,7 @@
     sparseloco-peer join --run run.toml --store s3://bucket/run      # credentials: AWS_* env vars
     sparseloco-peer join --run run.toml --store dht:// --dht-peer /ip4/1.2.3.4/tcp/31337/p2p/Qm…
     sparseloco-peer id --state ~/.sparseloco/<run id>                # the peer id (the key is created)
+    sparseloco-peer join --run run.toml --metrics-port 9100 --log-format json   # for monitoring
 
 Parse, build, run, close: the work lives in :mod:`client.peer`; this module resolves the local
 settings (:mod:`protocol.settings`: flags > SPARSELOCO_* > --settings FILE > run.toml [local]) and
@@ -21,9 +22,12 @@ the announcement withdraws it, so the validator does not wait for this peer.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -34,10 +38,12 @@ from protocol.config import RunSpec
 from protocol.errors import ConfigError, ProtocolError, StoreError
 from protocol.identity import Identity
 from protocol.layout import run_id
+from protocol.logformat import FORMATS, setup_logging
 from protocol.settings import LocalSettings, load_settings, settings_help
 
 if TYPE_CHECKING:  # the torch-heavy modules load after argument parsing
     from client.window import WindowTrainer
+    from protocol.events import Event
     from protocol.store.base import ObjectStore
     from protocol.tokens import TokenDataset
 
@@ -46,6 +52,9 @@ EXIT_CONFIG = 2
 EXIT_UPLOADS_REFUSED = 3
 EXIT_INTERRUPTED = 130
 KEY_FILE = "key.pem"  # in the state directory, as LocalState.key_path names it
+# What join says outside the event stream (a configuration error, where the metrics are): through
+# logging, so that it carries a timestamp, or is a JSON line with --log-format json.
+_log = logging.getLogger("sparseloco.peer")
 
 
 @click.group()
@@ -90,6 +99,21 @@ def main() -> None:
 )
 @click.option("--status-json", is_flag=True, help="One JSON object per line on stdout instead of the live panel.")
 @click.option(
+    "--log-format",
+    type=click.Choice(FORMATS),
+    default="human",
+    show_default=True,
+    help="human: timestamped lines and the live panel on stderr; json: one JSON object per line on stderr "
+    "(time, level, logger, event, message, the event's fields).",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (window, phase, loss, tokens/s, bytes, score …).",
+)
+@click.option("--metrics-host", default="0.0.0.0", show_default=True, help="Address the metrics endpoint binds.")
+@click.option(
     "--pipeline",
     "pipeline_group",
     default=None,
@@ -112,6 +136,9 @@ def join(
     threads: int | None,
     join_timeout_s: float | None,
     status_json: bool,
+    log_format: str,
+    metrics_port: int | None,
+    metrics_host: str,
     pipeline_group: str | None,
     stage: int | None,
     stages: int | None,
@@ -126,6 +153,8 @@ def join(
     Any stop after the announcement withdraws it.
     """
     _sigterm_is_interrupt()
+    setup_logging(log_format, verbose=False, stream=sys.stderr)
+    out = Output(log_format, metrics_port, metrics_host)
     flags = {
         "store.url": store_url,
         "store.dht_bootstrap": list(dht_peers) or None,
@@ -136,9 +165,9 @@ def join(
     try:
         pipeline = _pipeline_options(pipeline_group, stage, stages, rendezvous)
         local = load_settings(run_path, settings_path=settings_path, flags=flags)
-        code = _join(run_path, local, key_path, state_dir, max_windows, until_window, status_json, pipeline)
+        code = _join(run_path, local, key_path, state_dir, max_windows, until_window, status_json, pipeline, out)
     except ConfigError as exc:
-        click.echo(f"sparseloco-peer: {exc}", err=True)
+        _log.error(f"sparseloco-peer: {exc}")
         code = EXIT_CONFIG
     sys.exit(code)
 
@@ -152,6 +181,7 @@ def _join(
     until_window: int | None,
     status_json: bool,
     pipeline: dict[str, Any] | None = None,
+    out: Output | None = None,
 ) -> int:
     # Heavy imports after argument parsing: `--help` stays instant.
     from client.peer import Peer, RunNotFound, UploadsRefused
@@ -169,7 +199,17 @@ def _join(
         until = min(until, local.max_windows) if until is not None else local.max_windows
     store = open_peer_store(local.store, identity, spec.hash(), validator_keys=spec.validator.public_keys)
     trainer = _window_trainer(spec, local, store, identity.peer_id, device, pipeline)
-    display = PeerDisplay(json_lines=status_json)
+    out = out or Output()
+    sinks: list[Callable[[Event], None]] = []
+    server = None
+    if out.metrics_port is not None:
+        from protocol.metrics import Metrics
+
+        metrics = Metrics(role="peer")
+        sinks.append(metrics)
+        server = metrics.serve(out.metrics_port, out.metrics_host)
+        _log.info(f"metrics at http://{out.metrics_host}:{server.port}/metrics")
+    display = PeerDisplay(json_lines=status_json, log_format=out.log_format, sinks=sinks)
     peer = Peer(spec, store, identity, state, trainer, local=local, display=display)
     try:
         with display:
@@ -180,16 +220,27 @@ def _join(
         return EXIT_INTERRUPTED
     except UploadsRefused as exc:
         display.emit(Failed(reason=exc.reason, detail=str(exc)))
-        click.echo(f"sparseloco-peer: stopped: {exc}", err=True)
+        _log.error(f"sparseloco-peer: stopped: {exc}")
         return EXIT_UPLOADS_REFUSED
     except (RunNotFound, ProtocolError, StoreError) as exc:
         # Only reached when joining itself fails (no genesis, no usable checkpoint, store unreachable).
         display.emit(Failed(reason=exc.reason, detail=str(exc)))
         hint = "" if isinstance(exc, RunNotFound) else _run_hint(spec, local)
-        click.echo(f"sparseloco-peer: cannot join: {exc}{hint}", err=True)
+        _log.error(f"sparseloco-peer: cannot join: {exc}{hint}")
         return EXIT_CANNOT_JOIN
     finally:
         store.close()
+        if server is not None:
+            server.close()
+
+
+@dataclass(frozen=True)
+class Output:
+    """How ``join`` reports: ``--log-format`` and the optional metrics endpoint."""
+
+    log_format: str = "human"
+    metrics_port: int | None = None
+    metrics_host: str = "0.0.0.0"
 
 
 def _load_spec(run_path: str) -> RunSpec:

@@ -6,6 +6,19 @@
 Checks signature and structure of every object (including every tensor payload); the run hash and
 the aggregate signer are checked only when given, since an operator may inspect any run's files.
 
+Objects are read from files or straight from a store (:func:`inspect_store`): a store URL names a
+key, a prefix, a run or a whole store, and :func:`split_store_url` finds where the store ends and
+the run's layout (:mod:`protocol.layout`) begins::
+
+    split_store_url("s3://bucket/runs/ab12cd34ef56ab78/aggregate/00000003")
+    # ("s3://bucket/runs", "ab12cd34ef56ab78/aggregate/00000003")
+    with open_store(root) as store:
+        for r in inspect_store(store, prefix, label=root): ...
+
+Data shards and tokenizers (named by their sha256) and checkpoint weight files (listed by a valid
+manifest among the inspected objects) are checked against their names and manifests, a window's
+outcomes (:mod:`protocol.outcomes`) against the digest its aggregate signed.
+
 The files come from anywhere, so what they make it print is treated as hostile too: every line is
 one line of printable text (control characters, escape sequences and bidirectional overrides in
 names, metadata, messages or paths are shown escaped, ``\x1b`` …), so an object can never make its
@@ -18,12 +31,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from protocol.errors import PayloadTooLarge, ProtocolError
+from protocol import layout
+from protocol.errors import PayloadTooLarge, ProtocolError, StoreError
+from protocol.outcomes import OUTCOMES, decode_outcomes
+from protocol.store.base import ObjectStore
 from protocol.wire import (
     Aggregate,
     Announcement,
@@ -151,6 +167,131 @@ def _expand(paths: Iterable[str | Path]) -> Iterator[Path | InspectResult]:
                 yield _invalid(str(p), "unreadable", "directory holds no files")
         else:
             yield p
+
+
+def split_store_url(url: str, run: str | None = None) -> tuple[str, str]:
+    """(store URL, key or prefix) of a URL that may point into a run's layout.
+
+    The key starts at the segment that is followed by a layout kind (``<run>/aggregate/…``), or at
+    ``run`` (the run id ``--run`` gives) when a segment equals it; otherwise the URL is the store
+    and the prefix is ``run/`` (or everything without ``run``). Query parameters stay with the store.
+    """
+    base, sep, query = url.partition("?")
+    scheme, _, rest = base.partition("://")
+    parts = [p for p in rest.split("/")]
+    start = None
+    for i in range(len(parts) - 1):
+        if parts[i + 1] in layout.KINDS and parts[i]:
+            start = i
+            break
+    if start is None and run is not None and run in parts:
+        start = parts.index(run)
+    if start is None:
+        return url, f"{run}/" if run else ""
+    key = "/".join(parts[start:])
+    root = "/".join(parts[:start]).rstrip("/")
+    if scheme.lower() == "file" and not root:
+        root = "/"
+    return f"{scheme}://{root}{sep}{query}", key
+
+
+def inspect_store(
+    store: ObjectStore,
+    prefix: str,
+    *,
+    label: str,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    run_hash: str | None = None,
+    allowed_signers: Collection[bytes | str] | None = None,
+) -> Iterator[InspectResult]:
+    """Inspect every object under ``prefix`` in ``store`` (an exact key is its own prefix), in
+    key order; each result's path is ``label/<key>``. Nothing found is one INVALID result."""
+    try:
+        keys = sorted(store.list(prefix))
+    except (ProtocolError, StoreError) as exc:
+        yield _invalid(f"{label}/{prefix}", exc.reason, str(exc))
+        return
+    if not keys:
+        yield _invalid(f"{label}/{prefix}", "not_found", "no object at this key or under this prefix")
+        return
+    check = partial(inspect_bytes, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed_signers)
+    results: dict[str, InspectResult] = {}
+    for key in keys:
+        path = label + key if label.endswith("://") else f"{label.rstrip('/')}/{key}"
+        try:
+            data = store.get(key, max_bytes=max_bytes)
+        except (ProtocolError, StoreError) as exc:
+            results[key] = _invalid(path, exc.reason, str(exc))
+            continue
+        named = _named_by_digest(key)
+        if named is not None:
+            results[key] = _check_named(path, data, named)
+        elif _is_outcomes(key):
+            results[key] = _check_outcomes(store, key, path, data, check)
+        else:
+            results[key] = check(data, path)
+    listed = {
+        entry.key: (r.obj.value.window, entry)
+        for r in results.values()
+        if r.obj is not None and isinstance(r.obj.value, CheckpointManifest)
+        for entry in r.obj.value.files
+    }
+    for key, r in results.items():
+        if not r.ok and key in listed:
+            window, entry = listed[key]
+            data = store.get(key, max_bytes=entry.size + 1)
+            r = _check_listed(r.path, data, window, entry)
+        yield r
+
+
+def _is_outcomes(key: str) -> bool:
+    parts = key.split("/")
+    return len(parts) == 3 and parts[1] == "outcomes"
+
+
+def _check_outcomes(
+    store: ObjectStore, key: str, path: str, data: bytes, check: Callable[[bytes, str], InspectResult]
+) -> InspectResult:
+    """Outcomes carry no signature: they are checked against the digest their aggregate signed."""
+    run, _, window_text = key.split("/")
+    try:
+        window = layout.parse_window(window_text)
+        agg_key = layout.aggregate_key(run, window)
+        agg = check(store.get(agg_key, max_bytes=DEFAULT_MAX_BYTES), agg_key)
+        if agg.obj is None or not isinstance(agg.obj.value, Aggregate):
+            return _invalid(path, agg.reason or "malformed", f"its aggregate does not verify: {agg.line}")
+        digest = agg.obj.value.metadata.get(OUTCOMES)
+        if not isinstance(digest, str):
+            return _invalid(path, "malformed", "its aggregate names no outcomes")
+        table = decode_outcomes(data, digest=digest, run_hash=agg.obj.value.run_hash, window=window)
+    except (ProtocolError, StoreError) as exc:
+        return _invalid(path, exc.reason, str(exc))
+    accepted = sum(r.accepted for r in table.rows.values())
+    line = (
+        f"OK outcomes window={window} peers={len(table.rows)} accepted={accepted} digest={_short(digest)} path={path}"
+    )
+    return InspectResult(path, True, printable(line))
+
+
+def _named_by_digest(key: str) -> str | None:
+    """The sha256 a data shard's or tokenizer's key names (None for other keys)."""
+    parts = key.split("/")
+    if len(parts) == 4 and parts[1] == "data" and parts[2] in ("shard", "tokenizer"):
+        return parts[3]
+    return None
+
+
+def _check_named(path: str, data: bytes, sha256: str) -> InspectResult:
+    if hashlib.sha256(data).hexdigest() != sha256:
+        return _invalid(path, "digest_mismatch", "the bytes do not hash to the sha256 their key names")
+    return InspectResult(path, True, printable(f"OK data-file bytes={len(data)} sha256={_short(sha256)} path={path}"))
+
+
+def _check_listed(path: str, data: bytes, window: int, entry: CheckpointFile) -> InspectResult:
+    if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+        return _invalid(path, "digest_mismatch", f"does not match its checkpoint manifest ({entry.key})")
+    line = f"OK checkpoint-file window={window} bytes={len(data)} sha256={_short(entry.sha256)} path={path}"
+    return InspectResult(path, True, printable(line))
 
 
 def _listed_by_manifests(results: Iterable[InspectResult]) -> dict[str, tuple[int, CheckpointFile]]:

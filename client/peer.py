@@ -55,6 +55,7 @@ waiting for this peer at once instead of holding the next window open until its 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ from protocol.events import (
 )
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
+from protocol.outcomes import PeerOutcome, read_outcomes
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore, put_once
 from protocol.windows import upload_deadline
@@ -100,6 +102,7 @@ from protocol.wire import (
 CLIENT_VERSION = "sparseloco-peer/0.1"
 UPLOAD_RETRIES = 3
 GENESIS_REPORT_S = 10.0  # how often a peer waiting for genesis says so
+_log = logging.getLogger(__name__)
 
 
 class RunNotFound(ReasonedError):
@@ -382,6 +385,8 @@ class Peer:
         """Report aggregate ``agg`` (the fingerprint of θ after it, whether our contribution is in it)."""
         mine = [m for m in agg.value.manifest if m.peer_id == self.identity.peer_id]
         weight = mine[0].weight if mine else None
+        contributed = bool(mine) or (self.pending is not None and self.pending.window == agg.value.window)
+        verdict = self._outcome(agg) if contributed else None
         self.state.record(
             {
                 "window": agg.value.window,
@@ -389,10 +394,14 @@ class Peer:
                 "aggregate": agg.digest,
                 "included": bool(mine),
                 "weight": weight,
+                "accepted": verdict.accepted if verdict else None,
+                "reason": verdict.reason if verdict else None,
+                "score": verdict.score if verdict else None,
+                "reputation": verdict.reputation if verdict else None,
                 "time": round(time.time(), 3),
             }
         )
-        self.display.update(window=pos.window, fingerprint=pos.fingerprint, score=weight)
+        self.display.update(window=pos.window, fingerprint=pos.fingerprint)
         self.display.emit(
             Applied(
                 window=agg.value.window,
@@ -400,8 +409,23 @@ class Peer:
                 included=bool(mine),
                 weight=weight,
                 contributors=len(agg.value.manifest),
+                accepted=verdict.accepted if verdict else None,
+                reason=verdict.reason if verdict else None,
+                score=verdict.score if verdict else None,
+                reputation=verdict.reputation if verdict else None,
             )
         )
+
+    def _outcome(self, agg: Verified[Aggregate]) -> PeerOutcome | None:
+        """What the validator decided about our contribution to ``agg``'s window (its published
+        outcomes); None when it names none. Unreadable outcomes are logged, never fatal: θ and
+        the chain do not depend on them."""
+        try:
+            table = read_outcomes(self.store, self.run_id, agg)
+        except (ProtocolError, StoreError) as exc:
+            _log.warning("outcomes of window %d unreadable: %s", agg.value.window, exc)
+            return None
+        return table.get(self.identity.peer_id) if table is not None else None
 
     def _resynced(self, pos: Position, exc: ProtocolError) -> None:
         self.display.emit(Resynced(window=pos.window, reason=exc.reason, detail=str(exc)))

@@ -6,17 +6,22 @@ The peer loop reports through two calls and never formats anything itself::
         show.update(window=3, step=12, steps=30, loss=2.71, tokens_per_s=4100.0)
         show.emit(PeerWindow(window=3, outcome="uploaded", upload_bytes=48213, ...))
 
-``update`` refreshes the panel (window, inner step, loss, tokens/s, upload size/time, last score).
+``update`` refreshes the panel (window, inner step, loss, tokens/s, upload size/time, and the
+validator's verdict on the last contribution: accepted or rejected, score, reputation, from the
+window's published outcomes).
 ``emit`` records something that happened, as a typed :mod:`protocol.events` record: in JSON mode
 (``--status-json``, what ``sparseloco demo`` reads) it prints exactly one JSON object per line on
 stdout (:func:`protocol.events.to_json`) and nothing else goes to stdout; in human mode it prints
-the local time and :func:`protocol.events.describe` above the panel.
+the local date and time and :func:`protocol.events.describe` above the panel; with
+``log_format="json"`` (``--log-format json``) it prints :mod:`protocol.logformat` JSON lines on
+stderr instead, and no panel. Every event also goes to the ``sinks`` (the metrics endpoint).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -24,20 +29,30 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from protocol.events import Event, describe, to_json
+from protocol.events import Applied, Event, describe, to_json
+from protocol.logformat import JsonLogLines
 
 
 class PeerDisplay:
     """Live rich panel on stderr, or JSON lines on stdout (see the module docstring)."""
 
-    def __init__(self, *, json_lines: bool = False, console: Console | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        json_lines: bool = False,
+        console: Console | None = None,
+        log_format: str = "human",
+        sinks: Sequence[Callable[[Event], None]] = (),
+    ) -> None:
         self.json_lines = json_lines
         self.console = console or Console(stderr=True)
         self.fields: dict[str, Any] = {}
+        self.sinks = list(sinks)
+        self._json_log = JsonLogLines(sys.stderr, role="peer") if log_format == "json" else None
         self._live: Live | None = None
 
     def __enter__(self) -> PeerDisplay:
-        if not self.json_lines and self.console.is_terminal:
+        if not self.json_lines and self._json_log is None and self.console.is_terminal:
             self._live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
             self._live.__enter__()
         return self
@@ -56,13 +71,21 @@ class PeerDisplay:
 
     def emit(self, event: Event) -> None:
         """Record one event: a JSON line (``{"event": kind, "time": ..., **fields}``) or a log line."""
+        for sink in self.sinks:
+            sink(event)
+        if isinstance(event, Applied) and event.accepted is not None:
+            self.fields.update(accepted=event.accepted, reason=event.reason, score=event.score)
+            self.fields.update(reputation=event.reputation)
         if self.json_lines:
             sys.stdout.write(to_json(event) + "\n")
             sys.stdout.flush()
             return
+        if self._json_log is not None:
+            self._json_log(event)
+            return
         if self._live is not None:
             self._live.update(self._render(), refresh=False)
-        stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.time))
         self.console.print(f"[dim]{stamp}[/dim] {describe(event)}")
 
     # ------------------------------------------------------------------ rendering
@@ -77,13 +100,21 @@ class PeerDisplay:
         table.add_row("loss", _num(f.get("loss"), "{:.4f}"))
         table.add_row("tokens/s", _num(f.get("tokens_per_s"), "{:,.0f}"))
         table.add_row("upload", _upload(f))
-        table.add_row("last score", _num(f.get("score"), "{:+.4f}"))
+        table.add_row("last verdict", _verdict(f))
+        table.add_row("score / rep", f"{_num(f.get('score'), '{:+.4g}')} / {_num(f.get('reputation'), '{:.3f}')}")
         table.add_row("fingerprint", str(f.get("fingerprint", "-"))[:16])
         return table
 
 
 def _num(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
+
+
+def _verdict(f: dict[str, Any]) -> str:
+    """The validator's decision on the last contribution (protocol.outcomes)."""
+    if f.get("accepted") is None:
+        return "-"
+    return "accepted" if f["accepted"] else f"rejected ({f.get('reason')})"
 
 
 def _upload(f: dict[str, Any]) -> str:

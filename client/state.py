@@ -9,7 +9,18 @@ same key, the same error-feedback buffer and the same inner optimizer moments::
       feedback-<w>.safetensors      error-feedback buffer e
       optimizer-<w>.safetensors     inner AdamW state (tensors; its scalars live in progress.json)
       pending-<w>.bin               a signed contribution staged for upload (write-ahead)
-      windows.jsonl                 one record per applied aggregate (θ fingerprint, our inclusion)
+      windows.jsonl                 one JSON object per applied aggregate (below)
+
+``windows.jsonl`` is the peer's own account of the chain, appended as each aggregate is applied::
+
+    {"window": 3, "aggregate": "<sha256 of the signed aggregate>", "fingerprint": "<θ after it>",
+     "included": true, "weight": 1.0, "accepted": true, "reason": null, "score": 0.012,
+     "reputation": 0.19, "time": 1738324803.1}
+
+``fingerprint`` equal to the aggregate's signed fingerprint means this peer holds the swarm's θ
+(``sparseloco status --run run.toml`` compares the last record with the store);
+``accepted``/``reason``/``score``/``reputation`` are the validator's published outcome for this
+peer's contribution to that window (None when it did not upload to it).
 
 θ is not stored: a restart rebuilds it from the store's newest checkpoint and the aggregates after
 it, which is also how the peer proves it holds the swarm's θ.

@@ -8,19 +8,28 @@ Each subcommand is a thin click command; the work lives in the library. To add o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from client.demo.cli import demo as demo_cmd
 from client.model_tools import COMMANDS as MODEL_COMMANDS
 from protocol.config import RunSpec
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, StoreError
 from protocol.identity import public_key_from_hex
 from protocol.layout import run_id
 from protocol.settings import local_table
+
+if TYPE_CHECKING:
+    from client.inspect import InspectResult
+    from client.status import RunStatus
 
 EXIT_INVALID = 2
 INSPECT_MAX_BYTES = 1 << 30  # client.inspect.DEFAULT_MAX_BYTES (that module loads torch)
@@ -35,14 +44,41 @@ def main() -> None:
 @click.command("inspect")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(dir_okay=True, path_type=str))
 @click.option("--max-bytes", type=int, default=INSPECT_MAX_BYTES, show_default=True, help="Size cap per object.")
+@click.option(
+    "--run",
+    "run_path",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="RunSpec TOML: require its run hash and its validator keys (OK then means signed by this run's "
+    "validator); its [local] store settings open store URLs.",
+)
 @click.option("--run-hash", default=None, help="Also require this RunSpec hash (64 hex).")
 @click.option(
     "--validator-key", "validator_keys", multiple=True, help="Hex public key allowed to sign aggregates (repeatable)."
 )
-def inspect_cmd(paths: tuple[str, ...], max_bytes: int, run_hash: str | None, validator_keys: tuple[str, ...]) -> None:
-    """Validate signed object files (signature, structure, payloads) and print one line per file.
+@click.option("--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr for dht:// URLs (repeatable).")
+def inspect_cmd(
+    paths: tuple[str, ...],
+    max_bytes: int,
+    run_path: str | None,
+    run_hash: str | None,
+    validator_keys: tuple[str, ...],
+    dht_peers: tuple[str, ...],
+) -> None:
+    """Validate signed objects (signature, structure, payloads) and print one line per object.
 
-    Exit status 0 when every file is valid, 2 otherwise. A directory stands for all files below it.
+    \b
+    PATHS are files, directories (every file below), or store URLs: a key, a prefix,
+    a run or a whole store, e.g.
+      sparseloco inspect --run run.toml s3://bucket/runs/<run id>/aggregate/00000003
+      sparseloco inspect --run run.toml file:///srv/store        (the run's objects)
+      sparseloco inspect dht://<run id>/checkpoint/ --dht-peer /ip4/…
+    S3 credentials and endpoints come from the AWS_* variables, the URL's query
+    (?endpoint=…&region=…) or --run's [local] store settings.
+
+    Without --run or --validator-key, OK means well-formed and signed by the key it names, not
+    that this run's validator signed it (stderr says so). Exit status 0 when every object is
+    valid, 2 otherwise.
     """
     from client.inspect import inspect_paths
 
@@ -50,13 +86,79 @@ def inspect_cmd(paths: tuple[str, ...], max_bytes: int, run_hash: str | None, va
         raise click.BadParameter("must be 64 lowercase hex characters", param_hint="--run-hash")
     try:
         allowed = [public_key_from_hex(k) for k in validator_keys] or None
+        spec = RunSpec.load(run_path) if run_path else None
     except ConfigError as exc:
-        raise click.BadParameter(str(exc), param_hint="--validator-key") from None
+        raise click.BadParameter(str(exc), param_hint="--validator-key/--run") from None
+    if spec is not None:
+        if run_hash is not None and run_hash != spec.hash():
+            raise click.BadParameter(f"{run_path} has run hash {spec.hash()}", param_hint="--run-hash")
+        run_hash = spec.hash()
+        allowed = [*(allowed or []), *(public_key_from_hex(k) for k in spec.validator.public_keys)]
+    check = Checks(max_bytes, run_hash, allowed)
     all_ok = True
-    for result in inspect_paths(paths, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed):
-        click.echo(result.line)
-        all_ok &= result.ok
+    for path in paths:
+        if "://" in path:
+            results = _inspect_url(path, run_path, spec, dht_peers, check)
+        else:
+            results = inspect_paths([path], max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed)
+        for result in results:
+            click.echo(result.line)
+            all_ok &= result.ok
+    _trust_note(spec, run_hash, allowed)
     sys.exit(0 if all_ok else EXIT_INVALID)
+
+
+def _inspect_url(
+    url: str, run_path: str | None, spec: RunSpec | None, dht_peers: tuple[str, ...], check: Checks
+) -> Iterator[InspectResult]:
+    """The objects a store URL names (see ``inspect --help``); an unusable URL is one INVALID line."""
+    from client.inspect import inspect_store, split_store_url
+    from protocol.settings import StoreSettings, load_settings
+    from protocol.store import open_from_settings
+
+    root, prefix = split_store_url(url, run_id(spec.hash()) if spec is not None else None)
+    try:
+        base = load_settings(run_path).store if run_path else StoreSettings()
+        bootstrap = tuple(dht_peers) or base.dht_bootstrap
+        store = open_from_settings(dataclasses.replace(base, url=root, dht_bootstrap=bootstrap))
+    except (ConfigError, StoreError) as exc:
+        from client.inspect import InspectResult, printable
+
+        reason = exc.reason if isinstance(exc, StoreError) else "config_error"
+        yield InspectResult(url, False, printable(f"INVALID {url} {reason}: {exc}"), reason=reason)
+        return
+    with store:
+        yield from inspect_store(
+            store,
+            prefix,
+            label=root.partition("?")[0],
+            max_bytes=check.max_bytes,
+            run_hash=check.run_hash,
+            allowed_signers=check.allowed_signers,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Checks:
+    """What ``inspect`` requires of every object."""
+
+    max_bytes: int
+    run_hash: str | None
+    allowed_signers: list[bytes] | None
+
+
+def _trust_note(spec: RunSpec | None, run_hash: str | None, allowed: list[bytes] | None) -> None:
+    """What OK meant, on stderr (stdout holds exactly one line per object)."""
+    if spec is not None:
+        note = f"checked against run {run_id(spec.hash())} (hash {spec.hash()}): OK means signed by its validator"
+        note += " (aggregates, checkpoints, dataset) or by a peer for this run (contributions, announcements)"
+    elif allowed:
+        note = "OK means aggregates and checkpoints were signed by a --validator-key"
+        note += f", for run hash {run_hash}" if run_hash else " (any run: give --run or --run-hash)"
+    else:
+        note = "no --run or --validator-key: OK means well-formed and validly signed by the key it names, not"
+        note += " that a run's validator signed it"
+    click.echo(f"note: {note}", err=True)
 
 
 @click.command("run-id")
@@ -83,6 +185,121 @@ def run_id_cmd(run_path: str, as_json: bool) -> None:
     click.echo(f"run hash  {run_hash}")
 
 
+@click.command("status")
+@click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False), help="RunSpec TOML.")
+@click.option(
+    "--state",
+    "state_dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="The local peer's state directory [default: ~/.sparseloco/<run id>].",
+)
+@click.option("--store", "store_url", default=None, help="Store URL (setting store.url).")
+@click.option("--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def status_cmd(
+    run_path: str, state_dir: str | None, store_url: str | None, dht_peers: tuple[str, ...], as_json: bool
+) -> None:
+    """Where the run stands and whether this peer agrees with it.
+
+    \b
+    Shows the chain head (the newest aggregate signed by the run's validator:
+    window, digest, published_at, θ fingerprint), the last checkpoint, the
+    peers of the head's window (accepted from the aggregate's manifest; with
+    the validator's published outcomes also the rejected ones, their reason,
+    score and reputation) and whether the local peer's θ matches the chain
+    (the last record of its state directory's windows.jsonl against the
+    chain's aggregate of that window).
+
+    JSON fields: run_id, run_hash, store, head {window, digest, published_at,
+    fingerprint, accepted, rejected, val_loss}, head_error, checkpoint {window,
+    published_at, fingerprint, bytes}, peers [{peer, accepted, reason, score,
+    reputation}], outcomes (published | none | unreadable: …), local {peer_id,
+    window, fingerprint, matches, detail}.
+
+    Exit status: 0 (1 when the local peer's θ differs from the chain), 2 configuration error.
+    """
+    from client.status import run_status
+    from protocol.identity import Identity
+    from protocol.settings import load_settings
+    from protocol.store import open_peer_store
+
+    try:
+        spec = RunSpec.load(run_path)
+        flags = {"store.url": store_url, "store.dht_bootstrap": list(dht_peers) or None}
+        settings = load_settings(run_path, flags=flags).store
+        state = Path(state_dir) if state_dir else Path("~/.sparseloco").expanduser() / run_id(spec.hash())
+        key = state / "key.pem"
+        identity = Identity.load(key) if key.exists() else Identity.generate()  # reads need no standing
+        with open_peer_store(settings, identity, spec.hash(), validator_keys=spec.validator.public_keys) as store:
+            status = run_status(
+                spec,
+                store,
+                store_url=settings.location(),
+                state_dir=state if state.exists() else None,
+                peer_id=identity.peer_id if key.exists() else None,
+            )
+    except (ConfigError, StoreError) as exc:
+        click.echo(f"sparseloco status: {exc}", err=True)
+        sys.exit(EXIT_INVALID)
+    if as_json:
+        click.echo(json.dumps(status.to_json(), sort_keys=True, allow_nan=False))
+    else:
+        _print_status(status)
+    sys.exit(1 if status.local is not None and status.local.matches is False else 0)
+
+
+def _print_status(status: RunStatus) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def when(ts: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+    click.echo(f"run        {status.run_id} (hash {status.run_hash})  store {status.store}")
+    h = status.head
+    if h is None:
+        click.echo("head       no signed aggregate yet" + (f" ({status.head_error})" if status.head_error else ""))
+    else:
+        loss = f"  val_loss {h.val_loss:.4f}" if h.val_loss is not None else ""
+        click.echo(
+            f"head       window {h.window}  digest {h.digest[:16]}  published {when(h.published_at)}"
+            f"  θ {h.fingerprint[:16]}  accepted {h.accepted}  rejected {_opt(h.rejected)}{loss}"
+        )
+    c = status.checkpoint
+    click.echo(
+        f"checkpoint window {c['window']}  published {when(c['published_at'])}  θ {str(c['fingerprint'])[:16]}"
+        f"  {c['bytes']:,} B"
+        if c
+        else "checkpoint none"
+    )
+    if status.local is None:
+        click.echo("local      no peer state directory")
+    else:
+        mark = {True: "MATCH", False: "DIFFERS", None: "-"}[status.local.matches]
+        click.echo(f"local      {mark}  {status.local.detail}")
+    if h is not None:
+        table = Table(title=f"peers of window {h.window} (outcomes: {status.outcomes})")
+        for col in ("peer", "", "accepted", "reason", "score", "rep"):
+            table.add_column(col, no_wrap=True)
+        me = status.local.peer_id if status.local else None
+        for r in status.peers:
+            table.add_row(
+                r.peer,
+                "you" if r.peer == me else "",
+                "yes" if r.accepted else "no",
+                r.reason or "",
+                _opt(r.score, "{:+.4g}"),
+                _opt(r.reputation, "{:.3f}"),
+            )
+        Console(highlight=False, width=None if sys.stdout.isatty() else 120).print(table)  # a pipe: no truncation
+
+
+def _opt(value: float | int | None, fmt: str = "{}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+main.add_command(status_cmd)
 main.add_command(run_id_cmd)
 main.add_command(inspect_cmd)
 main.add_command(demo_cmd)  # the local swarm launcher (client/demo/cli.py)

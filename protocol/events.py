@@ -103,13 +103,22 @@ class Joined(Event):
 @_event("applied")
 @dataclass(frozen=True, kw_only=True)
 class Applied(Event):
-    """Aggregate ``window`` applied: θ now has ``fingerprint``; ``included``: our contribution is in it."""
+    """Aggregate ``window`` applied: θ now has ``fingerprint``; ``included``: our contribution is in it.
+
+    ``accepted``, ``reason``, ``score``, ``reputation``: what the validator decided about our
+    contribution to ``window`` (:mod:`protocol.outcomes`, vouched for by the aggregate); None when
+    we did not upload to it or the aggregate names no outcomes. ``weight`` is the manifest weight
+    (1.0 for every accepted contribution), not a score."""
 
     window: int
     fingerprint: str
     included: bool
     weight: float | None
     contributors: int
+    accepted: bool | None = None
+    reason: str | None = None
+    score: float | None = None
+    reputation: float | None = None
 
 
 @_event("resync")
@@ -234,6 +243,8 @@ class WindowPublished(Event):
     published_at: float
     reasons: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    uploaded: int = 0  # peers whose contribution was read (accepted + rejected, unannounced excluded)
+    download_bytes: int = 0  # the bytes of those contributions
 
 
 @_event("window_retry")
@@ -372,6 +383,15 @@ def describe(event: Event) -> str:
             f"window {event.window} published: accepted={event.accepted} rejected={event.rejected} "
             f"val_loss={event.val_loss:.4f} fingerprint={event.fingerprint[:16]} digest={event.digest[:16]} ({phases})"
             + (f" rejected: {reasons}" if reasons else "")
+        )
+    if isinstance(event, Applied):
+        verdict = ""
+        if event.accepted is not None:
+            verdict = "  accepted" if event.accepted else f"  rejected ({event.reason})"
+            verdict += f"  score {_num(event.score, '{:+.4g}')}  rep {_num(event.reputation, '{:.3f}')}"
+        return (
+            f"window {event.window} applied: {event.contributors} contributor(s)"
+            f"  fingerprint {event.fingerprint[:16]}{verdict}"
         )
     if isinstance(event, WindowOpened):
         return f"window {event.window} open (base {event.base[:16]})"

@@ -10,6 +10,8 @@
     <run>/data/shard/<sha256>               a token shard, named by the sha256 of its bytes
     <run>/data/tokenizer/<sha256>           the run's tokenizer.json, named likewise
     <run>/probe/<peer_id>                   any bytes: a peer's write and bandwidth probe (preflight)
+    <run>/outcomes/<window>                 the validator's per-peer outcomes of a window, trusted
+                                            through the aggregate that names their sha256
 
 ``<run>`` is :func:`run_id` of the RunSpec hash (its first 16 hex characters) unless an operator
 names it. Windows are zero-padded to 8 digits so that a lexicographic listing is in window order.
@@ -40,7 +42,7 @@ _RUN_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _WINDOW_RE = re.compile(rf"^[0-9]{{{WINDOW_DIGITS}}}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-KINDS = ("contrib", "aggregate", "checkpoint", "peers", "data", "probe")
+KINDS = ("contrib", "aggregate", "checkpoint", "peers", "data", "probe", "outcomes")
 
 
 def run_id(run_hash: str) -> str:
@@ -95,6 +97,11 @@ def aggregate_prefix(run: str) -> str:
 
 def aggregate_key(run: str, window: int) -> str:
     return aggregate_prefix(run) + window_str(window)
+
+
+def outcomes_key(run: str, window: int) -> str:
+    """The per-peer outcomes of ``window`` (:mod:`protocol.outcomes`)."""
+    return f"{_run(run)}/outcomes/" + window_str(window)
 
 
 def checkpoints_prefix(run: str) -> str:
@@ -181,7 +188,7 @@ def parse_key(key: str, *, run: str | None = None) -> ParsedKey:
     r, kind, rest = _run(parts[0]), parts[1], parts[2:]
     if kind == "contrib" and len(rest) == 2:
         return ParsedKey(r, kind, parse_window(rest[0]), peer_id=_peer(rest[1]))
-    if kind == "aggregate" and len(rest) == 1:
+    if kind in ("aggregate", "outcomes") and len(rest) == 1:
         return ParsedKey(r, kind, parse_window(rest[0]))
     if kind == "checkpoint" and len(rest) == 2:
         return ParsedKey(r, kind, parse_window(rest[0]), file=check_file_name(rest[1]))

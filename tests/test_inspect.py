@@ -78,10 +78,10 @@ def test_directories_expand_to_their_files_in_order(objects) -> None:
 def test_click_command_exit_codes(objects) -> None:
     runner = CliRunner()
     ok = runner.invoke(main, ["inspect", str(objects["aggregate"]), str(objects["checkpoint"])])
-    assert ok.exit_code == 0 and ok.output.count("\nOK ") + ok.output.startswith("OK ") == 2
+    assert ok.exit_code == 0 and ok.stdout.count("\nOK ") + ok.stdout.startswith("OK ") == 2
     bad = runner.invoke(main, ["inspect", str(objects["aggregate"]), str(objects["tampered"])])
     assert bad.exit_code == 2
-    assert bad.output.splitlines()[1].startswith("INVALID ")
+    assert bad.stdout.splitlines()[1].startswith("INVALID ")
     checked = runner.invoke(
         main, ["inspect", "--run-hash", RUN, "--validator-key", VALIDATOR.public_key_hex, str(objects["aggregate"])]
     )
@@ -169,7 +169,7 @@ def test_control_characters_never_reach_the_terminal(tmp_path: Path) -> None:
     for r in (bad, good):
         assert r.line.isprintable() and "\x1b" not in r.line and "\u202e" not in r.line
     assert "\\x1b[2K\\x0dOK contribution" in bad.line  # what the name really holds, visibly
-    out = CliRunner().invoke(main, ["inspect", str(hostile), str(ann)]).output
+    out = CliRunner().invoke(main, ["inspect", str(hostile), str(ann)]).stdout
     assert [line.split()[0] for line in out.splitlines()] == ["INVALID", "OK"]
 
 

@@ -10,6 +10,7 @@
                              [--eval-every N [--eval-sequences M]]
                              [--grant-port PORT [--grant-host HOST] [--tls-cert PEM --tls-key PEM]]
                              [--wait-for-peers N] [--retain-windows K [--retain-checkpoint-every M]]
+                             [--metrics-port PORT] [--log-format human|json]
     sparseloco-validator gc --run run.toml [--store URL] [--retain-windows K]
                             [--retain-checkpoint-every M] [--key validator.pem] [--dry-run] [--json]
     sparseloco-validator logs --db vstate/contributions.sqlite [--peer ID] [--window A:B] [--rejected]
@@ -24,7 +25,8 @@ without a store credential get presigned requests for their own keys and for rea
 ``run`` reports what happens as :mod:`protocol.events` records: one timestamped human line each
 (``2025-01-31 12:00:03 window 3 published: accepted=3 rejected=0 val_loss=4.5487 …``), or with
 ``--status-json`` one JSON object per line on stdout and nothing else there (what ``sparseloco
-demo`` reads). Ctrl-C or SIGTERM finish or abandon the current window cleanly (a restart resumes
+demo`` reads), or with ``--log-format json`` one JSON log object per line (:mod:`protocol.logformat`);
+``--metrics-port`` serves Prometheus metrics fed by the same events (:mod:`protocol.metrics`). Ctrl-C or SIGTERM finish or abandon the current window cleanly (a restart resumes
 it). Exit codes: 0 done, 1 the store failed at start, 2 configuration/identity error, 130 interrupted.
 """
 
@@ -33,7 +35,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-import logging
 import os
 import signal
 import sys
@@ -54,6 +55,7 @@ from protocol.config import RunSpec
 from protocol.errors import ConfigError, ProtocolError, StoreError
 from protocol.events import Event, EventWriter, Failed, GrantsServed, Stopped, ValidatorStarted, describe
 from protocol.identity import Identity
+from protocol.logformat import FORMATS, JsonLogLines, setup_logging
 from protocol.settings import LocalSettings, load_settings, resolve_settings, settings_help
 from protocol.store import open_from_settings
 from protocol.store.presign import Presigner
@@ -308,6 +310,21 @@ class _InitProgress:
     help="With --retain-windows: also keep every M-th checkpoint (validator.retain_checkpoint_every; "
     "0: only those catch-up needs).",
 )
+    "--log-format",
+    type=click.Choice(FORMATS),
+    default="human",
+    show_default=True,
+    help="human: timestamped lines; json: one JSON object per line (time, level, logger, event, message, "
+    "the event's fields), events on stdout, log records on stderr.",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (window, phase, accepted/rejected, "
+    "check failures by reason, phase durations, peers expected/uploaded, bytes read …).",
+)
+@click.option("--metrics-host", default="0.0.0.0", show_default=True, help="Address the metrics endpoint binds.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def run(
     run_path: str,
@@ -329,6 +346,9 @@ def run(
     wait_for_peers: int,
     retain_windows: int | None,
     retain_checkpoint_every: int | None,
+    log_format: str,
+    metrics_port: int | None,
+    metrics_host: str,
     verbose: bool,
 ) -> None:
     """Validate windows: gather, check, score, aggregate, publish.
@@ -354,10 +374,14 @@ def run(
     Exit status: 0 done, 1 the store failed at start, 2 configuration or identity error, 130 stopped
     or interrupted.
     """
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    emit: Emit = EventWriter(sys.stdout) if status_json else _HumanLines(Console(highlight=False, soft_wrap=True))
+    setup_logging(log_format, verbose=verbose, stream=sys.stderr)
+    emit: Emit
+    if status_json:
+        emit = EventWriter(sys.stdout)
+    elif log_format == "json":
+        emit = JsonLogLines(sys.stdout, role=ROLE)
+    else:
+        emit = _HumanLines(Console(highlight=False, soft_wrap=True))
     flags = {
         "store.url": store_url,
         "store.dht_bootstrap": list(dht_peers) or None,
@@ -377,12 +401,20 @@ def run(
     from validator.state import STATE_FILE
 
     windows_open = OpenWindows()  # the grant desk's view of the window clock, from our own events
+    sinks: list[Emit] = [windows_open.observe]
 
     def emit_all(event: Event) -> None:
-        windows_open.observe(event)
+        for sink in sinks:
+            sink(event)
         emit(event)
 
     with ExitStack() as stack:
+        if metrics_port is not None:
+            from protocol.metrics import Metrics
+
+            metrics = Metrics(role=ROLE)
+            sinks.append(metrics)
+            stack.enter_context(metrics.serve(metrics_port, metrics_host))
         try:
             local = load_settings(run_path, settings_path=settings_path, flags=flags)
             validator = _open_validator(run_path, local, key_path, state_dir, emit_all)
@@ -651,6 +683,29 @@ def logs(
                      last_window; the table also shows the periodic evaluations
     Times are unix seconds; absent values are null (empty in CSV). Rows exist only for
     announced peers.
+
+    \b
+    Columns of the table (one row per contribution):
+      accepted / reason  the decision; the reason of a rejection (below)
+      bytes     the contribution's size in the store
+      norm      its update's norm (checked against the reference: norm_outlier, norm_tiny)
+      overlap   its largest Top-k index overlap with an upload read before it (0..1; the
+                copy check), – when not compared
+      own Δ     loss_own_after − loss_own_before: the change of the loss on the peer's own
+                assigned data when its update alone is applied (negative = it learned)
+      random Δ  the same on random held-out sequences, shared by every peer of the window
+      score     own gain − |random gain| (gain = before − after): > 0 means the update lowered
+                the loss on its own data more than it moved it elsewhere; – when not scored
+                (only a sample of peers is scored per window)
+      rep       reputation after the window: an exponential moving average (decay
+                validator.reputation_decay) of +1 for a scored update with score > 0, −1 for
+                a score ≤ 0 or a rejection held against the peer; unscored accepted windows
+                and the rejections marked * below leave it unchanged. It can be negative for
+                accepted work: an update within eval_harm_tolerance is accepted (it did no
+                harm) but a score ≤ 0 is no evidence of useful training, so it counts −1.
+      weight    its weight in the aggregate (1.0 accepted, 0.0 rejected)
+    Peers read their own row of each window (accepted, reason, score, rep) from the outcomes
+    the validator publishes with every aggregate (<run>/outcomes/<window>, protocol.outcomes).
 
     \b
     Rejection reasons (* = never held against the peer):

@@ -62,6 +62,7 @@ from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreErr
 from protocol.events import Event, ModelEvaluated, WindowOpened, WindowPublished, WindowRetry, WindowWaiting
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, param_schema, parameters_of
+from protocol.outcomes import OUTCOMES, PeerOutcome, encode_outcomes, outcomes_digest
 from protocol.run_data import dataset_of, run_tokenizer
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
@@ -746,10 +747,14 @@ class Validator:
         self._load_params(result.params)
         published_at = self.clock()
         accepted = [r for r in rows if r.accepted]
+        outcomes = encode_outcomes(
+            self.run_hash, t, [PeerOutcome(r.peer, r.accepted, r.reason, r.score, r.reputation) for r in rows]
+        )
         meta: dict[str, int | float | str | bool] = {
             **extra,
             "accepted": len(accepted),
             "rejected": len(rows) - len(accepted),
+            OUTCOMES: outcomes_digest(outcomes),  # the peers' scores and reasons, vouched for here
         }
         if result.val_loss is not None:  # the wire refuses a non-finite number, and so do peers
             meta["val_loss"] = result.val_loss
@@ -779,6 +784,7 @@ class Validator:
             unannounced=unannounced,
         )
         self.log.record_window(win, rows)
+        publish.publish_outcomes(self.store, self.run_id, t, outcomes)
         publish.publish_aggregate(
             self.store,
             self.run_id,
@@ -809,6 +815,8 @@ class Validator:
             published_at=published_at,
             reasons=reasons,
             seconds=clock.seconds,
+            uploaded=len(rows),
+            download_bytes=sum(r.bytes or 0 for r in rows),
         )
         self.emit(report)
         return report

@@ -56,6 +56,7 @@ __all__ = [
     "load_checkpoint",
     "publish_aggregate",
     "publish_checkpoint",
+    "publish_outcomes",
     "put_chain",
     "weights_bytes",
 ]
@@ -146,6 +147,13 @@ def publish_aggregate(
         return agg.value.base == base
 
     return put_chain(store, layout.aggregate_key(run, window), blob, belongs=same_chain, max_bytes=max_bytes)
+
+
+def publish_outcomes(store: ObjectStore, run: str, window: int, blob: bytes) -> None:
+    """Put the per-peer outcomes of ``window`` (:mod:`protocol.outcomes`) before its aggregate. A
+    plain put: until the aggregate naming their digest is out they vouch for nothing, and a window
+    decided again after a crash replaces them."""
+    store.put(layout.outcomes_key(run, window), blob)
 
 
 def put_chain(store: ObjectStore, key: str, data: bytes, *, belongs: Callable[[bytes], bool], max_bytes: int) -> bool:

@@ -34,7 +34,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,11 +102,13 @@ class LocalSwarm:
         corpus: str = CORPUS,
         tokenizer: str = "bytes",
         shard_tokens: int | None = None,
+        validator_args: Sequence[str] = (),
     ) -> None:
         """``overrides``: RunSpec sections over the preset's; ``local``: run.toml [local] settings
         over the preset's [local] table; ``join_timeout_s``: each peer's ``peer.join_timeout_s``;
         ``corpus``, ``tokenizer`` (``bytes`` or a tokenizer.json) and ``shard_tokens`` (None:
-        init's default): how ``init`` makes the run's dataset."""
+        init's default): how ``init`` makes the run's dataset; ``validator_args``: more options of
+        ``sparseloco-validator run`` (``--metrics-port``)."""
         self._own_dir = run_dir is None
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="sparseloco-demo-"))
         self.n_peers, self.windows, self.store_kind = peers, windows, store
@@ -114,6 +116,7 @@ class LocalSwarm:
         self.local = dict(local or {})
         self.corpus, self.tokenizer, self.shard_tokens = corpus, tokenizer, shard_tokens
         self.peer_threads = peer_threads
+        self.validator_args = list(validator_args)
         self.join_timeout_s = join_timeout_s
         self.validator_threads = (
             max(1, (os.cpu_count() or 1) // max(1, peers + 1)) if peer_threads == 1 else peer_threads
@@ -247,6 +250,7 @@ class LocalSwarm:
             "--wait-for-peers",
             str(wait_for_peers),
             *self.backend.validator_args(),
+            *self.validator_args,
         ]
         # One thread, like each peer: OpenMP threads spinning on an oversubscribed machine made
         # the validator's evaluation ~8x slower than its single-threaded speed.
