@@ -310,6 +310,7 @@ class _InitProgress:
     help="With --retain-windows: also keep every M-th checkpoint (validator.retain_checkpoint_every; "
     "0: only those catch-up needs).",
 )
+@click.option(
     "--log-format",
     type=click.Choice(FORMATS),
     default="human",
