@@ -1,0 +1,224 @@
+"""Data-parallel peers: 2 ranks in 2 OS processes over gloo on 127.0.0.1, against one process.
+
+The ranks train the same windows as a :class:`client.replica.FullReplica` in this process (same
+RunSpec, same data key, so the same batches): θ_local, the loss and the decoded Δ̂ must agree within
+float tolerance, and both ranks must hold bit-identical parameters and moments afterwards. A rank
+that dies mid-window must stop the other with RankLost within the collective timeout, never hang.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from client.ddp.ranks import RankGroup, RankLost, rank_device, torchrun_world
+from client.ddp.replica import DataParallelReplica, serve_rank, share_of
+from client.pipeline.link import free_port
+from client.replica import FullReplica
+from client.window import Trained, WindowJob
+from protocol.codec import decode
+from protocol.config import RunSpec
+from protocol.devices import resolve_device
+from protocol.errors import ConfigError
+from protocol.feedback import FeedbackState
+from protocol.model import build_model, parameters_of
+
+MODEL = dict(dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)
+KEY = "peer-ddp"
+WINDOWS = 2
+LIMIT_S = 120.0
+
+
+def _spec() -> RunSpec:
+    # 5 rows: the ranks' shares differ in size (3 and 2), as they do for any odd batch.
+    return RunSpec.default().replace(
+        model=MODEL, data={"seq_len": 16, "batch_size": 5}, inner={"steps": 3, "warmup_steps": 1, "lr": 3e-3}
+    )
+
+
+def _theta(spec: RunSpec) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in parameters_of(build_model(spec.model)).items()}
+
+
+def _job(window: int, theta: dict[str, torch.Tensor], feedback: FeedbackState) -> WindowJob:
+    return WindowJob(window, theta, "genesis", feedback, report=lambda **_: None, should_stop=lambda: False)
+
+
+def _windows(trainer: FullReplica | DataParallelReplica, spec: RunSpec) -> list[Trained]:
+    """``WINDOWS`` windows from the same θ, e chained (what the peer adopts)."""
+    theta, feedback, out = _theta(spec), FeedbackState(), []
+    for window in range(WINDOWS):
+        result = trainer.train(_job(window, theta, feedback))
+        assert isinstance(result, Trained)
+        feedback = result.feedback_after
+        out.append(result)
+    return out
+
+
+def _params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().contiguous().clone() for n, p in parameters_of(model).items()}
+
+
+# ---------------------------------------------------------------------- ranks (child processes)
+def _rank(rank: int, port: int, out: str, die_at_step: int, timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    spec = _spec()
+    ranks = RankGroup.open(rank, 2, f"tcp://127.0.0.1:{port}", timeout_s=timeout_s)
+    if rank == 0:
+        replica = DataParallelReplica(spec, ranks, data_key=KEY)
+        try:
+            replica.load_state_dict(replica.state_dict())  # a restart's restore reaches every rank
+            results = _windows(replica, spec)
+        except RankLost as exc:
+            Path(f"{out}/lost_0.txt").write_text(str(exc))
+            os._exit(0)  # the group is broken: nothing left to close
+        ranks.close()
+        decoded = {f"{w}/{n}": decode(e) for w, r in enumerate(results) for n, e in r.encoded.items()}
+        save_file(decoded, f"{out}/delta_0.safetensors")
+        meta = [dict(r.metadata) for r in results]
+        Path(f"{out}/meta_0.json").write_text(json.dumps({"meta": meta, "step": replica.step}))
+        local = replica.local
+    else:
+        import client.ddp.replica as module
+
+        if die_at_step >= 0:
+            real, calls = module._RankModel.step, [0]
+
+            def dying(self: module._RankModel, batch: torch.Tensor) -> float:
+                if calls[0] == die_at_step:
+                    os._exit(17)  # a crash: no cleanup, sockets close under rank 0
+                calls[0] += 1
+                return real(self, batch)
+
+            module._RankModel.step = dying  # type: ignore[method-assign]
+        local_holder: list[module._RankModel] = []
+        real_init = module._RankModel.__init__
+
+        def keep(self: module._RankModel, *args: object, **kwargs: object) -> None:
+            real_init(self, *args, **kwargs)  # type: ignore[arg-type]
+            local_holder.append(self)
+
+        module._RankModel.__init__ = keep  # type: ignore[method-assign]
+        try:
+            serve_rank(spec, ranks)
+        except RankLost as exc:
+            Path(f"{out}/lost_1.txt").write_text(str(exc))
+            os._exit(0)
+        ranks.close()
+        local = local_holder[0]
+    save_file(_params_of(local.model), f"{out}/params_{rank}.safetensors")
+    moments = {
+        f"{i}/{k}": v.contiguous()
+        for i, s in local.trainer.optimizer.state_dict()["state"].items()
+        for k, v in s.items()
+        if isinstance(v, torch.Tensor) and v.ndim > 0
+    }
+    save_file(moments, f"{out}/moments_{rank}.safetensors")
+
+
+def _run(procs: list[mp.process.BaseProcess], limit_s: float) -> None:
+    """Start, join within ``limit_s``; never leave a child behind."""
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + limit_s
+    try:
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert not any(p.is_alive() for p in procs)
+
+
+def _ranks(out: Path, *, die_at_step: int = -1, timeout_s: float = 60.0) -> list[mp.process.BaseProcess]:
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    return [ctx.Process(target=_rank, args=(r, port, str(out), die_at_step, timeout_s), daemon=True) for r in (0, 1)]
+
+
+# ---------------------------------------------------------------------- tests
+def test_shares_partition_the_batch() -> None:
+    batch = torch.arange(5 * 3).reshape(5, 3)
+    shares = [share_of(batch, r, 2) for r in (0, 1)]
+    assert [s.shape[0] for s in shares] == [3, 2]
+    assert torch.equal(torch.cat(shares), batch)
+    assert share_of(batch[:1], 1, 2).shape[0] == 0  # more ranks than rows: an empty share
+
+
+def test_resolve_device_checks_cuda_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("", default="cpu") == "cpu"
+    with pytest.raises(ConfigError, match="not a torch device"):
+        resolve_device("gpu0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("") == "cpu"
+    with pytest.raises(ConfigError, match="sees no CUDA device"):
+        resolve_device("cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == "cuda:1"
+    assert resolve_device("cuda") == "cuda"
+    with pytest.raises(ConfigError, match=r"sees 2 CUDA devices \(cuda:0 … cuda:1"):
+        resolve_device("cuda:2")
+
+
+def test_torchrun_world_and_rank_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert torchrun_world() is None
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert torchrun_world() == (3, 4, 1)
+    assert rank_device("cpu", 1) == "cpu"
+    set_to: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", set_to.append)
+    assert rank_device("cuda", 1) == "cuda:1" and set_to == [torch.device("cuda:1")]
+    with pytest.raises(ConfigError, match="cuda:2"):
+        rank_device("cuda", 2)  # a third rank on a host with two GPUs
+
+
+@pytest.mark.integration
+def test_two_ranks_match_one_process(tmp_path: Path) -> None:
+    _run(_ranks(tmp_path), LIMIT_S)
+    spec = _spec()
+    torch.manual_seed(0)
+    single = FullReplica(spec, data_key=KEY)
+    expected = _windows(single, spec)
+    # no drift: both ranks hold the same θ and the same moments, bit for bit
+    p0, p1 = (load_file(str(tmp_path / f"params_{r}.safetensors")) for r in (0, 1))
+    assert all(torch.equal(p0[n], p1[n]) for n in p0)
+    m0, m1 = (load_file(str(tmp_path / f"moments_{r}.safetensors")) for r in (0, 1))
+    assert m0.keys() == m1.keys() and all(torch.equal(m0[k], m1[k]) for k in m0)
+    # what one process trains on the same batches
+    for name, p in parameters_of(single.model).items():
+        torch.testing.assert_close(p0[name], p.detach(), rtol=1e-4, atol=1e-5)
+    meta = json.loads((tmp_path / "meta_0.json").read_text())
+    assert meta["step"] == single.step == WINDOWS * spec.inner.steps
+    for got, want in zip(meta["meta"], expected, strict=True):
+        assert got["tokens"] == want.metadata["tokens"]
+        assert got["loss_first"] == pytest.approx(want.metadata["loss_first"], rel=1e-5)
+        assert got["loss_last"] == pytest.approx(want.metadata["loss_last"], rel=1e-5)
+    delta = load_file(str(tmp_path / "delta_0.safetensors"))
+    for window, result in enumerate(expected):
+        for name, enc in result.encoded.items():
+            torch.testing.assert_close(delta[f"{window}/{name}"], decode(enc), rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.integration
+def test_rank_dying_mid_window_stops_rank_zero(tmp_path: Path) -> None:
+    started = time.monotonic()
+    _run(_ranks(tmp_path, die_at_step=1, timeout_s=10.0), LIMIT_S)
+    assert (tmp_path / "lost_0.txt").exists(), "rank 0 did not report the lost rank"
+    assert "rank_lost" in (tmp_path / "lost_0.txt").read_text()
+    assert time.monotonic() - started < LIMIT_S
