@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from client.ddp.ranks import RankGroup, RankLost, rank_device, torchrun_world
 from client.ddp.replica import DataParallelReplica, serve_rank, share_of
+from client.demo.swarm import LocalSwarm
 from client.pipeline.link import free_port
 from client.replica import FullReplica
 from client.window import Trained, WindowJob
@@ -28,7 +31,10 @@ from protocol.config import RunSpec
 from protocol.devices import resolve_device
 from protocol.errors import ConfigError
 from protocol.feedback import FeedbackState
+from protocol.layout import peer_key, run_id
 from protocol.model import build_model, parameters_of
+from protocol.store import open_store
+from protocol.wire import decode_announcement
 
 MODEL = dict(dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)
 KEY = "peer-ddp"
@@ -222,3 +228,39 @@ def test_rank_dying_mid_window_stops_rank_zero(tmp_path: Path) -> None:
     assert (tmp_path / "lost_0.txt").exists(), "rank 0 did not report the lost rank"
     assert "rank_lost" in (tmp_path / "lost_0.txt").read_text()
     assert time.monotonic() - started < LIMIT_S
+
+
+# ---------------------------------------------------------------------- a torchrun peer in a local run
+SMALL: dict[str, dict[str, Any]] = {
+    "model": {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 64},
+    "data": {"seq_len": 64, "batch_size": 4},
+    "inner": {"steps": 4, "lr": 3e-3, "warmup_steps": 2, "total_steps": 200},
+    "windows": {"upload_deadline_s": 60.0, "gather_grace_s": 1.0, "checkpoint_every": 2},
+    "validator": {"eval_sequences": 8, "eval_peers_per_window": 8},
+}
+SWARM_TIMEOUT_S = 240.0
+
+
+@pytest.mark.integration
+def test_torchrun_peer_joins_a_local_run(tmp_path: Path) -> None:
+    """peer-0 is one process; peer-1 is ``torchrun --nproc-per-node 2 sparseloco-peer join``: one
+    announcement (hardware ``2x cpu …``), one contribution per window, the same θ as everyone."""
+    windows = 3
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    with LocalSwarm(tmp_path / "run", peers=2, windows=windows, store="file", overrides=SMALL) as swarm:
+        swarm.start_peer(0)
+        swarm.start_peer(1, launcher=torchrun)
+        swarm.follow(lambda: all(v.announced for v in swarm.peers.values()), timeout_s=SWARM_TIMEOUT_S)
+        swarm.start_validator()
+        swarm.follow(swarm.finished, timeout_s=SWARM_TIMEOUT_S)
+        swarm.wait_exit(timeout_s=60.0)
+        summary = swarm.summary()
+        assert swarm.spec is not None
+        run_hash = swarm.spec.hash()
+        with open_store(swarm.store_url) as store:
+            blob = store.get(peer_key(run_id(run_hash), swarm.peers["peer-1"].peer_id))
+        announced = decode_announcement(blob, run_hash=run_hash, max_bytes=len(blob))
+    assert announced.value.hardware.startswith("2x cpu ")
+    assert summary["windows_completed"] == windows and summary["fingerprints_equal"]
+    assert summary["accepted_per_window"] == [2] * windows
+    assert swarm.unaccounted() == []
