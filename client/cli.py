@@ -128,8 +128,12 @@ def join(
     The peer first reports its peer id, the run id and the full run hash (compare it with the
     operator's `sparseloco run-id run.toml`). Exit status: 0 done, 1 cannot join (no genesis of
     this run hash within peer.join_timeout_s, store unreachable), 2 configuration error, 3 the
-    store refused peer.max_upload_failures contributions in a row, 130 stopped (Ctrl-C, SIGTERM).
-    Any stop after the announcement withdraws it.
+    store refused peer.max_upload_failures contributions in a row, 4 a rank of a multi-GPU peer
+    died or stalled, 130 stopped (Ctrl-C, SIGTERM). Any stop after the announcement withdraws it.
+
+    \b
+    Every GPU of this host as one peer (rank 0 is the peer, the others train with it):
+      torchrun --standalone --nproc-per-node 8 $(which sparseloco-peer) -- join --run run.toml
     """
     _sigterm_is_interrupt()
     flags = {

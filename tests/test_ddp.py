@@ -264,3 +264,24 @@ def test_torchrun_peer_joins_a_local_run(tmp_path: Path) -> None:
     assert summary["windows_completed"] == windows and summary["fingerprints_equal"]
     assert summary["accepted_per_window"] == [2] * windows
     assert swarm.unaccounted() == []
+
+
+def test_device_out_of_range_is_a_clear_error_everywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--device cuda:N`` past the GPUs torch sees: join/preflight (configuration error, exit 2)
+    and ``sparseloco eval``/``sample`` (exit 1) say so before anything is downloaded or built."""
+    from checkpoint_fixtures import make_run
+    from click.testing import CliRunner
+
+    from client.cli import _device
+    from client.tools import main
+    from protocol.settings import ComputeSettings, LocalSettings
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"cuda:3, but torch sees 2 CUDA devices"):
+        _device(LocalSettings(compute=ComputeSettings(device="cuda:3")))
+    run = make_run(tmp_path, windows=(0,))
+    for args in (["sample", "--prompt", "a"], ["eval", "--tasks", ""]):
+        res = CliRunner().invoke(main, [*args, "--run", str(run.run_toml), "--device", "cuda:2"])
+        assert res.exit_code == 1, res.output
+        assert "cuda:2, but torch sees 2 CUDA devices" in res.output
