@@ -35,7 +35,19 @@ from torch import Tensor
 from protocol.devices import resolve_device
 from protocol.errors import ConfigError, ReasonedError
 
-__all__ = ["HEARTBEAT", "LOAD", "STOP", "TRAIN", "Command", "RankGroup", "RankLost", "torchrun_world"]
+__all__ = [
+    "ABORT",
+    "HEARTBEAT",
+    "LOAD",
+    "STEP",
+    "STOP",
+    "TRAIN",
+    "Command",
+    "RankGroup",
+    "RankLost",
+    "rank_device",
+    "torchrun_world",
+]
 
 # Commands (the first field of a command header).
 HEARTBEAT, TRAIN, STEP, ABORT, LOAD, STOP = range(6)
