@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from client.ddp.ranks import RankGroup, RankLost, rank_device, torchrun_world
-from client.ddp.replica import DataParallelReplica, serve_rank, share_of
+from client.ddp.replica import DataParallelReplica, RankModel, serve_rank, share_of
 from client.demo.swarm import LocalSwarm
 from client.pipeline.link import free_port
 from client.replica import FullReplica
@@ -73,8 +73,19 @@ def _params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- ranks (child processes)
-def _rank(rank: int, port: int, out: str, die_at_step: int, timeout_s: float) -> None:
+def _rank(rank: int, port: int, out: str, dying: int, timeout_s: float) -> None:
+    """One rank of the peer; rank ``dying`` crashes at its second inner step (-1: none does)."""
     torch.set_num_threads(1)
+    if rank == dying:
+        real, calls = RankModel.step, [0]
+
+        def crash(self: RankModel, batch: torch.Tensor) -> float:
+            if calls[0] == 1:
+                os._exit(17)  # a crash: no cleanup, sockets close under the other rank
+            calls[0] += 1
+            return real(self, batch)
+
+        RankModel.step = crash  # type: ignore[method-assign]  # fault injection in this child only
     spec = _spec()
     ranks = RankGroup.open(rank, 2, f"tcp://127.0.0.1:{port}", timeout_s=timeout_s)
     if rank == 0:
@@ -92,33 +103,13 @@ def _rank(rank: int, port: int, out: str, die_at_step: int, timeout_s: float) ->
         Path(f"{out}/meta_0.json").write_text(json.dumps({"meta": meta, "step": replica.step}))
         local = replica.local
     else:
-        import client.ddp.replica as module
-
-        if die_at_step >= 0:
-            real, calls = module._RankModel.step, [0]
-
-            def dying(self: module._RankModel, batch: torch.Tensor) -> float:
-                if calls[0] == die_at_step:
-                    os._exit(17)  # a crash: no cleanup, sockets close under rank 0
-                calls[0] += 1
-                return real(self, batch)
-
-            module._RankModel.step = dying  # type: ignore[method-assign]
-        local_holder: list[module._RankModel] = []
-        real_init = module._RankModel.__init__
-
-        def keep(self: module._RankModel, *args: object, **kwargs: object) -> None:
-            real_init(self, *args, **kwargs)  # type: ignore[arg-type]
-            local_holder.append(self)
-
-        module._RankModel.__init__ = keep  # type: ignore[method-assign]
+        local = RankModel(spec, ranks)
         try:
-            serve_rank(spec, ranks)
+            serve_rank(local)
         except RankLost as exc:
             Path(f"{out}/lost_1.txt").write_text(str(exc))
             os._exit(0)
         ranks.close()
-        local = local_holder[0]
     save_file(_params_of(local.model), f"{out}/params_{rank}.safetensors")
     moments = {
         f"{i}/{k}": v.contiguous()
@@ -145,10 +136,10 @@ def _run(procs: list[mp.process.BaseProcess], limit_s: float) -> None:
     assert not any(p.is_alive() for p in procs)
 
 
-def _ranks(out: Path, *, die_at_step: int = -1, timeout_s: float = 60.0) -> list[mp.process.BaseProcess]:
+def _ranks(out: Path, *, dying: int = -1, timeout_s: float = 60.0) -> list[mp.process.BaseProcess]:
     port = free_port()
     ctx = mp.get_context("spawn")
-    return [ctx.Process(target=_rank, args=(r, port, str(out), die_at_step, timeout_s), daemon=True) for r in (0, 1)]
+    return [ctx.Process(target=_rank, args=(r, port, str(out), dying, timeout_s), daemon=True) for r in (0, 1)]
 
 
 # ---------------------------------------------------------------------- tests
@@ -222,11 +213,15 @@ def test_two_ranks_match_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_rank_dying_mid_window_stops_rank_zero(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dying", [1, 0])
+def test_a_rank_dying_mid_window_stops_the_other(tmp_path: Path, dying: int) -> None:
+    """Rank 1 crashes: rank 0's window ends in RankLost (the peer stops and withdraws). Rank 0
+    crashes: rank 1 stops with RankLost instead of waiting for commands forever."""
     started = time.monotonic()
-    _run(_ranks(tmp_path, die_at_step=1, timeout_s=10.0), LIMIT_S)
-    assert (tmp_path / "lost_0.txt").exists(), "rank 0 did not report the lost rank"
-    assert "rank_lost" in (tmp_path / "lost_0.txt").read_text()
+    _run(_ranks(tmp_path, dying=dying, timeout_s=10.0), LIMIT_S)
+    survivor = tmp_path / f"lost_{1 - dying}.txt"
+    assert survivor.exists(), "the surviving rank did not report the lost rank"
+    assert "rank_lost" in survivor.read_text()
     assert time.monotonic() - started < LIMIT_S
 
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from client.ddp.ranks import RankGroup, RankLost, torchrun_world
-from client.ddp.replica import serve_rank
+from client.ddp.replica import RankModel, serve_rank
 from protocol.config import RunSpec
 from protocol.devices import resolve_device
 from protocol.errors import ConfigError
@@ -59,7 +59,7 @@ def open_ranks(local: LocalSettings) -> RankGroup | None:
 def serve(spec: RunSpec, local: LocalSettings, ranks: RankGroup) -> int:
     """Ranks 1…N−1: train on rank 0's commands; 0 when rank 0 stopped them, else EXIT_RANK_LOST."""
     try:
-        serve_rank(spec, ranks, micro_batch_size=local.compute.micro_batch_size)
+        serve_rank(RankModel(spec, ranks, local.compute.micro_batch_size))
     except RankLost:
         return EXIT_RANK_LOST  # rank 0 is gone or stalled: torchrun ends the rest
     except KeyboardInterrupt:

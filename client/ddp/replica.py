@@ -1,14 +1,14 @@
 """A data-parallel replica: one peer, one contribution, the whole model trained on every GPU of a host.
 
 Rank 0 holds a :class:`DataParallelReplica` (the peer's :class:`~client.window.WindowTrainer`);
-every other rank runs :func:`serve_rank` until rank 0 stops it::
+every other rank runs :func:`serve_rank` on its :class:`RankModel` until rank 0 stops it::
 
     ranks = RankGroup.from_torchrun(device)
     if ranks.rank == 0:
         trainer = DataParallelReplica(spec, ranks, data_key=identity.peer_id, device=ranks.device, data=…)
         Peer(spec, store, identity, state, trainer).run()
     else:
-        serve_rank(spec, ranks)
+        serve_rank(RankModel(spec, ranks))
 
 A window: rank 0 gets the peer's batches (the data feed, as a full replica), loads θ_t and
 broadcasts it, so ranks never drift whatever their floating point did before; then, for every inner
@@ -43,7 +43,7 @@ from protocol.model import build_model, parameters_of
 from protocol.tokens import TokenDataset
 from protocol.wire import PipelineRole
 
-__all__ = ["DataParallelReplica", "serve_rank", "share_of"]
+__all__ = ["DataParallelReplica", "RankModel", "serve_rank", "share_of"]
 
 
 def share_of(batch: Tensor, rank: int, world: int) -> Tensor:
@@ -51,10 +51,11 @@ def share_of(batch: Tensor, rank: int, world: int) -> Tensor:
     return batch.tensor_split(world)[rank]
 
 
-class _RankModel:
-    """What every rank holds: the model and its inner optimizer, gradients summed over the ranks."""
+class RankModel:
+    """What every rank holds: the model and its inner optimizer, gradients summed over the ranks
+    (``micro_batch_size``: accumulation over this rank's share of each batch)."""
 
-    def __init__(self, spec: RunSpec, ranks: RankGroup, micro_batch_size: int) -> None:
+    def __init__(self, spec: RunSpec, ranks: RankGroup, micro_batch_size: int = 0) -> None:
         self.ranks = ranks
         self.model = build_model(spec.model).to(ranks.device)
         self.trainer = InnerTrainer(
@@ -90,7 +91,7 @@ class DataParallelReplica:
             raise ValueError("DataParallelReplica runs on rank 0; the other ranks run serve_rank")
         self.spec, self.ranks = spec, ranks
         self.data = DataFeed(spec, key=data_key, opener=data)
-        self.local = _RankModel(spec, ranks, micro_batch_size)
+        self.local = RankModel(spec, ranks, micro_batch_size)
 
     @property
     def role(self) -> PipelineRole | None:
@@ -159,9 +160,9 @@ class DataParallelReplica:
             self.ranks.broadcast_object(_to_cpu(self.local.trainer.state_dict()))
 
 
-def serve_rank(spec: RunSpec, ranks: RankGroup, *, micro_batch_size: int = 0) -> None:
-    """Ranks 1…N−1: train on rank 0's commands until it sends STOP (RankLost if it is gone)."""
-    local = _RankModel(spec, ranks, micro_batch_size)
+def serve_rank(local: RankModel) -> None:
+    """Ranks 1…N−1: train ``local`` on rank 0's commands until it sends STOP (RankLost if it is gone)."""
+    ranks = local.ranks
     cmd = ranks.receive()
     while cmd.op != STOP:
         if cmd.op == LOAD:
@@ -169,17 +170,17 @@ def serve_rank(spec: RunSpec, ranks: RankGroup, *, micro_batch_size: int = 0) ->
         elif cmd.op == TRAIN:
             local.trainer.step = cmd.a  # the schedule position rank 0 trains from
             local.broadcast_theta()
-            cmd = _serve_steps(local, ranks)
+            cmd = _serve_steps(local)
             if cmd.op == STOP:  # rank 0 left in the middle of a window
                 return
         cmd = ranks.receive()
 
 
-def _serve_steps(local: _RankModel, ranks: RankGroup) -> Command:
+def _serve_steps(local: RankModel) -> Command:
     """The window's inner steps; returns the command that ended them (ABORT, or STOP)."""
-    while (cmd := ranks.receive()).op == STEP:
-        batch = torch.empty((cmd.a, cmd.b), dtype=torch.int64, device=ranks.device)
-        ranks.broadcast([batch])
+    while (cmd := local.ranks.receive()).op == STEP:
+        batch = torch.empty((cmd.a, cmd.b), dtype=torch.int64, device=local.ranks.device)
+        local.ranks.broadcast([batch])
         local.step(batch)
     return cmd
 
