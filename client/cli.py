@@ -12,9 +12,13 @@ Parse, build, run, close: the work lives in :mod:`client.peer`; this module reso
 settings (:mod:`protocol.settings`: flags > SPARSELOCO_* > --settings FILE > run.toml [local]) and
 picks how the peer trains (a full replica, or one stage of a pipeline replica).
 
+One peer on every GPU of a host: ``torchrun --standalone --nproc-per-node N $(which
+sparseloco-peer) join …`` (:mod:`client.ddp`): rank 0 is the peer, the other ranks train with it.
+
 Exit status: 0 done; 1 cannot join (no genesis of this run hash within ``peer.join_timeout_s``, the
 store unreachable, the announcement refused); 2 configuration or identity error; 3 the store
-refused ``peer.max_upload_failures`` contributions in a row; 130 stopped by Ctrl-C or SIGTERM after
+refused ``peer.max_upload_failures`` contributions in a row; 4 a rank of a multi-GPU peer died or
+stalled (``compute.rank_timeout_s``); 130 stopped by Ctrl-C or SIGTERM after
 the local state is consistent (every save is atomic, so there is nothing to flush). Every stop after
 the announcement withdraws it, so the validator does not wait for this peer.
 """
@@ -42,6 +46,7 @@ from protocol.logformat import FORMATS, setup_logging
 from protocol.settings import LocalSettings, load_settings, settings_help
 
 if TYPE_CHECKING:  # the torch-heavy modules load after argument parsing
+    from client.ddp.ranks import RankGroup
     from client.window import WindowTrainer
     from protocol.events import Event
     from protocol.store.base import ObjectStore
@@ -50,6 +55,7 @@ if TYPE_CHECKING:  # the torch-heavy modules load after argument parsing
 EXIT_CANNOT_JOIN = 1
 EXIT_CONFIG = 2
 EXIT_UPLOADS_REFUSED = 3
+EXIT_RANK_LOST = 4  # client.ddp.launch.EXIT_RANK_LOST
 EXIT_INTERRUPTED = 130
 KEY_FILE = "key.pem"  # in the state directory, as LocalState.key_path names it
 # What join says outside the event stream (a configuration error, where the metrics are): through
@@ -149,8 +155,12 @@ def join(
     The peer first reports its peer id, the run id and the full run hash (compare it with the
     operator's `sparseloco run-id run.toml`). Exit status: 0 done, 1 cannot join (no genesis of
     this run hash within peer.join_timeout_s, store unreachable), 2 configuration error, 3 the
-    store refused peer.max_upload_failures contributions in a row, 130 stopped (Ctrl-C, SIGTERM).
-    Any stop after the announcement withdraws it.
+    store refused peer.max_upload_failures contributions in a row, 4 a rank of a multi-GPU peer
+    died or stalled, 130 stopped (Ctrl-C, SIGTERM). Any stop after the announcement withdraws it.
+
+    \b
+    Every GPU of this host as one peer (rank 0 is the peer, the others train with it):
+      torchrun --standalone --nproc-per-node 8 $(which sparseloco-peer) -- join --run run.toml
     """
     _sigterm_is_interrupt()
     setup_logging(log_format, verbose=False, stream=sys.stderr)
@@ -184,6 +194,8 @@ def _join(
     out: Output | None = None,
 ) -> int:
     # Heavy imports after argument parsing: `--help` stays instant.
+    from client.ddp.launch import lead, open_ranks, serve
+    from client.ddp.ranks import RankLost
     from client.peer import Peer, RunNotFound, UploadsRefused
     from client.progress import PeerDisplay
     from client.state import LocalState
@@ -192,13 +204,18 @@ def _join(
 
     spec = _load_spec(run_path)
     device = _device(local)
+    if pipeline is not None:
+        _single_process()
+    ranks = open_ranks(local) if pipeline is None else None
+    if ranks is not None and ranks.rank != 0:
+        return serve(spec, local, ranks)  # trains on rank 0's commands; rank 0 is the peer
     identity = Identity.load_or_create(_key_path(key_path, state_dir, spec))
     state = LocalState(_state_dir(state_dir, spec))
     until = until_window
     if local.max_windows > 0:
         until = min(until, local.max_windows) if until is not None else local.max_windows
     store = open_peer_store(local.store, identity, spec.hash(), validator_keys=spec.validator.public_keys)
-    trainer = _window_trainer(spec, local, store, identity.peer_id, device, pipeline)
+    trainer = _window_trainer(spec, local, store, identity.peer_id, device, pipeline, ranks)
     out = out or Output()
     sinks: list[Callable[[Event], None]] = []
     server = None
@@ -212,9 +229,19 @@ def _join(
     display = PeerDisplay(json_lines=status_json, log_format=out.log_format, sinks=sinks)
     peer = Peer(spec, store, identity, state, trainer, local=local, display=display)
     try:
-        with display:
-            peer.run(until_window=until, max_windows=max_windows)
+        with lead(ranks):
+            try:
+                with display:
+                    peer.run(until_window=until, max_windows=max_windows)
+            except KeyboardInterrupt:
+                if ranks is None or ranks.lost is None:
+                    raise
+                raise ranks.lost from None  # the heartbeat found a rank gone between windows
         return 0
+    except RankLost as exc:
+        display.emit(Failed(reason=exc.reason, detail=str(exc)))
+        _log.error(f"sparseloco-peer: stopped: {exc}")
+        return EXIT_RANK_LOST
     except KeyboardInterrupt:
         display.emit(Stopped(reason="interrupted", window=peer.pos.window, withdrawn=peer.withdrawn))
         return EXIT_INTERRUPTED
@@ -256,15 +283,23 @@ def _load_spec(run_path: str) -> RunSpec:
 
 
 def _device(local: LocalSettings) -> str:
-    """The torch device of ``compute.device`` (CUDA when torch sees it, else the CPU); threads set."""
+    """The torch device of ``compute.device`` (CUDA when torch sees it, else the CPU), checked
+    (``cuda:N`` within the devices torch sees); threads set."""
     import torch
+
+    from protocol.devices import resolve_device
 
     if local.compute.threads > 0:
         torch.set_num_threads(local.compute.threads)
-    device = local.compute.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"compute.device is {device}, but torch sees no CUDA device")
-    return device
+    return resolve_device(local.compute.device)
+
+
+def _single_process() -> None:
+    """A pipeline stage is one process: torchrun with several would start the same stage twice."""
+    from client.ddp.ranks import torchrun_world
+
+    if torchrun_world() is not None:
+        raise ConfigError("--pipeline runs one process per stage: start it without torchrun (or with one process)")
 
 
 @main.command("preflight", epilog=settings_help())
@@ -391,14 +426,22 @@ def _window_trainer(
     peer_id: str,
     device: str,
     pipeline: dict[str, Any] | None,
+    ranks: RankGroup | None = None,
 ) -> WindowTrainer:
-    """How this peer trains a window: the whole model, or its stage of a pipeline replica; either
-    reads the run's dataset from ``store`` into this machine's data cache."""
+    """How this peer trains a window: the whole model (on this device, or data parallel on the
+    ranks of a torchrun launch), or its stage of a pipeline replica; each reads the run's dataset
+    from ``store`` into this machine's data cache."""
     from protocol.run_data import open_run_dataset
 
     def dataset() -> TokenDataset:
         return open_run_dataset(spec, store, local.data)
 
+    if ranks is not None:
+        from client.ddp.replica import DataParallelReplica
+
+        return DataParallelReplica(
+            spec, ranks, data_key=peer_id, data=dataset, micro_batch_size=local.compute.micro_batch_size
+        )
     if pipeline is None:
         from client.replica import FullReplica
 

@@ -94,12 +94,15 @@ def _run_tokenizer(run_path: str, spec: RunSpec, loc: Location) -> ByteTokenizer
 
 
 def _device(device: str | None, threads: int) -> str:
-    """The torch device to use (cuda when there is one); ``threads`` > 0 sets torch's CPU threads."""
+    """The torch device to use (cuda when there is one; ``cuda:N`` checked against the devices
+    torch sees); ``threads`` > 0 sets torch's CPU threads."""
     import torch
+
+    from protocol.devices import resolve_device
 
     if threads > 0:
         torch.set_num_threads(threads)
-    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_device(device or "")
 
 
 def _when(ts: float | None) -> str:
@@ -254,11 +257,11 @@ def eval_cmd(
     started = time.perf_counter()
     task_list = list(DEFAULT_TASKS) if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
     with _user_errors():
+        dev = _device(device, threads)  # a device that does not exist fails before any download
         spec, loc, ckpt = _load(run_path, checkpoint, store_url, window, dht_peers)
         local = load_settings(run_path)
         with open_location(loc, local.store) as store:  # the run's dataset and tokenizer lie there
             held = heldout_data(spec, data, sequences=sequences, local=local.data, store=store)
-        dev = _device(device, threads)
         score = score_lm(model_of(spec, ckpt, dev), held.batches, held.tokenizer, dev)
         task_results = _zero_shot(spec, ckpt, task_list, dev, task_limit, lambda: _run_tokenizer(run_path, spec, loc))
     report: dict[str, Any] = {
@@ -365,9 +368,10 @@ def sample_cmd(
     from client.sample import SampleSettings, generate
 
     with _user_errors():
+        dev = _device(device, threads)  # a device that does not exist fails before any download
         spec, loc, ckpt = _load(run_path, checkpoint, store_url, window, dht_peers)
         tok = _run_tokenizer(run_path, spec, loc)
-        model = model_of(spec, ckpt, _device(device, threads))
+        model = model_of(spec, ckpt, dev)
     ids = ([tok.eos_id] if tok.eos_id is not None else []) + tok.encode(prompt)  # documents follow a separator
     if not ids:
         raise click.BadParameter("the prompt encodes to no tokens", param_hint="--prompt")

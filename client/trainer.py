@@ -9,13 +9,18 @@
 The learning rate follows :func:`client.schedule.lr_at` at the trainer's global inner-step
 counter, so a restored trainer continues the schedule. Gradients are accumulated over micro-batches
 when ``micro_batch_size`` > 0. Autocast is bf16 on CUDA; CPU runs in fp32. Parameters stay fp32.
+
+Data parallel (:mod:`client.ddp`): every rank trains its share of each batch with
+``train_window(shares, rows=batch_rows)``, which scales its loss by share/batch rows, and
+``reduce`` sums the gradients (and the loss) over the ranks before clipping, so every rank takes
+the optimizer step one process would take on the whole batch.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +32,10 @@ from protocol.config import InnerConfig
 from protocol.errors import ConfigError
 from protocol.model import autocast_for, lm_loss, parameters_of
 
-__all__ = ["InnerTrainer", "WindowStats", "load_params", "pseudo_gradient", "snapshot"]
+__all__ = ["GradientSum", "InnerTrainer", "WindowStats", "load_params", "pseudo_gradient", "snapshot"]
+
+GradientSum = Callable[[list[Tensor]], None]
+"""Sums every tensor of the list over the ranks of a data-parallel replica, in place."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,9 @@ class WindowStats:
 
 
 class InnerTrainer:
-    """AdamW inner optimizer of one replica (betas/wd/clip and schedule from ``InnerConfig``)."""
+    """AdamW inner optimizer of one replica (betas/wd/clip and schedule from ``InnerConfig``).
+
+    ``reduce``: set on the ranks of a data-parallel replica (see the module docstring)."""
 
     def __init__(
         self,
@@ -56,11 +66,13 @@ class InnerTrainer:
         device: torch.device | str = "cpu",
         *,
         micro_batch_size: int = 0,
+        reduce: GradientSum | None = None,
     ) -> None:
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
         self.micro_batch_size = micro_batch_size
+        self.reduce = reduce
         self.step = 0  # global inner step: indexes the schedule across windows and restarts
         params = parameters_of(model)
         # Weight decay on matrices only; norms (1-D) are not decayed.
@@ -74,8 +86,10 @@ class InnerTrainer:
         )
         self._params = decay + no_decay
 
-    def train_window(self, batches: Sequence[Tensor]) -> WindowStats:
-        """One inner step per batch [B, T+1]; returns the window's statistics."""
+    def train_window(self, batches: Sequence[Tensor], *, rows: int | None = None) -> WindowStats:
+        """One inner step per batch [B, T+1]; returns the window's statistics.
+
+        ``rows``: the batch size each of ``batches`` is a share of (data parallel; default: B)."""
         if not batches:
             raise ValueError("train_window needs at least one batch")
         self.model.train()
@@ -87,7 +101,7 @@ class InnerTrainer:
             lr = lr_at(self.step, self.cfg)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            loss, norm = self._accumulate(batch)
+            loss, norm = self._accumulate(batch, batch.shape[0] if rows is None else rows)
             if math.isfinite(norm):
                 self.optimizer.step()
             else:
@@ -110,19 +124,32 @@ class InnerTrainer:
             seconds=time.perf_counter() - t0,
         )
 
-    def _accumulate(self, batch: Tensor) -> tuple[float, float]:
-        """Forward/backward over micro-batches (mean loss), then clip. Returns (loss, pre-clip norm)."""
+    def _accumulate(self, batch: Tensor, size: int) -> tuple[float, float]:
+        """Forward/backward over micro-batches (loss: mean over ``size`` rows), reduce, then clip.
+        Returns (loss, pre-clip norm)."""
         batch = batch.to(self.device, non_blocking=True)
-        size = batch.shape[0]
-        mb = self.micro_batch_size if 0 < self.micro_batch_size < size else size
+        mb = self.micro_batch_size if 0 < self.micro_batch_size < batch.shape[0] else max(batch.shape[0], 1)
         total = 0.0
-        for part in torch.split(batch, mb):
+        for part in torch.split(batch, mb) if batch.shape[0] else ():
             with autocast_for(self.device):
                 loss = lm_loss(self.model, part) * (part.shape[0] / size)
             torch.autograd.backward(loss)  # what loss.backward() runs; Tensor.backward is unannotated
             total += float(loss.detach())
+        if self.reduce is not None:
+            total = self._reduce(self.reduce, total)
         norm = torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip)
         return total, float(norm)
+
+    def _reduce(self, reduce: GradientSum, loss: float) -> float:
+        """Sum gradients and loss over the ranks (a rank with an empty share adds zeros)."""
+        grads: list[Tensor] = []
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        total = torch.tensor([loss], dtype=torch.float32, device=self.device)
+        reduce([*grads, total])
+        return float(total.item())
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

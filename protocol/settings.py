@@ -137,15 +137,19 @@ class ComputeSettings:
     """``device``: ``cuda``, ``cpu``, ``cuda:1`` … ("": a peer uses CUDA when torch sees it, the
     validator the CPU). ``threads``: torch CPU threads (0: torch's default).
     ``micro_batch_size``: gradient accumulation on a small GPU (0: none; the batch itself is
-    ``data.batch_size`` of the RunSpec)."""
+    ``data.batch_size`` of the RunSpec). ``rank_timeout_s``: a peer on several GPUs (torchrun):
+    how long one collective between its processes may take before the peer stops (a rank died or
+    hangs)."""
 
     device: str = ""
     threads: int = 0
     micro_batch_size: int = 0
+    rank_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _require(self.threads >= 0, "compute.threads must be >= 0")
         _require(self.micro_batch_size >= 0, "compute.micro_batch_size must be >= 0")
+        _require(self.rank_timeout_s > 0, "compute.rank_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)

@@ -518,6 +518,7 @@ def _open_validator(run_path: str, local: LocalSettings, key_path: str, state_di
     # torch and the node load here, not at import: `logs` (what sparseloco demo runs) stays quick.
     import torch
 
+    from protocol.devices import resolve_device
     from validator.node import Validator
 
     if local.compute.threads > 0:
@@ -529,7 +530,7 @@ def _open_validator(run_path: str, local: LocalSettings, key_path: str, state_di
             "with `sparseloco-validator init`"
         )
     ident = Identity.load(Path(key_path).expanduser())
-    device = local.compute.device or "cpu"
+    device = resolve_device(local.compute.device, default="cpu")
     # store.grant_url / public_reads are how peers reach the run; the validator holds the credential.
     local = dataclasses.replace(local, store=dataclasses.replace(local.store, grant_url="", public_reads=False))
     store = open_from_settings(local.store, identity=ident, validator_keys=spec.validator.public_keys)

@@ -286,14 +286,16 @@ class LocalSwarm:
         self.validator_ready = False
         self.follow(lambda: self.validator_ready, timeout_s=timeout_s)
 
-    def start_peer(self, i: int, *extra: str) -> str:
+    def start_peer(self, i: int, *extra: str, launcher: Sequence[str] = ()) -> str:
         """Start peer ``i`` (its key is created first so that a credential can be scoped to it);
-        ``peer_envs[name]``, when set before, is its environment (settings, a credential)."""
+        ``peer_envs[name]``, when set before, is its environment (settings, a credential).
+        ``launcher``: what runs the peer's console script (``torchrun --nproc-per-node 2``)."""
         assert self.group is not None and self.backend is not None and self.spec is not None
         state = self.peer_dir(i)
         ident = Identity.load_or_create(state / "key.pem")
         name = f"peer-{i}"
-        argv = python_console("sparseloco-peer") + [
+        # "--": torchrun's own options would otherwise swallow abbreviations (--run for --run-path).
+        argv = [*launcher, *python_console("sparseloco-peer"), *(["--"] if launcher else [])] + [
             "join",
             "--run",
             str(self.run_toml),
