@@ -505,6 +505,23 @@ class RssPeak:
         self.peak = max(self.peak, self.rss() - self.base)
 
 
+class LaunchClock:
+    """Wall time that starts at the same instant in every scenario: genesis, the first thing the
+    validator stamps, gets exactly ``T0``, so the launch (and every window secret derived from it)
+    is the same in every scenario, and scenarios differ only by their attackers."""
+
+    T0 = 1_800_000_000.0
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+
+    def __call__(self) -> float:
+        now = time.monotonic()
+        if self._start is None:
+            self._start = now
+        return self.T0 + (now - self._start)
+
+
 def run_scenario(
     sc: Scenario, *, honest_ids: list[Identity], vkey: Identity, windows: int, attack_from: int
 ) -> dict[str, Any]:
@@ -519,7 +536,8 @@ def run_scenario(
             sw.announce(h.identity)
     attackers = sc.attackers(sw, len(honest_ids), attack_from)
     early = [a for a in attackers if isinstance(a, Established)]  # join a window early to earn a record
-    v = Validator(spec, MemoryStore(sw.name), vkey, state_dir, local=LOCAL, budgets=sc.budgets)
+    clock = LaunchClock()
+    v = Validator(spec, MemoryStore(sw.name), vkey, state_dir, local=LOCAL, clock=clock, budgets=sc.budgets)
     v.resume()
     crashes, peak, gather_s = 0, 0, []
     for t in range(windows):
@@ -562,7 +580,7 @@ def run_scenario(
             crashes += 1
             traceback.print_exc(file=sys.stderr)
             v.close()
-            v = Validator(spec, MemoryStore(sw.name), vkey, state_dir, local=LOCAL, budgets=sc.budgets)  # a restart
+            v = Validator(spec, MemoryStore(sw.name), vkey, state_dir, local=LOCAL, clock=clock, budgets=sc.budgets)
             v.resume()
         feeder.join()
     out = _measure(v, sw, honest, attackers, windows)
