@@ -30,6 +30,7 @@ from torch import Tensor
 
 from protocol import layout
 from protocol.aggregate import apply_outer
+from protocol.caps import object_caps
 from protocol.chain import delta_of, read_aggregate, read_manifest, read_weights
 from protocol.config import RunSpec
 from protocol.errors import (
@@ -70,6 +71,7 @@ class Sync:
         self.run_hash = spec.hash()
         self.schema = param_schema(spec.model)
         self.signers = spec.validator.public_keys
+        self.max_aggregate_bytes = object_caps(spec).aggregate  # the validator reads with the same cap
         self.poll_s = spec.windows.poll_interval_s if poll_interval_s is None else poll_interval_s
 
     # ------------------------------------------------------------------ discovery
@@ -95,7 +97,7 @@ class Sync:
             self.run_hash,
             window,
             allowed_signers=self.signers,
-            max_bytes=self.spec.validator.max_aggregate_bytes,
+            max_bytes=self.max_aggregate_bytes,
             schema=self.schema,
         )
 

@@ -15,7 +15,9 @@ checkpoint. Every decision is a row of the contribution log. Crash safety: decis
 (status ``decided``) before the aggregate is put, and the state file moves to t + 1 after it; a
 restart adopts an aggregate it finds already published for its window, and otherwise re-decides
 the window (rows are keyed by (window, peer) and reputation is derived from them, so nothing is
-lost or counted twice).
+lost or counted twice). The published Δ̄ is the bfloat16-rounded or re-compressed form of the
+aggregate (:mod:`protocol.broadcast`), and θ_{t+1} is θ_t minus exactly that; with re-compression
+the validator's error-feedback buffer is written ahead of the put (``validator/state.py``).
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ from pathlib import Path
 
 import torch
 
-from protocol import layout
+from protocol import broadcast, layout
 from protocol.aggregate import SparseDict, aggregate, apply_outer
+from protocol.caps import object_caps
 from protocol.chain import delta_of, read_aggregate
 from protocol.config import RunSpec
 from protocol.data import assigned_batches, open_dataset, random_batches, validation_batches
 from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
 from protocol.events import Event, WindowOpened, WindowPublished, WindowRetry
+from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, param_schema, parameters_of
 from protocol.store.base import ObjectStore
@@ -46,7 +50,14 @@ from validator.gather import PeerRegistry, Received, gather, list_contributions
 from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
 from validator.reputation import LATE, Outcome, Standing, is_excluded, standings, update
 from validator.scoring import LossScore, pick_sample, score_update, scoring_units, take_sequences
-from validator.state import ValidatorState, load_state, save_state
+from validator.state import (
+    ValidatorState,
+    load_feedback,
+    load_state,
+    prune_feedback,
+    save_feedback,
+    save_state,
+)
 
 __all__ = ["LOG_FILE", "Validator"]
 
@@ -96,7 +107,9 @@ class Validator:
         self.clock = clock
         self.registry = PeerRegistry(store, self.run_id, self.run_hash, clock)
         self.signers = sorted(set(spec.validator.public_keys))
+        self.caps = object_caps(spec)
         self.state: ValidatorState | None = None
+        self.feedback = FeedbackState()  # the re-compression buffer that opens the current window
 
     def close(self) -> None:
         self.log.close()
@@ -163,6 +176,7 @@ class Validator:
         state = load_state(self.state_dir, self.run_hash) or self._genesis()
         self._load_params(state.params)
         self.state = state
+        self.feedback = self._saved_feedback(state.window, state.base)
         self._adopt_published()
         return self._state()
 
@@ -204,7 +218,7 @@ class Validator:
                     self.run_hash,
                     st.window,
                     allowed_signers=self.signers,
-                    max_bytes=self.spec.validator.max_aggregate_bytes,
+                    max_bytes=self.caps.aggregate,
                     schema=self.schema,
                 )
             except ProtocolError as exc:
@@ -220,7 +234,15 @@ class Validator:
             if fingerprint(params) != agg.value.fingerprint:
                 raise ConfigError(f"aggregate {st.window} does not reproduce its fingerprint from this state")
             self._adopt_rows(agg)
-            self._advance(st, agg, params)
+            self._advance(st, agg, params, self._saved_feedback(st.window + 1, agg.digest))
+
+    def _saved_feedback(self, window: int, base: str) -> FeedbackState:
+        """The re-compression buffer that opens ``window`` after ``base``, as written ahead of that
+        aggregate's put. Empty without re-compression, at genesis, and when the state directory
+        was lost (what it had not sent yet is then dropped, as a peer's would be)."""
+        if not self.spec.outer.recompress:
+            return FeedbackState()
+        return load_feedback(self.state_dir, window, base) or FeedbackState()
 
     def _adopt_rows(self, verified: Verified[Aggregate]) -> None:
         agg = verified.value
@@ -245,7 +267,7 @@ class Validator:
             expected_base=base,
             codec=self.spec.codec,
             schema=self.schema,
-            max_bytes=self.spec.validator.max_contribution_bytes,
+            max_bytes=self.caps.contribution,
             registered=registered,
             excluded=excluded,
         )
@@ -266,7 +288,7 @@ class Validator:
             t,
             opened_at=opened_at,
             windows=self.spec.windows,
-            max_bytes=cfg.max_contribution_bytes,
+            max_bytes=self.caps.contribution,
             concurrency=cfg.max_gather_concurrency,
             expected=lambda: self.registry.active(recent, cfg.announcement_ttl_s) - ctx.excluded,
             stop=self.stop,
@@ -358,8 +380,9 @@ class Validator:
     def _publish(
         self, t: int, st: ValidatorState, rows: list[ContributionRecord], delta: SparseDict, clock: _PhaseClock
     ) -> WindowPublished:
+        tensors, feedback = broadcast.publishable(delta, self.schema, self.spec.outer, self.spec.codec, self.feedback)
         nxt = {n: p.detach().clone() for n, p in st.params.items()}
-        apply_outer(nxt, delta, self.spec.outer.alpha)
+        apply_outer(nxt, broadcast.applied(tensors), self.spec.outer.alpha)  # what is signed, not Δ̄ itself
         fp = fingerprint(nxt)
         self._load_params(nxt)
         val_loss = self._val_loss()
@@ -371,8 +394,7 @@ class Validator:
             window=t,
             base=st.base,
             alpha=self.spec.outer.alpha,
-            delta=delta,
-            shapes=self.schema,
+            tensors=tensors,
             manifest=[(r.peer, r.digest or "", r.weight) for r in accepted],
             fingerprint_next=fp,
             published_at=published_at,
@@ -391,10 +413,12 @@ class Validator:
             rejected=len(rows) - len(accepted),
         )
         self.log.record_window(win, rows)
+        if self.spec.outer.recompress:  # write-ahead: the buffer that follows this aggregate exists first
+            save_feedback(self.state_dir, t + 1, hashlib.sha256(blob).hexdigest(), feedback)
         self.store.put(layout.aggregate_key(self.run_id, t), blob, if_absent=True)
         agg = decode_aggregate(blob, run_hash=self.run_hash, max_bytes=len(blob), allowed_signers=self.signers)
         self.log.mark_published(t, digest=agg.digest, published_at=published_at)
-        self._advance(st, agg, nxt)
+        self._advance(st, agg, nxt, feedback)
         reasons: dict[str, int] = {}
         for r in rows:
             if r.reason:
@@ -414,8 +438,11 @@ class Validator:
         self.emit(report)
         return report
 
-    def _advance(self, st: ValidatorState, agg: Verified[Aggregate], params: dict[str, torch.Tensor]) -> None:
-        """Move to window t + 1: checkpoint when due, then the state file (the commit point)."""
+    def _advance(
+        self, st: ValidatorState, agg: Verified[Aggregate], params: dict[str, torch.Tensor], feedback: FeedbackState
+    ) -> None:
+        """Move to window t + 1: checkpoint when due, then the state file (the commit point), then
+        drop the error-feedback buffer of window t."""
         nxt = ValidatorState(self.run_hash, st.window + 1, agg.digest, agg.value.published_at, params)
         if is_checkpoint_window(nxt.window, self.spec.windows):
             publish.publish_checkpoint(
@@ -430,6 +457,8 @@ class Validator:
             )
         save_state(self.state_dir, nxt)
         self.state = nxt
+        self.feedback = feedback
+        prune_feedback(self.state_dir, before=nxt.window)
         self._load_params(params)
 
     def _record_late(self, window: int) -> None:

@@ -22,7 +22,6 @@ import torch
 from safetensors.torch import save as st_save
 
 from protocol import layout
-from protocol.aggregate import SparseDict
 from protocol.chain import MAX_MANIFEST_BYTES, WEIGHTS_FILE, read_checkpoint, read_manifest
 from protocol.errors import ObjectNotFound
 from protocol.identity import Identity
@@ -30,15 +29,13 @@ from protocol.model import fingerprint
 from protocol.store.base import ObjectStore, put_once
 from protocol.wire import (
     Aggregate,
+    AggregateTensor,
     CheckpointFile,
     CheckpointManifest,
     ManifestEntry,
     decode_checkpoint,
     encode_aggregate,
     encode_checkpoint,
-)
-from protocol.wire import (
-    SparseDelta as WireDelta,
 )
 
 __all__ = [
@@ -114,17 +111,16 @@ def encode_window_aggregate(
     window: int,
     base: str,
     alpha: float,
-    delta: SparseDict,
-    shapes: Mapping[str, tuple[int, ...]],
+    tensors: Mapping[str, AggregateTensor],
     manifest: Sequence[tuple[str, str, float]],
     fingerprint_next: str,
     published_at: float,
     metadata: Mapping[str, int | float | str | bool],
     identity: Identity,
 ) -> bytes:
-    """The signed aggregate of ``window``: Δ̄ (sparse), manifest [(peer, digest, weight)], fingerprint
-    of θ_{window+1}, ``published_at`` (now: window + 1 opens with it), metadata (``val_loss`` …)."""
-    tensors = {name: WireDelta(tuple(shapes[name]), idx, vals) for name, (idx, vals) in sorted(delta.items())}
+    """The signed aggregate of ``window``: Δ̄ in its published form (``protocol.broadcast.publishable``:
+    what θ_{window+1} was computed with), manifest [(peer, digest, weight)], fingerprint of
+    θ_{window+1}, ``published_at`` (now: window + 1 opens with it), metadata (``val_loss`` …)."""
     agg = Aggregate(
         run_hash,
         window,
@@ -132,7 +128,7 @@ def encode_window_aggregate(
         alpha,
         fingerprint_next,
         tuple(ManifestEntry(p, d, w) for p, d, w in sorted(manifest)),
-        tensors,
+        dict(tensors),
         float(published_at),
         dict(metadata),
     )
