@@ -35,9 +35,15 @@ from protocol.feedback import FeedbackState, compress_step
 from protocol.wire.aggregate import AggregateTensor, SparseDelta
 from protocol.wire.delta import round_values
 
-__all__ = ["applied", "plain", "publishable", "recompress", "recompress_codec"]
+__all__ = ["applied", "keeps_feedback", "plain", "publishable", "recompress", "recompress_codec"]
 
 Shapes = Mapping[str, tuple[int, ...]]
+
+
+def keeps_feedback(outer: OuterConfig) -> bool:
+    """Whether the validator carries an error-feedback buffer from one window to the next (with
+    ``recompress_beta = 0`` what Top-k leaves out is dropped, and there is nothing to keep)."""
+    return outer.recompress and outer.recompress_beta > 0.0
 
 
 def recompress_codec(outer: OuterConfig, codec: CodecConfig) -> CodecConfig:
@@ -77,7 +83,7 @@ def publishable(
     if not outer.recompress:
         return dict(plain(delta, shapes)), state
     encoded, after = recompress(delta, shapes, state, outer.recompress_beta, recompress_codec(outer, codec))
-    return dict(encoded), after
+    return dict(encoded), after if keeps_feedback(outer) else FeedbackState()
 
 
 def applied(tensors: Mapping[str, AggregateTensor]) -> SparseDict:

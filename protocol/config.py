@@ -143,6 +143,9 @@ class OuterConfig:
     its own error-feedback buffer ``e ← recompress_beta·e + Δ̄``, so that every peer downloads a
     contribution-sized object instead of the union of all Top-k sets. Off: Δ̄ travels with bfloat16
     values (:mod:`protocol.broadcast`). Either way every participant applies exactly what was signed.
+    The defaults are the best measured point (BENCHMARKS.md): at k = 64 and 128 every decay > 0
+    tried ended at a higher loss than none (what the buffer sends late, the peers have partly
+    learned again by then), so by default what Top-k leaves out is dropped and no buffer is kept.
     """
 
     alpha: float = 1.0
@@ -151,8 +154,8 @@ class OuterConfig:
     clip: str = "median"  # median | none
     momentum: float = 0.9  # Nesterov momentum of the DiLoCo baseline (client/simulator.py) only
     recompress: bool = False
-    recompress_k: int = 64  # values kept per 4096 by the validator's Top-k (when ``recompress``)
-    recompress_beta: float = 1.0  # decay of the validator's error-feedback buffer
+    recompress_k: int = 128  # values kept per 4096 by the validator's Top-k (when ``recompress``)
+    recompress_beta: float = 0.0  # decay of the validator's error-feedback buffer (0: none kept)
 
     def __post_init__(self) -> None:
         _require(self.aggregation in ("contributors", "all"), "outer.aggregation must be contributors|all")

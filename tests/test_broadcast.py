@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from protocol.aggregate import SparseDict, aggregate, apply_outer
-from protocol.broadcast import applied, plain, publishable, recompress, recompress_codec
+from protocol.broadcast import applied, keeps_feedback, plain, publishable, recompress, recompress_codec
 from protocol.chain import delta_of
 from protocol.codec import decode, encode, to_sparse
 from protocol.config import CodecConfig, OuterConfig
@@ -93,3 +93,10 @@ def test_publishable_leaves_the_buffer_alone_without_recompression() -> None:
     assert recompress_codec(outer, CODEC) == CodecConfig(k=8)
     tensors, after = publishable(aggregate(contributions(2)), SHAPES, outer, CODEC, state)
     assert after is not state and all(t.cfg == CodecConfig(k=8) for t in tensors.values())  # type: ignore[union-attr]
+
+
+def test_without_decay_nothing_is_kept() -> None:
+    outer = OuterConfig(recompress=True, recompress_k=8, recompress_beta=0.0)
+    tensors, after = publishable(aggregate(contributions(2)), SHAPES, outer, CODEC, FeedbackState())
+    assert tensors and not after.buffers and not keeps_feedback(outer)
+    assert keeps_feedback(OuterConfig(recompress=True, recompress_beta=0.5)) and not keeps_feedback(OuterConfig())

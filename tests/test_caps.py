@@ -81,8 +81,8 @@ def test_caps_follow_model_size_and_contributors() -> None:
     assert caps.aggregate > 2.125 * params > 512 * 2**20
     few = RunSpec.from_dict({"model": {"preset": "1b"}, "validator": {"max_contributors": 4}})
     assert object_caps(few).aggregate < caps.aggregate / 3
-    recompressed = RunSpec.from_dict({"model": {"preset": "1b"}, "outer": {"recompress": True}})
-    assert object_caps(recompressed).aggregate < caps.contribution * 1.1
+    recompressed = RunSpec.from_dict({"model": {"preset": "1b"}, "outer": {"recompress": True, "recompress_k": 64}})
+    assert object_caps(recompressed).aggregate < caps.contribution * 1.1  # contribution-sized
     bigger = RunSpec.from_dict({"model": {"preset": "1b", "n_layers": 64}})
     assert object_caps(bigger).contribution > 3 * caps.contribution
 

@@ -277,7 +277,7 @@ def _assert_feedback_step(sw: Swarm, after: FeedbackState, before: FeedbackState
 
 
 def test_recompression_buffer_survives_crashes_without_loss_or_double_use(vkey: Identity, tmp_path) -> None:
-    sw = Swarm(tiny_spec(vkey, outer={"recompress": True, "recompress_k": 16}), 4)
+    sw = Swarm(tiny_spec(vkey, outer={"recompress": True, "recompress_k": 16, "recompress_beta": 0.9}), 4)
     sw.announce_all()
     spec = sw.spec
     read = lambda w: read_aggregate(  # noqa: E731

@@ -238,9 +238,10 @@ class Validator:
 
     def _saved_feedback(self, window: int, base: str) -> FeedbackState:
         """The re-compression buffer that opens ``window`` after ``base``, as written ahead of that
-        aggregate's put. Empty without re-compression, at genesis, and when the state directory
-        was lost (what it had not sent yet is then dropped, as a peer's would be)."""
-        if not self.spec.outer.recompress:
+        aggregate's put. Empty without a buffer to keep (``broadcast.keeps_feedback``), at genesis,
+        and when the state directory was lost (what it had not sent yet is then dropped, as a
+        peer's would be)."""
+        if not broadcast.keeps_feedback(self.spec.outer):
             return FeedbackState()
         return load_feedback(self.state_dir, window, base) or FeedbackState()
 
@@ -413,7 +414,7 @@ class Validator:
             rejected=len(rows) - len(accepted),
         )
         self.log.record_window(win, rows)
-        if self.spec.outer.recompress:  # write-ahead: the buffer that follows this aggregate exists first
+        if broadcast.keeps_feedback(self.spec.outer):  # write-ahead: the buffer after this aggregate exists first
             save_feedback(self.state_dir, t + 1, hashlib.sha256(blob).hexdigest(), feedback)
         self.store.put(layout.aggregate_key(self.run_id, t), blob, if_absent=True)
         agg = decode_aggregate(blob, run_hash=self.run_hash, max_bytes=len(blob), allowed_signers=self.signers)
