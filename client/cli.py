@@ -1,17 +1,26 @@
-"""``sparseloco-peer join``: take part in a run from this machine.
+"""``sparseloco-peer join``: take part in a run from this machine; ``preflight``: whether it can;
+``sparseloco-peer id``: who it is.
 
-    sparseloco-peer join --run run.toml                              # store from the RunSpec
+    sparseloco-peer preflight --run run.toml [--json]                # ready to join? (exit 0 / 1)
+    sparseloco-peer join --run run.toml                              # store (or grant server) from run.toml's [local]
     sparseloco-peer join --run run.toml --store s3://bucket/run      # credentials: AWS_* env vars
     sparseloco-peer join --run run.toml --store dht:// --dht-peer /ip4/1.2.3.4/tcp/31337/p2p/Qm…
+    sparseloco-peer id --state ~/.sparseloco/<run id>                # the peer id (the key is created)
 
-Parse, build, run, close: the work lives in :mod:`client.peer`; this module picks how the peer
-trains (a full replica, or one stage of a pipeline replica). Configuration and identity errors
-exit with status 2 and a one-line reason; Ctrl-C (or SIGTERM) stops cleanly with status 130 after
-the local state is consistent (every save is atomic, so there is nothing to flush).
+Parse, build, run, close: the work lives in :mod:`client.peer`; this module resolves the local
+settings (:mod:`protocol.settings`: flags > SPARSELOCO_* > --settings FILE > run.toml [local]) and
+picks how the peer trains (a full replica, or one stage of a pipeline replica).
+
+Exit status: 0 done; 1 cannot join (no genesis of this run hash within ``peer.join_timeout_s``, the
+store unreachable, the announcement refused); 2 configuration or identity error; 3 the store
+refused ``peer.max_upload_failures`` contributions in a row; 130 stopped by Ctrl-C or SIGTERM after
+the local state is consistent (every save is atomic, so there is nothing to flush). Every stop after
+the announcement withdraws it, so the validator does not wait for this peer.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -23,13 +32,20 @@ import click
 
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, ProtocolError, StoreError
+from protocol.identity import Identity
 from protocol.layout import run_id
+from protocol.settings import LocalSettings, load_settings, settings_help
 
 if TYPE_CHECKING:  # the torch-heavy modules load after argument parsing
     from client.window import WindowTrainer
+    from protocol.store.base import ObjectStore
+    from protocol.tokens import TokenDataset
 
+EXIT_CANNOT_JOIN = 1
 EXIT_CONFIG = 2
+EXIT_UPLOADS_REFUSED = 3
 EXIT_INTERRUPTED = 130
+KEY_FILE = "key.pem"  # in the state directory, as LocalState.key_path names it
 
 
 @click.group()
@@ -38,10 +54,19 @@ def main() -> None:
     """sparseloco-peer: contribute compute to a SparseLoCo pre-training run."""
 
 
-@main.command("join")
+@main.command("join", epilog=settings_help())
 @click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False), help="RunSpec TOML.")
-@click.option("--store", "store_url", default=None, help="Store URL (default: the RunSpec's storage.url).")
-@click.option("--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; dht:// only).")
+@click.option(
+    "--settings",
+    "settings_path",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Local settings TOML (the keys of run.toml's [local] table).",
+)
+@click.option("--store", "store_url", default=None, help="Store URL (setting store.url).")
+@click.option(
+    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
+)
 @click.option(
     "--key", "key_path", default=None, type=click.Path(dir_okay=False), help="Ed25519 key (created if missing)."
 )
@@ -52,10 +77,17 @@ def main() -> None:
     type=click.Path(file_okay=False),
     help="Local state directory [default: ~/.sparseloco/<run id>].",
 )
-@click.option("--device", default=None, type=click.Choice(["cuda", "cpu"]), help="[default: cuda if available]")
+@click.option("--device", default=None, help="cuda, cpu, cuda:1 … (compute.device) [default: cuda if available]")
 @click.option("--windows", "max_windows", default=None, type=int, help="Train this many windows, then exit.")
 @click.option("--until-window", default=None, type=int, help="Exit once θ opens this window.")
-@click.option("--threads", default=0, type=int, help="torch CPU threads (0: torch's default).")
+@click.option("--threads", default=None, type=int, help="torch CPU threads (compute.threads; 0: torch's default).")
+@click.option(
+    "--join-timeout",
+    "join_timeout_s",
+    default=None,
+    type=float,
+    help="Seconds to wait for the run's genesis (peer.join_timeout_s).",
+)
 @click.option("--status-json", is_flag=True, help="One JSON object per line on stdout instead of the live panel.")
 @click.option(
     "--pipeline",
@@ -69,6 +101,7 @@ def main() -> None:
 @click.option("--rendezvous", default=None, metavar="HOST:PORT", help="Where the stages meet (stage 0 listens).")
 def join(
     run_path: str,
+    settings_path: str | None,
     store_url: str | None,
     dht_peers: tuple[str, ...],
     key_path: str | None,
@@ -76,30 +109,34 @@ def join(
     device: str | None,
     max_windows: int | None,
     until_window: int | None,
-    threads: int,
+    threads: int | None,
+    join_timeout_s: float | None,
     status_json: bool,
     pipeline_group: str | None,
     stage: int | None,
     stages: int | None,
     rendezvous: str | None,
 ) -> None:
-    """Join the run: announce, catch up, then train and upload every window."""
+    """Join the run: announce, catch up, then train and upload every window.
+
+    The peer first reports its peer id, the run id and the full run hash (compare it with the
+    operator's `sparseloco run-id run.toml`). Exit status: 0 done, 1 cannot join (no genesis of
+    this run hash within peer.join_timeout_s, store unreachable), 2 configuration error, 3 the
+    store refused peer.max_upload_failures contributions in a row, 130 stopped (Ctrl-C, SIGTERM).
+    Any stop after the announcement withdraws it.
+    """
     _sigterm_is_interrupt()
+    flags = {
+        "store.url": store_url,
+        "store.dht_bootstrap": list(dht_peers) or None,
+        "compute.device": device,
+        "compute.threads": threads,
+        "peer.join_timeout_s": join_timeout_s,
+    }
     try:
         pipeline = _pipeline_options(pipeline_group, stage, stages, rendezvous)
-        code = _join(
-            run_path,
-            store_url,
-            dht_peers,
-            key_path,
-            state_dir,
-            device,
-            max_windows,
-            until_window,
-            threads,
-            status_json,
-            pipeline,
-        )
+        local = load_settings(run_path, settings_path=settings_path, flags=flags)
+        code = _join(run_path, local, key_path, state_dir, max_windows, until_window, status_json, pipeline)
     except ConfigError as exc:
         click.echo(f"sparseloco-peer: {exc}", err=True)
         code = EXIT_CONFIG
@@ -108,70 +145,242 @@ def join(
 
 def _join(
     run_path: str,
+    local: LocalSettings,
+    key_path: str | None,
+    state_dir: str | None,
+    max_windows: int | None,
+    until_window: int | None,
+    status_json: bool,
+    pipeline: dict[str, Any] | None = None,
+) -> int:
+    # Heavy imports after argument parsing: `--help` stays instant.
+    from client.peer import Peer, RunNotFound, UploadsRefused
+    from client.progress import PeerDisplay
+    from client.state import LocalState
+    from protocol.events import Failed, Stopped
+    from protocol.store import open_peer_store
+
+    spec = _load_spec(run_path)
+    device = _device(local)
+    identity = Identity.load_or_create(_key_path(key_path, state_dir, spec))
+    state = LocalState(_state_dir(state_dir, spec))
+    until = until_window
+    if local.max_windows > 0:
+        until = min(until, local.max_windows) if until is not None else local.max_windows
+    store = open_peer_store(local.store, identity, spec.hash(), validator_keys=spec.validator.public_keys)
+    trainer = _window_trainer(spec, local, store, identity.peer_id, device, pipeline)
+    display = PeerDisplay(json_lines=status_json)
+    peer = Peer(spec, store, identity, state, trainer, local=local, display=display)
+    try:
+        with display:
+            peer.run(until_window=until, max_windows=max_windows)
+        return 0
+    except KeyboardInterrupt:
+        display.emit(Stopped(reason="interrupted", window=peer.pos.window, withdrawn=peer.withdrawn))
+        return EXIT_INTERRUPTED
+    except UploadsRefused as exc:
+        display.emit(Failed(reason=exc.reason, detail=str(exc)))
+        click.echo(f"sparseloco-peer: stopped: {exc}", err=True)
+        return EXIT_UPLOADS_REFUSED
+    except (RunNotFound, ProtocolError, StoreError) as exc:
+        # Only reached when joining itself fails (no genesis, no usable checkpoint, store unreachable).
+        display.emit(Failed(reason=exc.reason, detail=str(exc)))
+        hint = "" if isinstance(exc, RunNotFound) else _run_hint(spec, local)
+        click.echo(f"sparseloco-peer: cannot join: {exc}{hint}", err=True)
+        return EXIT_CANNOT_JOIN
+    finally:
+        store.close()
+
+
+def _load_spec(run_path: str) -> RunSpec:
+    spec = RunSpec.load(run_path)
+    if not spec.validator.public_keys:
+        raise ConfigError("the RunSpec lists no validator.public_keys: there is nobody whose aggregates to trust")
+    if not spec.data.dataset:
+        raise ConfigError(
+            f"{run_path} names no dataset (data.dataset): a run's data lies in its store, and its operator "
+            "creates the run.toml with `sparseloco-validator init`"
+        )
+    return spec
+
+
+def _device(local: LocalSettings) -> str:
+    """The torch device of ``compute.device`` (CUDA when torch sees it, else the CPU); threads set."""
+    import torch
+
+    if local.compute.threads > 0:
+        torch.set_num_threads(local.compute.threads)
+    device = local.compute.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"compute.device is {device}, but torch sees no CUDA device")
+    return device
+
+
+@main.command("preflight", epilog=settings_help())
+@click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False), help="RunSpec TOML.")
+@click.option(
+    "--settings",
+    "settings_path",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Local settings TOML (the keys of run.toml's [local] table).",
+)
+@click.option("--store", "store_url", default=None, help="Store URL (setting store.url).")
+@click.option(
+    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
+)
+@click.option(
+    "--key", "key_path", default=None, type=click.Path(dir_okay=False), help="Ed25519 key (created if missing)."
+)
+@click.option(
+    "--state",
+    "state_dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Local state directory (its key.pem) [default: ~/.sparseloco/<run id>].",
+)
+@click.option("--device", default=None, help="cuda, cpu, cuda:1 … (compute.device) [default: cuda if available]")
+@click.option("--threads", default=None, type=int, help="torch CPU threads (compute.threads; 0: torch's default).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the verdict, every check) on stdout.")
+def preflight(
+    run_path: str,
+    settings_path: str | None,
     store_url: str | None,
     dht_peers: tuple[str, ...],
     key_path: str | None,
     state_dir: str | None,
     device: str | None,
-    max_windows: int | None,
-    until_window: int | None,
-    threads: int,
-    status_json: bool,
-    pipeline: dict[str, Any] | None = None,
-) -> int:
-    # Heavy imports after argument parsing: `--help` stays instant.
-    import torch
+    threads: int | None,
+    as_json: bool,
+) -> None:
+    """Check whether this machine can join the run, without joining it.
 
-    from client.peer import Peer
-    from client.progress import PeerDisplay
-    from client.state import LocalState
-    from protocol.events import Failed, Stopped
-    from protocol.identity import Identity
-    from protocol.store import open_from_settings
+    \b
+    Checks: memory (suggests compute.micro_batch_size), compute (inner steps
+    timed on this device, the contribution's size), run (its genesis for
+    this run hash), reads (the chain), grant (the grant server would grant
+    this peer's upload), write (a probe object: up/down bandwidth), window
+    (one window's time against windows.upload_deadline_s).
 
-    spec = RunSpec.load(run_path)
-    if not spec.validator.public_keys:
-        raise ConfigError("the RunSpec lists no validator.public_keys: there is nobody whose aggregates to trust")
-    if threads > 0:
-        torch.set_num_threads(threads)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda, but torch sees no CUDA device")
-    state = LocalState(Path(state_dir) if state_dir else Path("~/.sparseloco").expanduser() / run_id(spec.hash()))
-    identity = Identity.load_or_create(key_path or state.key_path)
-    until = until_window
-    if spec.windows.max_windows > 0:
-        until = min(until, spec.windows.max_windows) if until is not None else spec.windows.max_windows
-    trainer = _window_trainer(spec, identity.peer_id, device, pipeline)
-    store = open_from_settings(spec.storage, store_url, dht_peers)
-    display = PeerDisplay(json_lines=status_json)
+    Exit status: 0 ready, 1 not ready (the failed checks say why), 2 configuration error.
+    """
+    flags = {
+        "store.url": store_url,
+        "store.dht_bootstrap": list(dht_peers) or None,
+        "compute.device": device,
+        "compute.threads": threads,
+    }
     try:
-        with display:
-            Peer(spec, store, identity, state, trainer, display=display).run(
-                until_window=until, max_windows=max_windows
-            )
-        return 0
-    except KeyboardInterrupt:
-        display.emit(Stopped(reason="interrupted"))
-        return EXIT_INTERRUPTED
-    except (ProtocolError, StoreError) as exc:
-        # Only reached when joining itself fails (no usable checkpoint, store unreachable).
-        display.emit(Failed(reason=exc.reason, detail=str(exc)))
-        click.echo(f"sparseloco-peer: cannot join: {exc}", err=True)
-        return 1
-    finally:
-        store.close()
+        local = load_settings(run_path, settings_path=settings_path, flags=flags)
+        code = _preflight(run_path, local, key_path, state_dir, as_json)
+    except ConfigError as exc:
+        click.echo(f"sparseloco-peer: {exc}", err=True)
+        code = EXIT_CONFIG
+    sys.exit(code)
 
 
-def _window_trainer(spec: RunSpec, peer_id: str, device: str, pipeline: dict[str, Any] | None) -> WindowTrainer:
-    """How this peer trains a window: the whole model, or its stage of a pipeline replica."""
+def _preflight(run_path: str, local: LocalSettings, key_path: str | None, state_dir: str | None, as_json: bool) -> int:
+    from client.preflight import Preflight
+    from protocol.store import open_peer_store
+
+    spec = _load_spec(run_path)
+    device = _device(local)
+    identity = Identity.load_or_create(_key_path(key_path, state_dir, spec))
+    with open_peer_store(local.store, identity, spec.hash()) as store:
+        checks = Preflight(spec, local, identity, store, device=device)
+        if not as_json:
+            click.echo(f"peer {identity.peer_id}  run {run_id(spec.hash())} (hash {spec.hash()})")
+            click.echo(f"store {local.store.location()}  device {device}")
+        for check in checks.run():
+            if not as_json:
+                click.echo(f"{check.status:<8} {check.name:<8} {check.detail}")
+        report = checks.report()
+    if as_json:
+        click.echo(json.dumps(report.to_json(), sort_keys=True))
+    elif report.ok:
+        suggested = report.suggested.get("compute.micro_batch_size")
+        click.echo(
+            "ready to join: sparseloco-peer join --run "
+            + run_path
+            + (f"  (micro batch {suggested})" if suggested else "")
+        )
+    else:
+        click.echo("not ready: " + "; ".join(f"{c.name}: {c.reason}" for c in report.failed))
+    return 0 if report.ok else EXIT_CANNOT_JOIN
+
+
+def _run_hint(spec: RunSpec, local: LocalSettings) -> str:
+    """Which run and store a failed join was about, to compare with the operator's."""
+    return (
+        f" (run {run_id(spec.hash())}, run hash {spec.hash()}, store {local.store.location()}; "
+        "`sparseloco run-id run.toml` on both sides shows whether this is the operator's run)"
+    )
+
+
+def _state_dir(state_dir: str | None, spec: RunSpec) -> Path:
+    """``--state``, or ``~/.sparseloco/<run id>``."""
+    return Path(state_dir) if state_dir else Path("~/.sparseloco").expanduser() / run_id(spec.hash())
+
+
+def _key_path(key_path: str | None, state_dir: str | None, spec: RunSpec | None) -> Path:
+    """``--key``, or ``key.pem`` in the state directory."""
+    if key_path:
+        return Path(key_path).expanduser()
+    if state_dir is not None:
+        return Path(state_dir) / KEY_FILE
+    if spec is not None:
+        return _state_dir(None, spec) / KEY_FILE
+    raise ConfigError("give --key PATH, --state DIR or --run run.toml (its default state directory)")
+
+
+def _window_trainer(
+    spec: RunSpec,
+    local: LocalSettings,
+    store: ObjectStore,
+    peer_id: str,
+    device: str,
+    pipeline: dict[str, Any] | None,
+) -> WindowTrainer:
+    """How this peer trains a window: the whole model, or its stage of a pipeline replica; either
+    reads the run's dataset from ``store`` into this machine's data cache."""
+    from protocol.run_data import open_run_dataset
+
+    def dataset() -> TokenDataset:
+        return open_run_dataset(spec, store, local.data)
+
     if pipeline is None:
         from client.replica import FullReplica
 
-        return FullReplica(spec, data_key=peer_id, device=device)
+        return FullReplica(
+            spec, data_key=peer_id, device=device, data=dataset, micro_batch_size=local.compute.micro_batch_size
+        )
     from client.pipeline.trainer import StageTrainer
 
-    return StageTrainer(spec, device=device, **pipeline)
+    return StageTrainer(spec, device=device, data=dataset, **pipeline)
+
+
+@main.command("id")
+@click.option("--key", "key_path", default=None, type=click.Path(dir_okay=False), help="Ed25519 key file.")
+@click.option(
+    "--state", "state_dir", default=None, type=click.Path(file_okay=False), help="State directory (its key.pem)."
+)
+@click.option(
+    "--run",
+    "run_path",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="RunSpec TOML: its default state directory ~/.sparseloco/<run id>.",
+)
+def id_cmd(key_path: str | None, state_dir: str | None, run_path: str | None) -> None:
+    """Print this peer's id (the key is created if it does not exist yet): what an operator needs
+    to scope a credential to <run>/contrib/*/<peer id> and <run>/peers/<peer id>."""
+    try:
+        spec = RunSpec.load(run_path) if run_path else None
+        ident = Identity.load_or_create(_key_path(key_path, state_dir, spec))
+    except ConfigError as exc:
+        click.echo(f"sparseloco-peer: {exc}", err=True)
+        sys.exit(EXIT_CONFIG)
+    click.echo(ident.peer_id)
 
 
 def _pipeline_options(

@@ -5,6 +5,12 @@
 
 Checks signature and structure of every object (including every tensor payload); the run hash and
 the aggregate signer are checked only when given, since an operator may inspect any run's files.
+
+The files come from anywhere, so what they make it print is treated as hostile too: every line is
+one line of printable text (control characters, escape sequences and bidirectional overrides in
+names, metadata, messages or paths are shown escaped, ``\x1b`` …), so an object can never make its
+line, or another, read as something else — an INVALID object never shows as ``OK``. Objects larger
+than ``max_bytes`` (default :data:`DEFAULT_MAX_BYTES`, ``--max-bytes``) are refused from their size.
 """
 
 from __future__ import annotations
@@ -24,12 +30,15 @@ from protocol.wire import (
     CheckpointFile,
     CheckpointManifest,
     Contribution,
+    DatasetManifest,
     SignedObject,
     Verified,
+    dataset_digest,
     decode_object,
 )
 
-DEFAULT_MAX_BYTES = 1 << 30
+#: Far above any object a run accepts (contributions and aggregates are capped at tens of MiB).
+DEFAULT_MAX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,13 @@ class InspectResult:
 def describe(verified: Verified[SignedObject]) -> str:
     """The fields after ``OK <kind>`` for a decoded object."""
     obj = verified.value
+    if isinstance(obj, DatasetManifest):  # a whole run's: window 0, the body's digest names it
+        tokens = {split: sum(s.tokens for s in obj.split(split)) for split in ("train", "val")}
+        return (
+            f"window=0 sender={verified.sender} bytes={verified.size} tokenizer={obj.tokenizer} "
+            f"shards={len(obj.shards)} train_tokens={tokens['train']} val_tokens={tokens['val']} "
+            f"dataset={_short(dataset_digest(obj))} digest={_short(verified.digest)}"
+        )
     head = f"window={obj.window} sender={verified.sender} bytes={verified.size}"
     if isinstance(obj, Contribution):
         tail = f"base={_short(obj.base)} tensors={len(obj.tensors)} nnz={obj.nnz}"
@@ -81,8 +97,8 @@ def inspect_bytes(
         return _invalid(path, exc.reason, exc.args[0] if exc.args else "")
     except Exception as exc:
         return _invalid(path, "internal_error", f"{type(exc).__name__}: {exc}")
-    kind = type(obj.value).__name__.lower().replace("checkpointmanifest", "checkpoint")
-    return InspectResult(path, True, f"OK {kind} {describe(obj)} path={path}", obj=obj)
+    kind = type(obj.value).__name__.lower().replace("checkpointmanifest", "checkpoint").replace("manifest", "")
+    return InspectResult(path, True, printable(f"OK {kind} {describe(obj)} path={path}"), obj=obj)
 
 
 def inspect_file(
@@ -161,9 +177,24 @@ def _verify_listed(path: str, window: int, entry: CheckpointFile) -> InspectResu
     if size != entry.size or digest.hexdigest() != entry.sha256:
         return _invalid(path, "digest_mismatch", f"does not match its checkpoint manifest ({entry.key})")
     line = f"OK checkpoint-file window={window} bytes={size} sha256={_short(entry.sha256)} path={path}"
-    return InspectResult(path, True, line)
+    return InspectResult(path, True, printable(line))
 
 
 def _invalid(path: str, reason: str, message: str) -> InspectResult:
-    message = " ".join(str(message).split())  # one line, whatever the message held
-    return InspectResult(path, False, f"INVALID {path} {reason}: {message}", reason=reason)
+    return InspectResult(path, False, printable(f"INVALID {path} {reason}: {message}"), reason=reason)
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (controls, escape sequences, line and
+    paragraph separators, bidirectional overrides, unassigned code points) written as a Python
+    escape, so that it shows as exactly one line of what it really holds."""
+    return "".join(ch if ch.isprintable() and ord(ch) not in _BIDI else _escape(ch) for ch in text)
+
+
+# Bidirectional controls are "printable" for Python but reorder what a terminal shows.
+_BIDI = frozenset([0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)])
+
+
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"

@@ -1,7 +1,7 @@
 """The peer: join a run, then train, compress, sign and upload one contribution per window.
 
     trainer = FullReplica(spec, data_key=identity.peer_id, device="cuda")   # or a pipeline StageTrainer
-    peer = Peer(spec, store, identity, LocalState(dir), trainer, display=PeerDisplay())
+    peer = Peer(spec, store, identity, LocalState(dir), trainer, local=settings, display=PeerDisplay())
     peer.run(until_window=20)          # returns when θ opens window 20 (or on stop())
 
 One window, as :meth:`Peer.run` reads it::
@@ -39,8 +39,17 @@ a copy of the optimizer state (2× the parameters) every window. They reach the 
 with the next staged contribution; a restart before it resumes from the moments committed last.
 
 Failures at a window boundary (store errors, bad aggregates, missed deadlines) become recorded
-outcomes (a :class:`~protocol.events.PeerWindow` event with ``outcome`` and ``reason``); only
-configuration and identity errors stop the peer.
+outcomes (a :class:`~protocol.events.PeerWindow` event with ``outcome`` and ``reason``). What stops
+the peer: configuration and identity errors; no genesis checkpoint of its run hash within
+``peer.join_timeout_s`` (:class:`RunNotFound`: its run.toml differs from the operator's, or the
+validator is not up; a store that does not answer yet, such as a grant server whose validator is
+starting, is waited for within the same bound); and ``peer.max_upload_failures`` consecutive
+contributions the store refused while reads work (:class:`UploadsRefused`: a credential that may
+read but not write, so training on would only stall the run).
+
+Leaving. However :meth:`Peer.run` ends once the peer has announced (done, :meth:`stop`, Ctrl-C,
+one of the errors above), it replaces its announcement by a signed withdrawal: the validator stops
+waiting for this peer at once instead of holding the next window open until its deadline.
 """
 
 from __future__ import annotations
@@ -60,19 +69,22 @@ from client.window import Skipped, WindowJob, WindowStats, WindowTrainer
 from protocol import layout
 from protocol.codec import Encoded
 from protocol.config import RunSpec
-from protocol.errors import ConfigError, ObjectExists, ProtocolError, StoreError
+from protocol.errors import ConfigError, ObjectExists, ProtocolError, ReasonedError, StoreError, StoreUnavailable
 from protocol.events import (
     Announced,
     Applied,
     Joined,
+    PeerStarted,
     PeerWindow,
     ResumedUpload,
     Resynced,
     Stopped,
     SyncFailed,
+    WaitingForGenesis,
 )
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
+from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore, put_once
 from protocol.windows import upload_deadline
 from protocol.wire import (
@@ -87,6 +99,19 @@ from protocol.wire import (
 
 CLIENT_VERSION = "sparseloco-peer/0.1"
 UPLOAD_RETRIES = 3
+GENESIS_REPORT_S = 10.0  # how often a peer waiting for genesis says so
+
+
+class RunNotFound(ReasonedError):
+    """No signed genesis checkpoint of this peer's run hash appeared within ``peer.join_timeout_s``."""
+
+    reason = "run_not_found"
+
+
+class UploadsRefused(ReasonedError):
+    """The store refused ``peer.max_upload_failures`` consecutive contributions of this peer."""
+
+    reason = "uploads_refused"
 
 
 @dataclass(frozen=True)
@@ -117,13 +142,15 @@ class Peer:
         state: LocalState,
         trainer: WindowTrainer,
         *,
+        local: LocalSettings | None = None,
         display: PeerDisplay | None = None,
     ) -> None:
         self.spec, self.store, self.identity, self.state = spec, store, identity, state
         self.trainer = trainer
+        self.local = local or LocalSettings()
         self.display = display or PeerDisplay(json_lines=True)
         self.run_id = layout.run_id(spec.hash())
-        self.sync = Sync(spec, store)
+        self.sync = Sync(spec, store, poll_interval_s=self.local.poll_interval_s)
         self.feedback = FeedbackState()  # e as last committed (changed only with a staged contribution)
         self.params: dict[str, torch.Tensor] = {}  # θ master copy: CPU float32, changed only by Sync
         self.pos = Position(0, "", "")
@@ -132,6 +159,9 @@ class Peer:
         self._diverged = False  # θ must be rebuilt from a checkpoint before training again
         self.inner_s = 0.0
         self.windows_trained = 0
+        self.announced = False  # our announcement is in the store: leaving withdraws it
+        self.withdrawn = False
+        self._refused = 0  # consecutive contributions the store refused
         self._stop = False
 
     def stop(self) -> None:
@@ -141,20 +171,24 @@ class Peer:
     # ------------------------------------------------------------------ the loop
     def run(self, *, until_window: int | None = None, max_windows: int | None = None) -> None:
         """Join, then one iteration per window until θ opens ``until_window`` or
-        ``max_windows`` windows were trained here (or :meth:`stop`)."""
-        self.join()
-        while not self._done(until_window, max_windows):
-            try:
-                self.catch_up()  # pull/verify/apply aggregate t−1 (and every other one published)
-                if self._done(until_window, max_windows) or self._diverged:
-                    continue
-                work = self.train(self.pos.window)  # H steps → Δ → signed Δ̂ with e′, or a skip
-                if isinstance(work, Staged):
-                    self.upload(work)  # commit e′ with the bytes, put before the deadline
-                else:
-                    self._skip(self.pos.window, work)
-            except (ProtocolError, StoreError) as exc:
-                self._failed(exc)  # a recorded outcome; the next iteration retries or moves on
+        ``max_windows`` windows were trained here (or :meth:`stop`); then withdraw."""
+        try:
+            self.join()
+            while not self._done(until_window, max_windows):
+                try:
+                    self.catch_up()  # pull/verify/apply aggregate t−1 (and every other one published)
+                    if self._done(until_window, max_windows) or self._diverged:
+                        continue
+                    work = self.train(self.pos.window)  # H steps → Δ → signed Δ̂ with e′, or a skip
+                    if isinstance(work, Staged):
+                        self.upload(work)  # commit e′ with the bytes, put before the deadline
+                    else:
+                        self._skip(self.pos.window, work)
+                except (ProtocolError, StoreError) as exc:
+                    self._failed(exc)  # a recorded outcome; the next iteration retries or moves on
+        finally:
+            if self.announced:  # also on Ctrl-C and on the errors that stop the peer
+                self.withdrawn = self.withdraw()
         self.display.emit(
             Stopped(
                 reason="stopped" if self._stop else "done",
@@ -162,6 +196,7 @@ class Peer:
                 windows_trained=self.windows_trained,
                 inner_s=round(self.inner_s, 3),
                 fingerprint=self.pos.fingerprint,
+                withdrawn=self.withdrawn,
             )
         )
 
@@ -176,7 +211,15 @@ class Peer:
     def join(self) -> None:
         """Announce, restore local state, load the newest checkpoint and replay aggregates."""
         t0 = time.time()
-        self.announce()
+        self.display.emit(
+            PeerStarted(
+                peer_id=self.identity.peer_id,
+                run_id=self.run_id,
+                run_hash=self.spec.hash(),
+                store=self.local.store.location(),
+            )
+        )
+        self._announce_when_reachable(t0)
         self.display.emit(Announced(peer_id=self.identity.peer_id))
         snap = self.state.load(self.spec.hash())
         if snap is not None:
@@ -207,9 +250,51 @@ class Peer:
         self._put_with_retry(
             layout.peer_key(self.run_id, self.identity.peer_id), encode_announcement(ann, self.identity)
         )
+        self.announced = True
+
+    def _announce_when_reachable(self, started: float) -> None:
+        """Announce; while the store is unreachable (a grant server whose validator has not
+        started yet) keep trying, as long as a peer waits for genesis (``peer.join_timeout_s``)."""
+        timeout = self.local.peer.join_timeout_s
+        reported: float | None = None
+        while True:
+            try:
+                self.announce()
+                return
+            except StoreUnavailable as exc:
+                waited = time.time() - started
+                if waited >= timeout or self._stop:
+                    raise RunNotFound(f"{self._not_found(timeout)}; the store stayed unreachable: {exc}") from exc
+                if reported is None or waited - reported >= GENESIS_REPORT_S:
+                    reported = waited
+                    self._report_waiting(waited, timeout)
+                time.sleep(self.sync.poll_s)
+
+    def withdraw(self) -> bool:
+        """Replace our announcement by a signed withdrawal (the key is ours): the validator stops
+        waiting for this peer. Best effort: False when the store refused it."""
+        ann = Announcement(
+            self.spec.hash(),
+            self.pos.window,
+            CLIENT_VERSION,
+            self.trainer.hardware,
+            role=self.trainer.role,
+            withdrawn=True,
+        )
+        try:
+            self._put_with_retry(
+                layout.peer_key(self.run_id, self.identity.peer_id), encode_announcement(ann, self.identity)
+            )
+        except StoreError:
+            return False  # the validator stops waiting after one window anyway
+        return True
 
     def _wait_for_genesis(self) -> Position:
-        """Newest checkpoint (waiting for genesis if the validator is not up yet), then replay."""
+        """Newest checkpoint (waiting for genesis if the validator is not up yet, at most
+        ``peer.join_timeout_s``), then replay."""
+        timeout = self.local.peer.join_timeout_s
+        start = time.monotonic()
+        reported: float | None = None
         while True:
             try:
                 pos = self.sync.resync(self.params)
@@ -217,10 +302,36 @@ class Peer:
             except ProtocolError as exc:
                 if exc.reason != "not_ready" or self._stop:
                     raise
-                self.display.update(phase="waiting for genesis")
-                time.sleep(self.sync.poll_s)
+            waited = time.monotonic() - start
+            if waited >= timeout:
+                raise RunNotFound(self._not_found(timeout))
+            if reported is None or waited - reported >= GENESIS_REPORT_S:
+                reported = waited
+                self._report_waiting(waited, timeout)
+            self.display.update(phase="waiting for genesis")
+            time.sleep(self.sync.poll_s)
         self._checkpoint_window = pos.window
         return self.sync.advance(self.params, pos, on_apply=self._applied, on_resync=self._resynced)
+
+    def _report_waiting(self, waited: float, timeout: float) -> None:
+        self.display.emit(
+            WaitingForGenesis(
+                run_id=self.run_id,
+                run_hash=self.spec.hash(),
+                store=self.local.store.location(),
+                waited_s=round(waited, 1),
+                timeout_s=timeout,
+            )
+        )
+
+    def _not_found(self, timeout: float) -> str:
+        return (
+            f"no genesis checkpoint of run {self.run_id} (run hash {self.spec.hash()}) in "
+            f"{self.local.store.location()} after {timeout:.0f} s. Either the run's validator has not "
+            "started, or this run.toml differs from the operator's: run `sparseloco run-id run.toml` "
+            "on both sides and compare the run hashes (only the RunSpec counts; [local], --settings, "
+            "SPARSELOCO_* variables and flags do not)"
+        )
 
     def _resume_pending(self, window: int, blob: bytes) -> None:
         """A contribution staged before a restart (e and the moments were restored with it):
@@ -248,7 +359,7 @@ class Peer:
         before = self.pos.window
         if self.pending is not None and self.pending.window == self.pos.window:
             self.display.update(phase="waiting for aggregate")
-            self.sync.wait_until_published(self.pos.window, should_stop=lambda: self._stop)
+            self.sync.wait_until_published(self.pos.window, base=self.pos.base, should_stop=lambda: self._stop)
         try:
             if self._diverged:
                 self.pos = self.sync.bootstrap(self.params, on_apply=self._applied)
@@ -349,10 +460,24 @@ class Peer:
                 upload_bytes=len(staged.blob),
                 upload_s=round(upload_s, 3),
                 feedback_norm=round(self.feedback.norm(), 6),
+                data_bytes=st.data.fetched_bytes,
+                data_hits=st.data.hits,
+                data_misses=st.data.misses,
             )
         )
+        if self._refused >= self.local.peer.max_upload_failures:
+            raise UploadsRefused(self._refused_message(reason))
         if outcome != "uploaded":
             self._wait_window_closed(staged.window)  # retraining the same window would fail alike
+
+    def _refused_message(self, reason: str | None) -> str:
+        key = f"{self.run_id}/contrib/<window>/{self.identity.peer_id}"
+        return (
+            f"the store refused this peer's contribution in {self._refused} consecutive windows "
+            f"(last: {reason}) while reading from it works: this peer may not write {key} in "
+            f"{self.local.store.location()}. Ask the operator for a credential (or grants) that may write there; "
+            "training on without uploading would only hold the run's windows open"
+        )
 
     def _adopt(self, staged: Staged) -> None:
         """e′, the moments and the signed bytes become the peer's state in one commit (write-ahead)."""
@@ -374,7 +499,9 @@ class Peer:
         except ObjectExists:
             return "failed", "a different contribution exists"
         except StoreError as exc:
+            self._refused += 1  # AccessDenied, or a store that keeps failing our writes
             return "failed", f"{exc.reason}: {exc}"
+        self._refused = 0
         return "uploaded", None if created else "already present"
 
     def _put_with_retry(self, key: str, data: bytes, *, once: bool = False) -> bool:
@@ -410,12 +537,16 @@ class Peer:
     def _wait_window_closed(self, window: int) -> None:
         """Wait for ``window``'s aggregate, so the next iteration moves on instead of retraining it."""
         try:
-            self.sync.wait_until_published(window, should_stop=lambda: self._stop)
+            self.sync.wait_until_published(window, base=self._base_of(window), should_stop=lambda: self._stop)
         except StoreError:
             time.sleep(self.sync.poll_s)  # the store is failing too: the loop retries and records it
 
+    def _base_of(self, window: int) -> str | None:
+        """The base an aggregate of ``window`` must chain onto, when this peer knows it."""
+        return self.pos.base if window == self.pos.window else None
+
     def _window_open(self, window: int) -> bool:
-        if self.sync.aggregate_published(window):
+        if self.sync.aggregate_published(window, self._base_of(window)):
             return False
         if self.pos.opened_at is None or window != self.pos.window:
             return True

@@ -4,20 +4,23 @@ A peer holds θ as CPU float32 tensors (the *master copy*; the trainer's model m
 Every change to θ goes through this module, and only from objects signed by a key in
 ``spec.validator.public_keys``::
 
-    sync = Sync(spec, store)
+    sync = Sync(spec, store, poll_interval_s=settings.poll_interval_s)
     pos = sync.bootstrap(params)                 # newest checkpoint + replay of the aggregates after it
     pos = sync.advance(params, pos)              # apply every aggregate published since ``pos``
-    sync.wait_until_published(pos.window, stop_at=deadline)
+    sync.wait_until_published(pos.window, base=pos.base, stop_at=deadline)
 
 ``Position`` is where a peer stands: θ opens window ``window``; ``base`` is the digest of aggregate
-``window − 1`` (``GENESIS`` at window 0), ``fingerprint`` the sha256 of θ, ``opened_at`` the
-validator's signed ``published_at`` of that aggregate, or of the checkpoint manifest θ was loaded
-from (when the window opened; for window 0, the genesis manifest's); None only before any sync.
+``window − 1`` (at window 0, the digest of the launch's genesis manifest), ``fingerprint`` the
+sha256 of θ, ``opened_at`` the validator's signed ``published_at`` of that aggregate, or of the
+checkpoint manifest θ was loaded from (when the window opened; for window 0, the genesis
+manifest's); None only before any sync.
 
-Recovery rules: an aggregate that does not chain onto ``base`` or whose resulting fingerprint
-differs from the one it carries means this peer diverged; :meth:`Sync.advance` then reloads the
-newest checkpoint (:meth:`Sync.resync`) and replays from there. Aggregates that fail verification are
-never applied.
+The chain is verified from its root, the genesis manifest of the launch the store holds
+(:mod:`protocol.chain`): a checkpoint of another launch is never loaded, and an object at an
+aggregate key that does not verify or does not chain onto ``base`` counts as not published — it
+neither opens the next window nor stops the peer. Recovery rules: an aggregate whose resulting
+fingerprint differs from the one it carries means this peer diverged; :meth:`Sync.advance` then
+reloads the newest checkpoint (:meth:`Sync.resync`) and replays from there.
 """
 
 from __future__ import annotations
@@ -31,11 +34,20 @@ from torch import Tensor
 from protocol import layout
 from protocol.aggregate import apply_outer
 from protocol.caps import object_caps
-from protocol.chain import delta_of, read_aggregate, read_manifest, read_weights
+from protocol.chain import (
+    checkpoint_base,
+    delta_of,
+    next_aggregate,
+    read_aggregate,
+    read_launch,
+    read_manifest,
+    read_weights,
+)
 from protocol.config import RunSpec
 from protocol.errors import (
     DigestMismatch,
     MalformedPayload,
+    ObjectNotFound,
     ProtocolError,
     StaleBase,
     StoreError,
@@ -64,7 +76,7 @@ class Position:
 class Sync:
     """Reads signed aggregates and checkpoints of one run from a store and applies them to θ."""
 
-    def __init__(self, spec: RunSpec, store: ObjectStore, *, poll_interval_s: float | None = None) -> None:
+    def __init__(self, spec: RunSpec, store: ObjectStore, *, poll_interval_s: float = 1.0) -> None:
         self.spec = spec
         self.store = store
         self.run = layout.run_id(spec.hash())
@@ -72,7 +84,10 @@ class Sync:
         self.schema = param_schema(spec.model)
         self.signers = spec.validator.public_keys
         self.max_aggregate_bytes = object_caps(spec).aggregate  # the validator reads with the same cap
-        self.poll_s = spec.windows.poll_interval_s if poll_interval_s is None else poll_interval_s
+        self.poll_s = poll_interval_s  # the local setting poll_interval_s
+        # (window, base) -> the aggregate that continues the chain there: the validator never
+        # replaces one, so it is read once even though waiting for it and applying it both ask.
+        self._next: dict[tuple[int, str], Verified[Aggregate]] = {}
 
     # ------------------------------------------------------------------ discovery
     def checkpoint_windows(self) -> list[int]:
@@ -90,7 +105,8 @@ class Sync:
 
     # ------------------------------------------------------------------ aggregates
     def fetch_aggregate(self, window: int) -> Verified[Aggregate] | None:
-        """The verified aggregate of ``window``, or None when it is not published yet."""
+        """The verified aggregate of ``window``, or None when it is not published yet; a
+        ``ProtocolError`` when what is there does not verify (strict: see :meth:`next_aggregate`)."""
         return read_aggregate(
             self.store,
             self.run,
@@ -101,15 +117,50 @@ class Sync:
             schema=self.schema,
         )
 
-    def aggregate_published(self, window: int) -> bool:
-        return self.store.exists(layout.aggregate_key(self.run, window))
+    def next_aggregate(self, window: int, base: str) -> Verified[Aggregate] | None:
+        """The aggregate of ``window`` that continues the chain at ``base``; None while none is
+        published (anything else at the key counts as absent, see the module doc)."""
+        found = self._next.get((window, base))
+        if found is None:
+            found = next_aggregate(
+                self.store,
+                self.run,
+                self.run_hash,
+                window,
+                base,
+                allowed_signers=self.signers,
+                max_bytes=self.max_aggregate_bytes,
+                schema=self.schema,
+            )
+            if found is not None:
+                self._next = {k: v for k, v in self._next.items() if k[0] >= window - 1}
+                self._next[(window, base)] = found
+        return found
+
+    def aggregate_published(self, window: int, base: str | None = None) -> bool:
+        """Whether a verified aggregate of ``window`` is published; with ``base``, one that chains
+        onto it (what a peer at ``window`` waits for). Junk at the key is not an aggregate."""
+        if base is not None:
+            return self.next_aggregate(window, base) is not None
+        if not self.store.exists(layout.aggregate_key(self.run, window)):
+            return False
+        try:
+            return self.fetch_aggregate(window) is not None
+        except ProtocolError:
+            return False
 
     def wait_until_published(
-        self, window: int, *, stop_at: float | None = None, should_stop: Callable[[], bool] = lambda: False
+        self,
+        window: int,
+        *,
+        base: str | None = None,
+        stop_at: float | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
     ) -> bool:
-        """Poll until aggregate ``window`` exists (True), ``stop_at`` passes or ``should_stop()`` (False)."""
+        """Poll until aggregate ``window`` is published (True; with ``base``: one chaining onto it),
+        ``stop_at`` passes or ``should_stop()`` (False)."""
         while not should_stop():
-            if self.aggregate_published(window):
+            if self.aggregate_published(window, base):
                 return True
             if stop_at is not None and time.time() >= stop_at:
                 return False
@@ -137,11 +188,24 @@ class Sync:
         return Position(agg.window + 1, verified.digest, got, agg.published_at)
 
     # ------------------------------------------------------------------ checkpoints
-    def load_checkpoint(self, window: int) -> tuple[Position, dict[str, Tensor]]:
-        """θ from the signed checkpoint of ``window`` (files checked against the manifest)."""
-        manifest = read_manifest(self.store, self.run, self.run_hash, window, allowed_signers=self.signers)
+    def launch(self) -> str:
+        """The digest of the genesis manifest of the launch the store holds (the base of window 0);
+        NotReady when there is none that verifies (the validator has not started yet)."""
+        try:
+            return read_launch(self.store, self.run, self.run_hash, allowed_signers=self.signers).digest
+        except ObjectNotFound:
+            raise NotReady("no signed genesis checkpoint in the store yet (is the validator running?)") from None
+        except ProtocolError as exc:
+            raise NotReady(f"the store's genesis checkpoint does not verify (yet): {exc}") from exc
+
+    def load_checkpoint(self, window: int, launch: str) -> tuple[Position, dict[str, Tensor]]:
+        """θ from the signed checkpoint of ``window`` of ``launch`` (files checked against the
+        manifest); StaleBase for a checkpoint of another launch."""
+        verified = read_manifest(self.store, self.run, self.run_hash, window, allowed_signers=self.signers)
+        base = checkpoint_base(verified, launch)
+        manifest = verified.value
         params = self._checkpoint_params(manifest)
-        return Position(window, manifest.aggregate, manifest.fingerprint, manifest.published_at), params
+        return Position(window, base, manifest.fingerprint, manifest.published_at), params
 
     def _checkpoint_params(self, manifest: CheckpointManifest) -> dict[str, Tensor]:
         if manifest.window != 0:
@@ -163,21 +227,22 @@ class Sync:
         return self.advance(params, pos, on_apply=on_apply)
 
     def resync(self, params: dict[str, Tensor]) -> Position:
-        """Replace ``params`` by the newest checkpoint that verifies (older ones as fallback)."""
+        """Replace ``params`` by the newest checkpoint of the store's launch that verifies (older
+        ones as fallback)."""
+        launch = self.launch()
         windows = self.checkpoint_windows()
-        if not windows:
-            raise NotReady("no signed checkpoint in the store yet (is the validator running?)")
         last_error: ProtocolError | StoreError | None = None
         for window in reversed(windows):
             try:
-                pos, loaded = self.load_checkpoint(window)
+                pos, loaded = self.load_checkpoint(window, launch)
             except (ProtocolError, StoreError) as exc:
                 last_error = exc  # a damaged or forged checkpoint: try the one before it
                 continue
             params.clear()
             params.update(loaded)
             return pos
-        assert last_error is not None
+        if last_error is None:
+            raise NotReady("no signed checkpoint in the store yet (is the validator running?)")
         raise last_error
 
     def advance(
@@ -196,7 +261,7 @@ class Sync:
         """
         resyncs = 0
         while True:
-            agg = self.fetch_aggregate(pos.window)
+            agg = self.next_aggregate(pos.window, pos.base)
             if agg is None:
                 return pos
             try:

@@ -1,6 +1,6 @@
 """The inner loop: H AdamW steps on a replica, and the pseudo-gradient it produces.
 
-    trainer = InnerTrainer(model, spec.inner, device, micro_batch_size=spec.data.micro_batch_size)
+    trainer = InnerTrainer(model, spec.inner, device, micro_batch_size=settings.compute.micro_batch_size)
     base = snapshot(model)                     # θ_t (CPU float32)
     stats = trainer.train_window(batches)      # H steps, schedule indexed by the global step
     delta = pseudo_gradient(base, model)       # Δ = θ_t − θ_local

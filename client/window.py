@@ -32,6 +32,7 @@ from torch import Tensor
 
 from protocol.codec import Encoded
 from protocol.feedback import FeedbackState
+from protocol.tokens import DataUsage
 from protocol.wire import PipelineRole
 
 __all__ = ["Skipped", "Trained", "WindowJob", "WindowStats", "WindowTrainer", "hardware_of"]
@@ -59,13 +60,15 @@ class WindowJob:
 
 @dataclass(frozen=True)
 class WindowStats:
-    """What the window's training cost and achieved (losses are training-batch means)."""
+    """What the window's training cost and achieved (losses are training-batch means). ``data``:
+    what reaching the run's data cost since the last trained window (fetches, cache hits)."""
 
     loss_first: float
     loss_last: float
     tokens: int
     inner_s: float
     compress_s: float
+    data: DataUsage = DataUsage()
 
 
 @dataclass(frozen=True)

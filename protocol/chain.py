@@ -1,24 +1,38 @@
-"""Reading the validator's signed chain back from a store: aggregates and checkpoints.
+"""Reading the validator's signed chain back from a store: launch, aggregates and checkpoints.
 
 Peers (catch-up, resync) and the validator (restart, genesis check) read the same objects with the
 same checks, so the reading lives here once:
 
-    agg = read_aggregate(store, run, run_hash, w, allowed_signers=keys, max_bytes=cap, schema=schema)
+    launch = read_launch(store, run, run_hash, allowed_signers=keys)   # the signed genesis manifest
+    base = launch.digest                                               # the base of window 0
+    agg = next_aggregate(store, run, run_hash, w, base, allowed_signers=keys, max_bytes=cap, schema=schema)
     agg.digest, delta_of(agg.value)              # the next window's base; Δ̄ for apply_outer
     manifest, theta = read_checkpoint(store, run, run_hash, w, allowed_signers=keys)
+    checkpoint_base(manifest, launch.digest)     # the base of window w, if w is of this launch
+
+**The chain and its root.** Every launch of a run starts with a new genesis checkpoint manifest
+(checkpoint 0; it carries the launch time ``published_at``). Its digest is the base of window 0,
+aggregate ``t``'s digest the base of window ``t + 1``, and every later checkpoint manifest names
+the launch it belongs to. So a chain is verified from its root, and objects of another launch of
+the same RunSpec (leftovers in a store, or replayed) never continue it.
+
+**What does not verify is absent.** Anything can lie at a chain key: a forgery, junk, an object of
+another launch. :func:`next_aggregate` treats an object that does not verify, or does not chain
+onto the base the reader holds, as *not published* (and logs it): never as published, never as a
+reason to stop. :func:`read_aggregate` is the strict read underneath, raising ``ProtocolError``.
 
 A checkpoint's weights are only trusted through its signed manifest: every file must have the size
 and sha256 the manifest lists, and the loaded θ must have the manifest's fingerprint. The signed size
 is also the read cap (a 1B-parameter θ is 4 GiB, far above any aggregate cap).
 
-An aggregate comes back with its proof (:class:`~protocol.wire.Verified`): its digest is the base of
-the next window. A checkpoint manifest comes back as its value: nothing names a manifest by its
-digest, and its signer was checked against ``allowed_signers`` before it was parsed.
+Aggregates and manifests come back with their proof (:class:`~protocol.wire.Verified`): an
+aggregate's digest is the base of the next window, the genesis manifest's digest the launch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Collection, Mapping
 
 import torch
@@ -28,20 +42,32 @@ from safetensors.torch import load as st_load
 from protocol import layout
 from protocol.aggregate import SparseDict
 from protocol.broadcast import applied
-from protocol.errors import DigestMismatch, MalformedPayload, ObjectNotFound, SchemaMismatch
+from protocol.errors import (
+    DigestMismatch,
+    MalformedPayload,
+    ObjectNotFound,
+    ProtocolError,
+    SchemaMismatch,
+    StaleBase,
+)
 from protocol.model import fingerprint
 from protocol.store.base import ObjectStore
-from protocol.wire import Aggregate, CheckpointManifest, Verified, decode_aggregate, decode_checkpoint
+from protocol.wire import GENESIS, Aggregate, CheckpointManifest, Verified, decode_aggregate, decode_checkpoint
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
     "WEIGHTS_FILE",
+    "checkpoint_base",
     "delta_of",
+    "next_aggregate",
     "read_aggregate",
     "read_checkpoint",
+    "read_launch",
     "read_manifest",
     "read_weights",
 ]
+
+log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 MAX_MANIFEST_BYTES = 1 << 20
@@ -78,6 +104,38 @@ def read_aggregate(
     )
 
 
+def next_aggregate(
+    store: ObjectStore,
+    run: str,
+    run_hash: str,
+    window: int,
+    base: str,
+    *,
+    allowed_signers: Signers,
+    max_bytes: int,
+    schema: Schema | None = None,
+) -> Verified[Aggregate] | None:
+    """The aggregate of ``window`` that continues the chain at ``base`` (the digest the reader holds
+    for window ``window``), or None: nothing is published there yet, or what is there does not
+    verify or does not chain onto ``base`` — which counts as absent (module doc)."""
+    try:
+        found = read_aggregate(
+            store, run, run_hash, window, allowed_signers=allowed_signers, max_bytes=max_bytes, schema=schema
+        )
+    except ProtocolError as exc:
+        log.warning("aggregate %d in the store does not verify; treated as absent: %s", window, exc)
+        return None
+    if found is not None and found.value.base != base:
+        log.warning(
+            "aggregate %d in the store builds on %s, not on %s (another launch?); treated as absent",
+            window,
+            found.value.base[:16],
+            base[:16],
+        )
+        return None
+    return found
+
+
 def delta_of(agg: Aggregate) -> SparseDict:
     """An aggregate's Δ̄ in :mod:`protocol.aggregate`'s form (what ``apply_outer`` takes), plain or
     re-compressed (:func:`protocol.broadcast.applied`)."""
@@ -86,12 +144,36 @@ def delta_of(agg: Aggregate) -> SparseDict:
 
 def read_manifest(
     store: ObjectStore, run: str, run_hash: str, window: int, *, allowed_signers: Signers
-) -> CheckpointManifest:
+) -> Verified[CheckpointManifest]:
     """The signed checkpoint manifest of ``window``; ``ObjectNotFound`` when there is none."""
     data = store.get(layout.checkpoint_manifest_key(run, window), max_bytes=MAX_MANIFEST_BYTES)
     return decode_checkpoint(
         data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=allowed_signers, window=window
-    ).value
+    )
+
+
+def read_launch(
+    store: ObjectStore, run: str, run_hash: str, *, allowed_signers: Signers
+) -> Verified[CheckpointManifest]:
+    """The genesis manifest (checkpoint 0) of the launch the store holds; its digest is the base of
+    window 0. ``ObjectNotFound`` when there is none, ``ProtocolError`` when it does not verify."""
+    return read_manifest(store, run, run_hash, 0, allowed_signers=allowed_signers)
+
+
+def checkpoint_base(manifest: Verified[CheckpointManifest], launch: str) -> str:
+    """The base of the window checkpoint ``manifest`` opens, if it belongs to ``launch`` (the digest
+    of the genesis manifest): ``launch`` itself at window 0, else the aggregate it follows.
+    ``StaleBase`` for a checkpoint of another launch."""
+    m = manifest.value
+    if m.window == 0:
+        if manifest.digest != launch:
+            raise StaleBase(f"genesis {manifest.digest[:16]} is not the launch {launch[:16]}")
+        return launch
+    if m.launch != launch:
+        raise StaleBase(f"checkpoint {m.window} belongs to launch {m.launch[:16]}, not {launch[:16]}")
+    if m.aggregate == GENESIS:
+        raise MalformedPayload(f"checkpoint {m.window} names no aggregate")
+    return m.aggregate
 
 
 def read_weights(
@@ -124,5 +206,5 @@ def read_checkpoint(
     store: ObjectStore, run: str, run_hash: str, window: int, *, allowed_signers: Signers, schema: Schema | None = None
 ) -> tuple[CheckpointManifest, dict[str, torch.Tensor]]:
     """(manifest, θ_window) of the signed checkpoint of ``window``, every file verified."""
-    manifest = read_manifest(store, run, run_hash, window, allowed_signers=allowed_signers)
+    manifest = read_manifest(store, run, run_hash, window, allowed_signers=allowed_signers).value
     return manifest, read_weights(store, manifest, schema=schema)

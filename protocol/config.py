@@ -1,8 +1,17 @@
 """RunSpec: the frozen dataclass tree that defines a run, loaded from TOML.
 
-A run is everything participants must agree on: model, data, inner and outer optimisers, codec,
-window timing, validator keys and storage. Its canonical hash (:meth:`RunSpec.hash`) names the
-run; every signed object carries it, so objects of another run or another version are rejected.
+A run is everything participants must agree on: model, data shape and tokenizer, inner and outer
+optimisers, codec, window timing, validator policy and keys, pipeline. Its canonical hash
+(:meth:`RunSpec.hash`) names the run; every signed object carries it, so objects of another run or
+another version are rejected.
+
+What one machine decides for itself (where the store is and how to reach it, where its data
+cache lives, poll interval, device, threads …) is *not* here: those are local settings
+(:mod:`protocol.settings`), read from ``run.toml``'s ``[local]`` table among other places and never
+hashed. Two participants whose files differ only in ``[local]`` are in the same run.
+
+The hash is taken over normalised values: floats are floats (``lr = 1`` and ``lr = 1.0`` are the
+same run), validator keys are lower-case, sorted and unique.
 
 Each component receives only its own subtree (``spec.codec``, ``spec.inner`` ...). Unknown keys in
 the TOML are errors, and there are no defaults scattered at call sites: the defaults live here.
@@ -17,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
 import sys
 import typing
 from collections.abc import Mapping
@@ -73,23 +84,30 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where tokens come from and how they are cut into batches.
+    """The run's dataset and how its tokens are cut into batches.
 
-    ``source``: ``builtin:stdlib`` (the Python standard library's source, no download), a shard
-    directory, or a text file/directory. ``tokenizer``: ``bytes`` or a path to a tokenizer.json.
-    ``batch_size`` sequences of ``seq_len`` tokens per inner step per replica.
+    ``dataset``: the digest of the run's signed dataset manifest (``<run>/data/manifest`` in the
+    run's store, :mod:`protocol.wire.dataset`), written by ``sparseloco-validator init``; every
+    peer and the validator read the same shards from the store. Empty only for in-process runs on
+    local data (the simulator, tests), which the commands refuse. ``tokenizer``: ``bytes`` or
+    ``hf:<sha256 of the tokenizer.json>`` (in the store next to the shards); a path to a
+    tokenizer.json serves local data only. ``batch_size`` sequences of ``seq_len`` tokens per inner
+    step per replica; ``val_fraction``: the share of the corpus ``init`` holds out for validation.
     """
 
-    source: str = "builtin:stdlib"
     tokenizer: str = "bytes"
     seq_len: int = 128
     batch_size: int = 8
-    micro_batch_size: int = 0  # 0 = no gradient accumulation
     val_fraction: float = 0.02
+    dataset: str = ""
 
     def __post_init__(self) -> None:
         _require(self.seq_len > 1 and self.batch_size > 0, "data.seq_len > 1 and data.batch_size > 0")
         _require(0.0 < self.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
+        _require(
+            self.dataset == "" or re.fullmatch(r"[0-9a-f]{64}", self.dataset) is not None,
+            "data.dataset must be the 64 lowercase hex digest of the run's dataset manifest",
+        )
 
 
 @dataclass(frozen=True)
@@ -170,9 +188,7 @@ class WindowConfig:
 
     upload_deadline_s: float = 600.0  # after the window opens
     gather_grace_s: float = 5.0  # validator waits this long past the deadline for slow listings
-    poll_interval_s: float = 1.0
     checkpoint_every: int = 5
-    max_windows: int = 0  # 0 = run forever
 
 
 @dataclass(frozen=True)
@@ -184,35 +200,46 @@ class ValidatorConfig:
     # the aggregate's encoding (protocol.caps), which is what peers and the validator both use.
     max_contribution_bytes: int = 0
     max_aggregate_bytes: int = 0
-    max_gather_concurrency: int = 16
     eval_peers_per_window: int = 8  # loss-scoring budget
+    # Of those, the slots reserved for identities on probation (more when fewer established
+    # peers need scoring): a flood of new identities cannot crowd out the scoring of known ones.
+    eval_probation_peers: int = 4
     eval_sequences: int = 16
     eval_scale: float = 1.0  # update scale applied when measuring loss after
-    norm_max_ratio: float = 10.0  # reject norms above ratio × window median
+    # An update that raises the loss on held-out random data by more than this fraction is harmful.
+    eval_harm_tolerance: float = 0.002
+    # An update that lowers the loss on its own data by less than this share of what the
+    # established peers' updates achieve in the same window is ineffective.
+    eval_min_gain_ratio: float = 0.25
+    # Norms are compared with the validator's reference (per tensor, from accepted updates of
+    # earlier windows; validator/reference.py): above norm_max_ratio × it in any tensor is an
+    # outlier, a total below norm_min_ratio × it too small to count.
+    norm_max_ratio: float = 10.0
+    norm_min_ratio: float = 0.1
+    reference_step: float = 2.0  # the reference moves by at most this factor per window
+    clip_headroom: float = 2.0  # clip caps lie between the reference and headroom × it
+    row_clip: bool = True  # cap every row of a matrix too, not only the whole tensor
     copy_overlap_threshold: float = 0.6
+    # A later upload sharing this share of an earlier one's rare positions (selected by few
+    # others), with signs agreeing at least copy_sign_agreement, is a copy.
+    copy_rare_threshold: float = 0.3
+    copy_sign_agreement: float = 0.8
     reputation_decay: float = 0.9
     exclude_after_failures: int = 3
     exclude_windows: int = 5
+    # A new identity is on probation until this many of its updates were scored and accepted:
+    # until then only its scored, helpful updates count.
+    probation_passes: int = 1
     max_contributors: int = 64
-    # A window closes early once every *active* peer has uploaded: announced, not excluded, and
-    # either uploaded in one of the last ``active_windows`` windows or announced (first seen by
-    # the validator) less than ``announcement_ttl_s`` ago. A peer that left stops holding windows open.
-    active_windows: int = 3
-    announcement_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         _require(self.max_contribution_bytes >= 0, "validator.max_contribution_bytes must be >= 0 (0 = derived)")
         _require(self.max_aggregate_bytes >= 0, "validator.max_aggregate_bytes must be >= 0 (0 = derived)")
-
-
-@dataclass(frozen=True)
-class StorageConfig:
-    """Where objects live: ``file:///path``, ``s3://bucket/prefix``, ``dht://`` or ``memory://``."""
-
-    url: str = "file://./.sparseloco/store"
-    dht_bootstrap: tuple[str, ...] = ()
-    s3_endpoint: str = ""
-    s3_region: str = "auto"
+        # One run, one hash: key order, duplicates and hex letter case do not make another run.
+        keys = tuple(sorted({k.lower() for k in self.public_keys}))
+        bad = [k for k in keys if not _HEX_KEY.fullmatch(k)]
+        _require(not bad, f"validator.public_keys must be 64 hex characters each, got {bad!r}")
+        object.__setattr__(self, "public_keys", keys)
 
 
 @dataclass(frozen=True)
@@ -253,7 +280,6 @@ class RunSpec:
     codec: CodecConfig = field(default_factory=CodecConfig)
     windows: WindowConfig = field(default_factory=WindowConfig)
     validator: ValidatorConfig = field(default_factory=ValidatorConfig)
-    storage: StorageConfig = field(default_factory=StorageConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     # ---------------------------------------------------------------- construction
@@ -267,14 +293,14 @@ class RunSpec:
         model = raw.get("model")
         if isinstance(model, Mapping):
             raw["model"] = resolve_model_preset(model)
-        return _build(cls, raw, "")
+        return from_table(cls, raw)
 
     @classmethod
     def loads(cls, text: str) -> RunSpec:
-        try:
-            raw = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"RunSpec TOML does not parse: {exc}") from exc
+        """The RunSpec of a run.toml text; its ``[local]`` table is not part of it (see
+        :func:`protocol.settings.local_table`)."""
+        raw = parse_toml(text)
+        raw.pop(LOCAL_TABLE, None)
         return cls.from_dict(raw)
 
     @classmethod
@@ -311,7 +337,7 @@ class RunSpec:
                 raw[key] = _to_plain(value)
             else:
                 raw[key] = value
-        return _build(RunSpec, raw, "")
+        return from_table(RunSpec, raw)
 
 
 def resolve_model_preset(model: Mapping[str, Any]) -> dict[str, Any]:
@@ -324,37 +350,73 @@ def resolve_model_preset(model: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def model_config(preset: str, **overrides: Any) -> ModelConfig:
-    return _build(ModelConfig, resolve_model_preset({"preset": preset, **overrides}), "model.")
+    return from_table(ModelConfig, resolve_model_preset({"preset": preset, **overrides}), prefix="model.")
 
 
 # -------------------------------------------------------------------- helpers
+#: The table of run.toml that holds local settings (protocol.settings), never part of the RunSpec.
+LOCAL_TABLE = "local"
+
+_HEX_KEY = re.compile(r"[0-9a-f]{64}")
+
+# Keys that used to be RunSpec fields and are local settings now: a run.toml written for an older
+# version gets told where each one went instead of a bare "unknown key".
+_MOVED = {
+    "storage": "[local.store] (url, s3_endpoint, s3_region, dht_bootstrap)",
+    "data.source": "nothing (the run's dataset lies in its store: sparseloco-validator init)",
+    "data.micro_batch_size": "[local.compute] micro_batch_size",
+    "windows.poll_interval_s": "[local] poll_interval_s",
+    "windows.max_windows": "[local] max_windows",
+    "validator.max_gather_concurrency": "[local.validator] gather_concurrency",
+    "validator.active_windows": "nothing (the validator now waits for the peers that uploaded last window)",
+    "validator.announcement_ttl_s": "nothing (the validator now waits for the peers that uploaded last window)",
+}
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
 
 
-def _build(cls: type[T], raw: Mapping[str, Any], prefix: str) -> T:
+def parse_toml(text: str) -> dict[str, Any]:
+    """``text`` as TOML; ConfigError when it does not parse."""
+    try:
+        raw: dict[str, Any] = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"TOML does not parse: {exc}") from exc
+    return raw
+
+
+def from_table(cls: type[T], raw: Mapping[str, Any], *, prefix: str = "", table: str = "RunSpec") -> T:
+    """Build the frozen dataclass ``cls`` from a TOML table: unknown keys are errors, values are
+    checked against the field types (ints become floats where a float is due). ``prefix`` names
+    the table's position (``"model."``) and ``table`` the file part it comes from, in messages."""
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{prefix.rstrip('.') or 'RunSpec'} must be a table")
+        raise ConfigError(f"{prefix.rstrip('.') or table} must be a table")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ConfigError(f"unknown key(s) in RunSpec: {', '.join(prefix + k for k in unknown)}")
+        names = [_moved_hint(prefix + k) if table == "RunSpec" else prefix + k for k in unknown]
+        raise ConfigError(f"unknown key(s) in {table}: {', '.join(names)}")
     kwargs: dict[str, Any] = {}
     for name, value in raw.items():
-        kwargs[name] = _coerce(hints[name], value, prefix + name)
+        kwargs[name] = _coerce(hints[name], value, prefix + name, table)
     try:
         return cls(**kwargs)
     except TypeError as exc:
-        raise ConfigError(f"bad RunSpec section {prefix or 'root'}: {exc}") from exc
+        raise ConfigError(f"bad {table} section {prefix or 'root'}: {exc}") from exc
 
 
-def _coerce(tp: Any, value: Any, where: str) -> Any:
+def _moved_hint(key: str) -> str:
+    return f"{key} (a local setting now: {_MOVED[key]})" if key in _MOVED else key
+
+
+def _coerce(tp: Any, value: Any, where: str, table: str) -> Any:
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if dataclasses.is_dataclass(value):
             return value
-        return _build(tp, value, where + ".")
+        return from_table(tp, value, prefix=where + ".", table=table)
     origin = typing.get_origin(tp)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
@@ -362,13 +424,15 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         args = typing.get_args(tp)
         item_tp = args[0]
         if len(args) == 2 and args[1] is Ellipsis or len(args) == 1:
-            return tuple(_coerce(item_tp, v, where) for v in value)
+            return tuple(_coerce(item_tp, v, where, table) for v in value)
         if len(args) != len(value):
             raise ConfigError(f"{where} must have {len(args)} items")
-        return tuple(_coerce(a, v, where) for a, v in zip(args, value))
+        return tuple(_coerce(a, v, where, table) for a, v in zip(args, value))
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where} must be finite, got {value!r}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -393,7 +457,8 @@ def _to_plain(obj: Any) -> Any:
     return obj
 
 
-def _toml_value(v: Any) -> str:
+def toml_value(v: Any) -> str:
+    """One TOML value (bool, number, string or array of them)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -401,14 +466,14 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, str):
         return json.dumps(v)
     if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     raise ConfigError(f"cannot write {v!r} to TOML")
 
 
 def _dict_to_toml(d: Mapping[str, Any]) -> str:
-    lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
+    lines = [f"{k} = {toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
     for k, v in d.items():
         if isinstance(v, dict):
             lines.append(f"\n[{k}]")
-            lines.extend(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items())
+            lines.extend(f"{kk} = {toml_value(vv)}" for kk, vv in v.items())
     return "\n".join(lines) + "\n"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -52,6 +53,31 @@ def _event(kind: str) -> Any:
 
 
 # ---------------------------------------------------------------------- peer
+@_event("peer_started")
+@dataclass(frozen=True, kw_only=True)
+class PeerStarted(Event):
+    """Who and which run, before anything can wait: compare ``run_hash`` with the operator's
+    (``sparseloco run-id run.toml``). ``store``: where this peer looks for the run."""
+
+    peer_id: str
+    run_id: str
+    run_hash: str
+    store: str
+
+
+@_event("waiting_for_genesis")
+@dataclass(frozen=True, kw_only=True)
+class WaitingForGenesis(Event):
+    """No signed genesis checkpoint for ``run_hash`` in ``store`` yet; ``join`` gives up after
+    ``timeout_s`` (the validator is not up, or this run.toml differs from the operator's)."""
+
+    run_id: str
+    run_hash: str
+    store: str
+    waited_s: float
+    timeout_s: float
+
+
 @_event("announced")
 @dataclass(frozen=True, kw_only=True)
 class Announced(Event):
@@ -121,6 +147,9 @@ class PeerWindow(Event):
     upload_bytes: int = 0
     upload_s: float = 0.0
     feedback_norm: float | None = None
+    data_bytes: int = 0  # fetched from the store since the last trained window (shards, prefetch)
+    data_hits: int = 0  # shards the window read that were already local (cached or prefetched)
+    data_misses: int = 0  # shards it had to wait for
 
 
 @_event("resumed_upload")
@@ -136,7 +165,8 @@ class ResumedUpload(Event):
 @_event("stopped")
 @dataclass(frozen=True, kw_only=True)
 class Stopped(Event):
-    """A peer or validator stopped; ``reason``: ``done``, ``interrupted`` or ``stopped``."""
+    """A peer or validator stopped; ``reason``: ``done``, ``interrupted`` or ``stopped``.
+    ``withdrawn``: a peer's signed withdrawal is in the store (the validator stops waiting for it)."""
 
     role: str = "peer"
     reason: str = "done"
@@ -144,6 +174,7 @@ class Stopped(Event):
     windows_trained: int = 0
     inner_s: float = 0.0
     fingerprint: str = ""
+    withdrawn: bool = False
 
 
 @_event("failed")
@@ -177,6 +208,18 @@ class WindowOpened(Event):
     opened_at: float
 
 
+@_event("window_waiting")
+@dataclass(frozen=True, kw_only=True)
+class WindowWaiting(Event):
+    """``window`` is still open because of ``waiting_for`` (peer ids expected but not uploaded yet);
+    ``uploaded`` contributions are in; the window closes in ``closes_in_s`` at the latest."""
+
+    window: int
+    waiting_for: list[str]
+    uploaded: int
+    closes_in_s: float
+
+
 @_event("window_published")
 @dataclass(frozen=True, kw_only=True)
 class WindowPublished(Event):
@@ -200,6 +243,59 @@ class WindowRetry(Event):
 
     window: int
     reason: str
+    detail: str = ""
+
+
+@_event("model_evaluated")
+@dataclass(frozen=True, kw_only=True)
+class ModelEvaluated(Event):
+    """θ after aggregate ``window`` scored on the validation split (``--eval-every``; nats per token)."""
+
+    window: int
+    fingerprint: str
+    sequences: int
+    loss: float
+    perplexity: float
+    bits_per_byte: float
+    seconds: float
+
+
+@_event("grants_served")
+@dataclass(frozen=True, kw_only=True)
+class GrantsServed(Event):
+    """The validator's grant server listens at ``url`` (``--grant-port``): peers whose
+    ``store.grant_url`` names it need no store credential."""
+
+    url: str
+
+
+@_event("granted")
+@dataclass(frozen=True, kw_only=True)
+class Granted(Event):
+    """A presigned request was handed out: ``op`` (put, get, head, list) of ``key`` (a prefix
+    for list) to ``peer_id`` at ``address``; ``size``: the exact bytes a put may send;
+    ``expires_at``: unix seconds."""
+
+    peer_id: str
+    address: str
+    op: str
+    key: str
+    size: int = 0
+    expires_at: float
+
+
+@_event("grant_denied")
+@dataclass(frozen=True, kw_only=True)
+class GrantDenied(Event):
+    """A grant request was refused with ``reason`` (protocol.grants.STATUS) and HTTP ``status``;
+    ``peer_id`` is "" when the request did not verify."""
+
+    peer_id: str
+    address: str
+    op: str
+    key: str
+    reason: str
+    status: int
     detail: str = ""
 
 
@@ -243,14 +339,18 @@ def read_events(lines: Iterable[str]) -> Iterator[Event]:
 
 
 class EventWriter:
-    """Writes events as JSON lines to ``stream`` (flushed per line, so a reader sees them at once)."""
+    """Writes events as JSON lines to ``stream`` (flushed per line, so a reader sees them at once).
+    Thread-safe: a validator's grant server reports from its own threads."""
 
     def __init__(self, stream: IO[str]) -> None:
         self.stream = stream
+        self._lock = threading.Lock()
 
     def __call__(self, event: Event) -> None:
-        self.stream.write(to_json(event) + "\n")
-        self.stream.flush()
+        line = to_json(event) + "\n"
+        with self._lock:
+            self.stream.write(line)
+            self.stream.flush()
 
 
 # ---------------------------------------------------------------------- human lines
@@ -261,7 +361,9 @@ def describe(event: Event) -> str:
             f"[bold]window {event.window}[/bold] {event.outcome}"
             f"  loss {_num(event.loss, '{:.4f}')}"
             f"  upload {_num(event.upload_bytes or None, '{:,}')} B"
-            f"  inner {event.inner_s:.1f} s" + (f"  ({event.reason})" if event.reason else "")
+            f"  inner {event.inner_s:.1f} s"
+            + (f"  data {event.data_bytes:,} B" if event.data_bytes else "")
+            + (f"  ({event.reason})" if event.reason else "")
         )
     if isinstance(event, WindowPublished):
         reasons = " ".join(f"{k}={v}" for k, v in sorted(event.reasons.items()))
@@ -273,10 +375,43 @@ def describe(event: Event) -> str:
         )
     if isinstance(event, WindowOpened):
         return f"window {event.window} open (base {event.base[:16]})"
+    if isinstance(event, ModelEvaluated):
+        return (
+            f"window {event.window} evaluated: loss={event.loss:.4f} perplexity={event.perplexity:.3f} "
+            f"bits_per_byte={event.bits_per_byte:.4f} on {event.sequences} sequences ({event.seconds:.1f}s)"
+        )
     if isinstance(event, ValidatorStarted):
-        return f"validator {event.peer_id} run {event.run_id} store {event.store} device {event.device}"
+        return (
+            f"validator {event.peer_id} run {event.run_id} (hash {event.run_hash}) store {_plain(event.store)}"
+            f" device {event.device}"
+        )
+    if isinstance(event, PeerStarted):
+        return f"peer {event.peer_id} run {event.run_id} (hash {event.run_hash}) store {_plain(event.store)}"
+    if isinstance(event, WaitingForGenesis):
+        return (
+            f"waiting for genesis of run {event.run_id} in {_plain(event.store)}: {event.waited_s:.0f} s"
+            f" of {event.timeout_s:.0f} s (hash {event.run_hash})"
+        )
+    if isinstance(event, Granted):
+        return f"granted {event.op} {event.key} to {event.peer_id[:12]} at {event.address}" + (
+            f" ({event.size:,} B)" if event.op == "put" else ""
+        )
+    if isinstance(event, GrantDenied):
+        who = event.peer_id[:12] or "an unverified request"
+        return f"grant denied: {event.op} {event.key} to {who} at {event.address}: {event.reason} ({event.detail})"
+    if isinstance(event, WindowWaiting):
+        ids = ", ".join(p[:12] for p in event.waiting_for)
+        return (
+            f"window {event.window} waiting for {len(event.waiting_for)} peer(s): {ids}"
+            f" ({event.uploaded} uploaded, closes in {event.closes_in_s:.0f} s at the latest)"
+        )
     fields = {k: v for k, v in dataclasses.asdict(event).items() if k != "time" and v not in (None, "")}
-    return f"[dim]{event.kind}[/dim] " + "  ".join(f"{k}={v}" for k, v in fields.items())
+    return f"[dim]{event.kind}[/dim] " + "  ".join(f"{k}={_plain(v)}" for k, v in fields.items())
+
+
+def _plain(value: object) -> str:
+    """``value`` as text that rich prints as is (``[local]`` in a message is not a markup tag)."""
+    return str(value).replace("[", "\\[")
 
 
 def _num(value: float | int | None, fmt: str) -> str:

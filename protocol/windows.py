@@ -11,8 +11,8 @@ Pure functions of the RunSpec's :class:`~protocol.config.WindowConfig` and the v
 Window ``t`` opens when the signed aggregate of window ``t − 1`` is published (``t = 0``: the
 genesis checkpoint). Its uploads are due ``upload_deadline_s`` later. The validator keeps listing for
 ``gather_grace_s`` more (slow listings, clock skew) and closes early once every expected peer
-(announced, not excluded, and uploaded or announced lately: ``ValidatorConfig.active_windows``,
-``announcement_ttl_s``) has uploaded, so fast local swarms do not wait for the deadline.
+(announced, not withdrawn, not excluded, and uploaded in the previous window or announced since it
+opened) has uploaded, so a run does not wait for the deadline for peers that are not contributing.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def should_close(
     return bool(expected) and set(expected) <= set(uploaded)
 
 
-def is_checkpoint_window(window: int, cfg: WindowConfig) -> bool:
+def is_checkpoint_window(window: int, cfg: WindowConfig, last: int = 0) -> bool:
     """True when the parameters that open ``window`` (θ after aggregate ``window − 1``) are
-    published as a checkpoint: genesis (window 0) and every ``checkpoint_every`` windows after it."""
-    if window == 0:
+    published as a checkpoint: genesis (window 0), every ``checkpoint_every`` windows after it, and
+    ``last`` (> 0), the window a validator stops at (its final θ, what the run trained, is kept)."""
+    if window == 0 or window == last:
         return True
     return cfg.checkpoint_every > 0 and window % cfg.checkpoint_every == 0

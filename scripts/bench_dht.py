@@ -8,14 +8,17 @@ process holds two *client-mode* nodes (they store nothing for others), so every 
 child and every get comes back from it — nothing is served from a local replica or cache. ``put`` is
 timed on the writer, ``get`` (with every piece and the whole value hash-checked) on the reader.
 
-Baseline, measured in the same run over the same connection: one raw hivemind ``DHTNode.store`` /
-``get`` record holding the whole value (no pieces, manifest, index or hashing); only possible up to
-the ~4 MiB message cap, so it is absent for larger sizes.
+Baseline, measured in the same run over the same connection: one hivemind ``DHTNode.store`` /
+``get`` record holding the whole value (no pieces, manifest or index: one signed, content-addressed
+record, which every node checks like any other); only possible up to the ~4 MiB message cap, so it
+is absent for larger sizes. Every node runs the run's write rules; the stores sign with a
+throwaway validator key, so ``bench/...`` keys are theirs to write.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -28,14 +31,18 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from protocol.identity import Identity
+from protocol.store.dht.records import open_record, seal_record
 from protocol.store.dht.store import DHTStore
 
 SIZES = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 3 << 20, 8 << 20]
 RAW_LIMIT = 3 << 20  # raw single records above ~3.5 MiB do not round-trip (hivemind's 4 MiB message cap)
+SIGNER = Identity.generate()  # the benchmark's validator key
 
 
 def start_server() -> tuple[subprocess.Popen[str], list[str]]:
     cmd = [sys.executable, "-m", "protocol.store.dht.serve", "--control"]  # stdin EOF stops it
+    cmd += ["--validator-key", SIGNER.public_key_hex]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
     maddrs: list[str] = []
     assert proc.stdout is not None
@@ -67,11 +74,16 @@ def bench_size(writer: DHTStore, reader: DHTStore, size: int, repeats: int) -> d
         gets.append(timed(lambda: got.append(reader.get(key, max_bytes=size))))
         assert got[0] == data, "payload changed in transit"
         if size <= RAW_LIMIT:
-            raw_key, expiration = f"raw/{key}", get_dht_time() + 600
-            raw_puts.append(timed(lambda: writer._run(writer._node.store(raw_key, data, expiration), "raw put")))
+            raw_key, expiration = writer.policy.dht_key("piece", hashlib.sha256(data).hexdigest()), get_dht_time() + 600
+
+            def raw_put() -> None:
+                record = seal_record(SIGNER, key=raw_key, subkey="", expiration=expiration, content=data)
+                writer._run(writer._node.store(raw_key, record, expiration), "raw put")
+
+            raw_puts.append(timed(raw_put))
             found: list[Any] = []
             raw_gets.append(timed(lambda: found.append(reader._run(reader._node.get(raw_key, latest=True), "raw get"))))
-            assert found[0] is not None and found[0].value == data, "raw record changed in transit"
+            assert found[0] is not None and open_record(found[0].value).content == data, "raw record changed"
     mib = size / (1 << 20)
 
     def rate(samples: list[float]) -> float | None:
@@ -109,10 +121,13 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args()
     server, maddrs = start_server()
+    keys = [SIGNER.public_key]
     try:
         with (
-            DHTStore(maddrs, client_mode=True, piece_size=args.piece_size) as writer,
-            DHTStore(maddrs, client_mode=True, piece_size=args.piece_size) as reader,
+            DHTStore(
+                maddrs, client_mode=True, piece_size=args.piece_size, identity=SIGNER, validator_keys=keys
+            ) as writer,
+            DHTStore(maddrs, client_mode=True, piece_size=args.piece_size, validator_keys=keys) as reader,
         ):
             bench_size(writer, reader, 1 << 10, 3)  # warm-up: connections and routing tables
             rows = [bench_size(writer, reader, size, args.repeats) for size in SIZES]

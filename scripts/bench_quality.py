@@ -338,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = BENCH_MODELS.get(args.model)
     mcfg = model_config("tiny", **overrides) if overrides else model_config(args.model)
     mcfg = replace(mcfg, max_seq_len=max(mcfg.max_seq_len, args.seq_len))
-    dataset = open_dataset(DataConfig(source=args.data, seq_len=args.seq_len, batch_size=args.batch_size))
+    data = DataConfig(seq_len=args.seq_len, batch_size=args.batch_size)
+    dataset = open_dataset(data, args.data)
     n_params = sum(math.prod(shape) for shape in param_schema(mcfg).values())
     summary = (
         f"model {args.model} ({n_params / 1e6:.2f} M params), R={args.replicas}, H={args.inner_steps}, "

@@ -1,9 +1,12 @@
 """Real hivemind DHT nodes on 127.0.0.1 for tests: in this process or as separate OS processes.
 
-    with start_dht_nodes(2) as bootstrap:              # in-process nodes, list of multiaddrs
-        store = DHTStore(bootstrap)
-    with start_dht_processes(1, bootstrap) as [proc]:  # `python -m protocol.store.dht.serve --control`
+    with start_dht_nodes(2, validator_keys=keys) as bootstrap:   # in-process nodes, their multiaddrs
+        store = DHTStore(bootstrap, identity=me, validator_keys=keys)
+    with start_dht_processes(1, bootstrap, key_path=pem, validator_keys=keys) as [proc]:
         proc.call("put run/x 6291456 7")               # -> "OK <sha256> <seconds>"
+
+Every node of a run must be given the run's validator keys (they decide who may write chain keys);
+a process writes with the Ed25519 key in ``key_path``.
 
 Every node listens on a free port. Child processes run in their own process group with stdin as a
 lifeline (EOF stops them) and are killed as a group if they do not stop, so neither they nor their
@@ -21,6 +24,7 @@ import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 from protocol.store.dht.store import DHTStore
@@ -44,10 +48,19 @@ class DHTProcess:
     """One DHT node in a separate OS process, scripted through its stdin (see ``protocol.store.dht.serve``)."""
 
     def __init__(
-        self, initial_peers: Iterable[str] = (), *, expiration_s: float | None = None, timeout: float = 60.0
+        self,
+        initial_peers: Iterable[str] = (),
+        *,
+        key_path: str | Path | None = None,
+        validator_keys: Iterable[bytes] = (),
+        expiration_s: float | None = None,
+        timeout: float = 60.0,
     ) -> None:
         cmd = [sys.executable, "-m", "protocol.store.dht.serve", "--control"]
         cmd += [arg for peer in initial_peers for arg in ("--initial-peer", peer)]
+        cmd += [arg for key in validator_keys for arg in ("--validator-key", key.hex())]
+        if key_path is not None:
+            cmd += ["--key", str(key_path)]
         if expiration_s is not None:
             cmd += ["--expiration-s", str(expiration_s)]
         self._log = tempfile.TemporaryFile()

@@ -18,6 +18,7 @@ from validator.publish import publish_checkpoint
 VALIDATOR = Identity.from_seed(bytes(range(32)))
 RUN_HASH = "c" * 64
 RUN = layout.run_id(RUN_HASH)
+LAUNCH = "f" * 64  # digest of the genesis manifest the checkpoint descends from
 PARAMS = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5)}
 SCHEMA = {n: tuple(t.shape) for n, t in PARAMS.items()}
 
@@ -25,7 +26,9 @@ SCHEMA = {n: tuple(t.shape) for n, t in PARAMS.items()}
 @pytest.fixture()
 def store():  # type: ignore[no-untyped-def]
     s = open_store(f"memory://chain-{time.time_ns()}")
-    publish_checkpoint(s, RUN, RUN_HASH, 2, aggregate="d" * 64, params=PARAMS, identity=VALIDATOR, published_at=1.0)
+    publish_checkpoint(
+        s, RUN, RUN_HASH, 2, aggregate="d" * 64, params=PARAMS, identity=VALIDATOR, published_at=1.0, launch=LAUNCH
+    )
     yield s
     s.close()
 
@@ -56,7 +59,7 @@ def test_refusals(store) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_manifest_without_files_is_malformed(store) -> None:  # type: ignore[no-untyped-def]
-    empty = CheckpointManifest(RUN_HASH, 2, "d" * 64, "e" * 64, (), 1.0)
+    empty = CheckpointManifest(RUN_HASH, 2, "d" * 64, "e" * 64, (), 1.0, launch=LAUNCH)
     store.put(layout.checkpoint_manifest_key(RUN, 2), encode_checkpoint(empty, VALIDATOR))
     with pytest.raises(MalformedPayload, match="lists no files"):
         read(store)

@@ -50,3 +50,34 @@ def test_presets_expand_and_allow_overrides() -> None:
 def test_load_missing_file(tmp_path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         RunSpec.load(tmp_path / "nope.toml")
+
+
+def test_hash_is_taken_over_normalised_values() -> None:
+    """Key case, order and duplicates, and ints written for floats, do not make another run."""
+    a, b = "ab" * 32, "cd" * 32
+    one = RunSpec.default().replace(validator={"public_keys": [a, b]}, outer={"alpha": 1.0})
+    two = RunSpec.default().replace(validator={"public_keys": [b.upper(), a, a]}, outer={"alpha": 1})
+    assert two.validator.public_keys == (a, b) and two.outer.alpha == 1.0
+    assert one.hash() == two.hash()
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("[validator]\npublic_keys = ['abc']\n", "public_keys"),
+        ("[inner]\nlr = nan\n", "finite"),
+        ("[storage]\nurl = 'file:///x'\n", r"\[local.store\]"),
+        ("[data]\nsource = 'x'\n", r"data.source .*sparseloco-validator init"),
+        ("[windows]\npoll_interval_s = 1.0\n", r"\[local\] poll_interval_s"),
+        ("[validator]\nannouncement_ttl_s = 1.0\n", "announcement_ttl_s"),
+    ],
+)
+def test_bad_values_and_moved_keys_are_named(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        RunSpec.loads(text)
+
+
+def test_the_local_table_is_not_part_of_the_runspec() -> None:
+    base = RunSpec.default().to_toml()
+    local = "\n[local]\npoll_interval_s = 0.5\n[local.store]\nurl = 's3://b/r'\n"
+    assert RunSpec.loads(base + local) == RunSpec.loads(base)

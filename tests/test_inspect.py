@@ -38,13 +38,16 @@ def objects(tmp_path: Path) -> dict[str, Path]:
 
 
 def test_ok_lines_describe_each_kind(objects) -> None:
-    lines = {k: inspect_file(objects[k]).line for k in ("contribution", "aggregate", "checkpoint", "announcement")}
+    kinds = ("contribution", "aggregate", "checkpoint", "announcement", "dataset")
+    lines = {k: inspect_file(objects[k]).line for k in kinds}
     assert lines["contribution"].startswith(f"OK contribution window=7 sender={PEER.peer_id} bytes=")
     assert "tensors=3 nnz=" in lines["contribution"]
     assert lines["aggregate"].startswith(f"OK aggregate window=7 sender={VALIDATOR.peer_id}")
     assert "manifest=2" in lines["aggregate"]
     assert "files=2" in lines["checkpoint"]
     assert 'hardware="cpu x2" role=g1:1/3' in lines["announcement"]
+    assert lines["dataset"].startswith(f"OK dataset window=0 sender={VALIDATOR.peer_id}")
+    assert "tokenizer=bytes shards=3 train_tokens=1060921 val_tokens=4321 dataset=" in lines["dataset"]
     size = objects["aggregate"].stat().st_size
     assert f"bytes={size} " in lines["aggregate"]
 
@@ -67,7 +70,8 @@ def test_optional_run_and_signer_checks(objects) -> None:
 
 def test_directories_expand_to_their_files_in_order(objects) -> None:
     results = list(inspect_paths([objects["aggregate"].parent]))
-    assert [Path(r.path).name for r in results] == sorted(["aggregate", "announcement", "checkpoint", "contribution"])
+    names = ["aggregate", "announcement", "checkpoint", "contribution", "dataset"]
+    assert [Path(r.path).name for r in results] == sorted(names)
     assert all(r.ok for r in results)
 
 
@@ -129,7 +133,7 @@ def test_checkpoint_weights_are_checked_against_their_manifest(tmp_path: Path) -
     entry = CheckpointFile(
         checkpoint_key(RUN_ID, 4, "model.safetensors"), hashlib.sha256(weights).hexdigest(), len(weights)
     )
-    manifest = CheckpointManifest(RUN, 4, "genesis", "ab" * 32, (entry,), 1.0)
+    manifest = CheckpointManifest(RUN, 4, "genesis", "ab" * 32, (entry,), 1.0, launch="cd" * 32)
     folder = tmp_path / "checkpoint" / "00000004"
     folder.mkdir(parents=True)
     (folder / "manifest").write_bytes(encode_checkpoint(manifest, VALIDATOR))
@@ -144,3 +148,44 @@ def test_checkpoint_weights_are_checked_against_their_manifest(tmp_path: Path) -
     # Without its manifest a weights file is what it is: not a signed object.
     alone = list(inspect_paths([folder / "model.safetensors"]))
     assert not alone[0].ok and alone[0].reason == "unsupported_version"
+
+
+# ------------------------------------------------------------------ hostile files
+def test_control_characters_never_reach_the_terminal(tmp_path: Path) -> None:
+    """A tensor name that tries to rewrite the terminal line (erase it, print a fake OK) is shown
+    escaped, and the object stays INVALID; the same for file names and announcement fields."""
+    from fuzz_seeds import load
+
+    from protocol.wire import Announcement, encode_announcement
+
+    hostile = tmp_path / "evil\x1b[1A\r"
+    hostile.write_bytes(load("objects")["control-chars-in-name"])
+    ann = tmp_path / "ann"
+    ann.write_bytes(encode_announcement(Announcement(RUN, 0, "v\x07\u202e1", "cpu\x1b]0;owned\x07"), PEER))
+    results = {r.path: r for r in inspect_paths([hostile, ann])}
+    bad, good = results[str(hostile)], results[str(ann)]
+    assert not bad.ok and bad.line.startswith("INVALID ") and bad.reason == "malformed"
+    assert good.ok and good.line.startswith("OK announcement ")
+    for r in (bad, good):
+        assert r.line.isprintable() and "\x1b" not in r.line and "\u202e" not in r.line
+    assert "\\x1b[2K\\x0dOK contribution" in bad.line  # what the name really holds, visibly
+    out = CliRunner().invoke(main, ["inspect", str(hostile), str(ann)]).output
+    assert [line.split()[0] for line in out.splitlines()] == ["INVALID", "OK"]
+
+
+def test_codec_errors_are_protocol_errors_and_sizes_are_capped(tmp_path: Path) -> None:
+    from fuzz_seeds import load
+
+    from client.inspect import DEFAULT_MAX_BYTES
+
+    for name in ("block128-packed12", "huge-block-prime-rows", "unary-all-ones"):
+        p = tmp_path / name
+        p.write_bytes(load("objects")[name])
+        r = inspect_file(p)
+        assert not r.ok and r.reason == "malformed", r.line  # never internal_error
+    assert DEFAULT_MAX_BYTES <= 256 << 20
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.truncate(DEFAULT_MAX_BYTES + 1)  # sparse: refused from its size, never read
+    assert inspect_file(big).reason == "too_large"
+    assert inspect_file(big, max_bytes=DEFAULT_MAX_BYTES + 1).reason == "unsupported_version"

@@ -7,15 +7,17 @@ functions the real validator uses) drives the real :class:`client.peer.Peer` thr
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
 import torch
 
-from client.peer import Peer
+from client.peer import Peer, RunNotFound, UploadsRefused
 from client.progress import PeerDisplay
 from client.replica import FullReplica
 from client.state import LocalState, Snapshot, flatten, tensors_equal, unflatten
@@ -26,14 +28,33 @@ from protocol import layout
 from protocol.aggregate import aggregate, apply_outer, sparse_of
 from protocol.broadcast import applied, plain
 from protocol.config import RunSpec
-from protocol.errors import ConfigError, DigestMismatch, StaleBase, StoreError, UnknownSigner
-from protocol.events import Applied, Event, Joined, PeerWindow, ResumedUpload, SyncFailed
+from protocol.errors import (
+    AccessDenied,
+    ConfigError,
+    DigestMismatch,
+    StaleBase,
+    StoreError,
+    StoreUnavailable,
+    UnknownSigner,
+)
+from protocol.events import (
+    Applied,
+    Event,
+    Joined,
+    PeerStarted,
+    PeerWindow,
+    ResumedUpload,
+    Stopped,
+    SyncFailed,
+    WaitingForGenesis,
+)
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model, fingerprint
+from protocol.settings import LocalSettings, PeerSettings, local_table_toml
 from protocol.store import open_store
 from protocol.store.base import ObjectStore
-from protocol.wire import GENESIS, decode_contribution
+from protocol.wire import GENESIS, decode_announcement, decode_contribution
 from validator.publish import encode_window_aggregate, publish_checkpoint
 
 TINY = {"preset": "tiny", "dim": 32, "n_layers": 2, "n_heads": 2, "ffn_dim": 64, "max_seq_len": 32}
@@ -47,11 +68,13 @@ def tiny_spec(validator: Identity, **windows: float) -> RunSpec:
             "data": {"seq_len": 32, "batch_size": 4},
             "inner": {"steps": 3, "warmup_steps": 2, "total_steps": 100},
             "codec": {"k": 64},
-            "windows": {"poll_interval_s": 0.02, "checkpoint_every": 2, **windows},
+            "windows": {"checkpoint_every": 2, **windows},
             "validator": {"public_keys": [validator.public_key_hex]},
-            "storage": {"url": "memory://"},
         }
     )
+
+
+LOCAL = LocalSettings(poll_interval_s=0.02)  # the peers' local settings in these tests
 
 
 class MiniValidator:
@@ -61,10 +84,9 @@ class MiniValidator:
         self.spec, self.store, self.ident = spec, store, ident
         self.run = layout.run_id(spec.hash())
         self.params = {n: p.detach().clone() for n, p in build_model(spec.model).named_parameters()}
-        self.base = GENESIS
         self.window = 0
         self.fingerprints: list[str] = []
-        publish_checkpoint(
+        self.launch = publish_checkpoint(
             store,
             self.run,
             spec.hash(),
@@ -73,7 +95,8 @@ class MiniValidator:
             params=self.params,
             identity=ident,
             published_at=time.time(),
-        )
+        ).digest
+        self.base = self.launch  # window 0 builds on the genesis manifest
 
     def close_window(self, expect: int, timeout: float = 60.0) -> list[str]:
         prefix = layout.contrib_prefix(self.run, self.window)
@@ -122,6 +145,7 @@ class MiniValidator:
                 params=self.params,
                 identity=self.ident,
                 published_at=time.time(),
+                launch=self.launch,
             )
         return [c.sender for c in contribs]
 
@@ -133,12 +157,20 @@ class Recorder(PeerDisplay):
     def __init__(self) -> None:
         super().__init__(json_lines=True)
         self.events: list[Event] = []
+        self._changed = threading.Condition()
 
     def emit(self, event: Event) -> None:
-        self.events.append(event)
+        with self._changed:
+            self.events.append(event)
+            self._changed.notify_all()
 
     def of(self, kind: type[E]) -> list[E]:
         return [e for e in self.events if isinstance(e, kind)]
+
+    def wait_for(self, found: Callable[[], bool], timeout: float = 60.0) -> None:
+        """Until ``found()`` holds, re-checked on every event (AssertionError on timeout)."""
+        with self._changed:
+            assert self._changed.wait_for(found, timeout=timeout), self.events
 
 
 @pytest.fixture
@@ -149,12 +181,12 @@ def swarm(tmp_path: Path):
     return spec, store, MiniValidator(spec, store, vident), tmp_path
 
 
-def make_peer(spec: RunSpec, store, root: Path, name: str) -> tuple[Peer, Recorder]:
+def make_peer(spec: RunSpec, store, root: Path, name: str, local: LocalSettings = LOCAL) -> tuple[Peer, Recorder]:
     state = LocalState(root / name)
     rec = Recorder()
     identity = Identity.load_or_create(state.key_path)
     replica = FullReplica(spec, data_key=identity.peer_id)
-    return Peer(spec, store, identity, state, replica, display=rec), rec
+    return Peer(spec, store, identity, state, replica, local=local, display=rec), rec
 
 
 def run_peers(val: MiniValidator, peers: list[Peer], windows: int, expect: int | None = None) -> None:
@@ -251,8 +283,12 @@ def test_sync_rejects_aggregate_signed_by_unknown_key(swarm) -> None:
     spec, store, val, _ = swarm
     val.ident = Identity.generate()  # an impostor publishes window 0
     val.close_window(0, timeout=0)
+    sync = Sync(spec, store)
     with pytest.raises(UnknownSigner):
-        Sync(spec, store).bootstrap({})
+        sync.fetch_aggregate(0)
+    # never applied, and a joining peer is not stopped by it: window 0 is simply not published yet
+    pos = sync.bootstrap({})
+    assert pos.window == 0 and not sync.aggregate_published(0, pos.base) and not sync.aggregate_published(0)
 
 
 def test_sync_apply_checks_chain_and_fingerprint(swarm) -> None:
@@ -442,12 +478,116 @@ def test_resumed_upload_that_fails_gives_delta_back(swarm) -> None:
     assert again.pending is None and not store.list(layout.contrib_prefix(val.run, 2))
 
 
+def announcement_of(peer: Peer):
+    blob = peer.store.get(layout.peer_key(peer.run_id, peer.identity.peer_id))
+    return decode_announcement(blob, run_hash=peer.spec.hash(), max_bytes=1 << 16, sender=peer.identity.peer_id).value
+
+
+def test_a_clean_stop_withdraws_the_announcement_and_a_restart_announces_again(swarm) -> None:
+    spec, store, val, root = swarm
+    peer, rec = make_peer(spec, store, root, "a")
+    run_peers(val, [peer], windows=2)
+    started = rec.of(PeerStarted)[0]
+    assert (started.run_hash, started.run_id, started.peer_id) == (spec.hash(), peer.run_id, peer.identity.peer_id)
+    assert rec.of(Stopped)[-1].withdrawn and announcement_of(peer).withdrawn
+    assert announcement_of(peer).window == 2  # the window it held when it left
+    again, _ = make_peer(spec, store, root, "a")
+    again.announce()
+    assert not announcement_of(again).withdrawn
+
+
+def test_join_gives_up_when_no_genesis_of_its_run_appears(tmp_path: Path) -> None:
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident)
+    store = open_store(f"memory://nogenesis-{time.time_ns()}")
+    MiniValidator(spec.replace(codec={"k": 32}), store, vident)  # the operator's run differs in one field
+    local = LocalSettings(poll_interval_s=0.02, peer=PeerSettings(join_timeout_s=0.5))
+    peer, rec = make_peer(spec, store, tmp_path, "a", local)
+    start = time.monotonic()
+    with pytest.raises(RunNotFound) as err:
+        peer.run()
+    assert time.monotonic() - start < 10  # the bound, plus this machine's slack
+    message = str(err.value)
+    assert spec.hash() in message and "sparseloco run-id run.toml" in message
+    assert local.store.location() in message
+    waiting = rec.of(WaitingForGenesis)
+    assert waiting and waiting[0].run_hash == spec.hash() and waiting[0].timeout_s == 0.5
+    assert announcement_of(peer).withdrawn  # it announced (under its own run), so it withdrew
+
+
+class UnreachableStore(FlakyStore):
+    """Nothing answers the first ``outages`` puts (a grant server whose validator is not up yet)."""
+
+    def __init__(self, inner: ObjectStore, outages: int) -> None:
+        super().__init__(inner, window=-1)
+        self.outages = outages
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        if self.outages > 0:
+            self.outages -= 1
+            raise StoreUnavailable(f"nothing answers for {key}")
+        self.inner.put(key, data, if_absent=if_absent)
+
+
+def test_a_peer_waits_to_announce_until_the_store_answers(swarm) -> None:
+    spec, store, val, root = swarm
+    peer, rec = make_peer(spec, UnreachableStore(store, outages=4), root, "early")  # 3 per announce attempt
+    peer.run(until_window=0)
+    assert rec.of(WaitingForGenesis) and rec.of(Joined)
+    assert announcement_of(peer).withdrawn  # it announced, then left
+
+
+def test_a_peer_whose_store_never_answers_gives_up_within_its_join_timeout(swarm) -> None:
+    spec, store, val, root = swarm
+    local = LocalSettings(poll_interval_s=0.02, peer=PeerSettings(join_timeout_s=0.5))
+    peer, rec = make_peer(spec, UnreachableStore(store, outages=10**6), root, "lost", local)
+    with pytest.raises(RunNotFound, match="unreachable"):
+        peer.run()
+    assert not peer.announced and not rec.of(Joined)
+
+
+class DenyingStore(FlakyStore):
+    """Reads and announcements work; every contribution put is denied (a read-only credential)."""
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        if "/contrib/" in key:
+            self.refused += 1
+            raise AccessDenied(f"denied: {key}")
+        self.inner.put(key, data, if_absent=if_absent)
+
+
+def test_a_peer_whose_uploads_are_refused_stops_after_n_windows(swarm) -> None:
+    spec, store, val, root = swarm
+    local = LocalSettings(poll_interval_s=0.02, peer=PeerSettings(max_upload_failures=2))
+    peer, rec = make_peer(spec, DenyingStore(store, window=0), root, "denied", local)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            peer.run()
+        except UploadsRefused as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    rec.wait_for(lambda: bool(rec.of(PeerWindow)))
+    assert rec.of(PeerWindow)[0].outcome == "failed"
+    val.close_window(0, timeout=0)  # window 0 closes without it; it fails window 1 alike and stops
+    t.join(timeout=60)
+    assert not t.is_alive() and len(errors) == 1
+    assert [(e.window, e.outcome) for e in rec.of(PeerWindow)] == [(0, "failed"), (1, "failed")]
+    assert "2 consecutive windows" in str(errors[0]) and peer.identity.peer_id in str(errors[0])
+    assert announcement_of(peer).withdrawn
+
+
 def test_cli_refuses_a_runspec_without_validator_keys(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    spec = RunSpec.from_dict({"model": TINY, "storage": {"url": f"file://{tmp_path / 'store'}"}})
-    (tmp_path / "run.toml").write_text(spec.to_toml())
+    spec = RunSpec.from_dict({"model": TINY})
+    (tmp_path / "run.toml").write_text(
+        spec.to_toml() + local_table_toml({"store": {"url": f"file://{tmp_path / 'store'}"}})
+    )
     exe = Path(sys.executable).parent / "sparseloco-peer"
     out = subprocess.run(
         [str(exe), "join", "--run", str(tmp_path / "run.toml"), "--state", str(tmp_path / "s")],
@@ -459,7 +599,7 @@ def test_cli_refuses_a_runspec_without_validator_keys(tmp_path: Path) -> None:
     assert not (tmp_path / "store").exists()  # nothing was announced
 
 
-def test_forged_aggregate_is_recorded_and_never_applied(swarm) -> None:
+def test_forged_aggregate_is_recorded_and_never_applied(swarm, caplog) -> None:
     spec, store, val, root = swarm
     peer, rec = make_peer(spec, store, root, "a")
     t = threading.Thread(target=peer.run, kwargs={"until_window": 2}, daemon=True)
@@ -481,12 +621,15 @@ def test_forged_aggregate_is_recorded_and_never_applied(swarm) -> None:
         metadata={},
         identity=Identity.generate(),
     )
+    caplog.set_level(logging.WARNING, logger="protocol.chain")
     store.put(key, forged)
     deadline = time.time() + 30
-    while not rec.of(SyncFailed) and time.time() < deadline:
+    while "unknown_signer" not in caplog.text and time.time() < deadline:
         time.sleep(0.05)
-    assert rec.of(SyncFailed)[0].reason == "unknown_signer"
-    assert peer.pos.window == 1 and 1 not in [e.window for e in rec.of(Applied)]
+    # seen, logged and ignored: the forgery neither closes window 1 nor stops the peer
+    assert "aggregate 1 in the store does not verify" in caplog.text
+    assert peer.pos.window == 1 and 1 not in [e.window for e in rec.of(Applied)] and t.is_alive()
+    assert not rec.of(SyncFailed)
     store.delete(key)  # the operator removes the forgery; the real validator publishes
     val.close_window(1)
     t.join(timeout=60)

@@ -359,7 +359,7 @@ def test_stage_that_skips_after_training_keeps_feedback(tmp_path: Path) -> None:
     they stage: nothing is sent and e is exactly what it was before the window, also on disk."""
     import threading
 
-    from test_peer_state import MiniValidator, Recorder, committed_feedback, tiny_spec
+    from test_peer_state import LOCAL, MiniValidator, Recorder, committed_feedback, tiny_spec
 
     from client.peer import Peer, Staged
     from client.pipeline.trainer import StageTrainer
@@ -387,7 +387,8 @@ def test_stage_that_skips_after_training_keeps_feedback(tmp_path: Path) -> None:
         state = LocalState(tmp_path / f"stage{s}")
         trainer = StageTrainer(spec, group="g", stage=s, stages=2, rendezvous=rendezvous)
         displays.append(Recorder())
-        peers.append(Peer(spec, store, Identity.load_or_create(state.key_path), state, trainer, display=displays[-1]))
+        ident = Identity.load_or_create(state.key_path)
+        peers.append(Peer(spec, store, ident, state, trainer, local=LOCAL, display=displays[-1]))
 
     def train_both(window: int) -> list[Staged]:
         out: dict[int, object] = {}

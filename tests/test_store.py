@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 import protocol.store
-from protocol.config import StorageConfig
 from protocol.errors import (
     AccessDenied,
     ConfigError,
@@ -29,6 +28,8 @@ from protocol.errors import (
     PayloadTooLarge,
     StoreError,
 )
+from protocol.identity import Identity
+from protocol.settings import StoreSettings
 from protocol.store import (
     LocalStore,
     MemoryStore,
@@ -36,10 +37,10 @@ from protocol.store import (
     open_from_settings,
     open_store,
     put_once,
-    store_from_config,
 )
 
 HAVE_DHT = importlib.util.find_spec("protocol.store.dht.store") is not None
+DHT_WRITER = Identity.from_seed(b"w" * 32)  # a validator key of the DHT suite's run
 BACKENDS = [
     "memory",
     "local",
@@ -79,8 +80,11 @@ class Servers:
 
             from protocol.store.dht.store import DHTStore
 
-            self.dht_peers = self._stack.enter_context(start_dht_nodes(2))
-            self.dht_store = self._stack.enter_context(DHTStore(self.dht_peers))
+            # The suite's keys are not peers' own keys: the store writes as a validator of the run.
+            self.dht_peers = self._stack.enter_context(start_dht_nodes(2, validator_keys=[DHT_WRITER.public_key]))
+            self.dht_store = self._stack.enter_context(
+                DHTStore(self.dht_peers, identity=DHT_WRITER, validator_keys=[DHT_WRITER.public_key])
+            )
         return self.dht_store
 
     def close(self) -> None:
@@ -319,16 +323,17 @@ def test_open_store_rejects_unknown_options(tmp_path: Path) -> None:
         open_store("memory://x", colour="blue")
 
 
-def test_open_from_settings_applies_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = StorageConfig(url="memory://from-the-runspec", dht_bootstrap=("/ip4/10.0.0.1/tcp/1/p2p/QmRunSpec",))
-    with open_from_settings(cfg, f"file://{tmp_path}/cli") as store:  # --store replaces storage.url
+def test_open_from_settings_passes_what_the_settings_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with open_from_settings(StoreSettings(url=f"file://{tmp_path}/cli")) as store:
         assert isinstance(store, LocalStore) and store.root == (tmp_path / "cli").resolve()
-    seen: list[StorageConfig] = []
-    monkeypatch.setattr(protocol.store, "store_from_config", lambda c, **o: seen.append(c) or MemoryStore())
-    open_from_settings(cfg, None, ("/ip4/10.0.0.2/tcp/1/p2p/QmCli",))
-    # --dht-peer first; the RunSpec's bootstrap list stays as a fallback
-    assert seen[0].url == cfg.url
-    assert seen[0].dht_bootstrap == ("/ip4/10.0.0.2/tcp/1/p2p/QmCli", "/ip4/10.0.0.1/tcp/1/p2p/QmRunSpec")
+    seen: list[tuple[str, dict[str, object]]] = []
+    monkeypatch.setattr(protocol.store, "open_store", lambda url, **o: seen.append((url, o)) or MemoryStore())
+    open_from_settings(StoreSettings(url="dht://", dht_bootstrap=("/ip4/10.0.0.2/tcp/1/p2p/QmCli",)))
+    open_from_settings(StoreSettings(url="s3://b/p?endpoint=http://h:1&profile=x", s3_endpoint="http://other:2"))
+    dht_options = {"initial_peers": ["/ip4/10.0.0.2/tcp/1/p2p/QmCli"], "identity": None, "validator_keys": []}
+    assert seen[0] == ("dht://", dht_options)
+    # the URL's endpoint is a setting and wins; other parameters stay in the URL
+    assert seen[1] == ("s3://b/p?profile=x", {"endpoint_url": "http://h:1", "region": "auto"})
 
 
 @pytest.mark.integration
@@ -339,8 +344,8 @@ def test_open_store_s3_and_config(servers: Servers) -> None:
         store.put("k", b"via url")
     with s3.store() as admin:
         assert admin.get("viaurl/k") == b"via url"
-    cfg = StorageConfig(url=s3.url("viacfg"), s3_endpoint=s3.endpoint_url, s3_region="us-east-1")
-    with store_from_config(cfg, **s3.admin.options()) as store:
+    cfg = StoreSettings(url=s3.url("viacfg"), s3_endpoint=s3.endpoint_url, s3_region="us-east-1")
+    with open_from_settings(cfg, **s3.admin.options()) as store:
         store.put("k", b"via config")
         assert store.list("") == ["k"]
 
@@ -364,10 +369,11 @@ def test_open_store_dht(servers: Servers) -> None:
     writer.put(key, b"over the DHT")
     assert servers.dht_peers
     url = "dht://?peers=" + ",".join(servers.dht_peers[:1])
-    with open_store(url, initial_peers=servers.dht_peers[1:]) as reader:
+    keys = [DHT_WRITER.public_key]
+    with open_store(url, initial_peers=servers.dht_peers[1:], validator_keys=keys) as reader:
         assert reader.get(key) == b"over the DHT"
-    cfg = StorageConfig(url="dht://", dht_bootstrap=tuple(servers.dht_peers))
-    with store_from_config(cfg) as reader:
+    cfg = StoreSettings(url="dht://", dht_bootstrap=tuple(servers.dht_peers))
+    with open_from_settings(cfg, validator_keys=keys) as reader:
         assert reader.get(key) == b"over the DHT"
 
 

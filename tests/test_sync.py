@@ -27,11 +27,11 @@ GENESIS_AT = 1_767_225_600.5
 
 
 @pytest.fixture
-def run() -> Iterator[tuple[RunSpec, ObjectStore]]:
+def run() -> Iterator[tuple[RunSpec, ObjectStore, str]]:
     spec = RunSpec.from_dict({"model": TINY, "validator": {"public_keys": [VALIDATOR.public_key_hex]}})
     store = open_store(f"memory://sync-schema-{time.time_ns()}")
     params = {n: p.detach().clone() for n, p in build_model(spec.model).named_parameters()}
-    publish_checkpoint(
+    launch = publish_checkpoint(
         store,
         layout.run_id(spec.hash()),
         spec.hash(),
@@ -40,18 +40,18 @@ def run() -> Iterator[tuple[RunSpec, ObjectStore]]:
         params=params,
         identity=VALIDATOR,
         published_at=GENESIS_AT,
-    )
-    yield spec, store
+    ).digest  # the base of window 0
+    yield spec, store, launch
     store.close()
 
 
-def publish(spec: RunSpec, store: ObjectStore, tensors: dict[str, tuple[tuple[int, ...], int]]) -> None:
+def publish(spec: RunSpec, store: ObjectStore, launch: str, tensors: dict[str, tuple[tuple[int, ...], int]]) -> None:
     """Aggregate 0 with one value at flat index ``i`` of each named tensor of the given shape."""
     delta = {n: (torch.tensor([i]), torch.tensor([1e-3])) for n, (_, i) in tensors.items()}
     blob = encode_window_aggregate(
         run_hash=spec.hash(),
         window=0,
-        base=GENESIS,
+        base=launch,
         alpha=1.0,
         tensors=plain(delta, {n: s for n, (s, _) in tensors.items()}),
         manifest=[],
@@ -64,25 +64,26 @@ def publish(spec: RunSpec, store: ObjectStore, tensors: dict[str, tuple[tuple[in
 
 
 def test_window_zero_deadline_comes_from_the_signed_genesis_manifest(run) -> None:  # type: ignore[no-untyped-def]
-    spec, store = run
+    spec, store, launch = run
     params: dict[str, torch.Tensor] = {}
     pos = Sync(spec, store).resync(params)
     assert pos.window == 0 and pos.opened_at == GENESIS_AT and pos.fingerprint == fingerprint(params)
+    assert pos.base == launch  # the genesis manifest's digest roots the chain
 
 
 def test_aggregate_covering_a_subset_of_theta_is_accepted(run) -> None:  # type: ignore[no-untyped-def]
-    spec, store = run
+    spec, store, launch = run
     name, shape = sorted(param_schema(spec.model).items())[0]
-    publish(spec, store, {name: (shape, 0)})
+    publish(spec, store, launch, {name: (shape, 0)})
     agg = Sync(spec, store).fetch_aggregate(0)
     assert agg is not None and set(agg.value.tensors) == {name} and agg.value.window == 0
 
 
 @pytest.mark.parametrize("kind", ["unknown tensor", "wrong shape"])
 def test_aggregate_with_unknown_tensor_or_wrong_shape_is_rejected(run, kind: str) -> None:  # type: ignore[no-untyped-def]
-    spec, store = run
+    spec, store, launch = run
     name, shape = sorted(param_schema(spec.model).items())[0]
     bad = {"not.a.parameter": ((8,), 0)} if kind == "unknown tensor" else {name: ((shape[0] + 1, *shape[1:]), 0)}
-    publish(spec, store, bad)
+    publish(spec, store, launch, bad)
     with pytest.raises(SchemaMismatch):
         Sync(spec, store).fetch_aggregate(0)

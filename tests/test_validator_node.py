@@ -17,15 +17,15 @@ from protocol import layout
 from protocol.aggregate import SparseDict, aggregate, apply_outer, sparse_of
 from protocol.broadcast import recompress_codec
 from protocol.caps import object_caps
-from protocol.chain import delta_of, read_aggregate
+from protocol.chain import delta_of, read_aggregate, read_launch
 from protocol.errors import ConfigError
-from protocol.events import Event, WindowOpened, WindowPublished, WindowRetry
+from protocol.events import Event, WindowOpened, WindowPublished, WindowRetry, WindowWaiting
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model, fingerprint, parameters_of
 from protocol.store.memory import SimulatedCrash
 from protocol.wire import GENESIS, Aggregate, decode_aggregate, decode_contribution
-from tests.validator_fixtures import Swarm, tiny_spec, with_nan_scale
+from tests.validator_fixtures import LOCAL, Swarm, tiny_spec, with_nan_scale
 from validator import publish
 from validator.node import Validator
 
@@ -48,7 +48,7 @@ def swarm(vkey: Identity) -> Iterator[Swarm]:
 def make_validator(
     sw: Swarm, vkey: Identity, state_dir: os.PathLike[str] | str, events: list[Event] | None = None
 ) -> Validator:
-    v = Validator(sw.spec, sw.handle(), vkey, state_dir, emit=None if events is None else events.append)
+    v = Validator(sw.spec, sw.handle(), vkey, state_dir, local=LOCAL, emit=None if events is None else events.append)
     v.resume()
     return v
 
@@ -57,12 +57,17 @@ def theta0(sw: Swarm) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in parameters_of(build_model(sw.spec.model)).items()}
 
 
+def launch(sw: Swarm) -> str:
+    """The digest of the store's genesis manifest: the base of window 0."""
+    return read_launch(sw.store, sw.run, sw.run_hash, allowed_signers=sw.spec.validator.public_keys).digest
+
+
 def test_honest_window_is_accepted_and_peers_reproduce_the_fingerprint(swarm: Swarm, vkey: Identity, tmp_path) -> None:
     v = make_validator(swarm, vkey, tmp_path)
     params = theta0(swarm)
     digests = {}
     for p in swarm.peers[:3]:
-        blob = swarm.honest(p, params, 0, GENESIS)
+        blob = swarm.honest(p, params, 0, v.state.base)
         swarm.upload(p.peer_id, 0, blob)
         digests[p.peer_id] = __import__("hashlib").sha256(blob).hexdigest()
 
@@ -76,7 +81,8 @@ def test_honest_window_is_accepted_and_peers_reproduce_the_fingerprint(swarm: Sw
     )
     agg = verified.value
     assert {m.peer_id: m.digest for m in agg.manifest} == digests
-    assert agg.base == GENESIS and agg.published_at == report.published_at > 0
+    assert v.state is not None and agg.published_at == report.published_at > 0
+    assert agg.base == v.log.window(0).base == launch(swarm)  # window 0 builds on the genesis manifest
     apply_outer(params, delta_of(agg), agg.alpha)
     assert fingerprint(params) == agg.fingerprint == report.fingerprint
     assert v.state is not None and v.state.window == 1 and v.state.base == verified.digest
@@ -96,7 +102,7 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
     honest_a, honest_b, honest_c, mallory = swarm.peers
     params = theta0(swarm)
     # window 0: honest, so that window 1 has a base other than genesis and old blobs to replay
-    old = {p.peer_id: swarm.honest(p, params, 0, GENESIS) for p in (honest_a, honest_b, honest_c)}
+    old = {p.peer_id: swarm.honest(p, params, 0, v.state.base) for p in (honest_a, honest_b, honest_c)}
     for pid, blob in old.items():
         swarm.upload(pid, 0, blob)
     assert v.run_window() is not None
@@ -146,21 +152,27 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
         honest_a.peer_id: None,
         honest_b.peer_id: None,
         honest_c.peer_id: None,
-        forged.peer_id: "bad_signature",
-        replayed.peer_id: "wrong_window",
+        # not signed by the peer for this run and window: never blamed on it (neutral "foreign")
+        forged.peer_id: "foreign",
+        replayed.peer_id: "foreign",
+        oversized.peer_id: "too_large",  # never read: too large to fetch, neutral (check size)
+        truncated.peer_id: "foreign",
+        wrong_run.peer_id: "foreign",
+        empty.peer_id: "foreign",
         stale.peer_id: "stale_base",
-        oversized.peer_id: "too_large",
-        truncated.peer_id: "malformed",
-        wrong_run.peer_id: "wrong_run",
         nan.peer_id: "non_finite",
         huge.peer_id: "norm_outlier",
         negated.peer_id: "harmful",
-        unregistered.peer_id: "unregistered",
         mallory.peer_id: "copied",
-        empty.peer_id: "empty",
     }
     assert reasons == expected
     assert report.accepted == 3 and report.rejected == len(expected) - 3
+    # an upload under a key no announcement names is counted, never read or given a row
+    assert unregistered.peer_id not in reasons and report.reasons["unannounced"] == 1
+    assert v.log.window(1).unannounced == 1  # type: ignore[union-attr]
+    # an upload under a key no announcement names is counted, never read or given a row
+    assert unregistered.peer_id not in reasons and report.reasons["unannounced"] == 1
+    assert v.log.window(1).unannounced == 1  # type: ignore[union-attr]
     agg = read_aggregate(
         swarm.store, swarm.run, swarm.run_hash, 1, allowed_signers=spec.validator.public_keys, max_bytes=1 << 26
     )
@@ -182,7 +194,7 @@ def test_killed_before_publishing_redoes_the_window_without_double_counting(
     v = make_validator(swarm, vkey, tmp_path)
     params = theta0(swarm)
     for p in swarm.peers[:3]:
-        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, GENESIS))
+        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, v.state.base))
     v.store.faults.crash_mid_upload(layout.aggregate_key(swarm.run, 0))  # type: ignore[attr-defined]
     with pytest.raises(SimulatedCrash):
         v.run_window()
@@ -193,7 +205,7 @@ def test_killed_before_publishing_redoes_the_window_without_double_counting(
 
     v2 = make_validator(swarm, vkey, tmp_path)
     assert v2.state is not None and v2.state.window == 0
-    swarm.upload(swarm.peers[3].peer_id, 0, swarm.honest(swarm.peers[3], params, 0, GENESIS))  # arrives meanwhile
+    swarm.upload(swarm.peers[3].peer_id, 0, swarm.honest(swarm.peers[3], params, 0, v.state.base))  # arrives meanwhile
     report = v2.run_window()
     assert report is not None and report.accepted == 4
     rows = v2.log.rows(windows=(0, 0))
@@ -210,7 +222,7 @@ def test_killed_after_publishing_adopts_the_published_aggregate(swarm: Swarm, vk
     v = make_validator(swarm, vkey, tmp_path)
     params = theta0(swarm)
     for p in swarm.peers[:3]:
-        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, GENESIS))
+        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, v.state.base))
     assert v.run_window() is not None
     base1 = v.state.base  # type: ignore[union-attr]
     for p in swarm.peers[:3]:
@@ -241,7 +253,7 @@ def test_lost_state_directory_replays_the_chain_from_the_store(swarm: Swarm, vke
     v = make_validator(swarm, vkey, tmp_path / "a")
     params = theta0(swarm)
     for p in swarm.peers[:2]:
-        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, GENESIS))
+        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, v.state.base))
     report = v.run_window()
     assert report is not None
     v.close()
@@ -256,7 +268,7 @@ def _accepted_delta(sw: Swarm, agg: Aggregate) -> SparseDict:
     for m in sorted(agg.manifest, key=lambda m: m.peer_id):
         blob = sw.store.get(layout.contrib_key(sw.run, agg.window, m.peer_id), max_bytes=1 << 26)
         contribs.append(sparse_of(decode_contribution(blob, run_hash=sw.run_hash, max_bytes=1 << 26).value.tensors))
-    return aggregate(contribs, sw.spec.outer.aggregation, sw.spec.outer.clip)
+    return aggregate(contribs, sw.spec.outer.aggregation, "none")  # the run does not clip
 
 
 def _dense(delta: SparseDict, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -277,7 +289,8 @@ def _assert_feedback_step(sw: Swarm, after: FeedbackState, before: FeedbackState
 
 
 def test_recompression_buffer_survives_crashes_without_loss_or_double_use(vkey: Identity, tmp_path) -> None:
-    sw = Swarm(tiny_spec(vkey, outer={"recompress": True, "recompress_k": 16, "recompress_beta": 0.9}), 4)
+    outer = {"recompress": True, "recompress_k": 16, "recompress_beta": 0.9, "clip": "none"}
+    sw = Swarm(tiny_spec(vkey, outer=outer), 4)
     sw.announce_all()
     spec = sw.spec
     read = lambda w: read_aggregate(  # noqa: E731
@@ -286,7 +299,7 @@ def test_recompression_buffer_survives_crashes_without_loss_or_double_use(vkey: 
     v = make_validator(sw, vkey, tmp_path)
     params = theta0(sw)
     for p in sw.peers[:3]:
-        sw.upload(p.peer_id, 0, sw.honest(p, params, 0, GENESIS))
+        sw.upload(p.peer_id, 0, sw.honest(p, params, 0, v.state.base))  # type: ignore[union-attr]
     # Killed while putting aggregate 0: the buffer of window 1 was written ahead of a put that never
     # landed; the restart decides window 0 again from the empty buffer of window 0.
     v.store.faults.crash_mid_upload(layout.aggregate_key(sw.run, 0))  # type: ignore[attr-defined]
@@ -343,10 +356,10 @@ def test_repeated_failure_excludes_then_readmits_and_late_uploads_are_logged(vke
     params = theta0(sw)
     sw.upload(bad.peer_id, 0, sw.honest(bad, params, 0, "cd" * 32))  # stale base: one failure
     for p in (a, b):
-        sw.upload(p.peer_id, 0, sw.honest(p, params, 0, GENESIS))
+        sw.upload(p.peer_id, 0, sw.honest(p, params, 0, v.state.base))
     assert v.run_window() is not None
     sw.announce(latecomer)
-    sw.upload(latecomer.peer_id, 0, sw.honest(latecomer, params, 0, GENESIS))  # after window 0 closed
+    sw.upload(latecomer.peer_id, 0, sw.honest(latecomer, params, 0, v.state.base))  # after window 0 closed
     for w in (1, 2):
         st = v.state
         assert st is not None
@@ -374,7 +387,7 @@ def test_peers_announcing_mid_window_are_waited_for_and_registered(vkey: Identit
     sw.announce(b)
     v = make_validator(sw, vkey, tmp_path)
     params = theta0(sw)
-    blobs = {p.peer_id: sw.honest(p, params, 0, GENESIS) for p in sw.peers}
+    blobs = {p.peer_id: sw.honest(p, params, 0, v.state.base) for p in sw.peers}
     sw.upload(a.peer_id, 0, blobs[a.peer_id])
 
     def late_arrivals() -> None:
@@ -396,45 +409,54 @@ def test_peers_announcing_mid_window_are_waited_for_and_registered(vkey: Identit
     v.close()
 
 
-def test_active_peers_are_recent_uploaders_or_recent_announcements() -> None:
-    from validator.gather import active_peers
+def test_expected_peers_uploaded_last_window_or_announced_since_it_opened() -> None:
+    from validator.gather import expected_peers
 
-    first_seen = {"old": 0.0, "new": 95.0, "uploader": 0.0}
-    assert active_peers(first_seen, {"uploader", "unannounced"}, now=100.0, ttl_s=10.0) == {"new", "uploader"}
-    assert active_peers(first_seen, set(), now=200.0, ttl_s=10.0) == frozenset()
+    first_seen = {"old": float("-inf"), "new": 95.0, "uploader": 0.0, "left": 96.0}
+    # window 0 (no previous window): every announced peer that has not withdrawn
+    assert expected_peers(first_seen, {"left"}, set(), since=None) == {"old", "new", "uploader"}
+    # later: uploaded in the previous window, or announced since it opened (at 90)
+    assert expected_peers(first_seen, {"left"}, {"uploader", "unannounced"}, since=90.0) == {"new", "uploader"}
+    assert expected_peers(first_seen, set(), set(), since=100.0) == frozenset()
 
 
 def test_peers_that_left_stop_holding_windows_open(vkey: Identity, tmp_path) -> None:
+    """A peer that withdraws is not waited for at all; one that vanished costs one window (it
+    uploaded in the previous one), then it is not waited for either, yet its late return counts."""
     deadline = 6.0
-    sw = Swarm(
-        tiny_spec(
-            vkey, windows={"upload_deadline_s": deadline}, validator={"active_windows": 1, "announcement_ttl_s": 0.5}
-        ),
-        4,
-    )
-    a, b, left, never = sw.peers
-    sw.announce_all()  # ``never`` announces and leaves at once; ``left`` uploads in window 0 only
-    plan = [(a, b, left), (a, b), (a, b)]
+    sw = Swarm(tiny_spec(vkey, windows={"upload_deadline_s": deadline}), 4)
+    a, b, quitter, crashed = sw.peers
+    sw.announce_all()
+    plan = [(a, b, quitter, crashed), (a, b, crashed), (a, b), (a, b), (a, b, crashed)]
     # Trained before the clock starts (from θ₀: small steps that still help at θ₁, θ₂), so that
     # each window's gather begins right after it opens and its length shows what it waited for.
     encoded = {(w, p.peer_id): sw.encode(sw.delta(p, theta0(sw), w)) for w, ps in enumerate(plan) for p in ps}
-    v = make_validator(sw, vkey, tmp_path)
+    events: list[Event] = []
+    v = make_validator(sw, vkey, tmp_path, events)
     gathered = []
     for w, uploaders in enumerate(plan):
         st = v.state
         assert st is not None
         for p in uploaders:
             sw.upload(p.peer_id, w, sw.blob(p, w, st.base, encoded[(w, p.peer_id)]))
+        if w == 1:
+            sw.announce(quitter, withdrawn=True)  # a clean stop after window 0
         report = v.run_window()
         assert report is not None and report.accepted == len(uploaders), v.log.rows(windows=(w, w))
         gathered.append(report.seconds["gather"])
-    # w0: ``never`` is waited for only while its announcement is new; w1: ``left`` uploaded in the
-    # last window, so it is waited for until the deadline; w2: nobody absent is active any more.
-    # w1's gather starts late by however long w0's scoring and publishing took (seconds on a busy
+    # w0: everyone uploads; w1: ``quitter`` withdrew, so it is not waited for; w2: ``crashed``
+    # uploaded in w1, so it is waited for until the deadline, and the validator says so; w3: it
+    # missed w2, so the window closes once a and b are in; w4: it is back, and accepted. w2's
+    # gather starts late by however long w1's scoring and publishing took (seconds on a busy
     # machine), so it is compared with the other windows rather than with the deadline itself.
     half = deadline / 2
-    assert gathered[0] < half and gathered[2] < half, gathered
-    assert gathered[1] > max(gathered[0], gathered[2]) + 1.0, gathered
+    fast = [gathered[w] for w in (0, 1, 3, 4)]
+    assert max(fast) < half, gathered
+    assert gathered[2] > max(fast) + 1.0, gathered
+    waiting = [e for e in events if isinstance(e, WindowWaiting)]
+    assert waiting and {e.window for e in waiting} == {2}
+    assert all(e.waiting_for == [crashed.peer_id] and e.uploaded == 2 for e in waiting)
+    assert v.registry.withdrawn == {quitter.peer_id}
     sw.close()
     v.close()
 
@@ -444,13 +466,13 @@ def test_store_failures_are_retried_and_corrupted_reads_rejected(swarm: Swarm, v
     v = make_validator(swarm, vkey, tmp_path, events)
     params = theta0(swarm)
     for p in swarm.peers[:3]:
-        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, GENESIS))
-    swarm.upload(swarm.peers[3].peer_id, 0, swarm.honest(swarm.peers[3], params, 0, GENESIS))
+        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, v.state.base))
+    swarm.upload(swarm.peers[3].peer_id, 0, swarm.honest(swarm.peers[3], params, 0, v.state.base))
     faults = v.store.faults  # type: ignore[attr-defined]
     faults.fail_put(1, layout.aggregate_key(swarm.run, 0))  # the first publish attempt fails
     faults.corrupt(layout.contrib_key(swarm.run, 0, swarm.peers[3].peer_id))  # this reader sees flipped bits
     reports = v.run(windows=1)
-    assert len(reports) == 1 and reports[0].accepted == 3 and reports[0].reasons == {"bad_signature": 1}
+    assert len(reports) == 1 and reports[0].accepted == 3 and reports[0].reasons == {"foreign": 1}
     assert [f[0] for f in faults.fired].count("fail") == 1
     assert len(v.log.rows(windows=(0, 0))) == 4 and v.state is not None and v.state.window == 1
     assert fingerprint(parameters_of(v.model)) == reports[0].fingerprint  # the model holds θ_1
@@ -469,19 +491,32 @@ def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity,
     import subprocess
     import sys
 
+    from protocol.chain import read_launch
     from protocol.events import Stopped, ValidatorStarted, parse_line
+    from protocol.run_data import dataset_of
+    from protocol.settings import StoreSettings
     from protocol.store.local import LocalStore
+    from validator.init import init_run
 
     store_dir = tmp_path / "store"
-    spec = tiny_spec(vkey, storage={"url": f"file://{store_dir}"}, windows={"upload_deadline_s": 30.0})
-    (tmp_path / "run.toml").write_text(spec.to_toml())
+    local = {"poll_interval_s": 0.02, "store": {"url": f"file://{store_dir}"}}
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f_{i}(x):\n    return x * {i}  # line {i}\n" for i in range(20000)))
+    # the run as operators create it: its dataset in the store, run.toml written by init
+    spec = init_run(
+        [str(corpus)],
+        base=tiny_spec(vkey, windows={"upload_deadline_s": 30.0}, data={"val_fraction": 0.1}),
+        local=local,
+        store=StoreSettings(url=f"file://{store_dir}"),
+        identity=vkey,
+        out=tmp_path / "run.toml",
+    ).spec
     vkey.save(tmp_path / "v.pem")
     sw = Swarm(spec, 2)
     sw.store = LocalStore(store_dir)  # type: ignore[assignment]
+    sw.dataset = dataset_of(spec, sw.store)  # the peers train on the run's dataset, as real ones do
     sw.announce_all()
     params = theta0(sw)
-    for p in sw.peers:
-        sw.upload(p.peer_id, 0, sw.honest(p, params, 0, GENESIS))
     cmd = [
         sys.executable,
         "-m",
@@ -497,10 +532,26 @@ def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity,
         "1",
     ]
 
-    done = subprocess.run([*cmd, "--windows", "1"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "window 0 published: accepted=2 rejected=0" in done.stdout
-    lines = done.stdout.splitlines()
+    # the first start publishes genesis and opens window 0; the peers upload once it is open
+    first = subprocess.Popen([*cmd, "--windows", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout is not None
+        lines = []
+        for line in first.stdout:
+            lines.append(line.rstrip("\n"))
+            if "window 0 open" in line:
+                break
+        root = read_launch(sw.store, sw.run, sw.run_hash, allowed_signers=[vkey.public_key])  # window 0's base
+        for p in sw.peers:
+            sw.upload(p.peer_id, 0, sw.honest(p, params, 0, root.digest))
+        out, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0, err
+    lines += out.splitlines()
+    assert any("window 0 published: accepted=2 rejected=0" in line for line in lines), lines
     assert lines and all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", line) for line in lines), lines
 
     # window 1 has no uploads and a 30 s deadline: SIGTERM must end it promptly, publishing nothing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 
@@ -53,6 +54,7 @@ from protocol.wire import (
     decode_contribution,
     decode_object,
     encode_aggregate,
+    encode_announcement,
     encode_checkpoint,
     encode_contribution,
 )
@@ -68,7 +70,7 @@ from protocol.wire.fields import (
     write_metadata,
     write_table,
 )
-from protocol.wire.frame import ENVELOPE_OVERHEAD, Kind, peek_kind
+from protocol.wire.frame import ENVELOPE_OVERHEAD, Kind, peek_kind, seal
 
 CAP = 1 << 20
 OTHER_RUN = RunSpec.default().replace(seed=99).hash()
@@ -147,6 +149,27 @@ def test_checkpoint_and_announcement_roundtrip() -> None:
         an.role,
         dict(an.metadata),
     )
+    assert not da.withdrawn
+
+
+def test_withdrawn_announcement_roundtrip_and_unknown_flags() -> None:
+    """A withdrawal is an announcement with the withdrawn flag (with or without a pipeline role);
+    flags this version does not know are malformed."""
+    for role in (announcement().role, None):
+        an = dataclasses.replace(announcement(), role=role, withdrawn=True)
+        back = decode_announcement(encode_announcement(an, PEER), run_hash=RUN, max_bytes=CAP, sender=PEER.peer_id)
+        assert back.value.withdrawn and back.value.role == role
+    plain = dataclasses.replace(announcement(), role=None)
+    blob = encode_announcement(plain, PEER)
+    body = Writer()
+    body.text(plain.client_version, 64)
+    body.text(plain.hardware, 1024)
+    body.u8(4)  # an unknown flag bit
+    write_metadata(body, plain.metadata)
+    forged = seal(Kind.ANNOUNCEMENT, RUN, plain.window, PEER, body.getvalue(), b"")
+    assert len(forged) == len(blob)
+    with pytest.raises(MalformedPayload, match="flags"):
+        decode_announcement(forged, run_hash=RUN, max_bytes=CAP, sender=PEER.peer_id)
 
 
 def test_decode_object_dispatches_on_kind() -> None:
@@ -442,6 +465,8 @@ def _with_published_at(blob: bytes, value: Scalar | None, signer: Identity) -> b
     r.take(32)  # base / aggregate digest
     if kind == Kind.AGGREGATE:
         r.f64()  # alpha
+    else:
+        r.take(32)  # launch
     r.text(128)  # fingerprint
     start = len(body) - r.remaining
     meta = read_metadata(r)

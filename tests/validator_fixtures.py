@@ -17,6 +17,7 @@ from protocol.config import RunSpec
 from protocol.data import assigned_batches, open_dataset
 from protocol.identity import Identity
 from protocol.model import build_model, lm_loss, parameters_of
+from protocol.settings import LocalSettings
 from protocol.store.memory import MemoryStore
 from protocol.wire import Announcement, Contribution, encode_announcement, encode_contribution
 
@@ -24,6 +25,7 @@ from protocol.wire import Announcement, Contribution, encode_announcement, encod
 torch.set_num_threads(1)
 
 TINY_MODEL = {"dim": 64, "n_layers": 1, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 64}
+LOCAL = LocalSettings(poll_interval_s=0.02)  # the validator's local settings in these tests
 
 
 def tiny_spec(vkey: Identity, **sections: dict[str, object]) -> RunSpec:
@@ -31,7 +33,7 @@ def tiny_spec(vkey: Identity, **sections: dict[str, object]) -> RunSpec:
         "model": TINY_MODEL,
         "data": {"seq_len": 32, "batch_size": 4},
         "inner": {"steps": 4, "lr": 3e-3, "warmup_steps": 1},
-        "windows": {"upload_deadline_s": 2.0, "poll_interval_s": 0.02, "gather_grace_s": 0.05, "checkpoint_every": 2},
+        "windows": {"upload_deadline_s": 2.0, "gather_grace_s": 0.05, "checkpoint_every": 2},
         "validator": {"public_keys": [vkey.public_key_hex], "eval_sequences": 8, "eval_peers_per_window": 8},
     }
     for name, values in sections.items():
@@ -59,8 +61,8 @@ class Swarm:
     def close(self) -> None:
         MemoryStore.forget(self.name)
 
-    def announce(self, peer: Identity) -> None:
-        blob = encode_announcement(Announcement(self.run_hash, 0, "test", "cpu"), peer)
+    def announce(self, peer: Identity, *, withdrawn: bool = False) -> None:
+        blob = encode_announcement(Announcement(self.run_hash, 0, "test", "cpu", withdrawn=withdrawn), peer)
         self.store.put(layout.peer_key(self.run, peer.peer_id), blob)
 
     def announce_all(self) -> None:

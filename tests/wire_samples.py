@@ -16,6 +16,8 @@ from protocol.wire import (
     CheckpointFile,
     CheckpointManifest,
     Contribution,
+    DatasetManifest,
+    DatasetShard,
     ManifestEntry,
     PipelineRole,
     SparseDelta,
@@ -23,6 +25,7 @@ from protocol.wire import (
     encode_announcement,
     encode_checkpoint,
     encode_contribution,
+    encode_dataset,
 )
 from protocol.wire.delta import round_values
 from protocol.wire.frame import Kind, seal
@@ -34,6 +37,7 @@ SCHEMA = {"blocks.0.attn.wq.weight": (64, 96), "blocks.0.norm.weight": (100,), "
 PEER = Identity.from_seed(b"p" * 32)
 VALIDATOR = Identity.from_seed(b"v" * 32)
 BASE = hashlib.sha256(b"aggregate 6").hexdigest()
+LAUNCH = hashlib.sha256(b"genesis manifest").hexdigest()
 PUBLISHED_AT = 1_767_225_600.25
 
 
@@ -63,11 +67,21 @@ def checkpoint(window: int = 10) -> CheckpointManifest:
         CheckpointFile(checkpoint_key(RUN_ID, window, "model.safetensors"), hashlib.sha256(b"m").hexdigest(), 123456),
         CheckpointFile(checkpoint_key(RUN_ID, window, "optimizer.safetensors"), hashlib.sha256(b"o").hexdigest(), 99),
     )
-    return CheckpointManifest(RUN, window, BASE, hashlib.sha256(b"theta").hexdigest(), files, PUBLISHED_AT, {"step": 9})
+    theta = hashlib.sha256(b"theta").hexdigest()
+    return CheckpointManifest(RUN, window, BASE, theta, files, PUBLISHED_AT, {"step": 9}, LAUNCH)
 
 
 def announcement(window: int = 3) -> Announcement:
     return Announcement(RUN, window, "0.1.0", "cpu x2", PipelineRole("g1", 1, 3), {"store": "file:///tmp/x"})
+
+
+def dataset() -> DatasetManifest:
+    shards = (
+        DatasetShard("train", hashlib.sha256(b"t0").hexdigest(), 1 << 20),
+        DatasetShard("train", hashlib.sha256(b"t1").hexdigest(), 12345),
+        DatasetShard("val", hashlib.sha256(b"v0").hexdigest(), 4321),
+    )
+    return DatasetManifest("bytes", 2, 256, 0, shards, {"documents": 17, "val_fraction": 0.02})
 
 
 def blobs() -> dict[Kind, bytes]:
@@ -77,6 +91,7 @@ def blobs() -> dict[Kind, bytes]:
         Kind.AGGREGATE: encode_aggregate(aggregate(), VALIDATOR),
         Kind.CHECKPOINT: encode_checkpoint(checkpoint(), VALIDATOR),
         Kind.ANNOUNCEMENT: encode_announcement(announcement(), PEER),
+        Kind.DATASET: encode_dataset(dataset(), RUN, VALIDATOR),
     }
 
 

@@ -4,21 +4,28 @@ A check returns a :class:`~validator.log.CheckRow` ``(name, passed, reason)``; `
 stable name written to the contribution log. Order (the first failure decides the rejection
 reason; later checks are not run)::
 
-    size  format  signature  run  window  registered  codec  schema  finite  sync  excluded  norm  copy  score
-    capacity
+    size  format  signature  run  window  registered  codec  schema  finite  sync  excluded
+    immutable  norm  copy  score  probation  capacity  stable
 
 ``size`` … ``finite`` are mostly enforced by :func:`protocol.wire.decode_contribution` (given the
 window, the run's codec and the model's schema, so a hostile tensor table is refused before the
 codec allocates anything) and :func:`protocol.codec.unpack`; :func:`rows_for_error` maps the ``reason`` of the
-:class:`~protocol.errors.ProtocolError` they raise to the check that failed. ``screen`` runs the
-per-contribution checks on one received object; ``norm`` and ``copy`` need the whole window
-(:func:`check_norm`, :mod:`validator.copies`), ``score`` the loss evaluation
-(:mod:`validator.scoring`); those window-level checks live in :mod:`validator.window_checks`.
+:class:`~protocol.errors.ProtocolError` they raise to the check that failed.
+
+**Blame only what a peer signed.** The bytes at ``contrib/<t>/<peer>`` may not be the peer's: on a
+shared directory anyone can write there, and any store can be handed a copy of the peer's own
+object of another window or run. Unless the object is signed by ``<peer>`` for this run and window
+(``size`` through ``window``), it says nothing about the peer: it is rejected with reason
+``foreign`` (:data:`~validator.reputation.FOREIGN`, neutral for reputation) and the detail says what
+was found, instead of ``bad_signature`` or ``wrong_window`` against the peer. Everything after
+that (a malformed body, the codec, the schema …) the peer signed, and is its own
+(:mod:`validator.reputation`). ``screen`` runs the per-contribution checks on one received object;
+the checks from ``immutable`` on need the log, the whole window, the loss evaluation or the
+aggregate and live in :mod:`validator.window_checks`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
@@ -27,8 +34,12 @@ import torch
 from protocol.aggregate import SparseDict, sparse_of
 from protocol.config import CodecConfig
 from protocol.errors import ProtocolError
-from protocol.wire import Contribution, Verified, decode_contribution
+from protocol.identity import peer_id_of
+from protocol.wire import Contribution, Kind, Verified
+from protocol.wire.contribution import parse_contribution
+from protocol.wire.frame import Envelope, open_envelope
 from validator.log import CheckRow
+from validator.reputation import FOREIGN
 
 __all__ = [
     "CHECK_ORDER",
@@ -37,16 +48,14 @@ __all__ = [
     "check_codec",
     "check_excluded",
     "check_finite",
-    "check_norm",
     "check_registered",
     "check_schema",
     "check_size",
     "check_sync",
     "check_window",
-    "lower_median",
+    "foreign",
     "rows_for_error",
     "screen",
-    "tensor_norms",
 ]
 
 CHECK_ORDER = (
@@ -61,10 +70,13 @@ CHECK_ORDER = (
     "finite",
     "sync",
     "excluded",
+    "immutable",
     "norm",
     "copy",
     "score",
+    "probation",
     "capacity",
+    "stable",
 )
 
 # ProtocolError.reason (raised while decoding) -> the check that failed
@@ -96,13 +108,16 @@ def fail(name: str, reason: str) -> CheckRow:
     return CheckRow(name, False, reason)
 
 
-def rows_for_error(reason: str, registered: CheckRow | None = None) -> tuple[CheckRow, ...]:
+def rows_for_error(reason: str, registered: CheckRow | None = None, *, signed: bool = False) -> tuple[CheckRow, ...]:
     """Check rows for a decode failure: every check before the failing one passed.
 
     Only checks decoding performs are claimed (it is given the window, codec and schema);
     ``registered``, when given, is the registration check's row and is placed in its turn (a
-    failed one ends the rows: it decides the rejection)."""
+    failed one ends the rows: it decides the rejection). ``signed``: the envelope verified as the
+    peer's, so a structural failure is in the body it signed (check ``schema``)."""
     name = _REASON_CHECK.get(reason, "format")
+    if signed and name in ("size", "format", "signature"):
+        name = "schema"
     rows: list[CheckRow] = []
     for n in CHECK_ORDER[: CHECK_ORDER.index(name)]:
         if n in _DECODE_CHECKS:
@@ -160,35 +175,6 @@ def check_excluded(excluded: bool) -> CheckRow:
     return fail("excluded", "excluded") if excluded else ok("excluded")
 
 
-def tensor_norms(sparse: SparseDict) -> dict[str, float]:
-    return {name: float(torch.linalg.vector_norm(vals.double())) for name, (_, vals) in sparse.items()}
-
-
-def lower_median(xs: Collection[float]) -> float:
-    """The lower median: with two contributions it is the smaller one, so one huge update cannot
-    drag the reference up to half its own size."""
-    s = sorted(xs)
-    return s[(len(s) - 1) // 2]
-
-
-def window_medians(norms: Collection[Mapping[str, float]]) -> dict[str, float]:
-    """Per tensor, the lower median of the norms of the contributions that sent it."""
-    by_name: dict[str, list[float]] = {}
-    for n in norms:
-        for name, v in n.items():
-            by_name.setdefault(name, []).append(v)
-    return {name: lower_median(vs) for name, vs in by_name.items()}
-
-
-def check_norm(norms: Mapping[str, float], medians: Mapping[str, float], max_ratio: float) -> CheckRow:
-    """Every tensor's norm must be ≤ ``max_ratio`` × the window's median for that tensor."""
-    for name, v in norms.items():
-        med = medians.get(name, 0.0)
-        if not math.isfinite(v) or (med > 0.0 and v > max_ratio * med) or (med == 0.0 and v > 0.0):
-            return fail("norm", "norm_outlier")
-    return ok("norm")
-
-
 # ---------------------------------------------------------------------------- one contribution
 @dataclass(frozen=True, kw_only=True)
 class Context:
@@ -218,29 +204,27 @@ class Screened:
 
 
 def screen(peer: str, data: bytes, ctx: Context) -> Screened:
-    """Run ``size`` … ``excluded`` on the bytes found at ``contrib/<window>/<peer>``. Pure."""
-    rows: list[CheckRow] = [check_size(len(data), ctx.max_bytes)]
-    if not rows[0].passed:
-        return Screened(
-            peer=peer, checks=tuple(rows), reason=rows[0].reason, detail=f"{len(data)} bytes, cap {ctx.max_bytes}"
-        )
+    """Run ``size`` … ``excluded`` on the bytes found at ``contrib/<window>/<peer>``. Pure.
+
+    The result holds the decoded sparse form, not ``data``: the caller can drop the bytes."""
+    size = check_size(len(data), ctx.max_bytes)
+    if not size.passed:
+        return foreign(peer, "size", f"{size.reason}: {len(data)} bytes, cap {ctx.max_bytes}")
+    try:
+        env = open_envelope(data, max_bytes=ctx.max_bytes, run_hash=None, kind=Kind.CONTRIBUTION)
+    except ProtocolError as exc:  # not a signed object at all: nobody can be named
+        return foreign(peer, rows_for_error(exc.reason)[-1].name, str(exc))
+    attribution = _attribution(peer, env, ctx)
+    if attribution is not None:
+        return foreign(peer, *attribution)
     try:
         # With the window, codec and schema given, a hostile tensor table is refused before the
         # codec allocates anything for it; a subset of the schema is fine (pipeline stages).
-        verified = decode_contribution(
-            data,
-            run_hash=ctx.run_hash,
-            max_bytes=ctx.max_bytes,
-            sender=peer,
-            window=ctx.window,
-            schema=ctx.schema,
-            partial=True,
-            codec_cfg=ctx.codec,
-        )
+        verified = parse_contribution(env, schema=ctx.schema, partial=True, codec_cfg=ctx.codec)
     except ProtocolError as exc:
         return _undecodable(peer, exc, ctx)
     c = verified.value
-    rows += [ok("format"), ok("signature"), ok("run")]
+    rows = [ok("size"), ok("format"), ok("signature"), ok("run")]
     sparse: SparseDict = {}
     check: Callable[[], CheckRow]
     for check in (
@@ -263,10 +247,32 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
     return Screened(peer=peer, checks=tuple(rows), reason=None, contribution=verified, sparse=sparse)
 
 
+def foreign(peer: str, check: str, detail: str) -> Screened:
+    """An object at ``peer``'s key that ``peer`` did not sign for this run and window (module doc):
+    rejected as ``foreign`` by ``check`` (the checks before it passed); the detail says what was found."""
+    passed = tuple(ok(n) for n in CHECK_ORDER[: CHECK_ORDER.index(check)] if n in _DECODE_CHECKS)
+    rows = (*passed, CheckRow(check, False, FOREIGN))
+    return Screened(peer=peer, checks=rows, reason=FOREIGN, detail=f"not signed by this peer: {detail}")
+
+
+def _attribution(peer: str, env: Envelope, ctx: Context) -> tuple[str, str] | None:
+    """(check, what was found) when a verified envelope is not ``peer``'s object of this run and
+    window; None when it is."""
+    signer = peer_id_of(env.public_key)
+    if signer != peer:
+        return "signature", f"signed by {signer}"
+    if env.run_hash != ctx.run_hash:
+        return "run", f"signed for run {env.run_hash[:16]}, a copy from another run"
+    if env.window != ctx.window:
+        return "window", f"signed for window {env.window}, a copy from another window"
+    return None
+
+
 def _undecodable(peer: str, exc: ProtocolError, ctx: Context) -> Screened:
-    """A contribution that failed to decode; an unregistered sender is named as such when its
+    """A contribution whose envelope is the peer's but whose body failed to decode (the peer signed
+    it: a structural failure is check ``schema``); an unregistered sender is named as such when its
     check comes before the failing one."""
-    rows = rows_for_error(exc.reason, check_registered(peer, ctx.registered))
+    rows = rows_for_error(exc.reason, check_registered(peer, ctx.registered), signed=True)
     if rows[-1].name == "registered":
         return Screened(peer=peer, checks=rows, reason=rows[-1].reason, detail="no signed announcement for this peer")
     return Screened(peer=peer, checks=rows, reason=exc.reason, detail=str(exc))

@@ -2,37 +2,46 @@
 
 Checkpoint convention: ``checkpoint/<w>/`` holds θ_w, the parameters that *open* window ``w``
 (θ₀ at ``w = 0`` is genesis; otherwise θ after aggregate ``w − 1``). Its signed manifest names
-``aggregate`` = digest of aggregate ``w − 1`` (GENESIS for ``w = 0``), the fingerprint of θ_w and
-the files with their sha256. A late joiner loads the newest checkpoint ``w`` and applies aggregates
+``aggregate`` = digest of aggregate ``w − 1`` (GENESIS for ``w = 0``), the ``launch`` (digest of the
+genesis manifest; GENESIS in the genesis manifest itself), the fingerprint of θ_w and the files
+with their sha256. A late joiner loads the newest checkpoint ``w`` and applies aggregates
 ``w, w + 1, …``. The manifest's signed metadata holds ``published_at``: when window ``w`` opened
 (for genesis, when window 0 opened; peers take the window-0 deadline from it). The weights file
 ``model.safetensors`` carries metadata ``window`` and ``fingerprint`` and is otherwise a pure
 function of θ_w.
 
-Every put is a conditional create; finding an identical object already there (a restarted
-validator republishing) is success.
+Every put of a signed object is a conditional create (:func:`put_chain`): finding an identical
+object already there (a restarted validator republishing) is success, another object of this chain
+is a conflict (``ObjectExists``), and anything else at the key — junk, a forgery, an object of
+another launch — counts as absent and is replaced, so that nobody can block the chain by writing
+first.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+import json
+import logging
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 from safetensors.torch import save as st_save
 
 from protocol import layout
-from protocol.chain import MAX_MANIFEST_BYTES, WEIGHTS_FILE, read_checkpoint, read_manifest
-from protocol.errors import ObjectNotFound
+from protocol.chain import MAX_MANIFEST_BYTES, WEIGHTS_FILE, read_checkpoint
+from protocol.errors import ObjectExists, ObjectNotFound, PayloadTooLarge, ProtocolError
 from protocol.identity import Identity
 from protocol.model import fingerprint
-from protocol.store.base import ObjectStore, put_once
+from protocol.store.base import ObjectStore
 from protocol.wire import (
+    GENESIS,
     Aggregate,
     AggregateTensor,
     CheckpointFile,
     CheckpointManifest,
     ManifestEntry,
+    Verified,
+    decode_aggregate,
     decode_checkpoint,
     encode_aggregate,
     encode_checkpoint,
@@ -42,15 +51,32 @@ __all__ = [
     "WEIGHTS_FILE",
     "encode_window_aggregate",
     "load_checkpoint",
+    "publish_aggregate",
     "publish_checkpoint",
+    "put_chain",
     "weights_bytes",
 ]
 
+log = logging.getLogger(__name__)
+Signers = Collection[bytes | str]
+
 
 def weights_bytes(params: Mapping[str, torch.Tensor], *, window: int) -> bytes:
+    """θ as safetensors, the same bytes for the same θ and window (a checkpoint can be written
+    again byte for byte, as a launch's genesis must be)."""
     tensors = {n: t.detach().to("cpu").contiguous() for n, t in sorted(params.items())}
     meta = {"window": str(window), "fingerprint": fingerprint(tensors)}
-    return bytes(st_save(tensors, metadata=meta))
+    return _sorted_header(bytes(st_save(tensors, metadata=meta)))
+
+
+def _sorted_header(blob: bytes) -> bytes:
+    """``blob`` with its safetensors header written with sorted keys: safetensors writes the
+    metadata map in hash order, which differs between calls. Offsets are relative to the data,
+    so only the header (padded to 8 bytes, as safetensors does) changes."""
+    n = int.from_bytes(blob[:8], "little")
+    text = json.dumps(json.loads(blob[8 : 8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + blob[8 + n :]
 
 
 def publish_checkpoint(
@@ -63,31 +89,105 @@ def publish_checkpoint(
     params: Mapping[str, torch.Tensor],
     identity: Identity,
     published_at: float,
-) -> CheckpointManifest:
+    launch: str = GENESIS,
+) -> Verified[CheckpointManifest]:
     """Write θ_window and its signed manifest (weights first: a manifest never names a missing file).
-    If a manifest for this window is already there for the same θ, nothing is written."""
+    ``launch``: the digest of this chain's genesis manifest (GENESIS when writing the genesis
+    itself). If a manifest of this launch for the same θ is already there, nothing is written."""
     fp = fingerprint(params)
     existing = _existing_manifest(store, run, run_hash, window, identity)
-    if existing is not None and existing.fingerprint == fp:
+    if existing is not None and existing.value.fingerprint == fp and existing.value.launch == launch:
         return existing
     blob = weights_bytes(params, window=window)
     key = layout.checkpoint_key(run, window, WEIGHTS_FILE)
     store.put(key, blob)  # not if_absent: a weights file without a manifest is from a crashed attempt
     files = (CheckpointFile(key, hashlib.sha256(blob).hexdigest(), len(blob)),)
-    manifest = CheckpointManifest(run_hash, window, aggregate, fp, files, float(published_at))
+    manifest = CheckpointManifest(run_hash, window, aggregate, fp, files, float(published_at), launch=launch)
     data = encode_checkpoint(manifest, identity)
-    put_once(store, layout.checkpoint_manifest_key(run, window), data)
+    signers = [identity.public_key]
+
+    def of_this_launch(found: bytes) -> bool:
+        got = _decoded_manifest(found, run_hash, window, signers)
+        return got is not None and (window == 0 or got.value.launch == launch)
+
+    put_chain(
+        store, layout.checkpoint_manifest_key(run, window), data, belongs=of_this_launch, max_bytes=MAX_MANIFEST_BYTES
+    )
     return decode_checkpoint(
-        data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=[identity.public_key], window=window
-    ).value
+        data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=signers, window=window
+    )
+
+
+def publish_aggregate(
+    store: ObjectStore,
+    run: str,
+    run_hash: str,
+    window: int,
+    blob: bytes,
+    *,
+    base: str,
+    allowed_signers: Signers,
+    max_bytes: int,
+) -> bool:
+    """Put the signed aggregate ``blob`` of ``window`` (built on ``base``) with :func:`put_chain`:
+    another valid aggregate of this window on the same base is a conflict, anything else is
+    replaced. Whether this call wrote it."""
+
+    def same_chain(found: bytes) -> bool:
+        try:
+            agg = decode_aggregate(
+                found, run_hash=run_hash, max_bytes=max_bytes, allowed_signers=allowed_signers, window=window
+            )
+        except ProtocolError:
+            return False
+        return agg.value.base == base
+
+    return put_chain(store, layout.aggregate_key(run, window), blob, belongs=same_chain, max_bytes=max_bytes)
+
+
+def put_chain(store: ObjectStore, key: str, data: bytes, *, belongs: Callable[[bytes], bool], max_bytes: int) -> bool:
+    """Create ``key`` holding ``data``; True when this call wrote it.
+
+    The same bytes already there are success (False). An object there for which ``belongs`` is
+    true — a valid object of this chain, say another validator process's — raises ``ObjectExists``.
+    Anything else (unreadable, larger than ``max_bytes``, not of this chain) counts as absent and is
+    overwritten: the validator owns the chain keys, so what others left there cannot block them.
+    """
+    try:
+        store.put(key, data, if_absent=True)
+        return True
+    except ObjectExists:
+        pass
+    try:
+        existing: bytes | None = store.get(key, max_bytes=max(max_bytes, len(data)))
+    except (ObjectNotFound, PayloadTooLarge):
+        existing = None  # gone meanwhile, or larger than any object of ours: not ours
+    if existing == data:
+        return False
+    if existing is not None and belongs(existing):
+        raise ObjectExists(f"{key!r} already holds another object of this chain")
+    log.warning("replacing the object at %s, which is not part of this chain", key)
+    store.put(key, data)
+    return True
 
 
 def _existing_manifest(
     store: ObjectStore, run: str, run_hash: str, window: int, identity: Identity
-) -> CheckpointManifest | None:
+) -> Verified[CheckpointManifest] | None:
+    """The valid manifest of ``window`` signed by ``identity`` already in the store, if any."""
     try:
-        return read_manifest(store, run, run_hash, window, allowed_signers=[identity.public_key])
-    except ObjectNotFound:
+        data = store.get(layout.checkpoint_manifest_key(run, window), max_bytes=MAX_MANIFEST_BYTES)
+    except (ObjectNotFound, PayloadTooLarge):
+        return None
+    return _decoded_manifest(data, run_hash, window, [identity.public_key])
+
+
+def _decoded_manifest(data: bytes, run_hash: str, window: int, signers: Signers) -> Verified[CheckpointManifest] | None:
+    try:
+        return decode_checkpoint(
+            data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=signers, window=window
+        )
+    except ProtocolError:
         return None
 
 

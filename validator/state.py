@@ -1,7 +1,9 @@
 """The validator's durable state: θ_t and where window t stands, and its error-feedback buffer.
 
 ``state.safetensors`` holds the parameters that open the current window plus metadata
-(window, the digest of the aggregate it trained from, when the window opened, the run hash). It is
+(window, the digest of the aggregate it trained from, when the window opened, the run hash, the
+launch: the digest and time of the genesis manifest this chain grows from, and the norm reference
+learned from accepted updates, :mod:`validator.reference`). It is
 replaced atomically (temp file, fsync, rename) after every published aggregate, so a validator
 killed at any instant restarts either before or after a window, never in between; the store tells
 which (an aggregate already published for the saved window is adopted, not recomputed).
@@ -17,7 +19,7 @@ aggregate t not published → ``e_t`` (the window is decided again from it); pub
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,6 +30,7 @@ from safetensors.torch import save as st_save
 from protocol.errors import ConfigError
 from protocol.feedback import FeedbackState
 from protocol.files import atomic_write
+from validator.reference import NormReference
 
 __all__ = [
     "STATE_FILE",
@@ -49,6 +52,9 @@ class ValidatorState:
     base: str  # digest of aggregate window − 1, or GENESIS
     opened_at: float  # published_at of aggregate window − 1 (or of genesis)
     params: dict[str, torch.Tensor]
+    launch: str  # digest of the genesis manifest: the base of window 0 and the root of the chain
+    launched_at: float  # its published_at, so that the same genesis can be written again
+    reference: NormReference = field(default_factory=NormReference)  # empty: none learned yet
 
 
 def save_state(directory: str | Path, state: ValidatorState) -> None:
@@ -59,6 +65,9 @@ def save_state(directory: str | Path, state: ValidatorState) -> None:
         "window": str(state.window),
         "base": state.base,
         "opened_at": repr(state.opened_at),
+        "launch": state.launch,
+        "launched_at": repr(state.launched_at),
+        "reference": state.reference.to_json(),
     }
     blob = st_save({n: t.detach().to("cpu").contiguous() for n, t in state.params.items()}, metadata=meta)
     atomic_write(d / STATE_FILE, blob)
@@ -80,6 +89,9 @@ def load_state(directory: str | Path, run_hash: str) -> ValidatorState | None:
             base=meta["base"],
             opened_at=float(meta["opened_at"]),
             params=dict(params),
+            launch=meta["launch"],
+            launched_at=float(meta["launched_at"]),
+            reference=NormReference.from_json(meta.get("reference", "{}")),
         )
     except (SafetensorError, KeyError, ValueError, OSError) as exc:
         raise ConfigError(f"validator state {path} is unreadable: {exc}") from exc

@@ -78,6 +78,8 @@ def unpack_bits(data: bytes | memoryview, count: int, width: int, what: str = "f
         raise MalformedPayload(f"{what}: {len(data)} bytes, expected {packed_size(count, width)}")
     if width == 0 or count == 0:
         return np.zeros(count, dtype=np.int64)
+    if 8 % width == 0:  # whole values per byte: written straight into the result (no uint64 lanes)
+        return _unpack_small(np.frombuffer(data, dtype=np.uint8), count, width, what)
     g = _group(width)
     if not g:
         bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
@@ -98,3 +100,15 @@ def unpack_bits(data: bytes | memoryview, count: int, width: int, what: str = "f
     if unpacked[count:].any():
         raise MalformedPayload(f"{what}: non-zero padding bits")
     return unpacked[:count].astype(np.int64)
+
+
+def _unpack_small(v8: U8, count: int, width: int, what: str) -> I64:
+    """:func:`unpack_bits` for widths 1, 2, 4 and 8: the result is the only large allocation."""
+    per = 8 // width
+    out = np.empty(v8.size * per, dtype=np.int64)
+    mask = np.uint8((1 << width) - 1)
+    for j in range(per):
+        out[j::per] = (v8 >> np.uint8(j * width)) & mask
+    if out[count:].any():
+        raise MalformedPayload(f"{what}: non-zero padding bits")
+    return out[:count]

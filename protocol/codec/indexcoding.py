@@ -318,8 +318,12 @@ def _bitstream(extra: npt.NDArray[np.int32], ends: I64) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
-def decode_rice(data: bytes | memoryview, ks: I64, sizes: I64, side_bits: int = 0) -> tuple[I64, I64]:
-    """Inverse of :func:`encode_rice`: (positions, side values). ``data`` is exactly the section."""
+def decode_rice(data: bytes | memoryview, ks: I64, sizes: I64, side_bits: int = 0) -> tuple[I64, npt.NDArray[np.uint8]]:
+    """Inverse of :func:`encode_rice`: (positions, side values). ``data`` is exactly the section.
+
+    Memory stays a small multiple of the section (a few int64 arrays of one entry per position):
+    the number of unary codes is counted before anything per code is built, so a stream of
+    set bits far longer than the positions it should hold is refused up front."""
     n = int(ks.sum())
     if len(data) < 2:
         raise MalformedPayload("rice indices: missing parameter")
@@ -332,33 +336,73 @@ def decode_rice(data: bytes | memoryview, ks: I64, sizes: I64, side_bits: int = 
     if len(data) < 2 + size_a:
         raise MalformedPayload("rice indices: truncated remainders")
     fields = unpack_bits(data[2 : 2 + size_a], n, width, "rice remainders")
-    side, f = fields & ((1 << side_bits) - 1), fields >> side_bits
+    side = (fields & ((1 << side_bits) - 1)).astype(np.uint8)  # side values are ≤ 8 bits (the codec's: 2)
+    f = np.right_shift(fields, side_bits, out=fields)  # the A field from here on (in place)
     big = f >= u if m > 1 else np.zeros(n, dtype=bool)
-    bits = np.unpackbits(np.frombuffer(data[2 + size_a :], dtype=np.uint8), bitorder="little")
-    n_big = int(big.sum())
-    if bits.size < n_big:
-        raise MalformedPayload("rice indices: truncated remainder bits")
-    r = f.copy()
+    n_big = int(np.count_nonzero(big))
+    stream = np.frombuffer(data[2 + size_a :], dtype=np.uint8)
+    if stream.size * 8 < n_big or _ones(stream) - _ones(stream, n_big) != n:
+        raise MalformedPayload(f"rice indices: the unary stream does not hold exactly {n} codes")
+    bits = np.unpackbits(stream, bitorder="little")
+    r = f  # the remainders, in place: r = f, or 2·f + extra bit − u for the big ones
     r[big] = 2 * f[big] + bits[:n_big] - u
+    del big
     q = _unary(bits, n_big, n)
-    gaps = q * m + r
-    local = from_gaps(gaps, ks)
-    if n and (local >= np.repeat(sizes, ks)).any():
+    del bits
+    gaps = np.multiply(q, m, out=q)
+    gaps += r
+    del r, fields, f
+    total = int(gaps.sum())
+    local = _positions(gaps, ks)
+    if n and (local[np.cumsum(ks)[ks > 0] - 1] >= sizes[ks > 0]).any():  # ascending: the last is the largest
         raise InvalidIndices("position outside its chunk")
-    if m != choose_golomb(gaps):  # one byte string per index set: equal content, equal digest
-        raise MalformedPayload(f"rice indices: parameter {m} is not the canonical {choose_golomb(gaps)}")
+    if m != golomb_param(total, n):  # one byte string per index set: equal content, equal digest
+        raise MalformedPayload(f"rice indices: parameter {m} is not the canonical {golomb_param(total, n)}")
     return local, side
+
+
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+
+
+def _ones(stream: npt.NDArray[np.uint8], first_bits: int | None = None) -> int:
+    """Set bits in ``stream`` (or in its first ``first_bits`` bits), without unpacking it."""
+    if first_bits is None:
+        return int(_POPCOUNT[stream].sum(dtype=np.int64))
+    whole, rest = divmod(first_bits, 8)
+    count = int(_POPCOUNT[stream[:whole]].sum(dtype=np.int64))
+    if rest:
+        count += int(_POPCOUNT[stream[whole] & ((1 << rest) - 1)])
+    return count
+
+
+def _positions(gaps: I64, ks: I64) -> I64:
+    """:func:`from_gaps`, overwriting ``gaps`` (two arrays of one entry per position instead of four)."""
+    if gaps.size == 0:
+        return gaps
+    gaps += 1
+    run = np.cumsum(gaps, out=gaps)
+    starts = chunk_starts(ks)
+    before = np.concatenate([[0], run[starts[1:] - 1]]) if starts.size else np.zeros(0, np.int64)
+    run -= np.repeat(before, ks)
+    run -= 1
+    return run
 
 
 def _unary(bits: npt.NDArray[np.uint8], start: int, n: int) -> I64:
     """Quotients from the unary codes in ``bits[start:]``, which must end in the last byte."""
-    ones = np.flatnonzero(bits[start:]) + start
+    ones = np.flatnonzero(bits[start:])
     if ones.size != n:
         raise MalformedPayload(f"rice indices: {ones.size} unary codes, expected {n}")
+    ones += start
     last = int(ones[-1]) if n else start - 1
     if last // 8 + 1 != bits.size // 8 and bits.size:
         raise MalformedPayload("rice indices: bytes after the last code")
-    return np.diff(ones, prepend=start - 1) - 1
+    # q_i = ones_i − ones_{i−1} − 1 (with ones_{−1} = start − 1), computed in place
+    if n:
+        ones[1:] -= ones[:-1].copy()
+        ones[0] -= start - 1
+        ones -= 1
+    return ones
 
 
 _U16 = struct.Struct("<H")

@@ -221,7 +221,8 @@ def unpack(data: bytes, shape: tuple[int, ...], cfg: CodecConfig) -> Encoded:
     if any(int(d) < 0 for d in shape):
         raise MalformedPayload(f"negative dimension in shape {tuple(shape)}")
     g = geometry(shape, cfg)
-    _check_packable(g, cfg)
+    if cfg.index_coding == "packed12" and g.chunk_len > 4096:  # the sender's codec cannot be packed12
+        raise MalformedPayload(f"packed12 indices in chunks of {g.chunk_len} values (at most 4096)")
     view = memoryview(data)
     n_scales = g.n_chunks * SCALES_PER_CHUNK
     code_bytes = 0 if cfg.index_coding == "rice" else packed_size(g.nnz, 2)
@@ -241,9 +242,14 @@ def unpack(data: bytes, shape: tuple[int, ...], cfg: CodecConfig) -> Encoded:
     if cfg.index_coding == "rice":
         local, side = decode_rice(view[pos:], ks, sizes, 2)
     else:
-        side = unpack_bits(view[pos : pos + code_bytes], g.nnz, 2, "codes")
+        side = unpack_bits(view[pos : pos + code_bytes], g.nnz, 2, "codes").astype(np.uint8)
         local = unpack12(view[pos + code_bytes :], ks, sizes)
-    codes = torch.from_numpy(side.astype(np.uint8))
+    codes = torch.from_numpy(side)
     return Encoded(
-        g.shape, cfg, torch.from_numpy(local.astype(np.int64)), codes, torch.from_numpy(scales.copy()), float(base)
+        g.shape,
+        cfg,
+        torch.from_numpy(local.astype(np.int64, copy=False)),
+        codes,
+        torch.from_numpy(scales.copy()),
+        float(base),
     )

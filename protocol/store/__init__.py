@@ -6,16 +6,21 @@
     open_store("s3://bucket/prefix", endpoint_url="https://...", region="auto",
                access_key="...", secret_key="...")   # or credentials from the AWS env/profile
     open_store("s3://bucket/prefix?endpoint=http://127.0.0.1:8333&region=us-east-1")
-    open_store("dht://", initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."])
+    open_store("dht://", initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."],
+               identity=ident, validator_keys=spec.validator.public_keys)
 
 Options go to the backend's constructor (:class:`LocalStore`, :class:`S3Store`, ``DHTStore``).
-A RunSpec's ``[storage]`` section opens with :func:`store_from_config`, and with the command line's
-``--store`` / ``--dht-peer`` on top of it with :func:`open_from_settings`.
+The validator opens the store its local settings name (``[local.store]``, the environment and
+``--store`` / ``--dht-peer``: :mod:`protocol.settings`) with :func:`open_from_settings`; a peer
+with :func:`open_peer_store`, which goes through the run's grant server when the settings name one
+(``store.grant_url``: :class:`~protocol.store.granted.GrantedStore`, no credential needed). Both take the participant's ``identity``
+and the run's ``validator_keys``: a DHT has no permissions of its own, so its records are signed
+with the identity and checked against the validator keys (see :mod:`protocol.store.dht.policy`);
+the other backends do not use them (their own credentials decide who may write).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,7 +32,8 @@ from protocol.store.local import LocalStore
 from protocol.store.memory import MemoryStore
 
 if TYPE_CHECKING:
-    from protocol.config import StorageConfig
+    from protocol.identity import Identity
+    from protocol.settings import StoreSettings
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -37,9 +43,9 @@ __all__ = [
     "check_key",
     "check_prefix",
     "open_from_settings",
+    "open_peer_store",
     "open_store",
     "put_once",
-    "store_from_config",
 ]
 
 # Query parameters an s3:// URL may carry (never secrets: URLs end up in logs).
@@ -114,29 +120,58 @@ def _open_dht(url: str, options: dict[str, Any]) -> ObjectStore:
     return _build(DHTStore, peers, **options)
 
 
-def store_from_config(cfg: StorageConfig, **options: Any) -> ObjectStore:
-    """Open the store of a RunSpec's ``[storage]`` section; ``options`` add or override."""
-    scheme = cfg.url.partition("://")[0].lower()
+def open_from_settings(
+    settings: StoreSettings,
+    *,
+    identity: Identity | None = None,
+    validator_keys: Sequence[bytes | str] = (),
+    **options: Any,
+) -> ObjectStore:
+    """Open the store of a process's local settings (``settings.store``); ``options`` (credentials,
+    timeouts) add to or override what the settings give the backend.
+
+    ``s3://``: ``s3_endpoint`` and ``s3_region`` (an endpoint or region in the URL was already
+    lifted into them, :func:`protocol.settings.lift_url_settings`). ``dht://``: ``dht_bootstrap``
+    are the nodes to join through; ``identity``/``validator_keys`` sign and check its records (see
+    the module doc).
+    """
+    scheme = settings.url.partition("://")[0].lower()
     merged: dict[str, Any] = {}
     if scheme == "s3":
-        if cfg.s3_endpoint:
-            merged["endpoint_url"] = cfg.s3_endpoint
-        if cfg.s3_region:
-            merged["region"] = cfg.s3_region
+        if settings.s3_endpoint:
+            merged["endpoint_url"] = settings.s3_endpoint
+        if settings.s3_region:
+            merged["region"] = settings.s3_region
     elif scheme == "dht":
-        merged["initial_peers"] = list(cfg.dht_bootstrap)
+        merged.update(
+            initial_peers=list(settings.dht_bootstrap), identity=identity, validator_keys=list(validator_keys)
+        )
     merged.update(options)
-    return open_store(cfg.url, **merged)
+    return open_store(settings.url, **merged)
 
 
-def open_from_settings(
-    cfg: StorageConfig, url: str | None = None, dht_peers: Sequence[str] = (), **options: Any
+def open_peer_store(
+    settings: StoreSettings,
+    identity: Identity,
+    run_hash: str,
+    *,
+    validator_keys: Sequence[bytes | str] = (),
+    **options: Any,
 ) -> ObjectStore:
-    """Open the store of a RunSpec's ``[storage]`` section as a command line adjusts it.
+    """The store a peer of run ``run_hash`` opens: with ``settings.grant_url`` a
+    :class:`~protocol.store.granted.GrantedStore` that signs its grant requests with ``identity``
+    (reading anonymously from ``settings.url`` when ``settings.public_reads``); otherwise
+    :func:`open_from_settings` (a credential from the AWS chain, a directory, the DHT: its records
+    signed with ``identity`` and checked against ``validator_keys``)."""
+    if not settings.grant_url:
+        if settings.public_reads:
+            raise ConfigError("store.public_reads needs store.grant_url (writes go through its grants)")
+        return open_from_settings(settings, identity=identity, validator_keys=validator_keys, **options)
+    from protocol.store.granted import GrantedStore
 
-    ``url`` (``--store``) replaces ``cfg.url`` when given. ``dht_peers`` (``--dht-peer``) are tried
-    before ``cfg.dht_bootstrap``, which stays usable as a fallback. ``options`` as for
-    :func:`store_from_config`. Peers and the validator open their stores through this one function.
-    """
-    storage = dataclasses.replace(cfg, url=url or cfg.url, dht_bootstrap=(*dht_peers, *cfg.dht_bootstrap))
-    return store_from_config(storage, **options)
+    reads = None
+    if settings.public_reads:
+        if settings.url.partition("://")[0].lower() != "s3":
+            raise ConfigError(f"store.public_reads reads an s3:// bucket anonymously, not {settings.url!r}")
+        reads = open_from_settings(settings, anonymous=True)
+    return GrantedStore(settings.grant_url, identity, run_hash, reads=reads, **options)

@@ -1,11 +1,15 @@
 """A peer's signed self-description under ``<run>/peers/<peer_id>``: who it is and where it sits.
 
-Body: client version, hardware, optional pipeline role (group, stage, stages), metadata. No payload.
-The signer's key is the peer's identity.
+Body: client version, hardware, a flags byte (bit 0: a pipeline role follows, bit 1: withdrawn),
+optional pipeline role (group, stage, stages), metadata. No payload. The signer's key is the
+peer's identity.
+
+A peer that stops cleanly replaces its announcement by a *withdrawn* one (the key is its own): the
+validator stops waiting for its uploads at once. Announcing again (a restart) replaces it back.
 
     blob = encode_announcement(Announcement(run_hash, window, "0.1.0", "1x H100"), identity)
     a = decode_announcement(blob, run_hash=run_hash, max_bytes=64 << 10, sender=peer_id)
-    a.sender, a.value.role
+    a.sender, a.value.role, a.value.withdrawn
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from protocol.identity import Identity
 from protocol.wire.fields import Metadata, Reader, Writer, read_metadata, write_metadata
 from protocol.wire.frame import Kind, open_envelope, seal
 from protocol.wire.verified import Verified, check_window_sender, verified
+
+# The flags byte after the hardware string.
+_HAS_ROLE = 1
+_WITHDRAWN = 2
 
 
 @dataclass(frozen=True)
@@ -30,7 +38,8 @@ class PipelineRole:
 
 @dataclass(frozen=True)
 class Announcement:
-    """A peer's signed self-description under ``<run>/peers/<peer_id>``; ``window``: when announced."""
+    """A peer's signed self-description under ``<run>/peers/<peer_id>``; ``window``: when announced
+    (or, ``withdrawn``, the window the peer held when it left)."""
 
     run_hash: str
     window: int
@@ -38,6 +47,7 @@ class Announcement:
     hardware: str
     role: PipelineRole | None = None
     metadata: Metadata = field(default_factory=dict)
+    withdrawn: bool = False
 
 
 def encode_announcement(a: Announcement, identity: Identity) -> bytes:
@@ -45,7 +55,7 @@ def encode_announcement(a: Announcement, identity: Identity) -> bytes:
     w = Writer()
     w.text(a.client_version, 64)
     w.text(a.hardware, 1024)
-    w.u8(a.role is not None)
+    w.u8((_HAS_ROLE if a.role is not None else 0) | (_WITHDRAWN if a.withdrawn else 0))
     if a.role is not None:
         if not 0 <= a.role.stage < a.role.stages:
             raise MalformedPayload(f"pipeline stage {a.role.stage} not in 0..{a.role.stages - 1}")
@@ -64,11 +74,11 @@ def decode_announcement(
     check_window_sender(env, None, sender)
     r = Reader(env.body, "announcement")
     version, hardware = r.text(64), r.text(1024)
-    flag = r.u8()
-    if flag > 1:
-        raise r.fail(f"bad role flag {flag}")
+    flags = r.u8()
+    if flags & ~(_HAS_ROLE | _WITHDRAWN):
+        raise r.fail(f"bad announcement flags {flags}")
     role = None
-    if flag:
+    if flags & _HAS_ROLE:
         role = PipelineRole(r.text(64), r.varint(1 << 16), r.varint(1 << 16))
         if role.stage >= role.stages:
             raise r.fail(f"pipeline stage {role.stage} not below {role.stages}")
@@ -76,4 +86,5 @@ def decode_announcement(
     r.end()
     if len(env.payload):
         raise MalformedPayload("an announcement has no payload")
-    return verified(Announcement(env.run_hash, env.window, version, hardware, role, metadata), env)
+    announcement = Announcement(env.run_hash, env.window, version, hardware, role, metadata, bool(flags & _WITHDRAWN))
+    return verified(announcement, env)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from protocol.codec import Encoded, pack, unpack
 from protocol.config import CodecConfig
-from protocol.errors import MalformedPayload, ProtocolError, SchemaMismatch, StaleBase
+from protocol.errors import MalformedPayload, ProtocolError, SchemaMismatch, StaleBase, UnsupportedVersion
 from protocol.identity import Identity
 from protocol.wire.fields import (
     DTYPE_FLOAT32,
@@ -38,7 +38,7 @@ from protocol.wire.fields import (
     write_metadata,
     write_table,
 )
-from protocol.wire.frame import Kind, open_envelope, seal
+from protocol.wire.frame import Envelope, Kind, open_envelope, seal
 from protocol.wire.verified import Verified, check_window_sender, verified
 
 
@@ -100,6 +100,23 @@ def decode_contribution(
     """
     env = open_envelope(data, max_bytes=max_bytes, run_hash=run_hash, kind=Kind.CONTRIBUTION)
     check_window_sender(env, window, sender)
+    return parse_contribution(env, base=base, schema=schema, partial=partial, codec_cfg=codec_cfg)
+
+
+def parse_contribution(
+    env: Envelope,
+    *,
+    base: str | None = None,
+    schema: Schema | None = None,
+    partial: bool = False,
+    codec_cfg: CodecConfig | None = None,
+) -> Verified[Contribution]:
+    """The contribution inside ``env``, an envelope of kind CONTRIBUTION that
+    :func:`~protocol.wire.frame.open_envelope` verified: what :func:`decode_contribution` does after
+    the envelope checks, for a caller that looks at the envelope first (who signed it, for which
+    run and window). Same errors and arguments."""
+    if env.kind != Kind.CONTRIBUTION:
+        raise UnsupportedVersion(f"expected kind contribution, found {env.kind.label}")
     r = Reader(env.body, "contribution header")
     c_base = read_base(r)
     cfg = read_codec(r)

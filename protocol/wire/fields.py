@@ -256,7 +256,22 @@ def read_published_metadata(r: Reader) -> tuple[float, dict[str, Scalar]]:
     return published_at, metadata
 
 
+# Bounds on codec parameters an object may carry. The chunk geometry of a shape costs up to
+# ``block`` steps (the largest divisor search), so a huge block from the network would stall a
+# decoder; these are far above any useful setting (64×64 tiles and runs of 4096 by default).
+MAX_CODEC_BLOCK = 1024
+MAX_CODEC_CHUNK_1D = 1 << 20
+
+
+def _check_codec_bounds(cfg: CodecConfig) -> None:
+    if cfg.block > MAX_CODEC_BLOCK or cfg.chunk_1d > MAX_CODEC_CHUNK_1D:
+        raise MalformedPayload(
+            f"codec block {cfg.block} / chunk_1d {cfg.chunk_1d} exceed {MAX_CODEC_BLOCK} / {MAX_CODEC_CHUNK_1D}"
+        )
+
+
 def write_codec(w: Writer, cfg: CodecConfig) -> None:
+    _check_codec_bounds(cfg)
     write_fields(w, {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
 
 
@@ -271,9 +286,11 @@ def read_codec(r: Reader) -> CodecConfig:
             raise MalformedPayload(f"codec parameter {name} must be {tp.__name__}")
     checked: dict[str, Any] = values  # each value is now of its field's type, which mypy cannot follow
     try:
-        return CodecConfig(**checked)
+        cfg = CodecConfig(**checked)
     except ConfigError as exc:
         raise MalformedPayload(f"invalid codec parameters: {exc}") from None
+    _check_codec_bounds(cfg)
+    return cfg
 
 
 # ------------------------------------------------------------------------------ tensor tables

@@ -10,33 +10,42 @@ plus a small manifest that names them::
     check_piece(manifest, i, piece, key=key)         # DigestMismatch names the bad piece
     data = assemble(manifest, pieces, key=key)       # checks the whole-value sha256 as well
 
-Pieces are content-addressed (``piece_name(manifest, i)`` derives from the whole-value hash and the
-piece index), so an overwrite never mixes pieces of two versions and identical values share pieces.
-A deleted object is a *tombstone* manifest (``deleted=True``, no pieces).
+Pieces are content-addressed (``piece_name(manifest, i)`` is the sha256 of piece ``i``), so an
+overwrite never mixes pieces of two versions, identical pieces share one record, and every node can
+refuse a piece whose bytes do not hash to its name. A deleted object is a *tombstone* manifest
+(``deleted=True``, no pieces).
 
-The manifest is a small JSON object parsed strictly: exact keys, exact types, consistent counts,
-lowercase hex hashes, a hard size cap. Nothing here touches the network.
+The manifest has one fixed binary layout (no nesting, so nothing to recurse into), parsed strictly
+and with a hard size cap; decoding allocates a small multiple of its input. Integers little-endian::
+
+    offset  size  field
+    0       1     version (MANIFEST_VERSION)
+    1       1     flags: 1 = deleted (tombstone), every other bit zero
+    2       8     size of the value in bytes
+    10      4     piece size (1..MAX_PIECE_SIZE)
+    14      32    sha256 of the whole value
+    46      32·n  sha256 of each piece, n = ceil(size / piece size)
+
+Nothing here touches the network.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import re
+import struct
 from dataclasses import dataclass
-from typing import TypeGuard
 
 from protocol.errors import DigestMismatch, MalformedPayload, UnsupportedVersion
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 #: hivemind caps one RPC message at 4 MiB; pieces stay far below it (one piece per RPC).
 MAX_PIECE_SIZE = 3 << 20
 DEFAULT_PIECE_SIZE = 1 << 20
 #: Enough for a 16 GiB value in 1 MiB pieces; rejects absurd manifests before parsing them.
 MAX_MANIFEST_BYTES = 1 << 20
 
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_FIELDS = {"v", "size", "piece_size", "sha256", "pieces", "deleted"}
+_HEAD = struct.Struct("<BBQI32s")
+_DELETED = 1
 
 
 @dataclass(frozen=True)
@@ -79,65 +88,43 @@ def split(data: bytes, piece_size: int = DEFAULT_PIECE_SIZE) -> tuple[Manifest, 
 
 
 def piece_name(manifest: Manifest, index: int) -> str:
-    """Content address of one piece: the same bytes always land under the same name."""
-    return f"{manifest.sha256}/{manifest.piece_size}/{index}"
+    """Content address of piece ``index``: its sha256 (hex), so the same bytes land under one name."""
+    return manifest.piece_hashes[index]
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
-    body = {
-        "v": MANIFEST_VERSION,
-        "size": manifest.size,
-        "piece_size": manifest.piece_size,
-        "sha256": manifest.sha256,
-        "pieces": list(manifest.piece_hashes),
-        "deleted": manifest.deleted,
-    }
-    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+    head = _HEAD.pack(
+        MANIFEST_VERSION,
+        _DELETED if manifest.deleted else 0,
+        manifest.size,
+        manifest.piece_size,
+        bytes.fromhex(manifest.sha256),
+    )
+    return head + b"".join(bytes.fromhex(h) for h in manifest.piece_hashes)
 
 
 def decode_manifest(raw: object, *, key: str) -> Manifest:
-    """Parse a manifest record found under ``key``; anything off raises ``MalformedPayload``."""
+    """Parse a manifest record found under ``key``; anything off raises ``MalformedPayload``
+    (``UnsupportedVersion`` for another version)."""
     if not isinstance(raw, bytes):
         raise MalformedPayload(f"DHT manifest of {key!r} is a {type(raw).__name__}, expected bytes")
     if len(raw) > MAX_MANIFEST_BYTES:
         raise MalformedPayload(f"DHT manifest of {key!r} is {len(raw)} bytes (cap {MAX_MANIFEST_BYTES})")
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as err:
-        raise MalformedPayload(f"DHT manifest of {key!r} is not JSON: {err}") from None
-    if not isinstance(body, dict) or set(body) != _FIELDS:
-        raise MalformedPayload(f"DHT manifest of {key!r} has wrong fields")
-    if body["v"] != MANIFEST_VERSION:
-        raise UnsupportedVersion(f"DHT manifest of {key!r} has version {body['v']!r}")
-    return _validated(body, key)
-
-
-def _validated(body: dict[str, object], key: str) -> Manifest:
-    size, piece_size, sha, hashes, deleted = (
-        body["size"],
-        body["piece_size"],
-        body["sha256"],
-        body["pieces"],
-        body["deleted"],
-    )
-    if not _is_int(size) or not _is_int(piece_size) or not isinstance(deleted, bool):
-        raise MalformedPayload(f"DHT manifest of {key!r} has non-integer sizes or flags")
-    if size < 0 or not 1 <= piece_size <= MAX_PIECE_SIZE:
+    if len(raw) < _HEAD.size or (len(raw) - _HEAD.size) % 32:
+        raise MalformedPayload(f"DHT manifest of {key!r} has {len(raw)} bytes: not a manifest")
+    version, flags, size, piece_size, sha = _HEAD.unpack_from(raw, 0)
+    if version != MANIFEST_VERSION:
+        raise UnsupportedVersion(f"DHT manifest of {key!r} has version {version}")
+    if flags & ~_DELETED:
+        raise MalformedPayload(f"DHT manifest of {key!r} has unknown flags {flags:#x}")
+    deleted = bool(flags & _DELETED)
+    if not 1 <= piece_size <= MAX_PIECE_SIZE or (deleted and size != 0):
         raise MalformedPayload(f"DHT manifest of {key!r} has size {size} / piece_size {piece_size}")
-    if not isinstance(sha, str) or not isinstance(hashes, list):
-        raise MalformedPayload(f"DHT manifest of {key!r} has malformed hashes")
-    if not all(isinstance(h, str) and _HEX64.fullmatch(h) for h in [sha, *hashes]):
-        raise MalformedPayload(f"DHT manifest of {key!r} has hashes that are not sha256 hex")
-    expected = -(-size // piece_size)
-    if len(hashes) != expected or (deleted and size != 0):
-        raise MalformedPayload(
-            f"DHT manifest of {key!r} lists {len(hashes)} pieces for {size} bytes in pieces of {piece_size}"
-        )
-    return Manifest(size=size, piece_size=piece_size, sha256=sha, piece_hashes=tuple(hashes), deleted=deleted)
-
-
-def _is_int(x: object) -> TypeGuard[int]:
-    return isinstance(x, int) and not isinstance(x, bool)
+    n = (len(raw) - _HEAD.size) // 32
+    if n != -(-size // piece_size):
+        raise MalformedPayload(f"DHT manifest of {key!r} lists {n} pieces for {size} bytes in pieces of {piece_size}")
+    hashes = tuple(raw[i : i + 32].hex() for i in range(_HEAD.size, len(raw), 32))
+    return Manifest(size=size, piece_size=piece_size, sha256=sha.hex(), piece_hashes=hashes, deleted=deleted)
 
 
 def check_piece(manifest: Manifest, index: int, piece: object, *, key: str) -> bytes:

@@ -1,13 +1,17 @@
 """A standalone DHT node process: a bootstrap node for a run, or a scripted peer in tests/benchmarks.
 
-    python -m protocol.store.dht.serve --host 0.0.0.0 --port 31337 --identity dht.key
+    python -m protocol.store.dht.serve --host 0.0.0.0 --port 31337 --identity dht.key \
+        --validator-key <hex public key of the run's validator>
     MADDR /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
     READY
 
-It prints its multiaddrs (``MADDR`` lines) and ``READY``, then serves until SIGTERM/SIGINT, and
+Like every node of a run it refuses records that break the run's write rules, so it must be given
+the run's validator public keys (``--validator-key``, repeatable: ``validator.public_keys`` of the
+RunSpec); see :mod:`protocol.store.dht.policy`. It prints its multiaddrs (``MADDR`` lines) and ``READY``, then serves until SIGTERM/SIGINT, and
 shuts its node and p2pd down on the way out. With ``--control`` it also reads one command per stdin
 line and answers one line (``OK ...`` or ``ERR <reason> <message>``), and stops when stdin closes
-(``quit`` or EOF) — so a child started by a test or script cannot outlive its parent::
+(``quit`` or EOF) — so a child started by a test or script cannot outlive its parent. Writes are
+signed with the Ed25519 key of ``--key`` (a PEM file, as ``sparseloco-validator keygen`` writes)::
 
     put KEY NBYTES SEED   store NBYTES deterministic bytes    -> OK <sha256> <seconds>
     get KEY               fetch and verify                     -> OK <sha256> <nbytes> <seconds>
@@ -27,7 +31,8 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from protocol.errors import ProtocolError, StoreError
+from protocol.errors import ConfigError, ProtocolError, StoreError
+from protocol.identity import Identity, public_key_from_hex
 from protocol.store.dht.store import DEFAULT_EXPIRATION_S, DHTStore
 
 
@@ -71,6 +76,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--identity", default=None, help="key file: keeps the peer id across restarts")
     parser.add_argument("--expiration-s", type=float, default=DEFAULT_EXPIRATION_S)
     parser.add_argument("--control", action="store_true", help="read commands from stdin (see module doc)")
+    parser.add_argument(
+        "--validator-key", action="append", default=[], help="hex public key of a validator of the run (repeatable)"
+    )
+    parser.add_argument("--key", default=None, help="Ed25519 PEM key that signs the writes of --control")
     return parser.parse_args(argv)
 
 
@@ -91,10 +100,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             expiration_s=args.expiration_s,
             announce_maddrs=args.announce,
             identity_path=args.identity,
+            identity=Identity.load(args.key) if args.key else None,
+            validator_keys=[public_key_from_hex(k) for k in args.validator_key],
         )
     except StoreError as err:
         print(f"ERR {err.reason} {err}", flush=True)
         return 1
+    except ConfigError as err:
+        print(f"ERR config_error {err}", flush=True)
+        return 2
     try:
         for maddr in store.visible_maddrs():
             print(f"MADDR {maddr}")

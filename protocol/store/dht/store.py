@@ -1,9 +1,9 @@
 """Object store on a hivemind DHT (Kademlia over libp2p): no server, no open bucket, records in RAM.
 
-    boot = DHTStore()                                    # first node of a run (or dht/serve.py)
-    store = DHTStore(initial_peers=boot.visible_maddrs(), expiration_s=3600)
-    store.put("run/contrib/00000003/peer", blob)
-    store.get("run/contrib/00000003/peer", max_bytes=64 << 20)
+    boot = DHTStore(validator_keys=keys)                 # first node of a run (or dht/serve.py)
+    store = DHTStore(boot.visible_maddrs(), identity=me, validator_keys=keys, expiration_s=3600)
+    store.put("run/contrib/00000003/<my peer id>", blob)
+    store.get("run/contrib/00000003/<peer id>", max_bytes=64 << 20)
     store.list("run/peers/")                             # the announcement index
     store.close()
 
@@ -11,23 +11,30 @@ How objects map onto DHT records (all under ``namespace``):
 
 - ``<ns>:obj:<key>``  the manifest (size, piece size, sha256 of the value and of every piece),
   see :mod:`protocol.store.dht.pieces`. Read with ``latest=True`` so an overwrite is seen.
-- ``<ns>:piece:<sha256>/<piece_size>/<i>``  the pieces, content-addressed, one per RPC (hivemind
+- ``<ns>:piece:<sha256>``  the pieces, content-addressed by their own hash, one per RPC (hivemind
   caps a message at 4 MiB, so a batched store would overflow it).
-- ``<ns>:dir:<folder>``  a directory record whose *subkeys* are the entries of ``folder``: the
-  object names and sub-folder names (with a trailing ``/``) — ``list`` walks it like a file tree,
-  so ``list("run/contrib/00000003/")`` reads one record whatever else the run holds.
+- ``<ns>:dir:<folder>``  a directory record whose *subkeys* are the entries of ``folder``, one per
+  writer and name (``<peer_id>/<name>``): the object names and sub-folder names (with a trailing
+  ``/``) — ``list`` walks it like a file tree, so ``list("run/contrib/00000003/")`` reads one record
+  whatever else the run holds.
+
+Write authorization: every record is signed by the writer's Ed25519 key (``identity``, the same
+key as the signed objects) together with its DHT key, subkey and expiration
+(:mod:`protocol.store.dht.records`). Every node runs :class:`~protocol.store.dht.auth.SignedRecordValidator`
+with the run's :class:`~protocol.store.dht.policy.WritePolicy` (built from ``validator_keys``), so a
+peer's keys can be written only by that peer, chain keys only by a validator key, pieces only with
+the bytes their name hashes to, and a directory entry only by its owner; nodes refuse anything else.
+Readers check every record again (a node started without validators can serve anything): one that
+fails counts as absent. A store without ``identity`` can read but not write.
 
 Every record carries an expiration of ``expiration_s`` from the last put; the DHT keeps the value
-with the latest expiration, so writes are last-writer-wins by expiration time (peers' clocks must
-agree within a few seconds, which hivemind requires anyway). What **delete** means on a DHT: the
-manifest is replaced by a tombstone and the directory entry marked deleted, both with a fresh
-expiration, so readers get ``ObjectNotFound`` at once; the pieces cannot be recalled and simply
-expire. ``put(if_absent=True)`` is best-effort (check, then write): ``atomic_create`` is False.
-
-Trust: a DHT has no write permissions. Any node can overwrite any key with a later expiration, so
-a reader can be shown other bytes than the writer stored (hashes here catch damage in transit and
-mismatched pieces, the signed envelopes of :mod:`protocol.wire` catch forgeries) or a value can be
-hidden. Records live in the RAM of the nodes nearest to their key until they expire.
+with the latest expiration, so writes of one writer are last-writer-wins by expiration time (peers'
+clocks must agree within a few seconds, which hivemind requires anyway). What **delete** means on
+a DHT: the manifest is replaced by a tombstone and the writer's directory entry marked deleted,
+both with a fresh expiration, so readers get ``ObjectNotFound`` at once; the pieces cannot be
+recalled and simply expire. ``put(if_absent=True)`` is best-effort (check, then write):
+``atomic_create`` is False. Records live in the RAM of the nodes nearest to their key until they
+expire.
 
 The store API is synchronous; the node runs on a private event loop thread (see
 :mod:`protocol.store.dht.loop` for why not ``hivemind.DHT``). ``close()`` and interpreter exit shut
@@ -42,19 +49,21 @@ import builtins  # annotations in DHTStore: its list() method shadows the builti
 import logging
 import re
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Any, TypeVar
 
 from protocol.errors import (
+    AccessDenied,
     ConfigError,
     IncompleteObject,
-    InvalidKey,
+    MalformedPayload,
     ObjectExists,
     ObjectNotFound,
     PayloadTooLarge,
     ProtocolError,
     StoreError,
 )
+from protocol.identity import Identity
 from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
 from protocol.store.dht.loop import LoopThread
 from protocol.store.dht.pieces import (
@@ -68,13 +77,14 @@ from protocol.store.dht.pieces import (
     split,
     tombstone,
 )
+from protocol.store.dht.policy import DELETED, DIR, FILE, FOLDER, OBJ, PIECE, WritePolicy, entry_subkey
+from protocol.store.dht.records import Record, open_record, seal_record
 
 T = TypeVar("T")
 V = TypeVar("V")
 log = logging.getLogger(__name__)
 
 DEFAULT_EXPIRATION_S = 3600.0
-_FILE, _FOLDER, _DELETED = b"f", b"d", b"-"  # directory entry markers
 # A bootstrap address must name the peer (".../p2p/<base58 peer id>"): hivemind pings peers by id.
 _BOOTSTRAP_MADDR = re.compile(r"/\S+/p2p/[1-9A-HJ-NP-Za-km-z]{20,}")
 # Strong references: a running node is a resource that lives until close() or interpreter exit.
@@ -90,8 +100,12 @@ class DHTStore(ObjectStore):
     ``piece_size``: bytes per DHT record. ``timeout_s``: limit for one put/get/list.
     ``identity_path``: libp2p key file (created if missing) so that the node keeps its peer id, and
     so its bootstrap address, across restarts. ``client_mode``: only make requests, store nothing
-    for others (for nodes behind NAT). ``start=False`` defers starting the node to :meth:`start`. A malformed bootstrap address is a
-    ``ConfigError``; peers that do not answer make :meth:`start` raise ``StoreError``.
+    for others (for nodes behind NAT). ``start=False`` defers starting the node to :meth:`start`.
+    ``identity``: the Ed25519 key every record this store writes is signed with (a peer's or the
+    validator's key; None: read-only). ``validator_keys``: the run's validator public keys (raw or
+    hex), the only keys that may write chain objects; every node of a run must be given the same.
+    A malformed bootstrap address is a ``ConfigError``; peers that do not answer make
+    :meth:`start` raise ``StoreError``.
     """
 
     atomic_create = False
@@ -112,6 +126,8 @@ class DHTStore(ObjectStore):
         client_mode: bool = False,
         announce_maddrs: Iterable[str] | None = None,
         identity_path: str | None = None,
+        identity: Identity | None = None,
+        validator_keys: Collection[bytes | str] = (),
     ) -> None:
         if expiration_s <= 0 or timeout_s <= 0 or max_concurrency < 1:
             raise ValueError("expiration_s, timeout_s and max_concurrency must be positive")
@@ -126,6 +142,8 @@ class DHTStore(ObjectStore):
         self.max_concurrency, self.client_mode = max_concurrency, client_mode
         self.announce_maddrs = [str(a) for a in announce_maddrs or ()]
         self.identity_path = identity_path
+        self.identity = identity
+        self.policy = WritePolicy(namespace, validator_keys)
         self._loop: LoopThread | None = None
         self._node: Any = None  # hivemind.dht.node.DHTNode once started
         self._maddrs: list[str] = []
@@ -155,6 +173,8 @@ class DHTStore(ObjectStore):
     async def _create_node(self) -> Any:
         from hivemind.dht.node import DHTNode  # ~3 s import: only when a DHT is really used
 
+        from protocol.store.dht.auth import SignedRecordValidator  # imports hivemind too
+
         proto = "ip6" if ":" in self.host else "ip4"
         loopback = self.host in ("127.0.0.1", "::1", "localhost")
         return await DHTNode.create(
@@ -165,6 +185,7 @@ class DHTStore(ObjectStore):
             client_mode=self.client_mode,
             nat_port_map=not loopback,  # UPnP makes no sense on loopback and slows the start
             identity_path=self.identity_path,
+            record_validator=SignedRecordValidator(self.policy),
         )
 
     def __enter__(self) -> DHTStore:
@@ -189,7 +210,7 @@ class DHTStore(ObjectStore):
 
     # ------------------------------------------------------------------ ObjectStore
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
-        check_key(key)
+        self._writer(check_key(key))
         if if_absent and self._live_manifest(key) is not None:
             raise ObjectExists(f"{key!r} already exists on the DHT")
         manifest, pieces = split(bytes(data), self.piece_size)
@@ -210,7 +231,7 @@ class DHTStore(ObjectStore):
         return sorted(self._run(self._walk(folder, partial), f"list {prefix!r}"))
 
     def delete(self, key: str) -> None:
-        check_key(key)
+        self._writer(check_key(key))
         self._run(self._delete(key), f"delete {key!r}")
 
     def manifest(self, key: str) -> Manifest:
@@ -225,59 +246,74 @@ class DHTStore(ObjectStore):
         expiration = self._next_expiration()
 
         async def store_piece(index: int) -> None:
-            await self._store(self._piece_key(manifest, index), pieces[index], expiration)
+            await self._store(self.policy.dht_key(PIECE, piece_name(manifest, index)), pieces[index], expiration)
 
         # Pieces first, then the manifest, then the index: whoever can see a name can read it.
         await self._bounded(store_piece, range(len(pieces)))
         await self._store(self._obj_key(key), encode_manifest(manifest), expiration)
+        owner = self._identity().peer_id
         entries = _ancestry(key)
-        await self._node.store_many(
-            [self._dir_key(folder) for folder, _ in entries],
-            [_FOLDER if name.endswith("/") else _FILE for _, name in entries],
-            expiration,
-            subkeys=[name for _, name in entries],
-        )
+        dht_keys = [self._dir_key(folder) for folder, _ in entries]
+        subkeys = [entry_subkey(owner, name) for _, name in entries]
+        markers = [FOLDER if name.endswith("/") else FILE for _, name in entries]
+        values = [self._seal(k, sub, expiration, m) for k, sub, m in zip(dht_keys, subkeys, markers)]
+        await self._node.store_many(dht_keys, values, expiration, subkeys=subkeys)
 
     async def _delete(self, key: str) -> None:
         expiration = self._next_expiration()
         folder, name = _ancestry(key)[-1]
         await self._store(self._obj_key(key), encode_manifest(tombstone()), expiration)
-        await self._node.store(self._dir_key(folder), _DELETED, expiration, subkey=name)
+        await self._store(
+            self._dir_key(folder), DELETED, expiration, subkey=entry_subkey(self._identity().peer_id, name)
+        )
 
-    async def _store(self, dht_key: str, value: bytes, expiration: float) -> None:
+    async def _store(self, dht_key: str, content: bytes, expiration: float, *, subkey: str = "") -> None:
+        value = self._seal(dht_key, subkey, expiration, content)
         # False means "a replica kept a newer value" or "no reply", so it proves nothing either way:
         # readers verify everything, so it is logged, not raised.
-        if not await self._node.store(dht_key, value, expiration):
+        if not await self._node.store(dht_key, value, expiration, subkey=subkey or None):
             log.debug("DHT store of %s was not acknowledged", dht_key)
 
     async def _get_manifest(self, key: str) -> Manifest | None:
-        found = await self._node.get(self._obj_key(key), latest=True)
-        return None if found is None else decode_manifest(found.value, key=key)
+        dht_key = self._obj_key(key)
+        found = await self._node.get(dht_key, latest=True)
+        record = None if found is None else self._verified(dht_key, "", found.value, found.expiration_time)
+        return None if record is None else decode_manifest(record.content, key=key)
 
     async def _fetch_pieces(self, key: str, manifest: Manifest) -> builtins.list[bytes]:
         async def fetch(index: int) -> bytes:
-            found = await self._node.get(self._piece_key(manifest, index))
-            if found is None:
+            dht_key = self.policy.dht_key(PIECE, piece_name(manifest, index))
+            found = await self._node.get(dht_key)
+            record = None if found is None else self._verified(dht_key, "", found.value, found.expiration_time)
+            if record is None:
                 raise IncompleteObject(
                     f"piece {index}/{manifest.n_pieces} of {key!r} is missing from the DHT (expired or lost)"
                 )
-            return check_piece(manifest, index, found.value, key=key)
+            return check_piece(manifest, index, record.content, key=key)
 
         return await self._bounded(fetch, range(manifest.n_pieces))
 
     async def _walk(self, folder: str, partial: str) -> builtins.list[str]:
-        found = await self._node.get(self._dir_key(folder), latest=True)
+        dht_key = self._dir_key(folder)
+        found = await self._node.get(dht_key, latest=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        markers: dict[str, set[bytes]] = {}
+        for subkey, item in entries.items():
+            if not isinstance(subkey, str) or not isinstance(item.value, bytes):
+                continue  # not a record this store writes
+            record = self._verified(dht_key, subkey, item.value, item.expiration_time)
+            if record is None:
+                continue
+            name = subkey.partition("/")[2]
+            if name.startswith(partial):
+                markers.setdefault(name, set()).add(record.content)
         keys: list[str] = []
         subfolders: list[str] = []
-        for name, item in entries.items():
-            marker = getattr(item, "value", None)
-            if not isinstance(name, str) or not name.startswith(partial) or not _valid_entry(name):
-                continue  # entries written by others are untrusted: ignore what is not a name
+        for name, found_markers in markers.items():  # present while any owner's entry says so
             path = f"{folder}/{name}" if folder else name
-            if name.endswith("/") and marker == _FOLDER:
+            if FOLDER in found_markers:
                 subfolders.append(path[:-1])
-            elif marker == _FILE:
+            elif FILE in found_markers:
                 keys.append(path)
         for sub in await self._bounded(lambda folder: self._walk(folder, ""), subfolders):
             keys.extend(sub)
@@ -328,23 +364,39 @@ class DHTStore(ObjectStore):
             return self._last_expiration
 
     def _obj_key(self, key: str) -> str:
-        return f"{self.namespace}:obj:{key}"
+        return self.policy.dht_key(OBJ, key)
 
     def _piece_key(self, manifest: Manifest, index: int) -> str:
-        return f"{self.namespace}:piece:{piece_name(manifest, index)}"
+        return self.policy.dht_key(PIECE, piece_name(manifest, index))
 
     def _dir_key(self, folder: str) -> str:
-        return f"{self.namespace}:dir:{folder}"
+        return self.policy.dht_key(DIR, folder)
 
+    def _identity(self) -> Identity:
+        if self.identity is None:
+            raise AccessDenied("this DHT store has no key to sign records with (read-only)")
+        return self.identity
 
-def _valid_entry(name: str) -> bool:
-    """A directory entry is one key segment, with a trailing ``/`` for a folder."""
-    stem = name[:-1] if name.endswith("/") else name
-    try:
-        check_key(stem)
-    except InvalidKey:
-        return False
-    return "/" not in stem
+    def _writer(self, key: str) -> None:
+        """AccessDenied unless this store's key may write ``key`` (every node would refuse it)."""
+        ident = self._identity()
+        if not self.policy.may_write(key, ident.public_key):
+            raise AccessDenied(f"{ident.peer_id} may not write {key!r} on this run's DHT")
+
+    def _seal(self, dht_key: str, subkey: str, expiration: float, content: bytes) -> bytes:
+        return seal_record(self._identity(), key=dht_key, subkey=subkey, expiration=expiration, content=content)
+
+    def _verified(self, dht_key: str, subkey: str, value: object, expiration: float) -> Record | None:
+        """The record a node returned for ``dht_key``/``subkey``, if it verifies; None (absent) if not."""
+        try:
+            record = open_record(value)
+            if not record.matches(key=dht_key, subkey=subkey, expiration=expiration):
+                raise MalformedPayload(f"record signed for {record.key!r}/{record.subkey!r} found elsewhere")
+            self.policy.check(record)
+        except ProtocolError as exc:
+            log.warning("ignoring DHT record of %s that does not verify: %s", dht_key, exc)
+            return None
+        return record
 
 
 def _ancestry(key: str) -> list[tuple[str, str]]:

@@ -1,0 +1,471 @@
+"""LocalSettings: what one machine decides for itself. Never part of the run's identity.
+
+The RunSpec (:mod:`protocol.config`) is what every participant must agree on; its hash names the
+run. Everything else is a *local setting*: how this machine reaches the store (URL, endpoint,
+region, DHT bootstrap nodes), where it caches the run's data, how often it polls, which device and
+how many threads it uses, when it gives up. Local settings never enter the hash, so a peer that
+writes ``127.0.0.1`` where the operator wrote ``localhost`` is still in the operator's run.
+
+One precedence order, highest first, for ``sparseloco-peer join``, ``sparseloco-validator run``
+and the processes ``sparseloco demo`` starts::
+
+    1. command-line flags             --store, --dht-peer, --device, --threads …
+    2. environment                    SPARSELOCO_STORE_URL, SPARSELOCO_PEER_JOIN_TIMEOUT_S …
+    3. a local settings file          --settings PATH (TOML: the same keys as run.toml's [local])
+    4. run.toml's [local] table       the operator's suggested defaults
+    5. built-in defaults              the dataclasses below
+
+    settings = load_settings("run.toml", settings_path=None, env=os.environ,
+                             flags={"store.url": "s3://bucket/run", "compute.device": None})
+    settings.store.url, settings.data.cache_dir, settings.peer.join_timeout_s
+
+A setting's name is ``section.field`` (``store.url``) or a top-level ``field``
+(``poll_interval_s``); its environment variable is ``SPARSELOCO_`` and the name upper-cased with
+``.`` written ``_`` (``SPARSELOCO_STORE_URL``, ``SPARSELOCO_POLL_INTERVAL_S``). A flag value of
+None means the flag was not given. Unknown keys (in any table) and unknown ``SPARSELOCO_*``
+variables are errors. Environment values are text: arrays are comma-separated, booleans
+``true``/``false``/``1``/``0``.
+
+An ``s3://bucket/prefix?endpoint=URL&region=NAME`` store URL carries settings too: its
+``endpoint`` and ``region`` become ``store.s3_endpoint`` and ``store.s3_region`` of the layer the
+URL was given in, so ``--store s3://…?endpoint=…`` overrides an endpoint in run.toml.
+
+Each component receives only its own subtree: the store opener ``settings.store``
+(:func:`protocol.store.open_from_settings`), the data cache ``settings.data``
+(:func:`protocol.run_data.open_run_dataset`), and so on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from protocol.config import LOCAL_TABLE, from_table, parse_toml, toml_value
+from protocol.errors import ConfigError
+
+__all__ = [
+    "ENV_PREFIX",
+    "ComputeSettings",
+    "DataSettings",
+    "LocalSettings",
+    "PeerSettings",
+    "StoreSettings",
+    "ValidatorSettings",
+    "env_name",
+    "load_settings",
+    "local_table",
+    "local_table_toml",
+    "resolve_settings",
+    "settings_help",
+]
+
+ENV_PREFIX = "SPARSELOCO_"
+# SPARSELOCO_* variables that are not settings: the data cache's default location.
+_OTHER_ENV = frozenset({"SPARSELOCO_CACHE"})
+# Settings that no longer exist, and what replaced them (named in the error an old file gets).
+_REMOVED = {"data.source": "the run's dataset lies in its store, created by `sparseloco-validator init`"}
+# s3:// URL parameters that are store settings (the others stay in the URL: protocol.store).
+_URL_SETTINGS = {"endpoint": "s3_endpoint", "endpoint_url": "s3_endpoint", "region": "s3_region"}
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """Where this machine finds the run's objects.
+
+    ``url``: ``file:///path``, ``s3://bucket/prefix``, ``dht://`` or ``memory://``.
+    ``s3_endpoint``/``s3_region``: for S3-compatible stores other than AWS (R2, MinIO, SeaweedFS).
+    ``dht_bootstrap``: multiaddrs of DHT nodes to join through (``dht://``). ``grant_url``: the
+    run's grant server (``http(s)://host:port``, ``sparseloco-validator run --grant-port``): a peer
+    that has one needs no credential, every read and write is a request the validator presigned
+    (:mod:`protocol.store.granted`); the validator itself ignores it. ``public_reads``: with a
+    grant server, read the objects anonymously from ``url``/``s3_endpoint`` (a bucket whose run
+    prefix the operator made public-read) and ask only for write grants. Credentials are never
+    settings: they come from the usual AWS environment and profile chain.
+    """
+
+    url: str = "file://./.sparseloco/store"
+    s3_endpoint: str = ""
+    s3_region: str = "auto"
+    dht_bootstrap: tuple[str, ...] = ()
+    grant_url: str = ""
+    public_reads: bool = False
+
+    def __post_init__(self) -> None:
+        url, endpoint, region = lift_url_settings(self.url, self.s3_endpoint, self.s3_region)
+        object.__setattr__(self, "url", url)
+        object.__setattr__(self, "s3_endpoint", endpoint)
+        object.__setattr__(self, "s3_region", region)
+
+    def location(self) -> str:
+        """The store as people read it in messages: the URL, and the endpoint of an S3 store (and
+        the grant server, for a peer that has one)."""
+        where = self.url
+        if self.url.lower().startswith("s3://") and self.s3_endpoint:
+            where = f"{self.url} (endpoint {self.s3_endpoint})"
+        if self.grant_url:
+            where += f" via grants from {self.grant_url}" + (" (public reads)" if self.public_reads else "")
+        return where
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """This machine's copy of the run's data. The dataset itself lies in the run's store (the
+    RunSpec's ``data.dataset``); a process fetches the shards its batches need and keeps them,
+    verified, in ``cache_dir`` ("": ``$SPARSELOCO_CACHE`` or ``~/.cache/sparseloco``), the least
+    recently used going first once they would exceed ``cache_max_bytes`` (0: no cap)."""
+
+    cache_dir: str = ""
+    cache_max_bytes: int = 16 << 30
+
+    def __post_init__(self) -> None:
+        _require(self.cache_max_bytes >= 0, "data.cache_max_bytes must be >= 0")
+
+
+@dataclass(frozen=True)
+class ComputeSettings:
+    """``device``: ``cuda``, ``cpu``, ``cuda:1`` … ("": a peer uses CUDA when torch sees it, the
+    validator the CPU). ``threads``: torch CPU threads (0: torch's default).
+    ``micro_batch_size``: gradient accumulation on a small GPU (0: none; the batch itself is
+    ``data.batch_size`` of the RunSpec)."""
+
+    device: str = ""
+    threads: int = 0
+    micro_batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.threads >= 0, "compute.threads must be >= 0")
+        _require(self.micro_batch_size >= 0, "compute.micro_batch_size must be >= 0")
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    """``join_timeout_s``: how long ``join`` waits for the run's genesis checkpoint before it
+    fails with the run hash it looked for. ``max_upload_failures``: consecutive windows whose
+    contribution the store refused (AccessDenied, persistent errors) before the peer stops."""
+
+    join_timeout_s: float = 300.0
+    max_upload_failures: int = 3
+
+    def __post_init__(self) -> None:
+        _require(self.join_timeout_s > 0, "peer.join_timeout_s must be > 0")
+        _require(self.max_upload_failures >= 1, "peer.max_upload_failures must be >= 1")
+
+
+@dataclass(frozen=True)
+class ValidatorSettings:
+    """``gather_concurrency``: contributions fetched at once while gathering a window.
+    ``eval_every``: evaluate θ on held-out data every N windows (0: never), on ``eval_sequences``
+    sequences, recorded beside the contribution log. ``grant_port``: serve grants to peers
+    without credentials on this port (0: no grant server), bound to ``grant_host``, over HTTPS
+    with ``tls_cert``/``tls_key`` (PEM files; both or neither)."""
+
+    gather_concurrency: int = 16
+    eval_every: int = 0
+    eval_sequences: int = 256
+    grant_port: int = 0
+    grant_host: str = "0.0.0.0"
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    def __post_init__(self) -> None:
+        _require(self.gather_concurrency >= 1, "validator.gather_concurrency must be >= 1")
+        _require(self.eval_every >= 0, "validator.eval_every must be >= 0")
+        _require(self.eval_sequences >= 1, "validator.eval_sequences must be >= 1")
+        _require(0 <= self.grant_port <= 65535, "validator.grant_port must be in 0..65535")
+        _require(bool(self.tls_cert) == bool(self.tls_key), "validator.tls_cert and validator.tls_key go together")
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    """Every local setting (see the module docstring). ``poll_interval_s``: how often this
+    process looks for new objects. ``max_windows``: stop once the run reaches this window
+    (0: never)."""
+
+    poll_interval_s: float = 1.0
+    max_windows: int = 0
+    store: StoreSettings = field(default_factory=StoreSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    compute: ComputeSettings = field(default_factory=ComputeSettings)
+    peer: PeerSettings = field(default_factory=PeerSettings)
+    validator: ValidatorSettings = field(default_factory=ValidatorSettings)
+
+    def __post_init__(self) -> None:
+        _require(self.poll_interval_s > 0, "poll_interval_s must be > 0")
+        _require(self.max_windows >= 0, "max_windows must be >= 0")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], *, where: str = "[local]") -> LocalSettings:
+        return from_table(cls, raw, table=where)
+
+    def to_dict(self) -> dict[str, Any]:
+        plain: dict[str, Any] = _plain(self)
+        return plain
+
+
+# ---------------------------------------------------------------------- names
+def _names(cls: type[Any] = LocalSettings, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted name, type) of every setting below ``cls``."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        tp = hints[f.name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            yield from _names(tp, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, tp
+
+
+SETTINGS: dict[str, Any] = dict(_names())  # dotted name -> type
+
+
+def env_name(name: str) -> str:
+    """The environment variable of setting ``name``: ``store.url`` -> ``SPARSELOCO_STORE_URL``."""
+    return ENV_PREFIX + name.replace(".", "_").upper()
+
+
+_BY_ENV = {env_name(n): n for n in SETTINGS}
+if len(_BY_ENV) != len(SETTINGS):  # pragma: no cover - a section and a field whose names collide
+    raise AssertionError("two settings share an environment variable")
+
+
+# ---------------------------------------------------------------------- layers
+def resolve_settings(
+    *,
+    run_local: Mapping[str, Any] | None = None,
+    settings_file: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> LocalSettings:
+    """Merge the layers, highest last in the argument list wins: ``flags`` > ``env`` >
+    ``settings_file`` > ``run_local`` (run.toml's [local]) > the defaults.
+
+    ``run_local`` and ``settings_file`` are nested tables as in TOML; ``env`` holds environment
+    variables (only ``SPARSELOCO_*`` ones are read); ``flags`` maps dotted names to values, None
+    for a flag that was not given.
+    """
+    layers = [
+        _layer(run_local or {}, "run.toml [local]"),
+        _layer(settings_file or {}, "the settings file"),
+        _layer(_env_layer(env or {}), "the environment"),
+        _layer(_flag_layer(flags or {}), "the command line"),
+    ]
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        _merge(merged, layer)
+    return LocalSettings.from_dict(merged, where="local settings")
+
+
+def load_settings(
+    run_path: str | Path | None,
+    *,
+    settings_path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> LocalSettings:
+    """The settings of a process started with ``run_path`` (its [local] table), an optional
+    ``--settings`` file, the environment (``os.environ`` when None) and its flags."""
+    run_local = local_table(run_path) if run_path is not None else {}
+    file_layer = _read_toml(settings_path, "settings file") if settings_path is not None else {}
+    return resolve_settings(
+        run_local=run_local,
+        settings_file=file_layer,
+        env=os.environ if env is None else env,
+        flags=flags,
+    )
+
+
+def local_table(run_path: str | Path) -> dict[str, Any]:
+    """run.toml's ``[local]`` table (empty when it has none), checked for unknown keys."""
+    raw = _read_toml(run_path, "RunSpec file").get(LOCAL_TABLE, {})
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{LOCAL_TABLE}] in {run_path} must be a table")
+    LocalSettings.from_dict(_layer(raw, "run.toml [local]"))  # unknown keys and bad values fail here
+    return raw
+
+
+def _read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} not found: {p}")
+    try:
+        return parse_toml(p.read_text())
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from exc
+
+
+def _layer(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A copy of one layer with its keys checked and an s3 URL's settings lifted out of it."""
+    sections = {name.split(".")[0] for name in SETTINGS if "." in name}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in sections:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{key} in {where} must be a table")
+            known = {n.split(".", 1)[1] for n in SETTINGS if n.startswith(key + ".")}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ConfigError(
+                    f"unknown key(s) in {where}: {', '.join(_removed_hint(f'{key}.{k}') for k in unknown)}"
+                )
+            out[key] = dict(value)
+        elif key in SETTINGS:
+            out[key] = value
+        else:
+            raise ConfigError(f"unknown key in {where}: {key}")
+    store = out.get("store")
+    if store is not None and isinstance(store.get("url"), str):
+        url, endpoint, region = lift_url_settings(store["url"], store.get("s3_endpoint"), store.get("s3_region"))
+        store["url"] = url
+        if endpoint is not None:
+            store["s3_endpoint"] = endpoint
+        if region is not None:
+            store["s3_region"] = region
+    return out
+
+
+def _removed_hint(name: str) -> str:
+    return f"{name} (no longer a setting: {_REMOVED[name]})" if name in _REMOVED else name
+
+
+def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for var, text in env.items():
+        if not var.startswith(ENV_PREFIX) or var in _OTHER_ENV:
+            continue
+        name = _BY_ENV.get(var)
+        if name is None:
+            removed = [n for n in _REMOVED if env_name(n) == var]
+            if removed:
+                raise ConfigError(f"{var} is no longer a setting: {_REMOVED[removed[0]]}")
+            raise ConfigError(f"unknown setting in the environment: {var} (known: {', '.join(sorted(_BY_ENV))})")
+        flat[name] = _from_text(SETTINGS[name], text, var)
+    return _nest(flat)
+
+
+def _flag_layer(flags: Mapping[str, Any]) -> dict[str, Any]:
+    for name in flags:
+        if name not in SETTINGS:
+            raise ConfigError(f"unknown setting {name!r}")
+    return _nest({k: v for k, v in flags.items() if v is not None})
+
+
+def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in flat.items():
+        if "." in name:
+            section, key = name.split(".", 1)
+            out.setdefault(section, {})[key] = value
+        else:
+            out[name] = value
+    return out
+
+
+def _merge(into: dict[str, Any], layer: Mapping[str, Any]) -> None:
+    for key, value in layer.items():
+        if isinstance(value, Mapping):
+            into.setdefault(key, {}).update(value)
+        else:
+            into[key] = value
+
+
+def _from_text(tp: Any, text: str, where: str) -> Any:
+    """An environment variable's text as a value of type ``tp``."""
+    try:
+        if tp is bool:
+            low = text.strip().lower()
+            if low not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(text)
+            return low in ("1", "true", "yes")
+        if tp is int:
+            return int(text)
+        if tp is float:
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"{where} must be a {tp.__name__}, got {text!r}") from None
+    if typing.get_origin(tp) is tuple:
+        return [item.strip() for item in text.split(",") if item.strip()]
+    return text
+
+
+def lift_url_settings(url: str, endpoint: str | None, region: str | None) -> tuple[str, str | None, str | None]:
+    """(url, endpoint, region) with an ``s3://`` URL's ``endpoint``/``region`` parameters moved out
+    of the URL; they win over ``endpoint``/``region`` given with it (the same layer)."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "s3" or not parts.query:
+        return url, endpoint, region
+    kept = []
+    for name, value in parse_qsl(parts.query, keep_blank_values=False):
+        target = _URL_SETTINGS.get(name)
+        if target == "s3_endpoint":
+            endpoint = value
+        elif target == "s3_region":
+            region = value
+        else:
+            kept.append((name, value))
+    return urlunsplit(parts._replace(query=urlencode(kept))), endpoint, region
+
+
+# ---------------------------------------------------------------------- writing and help
+def local_table_toml(raw: Mapping[str, Any]) -> str:
+    """``raw`` (a nested [local] table) as run.toml text, headed by a comment that says it is not
+    part of the run's identity."""
+    checked = _layer(raw, "the [local] table")
+    LocalSettings.from_dict(checked)
+    lines = [
+        "",
+        "# Local settings: NOT part of the run's identity (never hashed). The operator's suggested",
+        "# defaults for every participant's machine; each one may override any of them with",
+        "# --settings FILE, SPARSELOCO_* environment variables or command-line flags.",
+        f"[{LOCAL_TABLE}]",
+    ]
+    lines += [f"{k} = {toml_value(_plain(v))}" for k, v in checked.items() if not isinstance(v, Mapping)]
+    for section, table in checked.items():
+        if isinstance(table, Mapping):
+            lines.append(f"\n[{LOCAL_TABLE}.{section}]")
+            lines += [f"{k} = {toml_value(_plain(v))}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def settings_help() -> str:
+    """The precedence order and every setting with its variable, for ``--help`` (click keeps the
+    ``\\b`` blocks as written)."""
+    lines = [
+        "\b",
+        "Local settings (never part of the run's identity), highest first:",
+        "  flag > SPARSELOCO_* environment > --settings FILE > run.toml [local] > default",
+        "",
+        "\b",
+    ]
+    defaults = _flat(LocalSettings().to_dict())
+    width = max(len(n) for n in SETTINGS)
+    for name in SETTINGS:
+        lines.append(f"  {name:<{width}}  {env_name(name):<{width + len(ENV_PREFIX)}}  [{defaults[name]!r}]")
+    return "\n".join(lines)
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [_plain(v) for v in obj]
+    return obj

@@ -1,0 +1,266 @@
+"""Fuzz targets for every parser of network bytes: each parses its input or raises ProtocolError,
+in bounded time and with allocation proportional to its input.
+
+Targets: the envelope (frame), every object kind (mutated and signed again, so the body and
+payload parsers are reached), codec payloads, DHT piece manifests, signed DHT records (object
+manifests, pieces, directory entries) and the node validator that checks them, and the validator's
+per-contribution checks on raw bytes. Each starts from the committed seed corpus
+(``tests/fuzz_corpus``, see ``tests/fuzz_seeds.py``) and mutates it with hypothesis.
+
+CI runs a derandomized profile with a modest number of examples (seconds per target); set
+``SPARSELOCO_FUZZ_EXAMPLES`` for a longer local run, e.g. ``SPARSELOCO_FUZZ_EXAMPLES=20000``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fuzz_seeds import CODEC_INPUTS, load
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from wire_samples import BASE, CODEC, PEER, RUN, SCHEMA, VALIDATOR, resign
+
+from protocol.codec import unpack
+from protocol.config import CodecConfig
+from protocol.errors import ProtocolError
+from protocol.identity import Identity
+from protocol.store.dht.pieces import decode_manifest
+from protocol.store.dht.policy import WritePolicy
+from protocol.store.dht.records import open_record, seal_record
+from protocol.wire import decode_object
+from protocol.wire.frame import FIXED_HEADER_BYTES, Kind, open_envelope, peek_kind
+from validator import checks
+
+EXAMPLES = int(os.environ.get("SPARSELOCO_FUZZ_EXAMPLES", "150"))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+CAP = 8 << 20
+SLOWEST_S = 1.0  # per input, on a loaded machine, under tracemalloc
+#: Allocation bounds: peak ≤ PER_BYTE × input + ALLOC_BASE. Codec payloads decode to int64 positions
+#: (8 bytes for every ~1 to 9 input bits), which sets their factor; everything else is far below.
+CODEC_PER_BYTE, OTHER_PER_BYTE = 96, 32
+ALLOC_BASE = 1 << 20
+SIGNERS = {
+    Kind.CONTRIBUTION: PEER,
+    Kind.AGGREGATE: VALIDATOR,
+    Kind.CHECKPOINT: VALIDATOR,
+    Kind.ANNOUNCEMENT: PEER,
+    Kind.DATASET: VALIDATOR,
+}
+POLICY = WritePolicy("sparseloco", [VALIDATOR.public_key])
+
+
+def bounded(parse: Callable[[bytes], Any], data: bytes, per_byte: int = OTHER_PER_BYTE) -> Any:
+    """``parse(data)`` must return or raise ProtocolError, fast and within the allocation bound."""
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        result = parse(data)
+    except ProtocolError as exc:
+        result = exc
+    finally:
+        elapsed = time.perf_counter() - start
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert elapsed < SLOWEST_S, f"{elapsed:.2f} s for {len(data)} bytes"
+    assert peak <= per_byte * len(data) + ALLOC_BASE, f"peak {peak} bytes for an input of {len(data)}"
+    return result
+
+
+# ---------------------------------------------------------------------------------------- mutations
+Edit = tuple[str, int, int]
+EDITS = st.tuples(
+    st.sampled_from(["flip", "set", "truncate", "insert", "delete", "duplicate"]),
+    st.integers(0, 1 << 20),
+    st.integers(0, 255),
+)
+
+
+def mutate(data: bytes, edits: list[Edit]) -> bytes:
+    out = bytearray(data)
+    for op, where, value in edits:
+        i = where % (len(out) + 1)
+        if op == "flip" and out:
+            out[i % len(out)] ^= 1 << (value % 8)
+        elif op == "set" and out:
+            out[i % len(out)] = value
+        elif op == "truncate":
+            del out[i:]
+        elif op == "insert":
+            out[i:i] = bytes([value]) * (1 + value % 9)
+        elif op == "delete":
+            del out[i : i + 1 + value % 9]
+        elif op == "duplicate":
+            out[i:i] = out[i : i + 1 + value]
+    return bytes(out)
+
+
+def mutated(seeds: dict[str, bytes]) -> st.SearchStrategy[bytes]:
+    """Seeds with a few edits, the seeds themselves, and some plain random bytes."""
+    pool = sorted(seeds.values())
+    return (
+        st.builds(mutate, st.sampled_from(pool), st.lists(EDITS, min_size=1, max_size=6))
+        | st.sampled_from(pool)
+        | st.binary(max_size=600)
+    )
+
+
+def test_the_corpus_holds_valid_seeds_for_every_target() -> None:
+    objects = load("objects")
+    for kind in Kind:
+        assert not isinstance(bounded(_decode, objects[f"ok-{kind.label}"]), ProtocolError), kind
+    for name, (shape, cfg) in CODEC_INPUTS.items():
+        result = bounded(lambda d, s=shape, c=cfg: unpack(d, s, c), load("codec")[name], CODEC_PER_BYTE)
+        assert isinstance(result, ProtocolError) == name.startswith("unary"), name
+    assert not isinstance(bounded(lambda d: decode_manifest(d, key="k"), load("manifests")["ok-manifest"]), Exception)
+    for raw in load("records").values():
+        POLICY.check(open_record(raw))
+
+
+def test_the_seeds_that_once_broke_a_parser_are_rejected() -> None:
+    """Regressions: each raised something else than ProtocolError, hung, or allocated far more
+    than its size (see tests/fuzz_seeds.py)."""
+    for name, data in load("objects").items():
+        if not name.startswith("ok-"):
+            assert isinstance(bounded(_decode, data, CODEC_PER_BYTE), ProtocolError), name
+    assert isinstance(bounded(lambda d: decode_manifest(d, key="k"), load("manifests")["deep-json"]), ProtocolError)
+
+
+# ---------------------------------------------------------------------------------------- envelope and objects
+def _decode(data: bytes) -> Any:
+    return decode_object(data, max_bytes=CAP)
+
+
+@FUZZ
+@given(data=mutated(load("objects")))
+def test_fuzz_envelope(data: bytes) -> None:
+    bounded(lambda d: open_envelope(d, max_bytes=CAP, run_hash=None), data)
+
+
+@pytest.mark.parametrize("kind", list(Kind), ids=lambda k: k.label)
+def test_fuzz_each_object_kind_signed_again(kind: Kind) -> None:
+    """Body and payload mutated and signed again (what a hostile signer can send)."""
+    seeds = {n: b for n, b in load("objects").items() if peek_kind(b) == kind}
+
+    @FUZZ
+    @given(
+        seed=st.sampled_from(sorted(seeds.values())), edits=st.lists(EDITS, min_size=1, max_size=6), part=st.booleans()
+    )
+    def run(seed: bytes, edits: list[Edit], part: bool) -> None:
+        body_len = int.from_bytes(seed[78:82], "little")
+        body = seed[FIXED_HEADER_BYTES : FIXED_HEADER_BYTES + body_len]
+        payload = seed[FIXED_HEADER_BYTES + body_len : -64]
+        if part and payload:
+            crafted = resign(seed, SIGNERS[kind], payload=mutate(payload, edits))
+        else:
+            crafted = resign(seed, SIGNERS[kind], body=mutate(body, edits))
+        bounded(_decode, crafted, CODEC_PER_BYTE if kind == Kind.CONTRIBUTION else OTHER_PER_BYTE)
+
+    run()
+
+
+# ---------------------------------------------------------------------------------------- codec payloads
+CODECS = st.builds(
+    CodecConfig,
+    block=st.sampled_from([1, 2, 7, 64, 128, 1024]),
+    chunk_1d=st.sampled_from([1, 100, 4096, 1 << 20]),
+    k=st.sampled_from([1, 64, 4096]),
+    index_coding=st.sampled_from(["rice", "packed12"]),
+)
+SHAPES = st.lists(st.integers(0, 300), min_size=0, max_size=3).map(tuple)
+
+
+@FUZZ
+@given(
+    seed=st.sampled_from(sorted(CODEC_INPUTS)),
+    edits=st.lists(EDITS, max_size=6),
+    other=st.none() | st.tuples(SHAPES, CODECS),
+)
+def test_fuzz_codec_payload(seed: str, edits: list[Edit], other: tuple[tuple[int, ...], CodecConfig] | None) -> None:
+    shape, cfg = other or CODEC_INPUTS[seed]
+    bounded(lambda d: unpack(d, shape, cfg), mutate(load("codec")[seed], edits), CODEC_PER_BYTE)
+
+
+# ---------------------------------------------------------------------------------------- DHT
+@FUZZ
+@given(data=mutated(load("manifests")))
+def test_fuzz_dht_piece_manifest(data: bytes) -> None:
+    bounded(lambda d: decode_manifest(d, key="k"), data)
+
+
+def _check_record(raw: bytes) -> None:
+    POLICY.check(open_record(raw))
+
+
+@FUZZ
+@given(data=mutated(load("records")))
+def test_fuzz_dht_records(data: bytes) -> None:
+    bounded(_check_record, data)
+
+
+KEYS = st.sampled_from(["sparseloco:obj:", "sparseloco:piece:", "sparseloco:dir:", "other:obj:", ""]).flatmap(
+    lambda ns: st.text(max_size=80).map(lambda rest: ns + rest)
+)
+
+
+@FUZZ
+@given(key=KEYS, subkey=st.text(max_size=60), content=st.binary(max_size=300), who=st.sampled_from([PEER, VALIDATOR]))
+def test_fuzz_signed_records_of_any_shape(key: str, subkey: str, content: bytes, who: Identity) -> None:
+    """Validly signed records with arbitrary keys, subkeys and contents: the policy decides, never crashes."""
+    try:
+        raw = seal_record(who, key=key, subkey=subkey, expiration=1.0, content=content)
+    except ValueError:
+        return  # not encodable (empty key, too long): nothing a writer could send
+    bounded(_check_record, raw)
+
+
+@FUZZ
+@given(value=mutated(load("records")), key=st.binary(min_size=20, max_size=20), subkey=st.binary(max_size=40))
+def test_fuzz_the_node_validator(value: bytes, key: bytes, subkey: bytes) -> None:
+    """What hivemind hands the node's validator (any bytes in any field) yields a bool, never an error."""
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from protocol.store.dht.auth import SignedRecordValidator
+
+    validator = SignedRecordValidator(POLICY)
+    for v in (value, MSGPackSerializer.dumps(value)):
+        result = bounded(lambda d: validator.validate(DHTRecord(key, subkey, d, 1.0)), v)
+        assert result is False or result is True
+
+
+# ---------------------------------------------------------------------------------------- the validator's checks
+CTX = checks.Context(
+    run_hash=RUN,
+    window=7,
+    expected_base=BASE,
+    codec=CODEC,
+    schema=SCHEMA,
+    max_bytes=CAP,
+    registered=frozenset({PEER.peer_id}),
+)
+
+
+@FUZZ
+@given(data=mutated(load("objects")), edits=st.lists(EDITS, max_size=4), signed=st.booleans())
+def test_fuzz_validator_checks_on_raw_bytes(data: bytes, edits: list[Edit], signed: bool) -> None:
+    """``checks.screen`` on whatever lies at a peer's key: a verdict with a named reason, never an error."""
+    if signed and data[:4] == b"SLoC" and len(data) > FIXED_HEADER_BYTES + 64:
+        body_len = min(int.from_bytes(data[78:82], "little"), len(data) - FIXED_HEADER_BYTES - 64)
+        body = data[FIXED_HEADER_BYTES : FIXED_HEADER_BYTES + body_len]
+        try:
+            data = resign(data, PEER, body=mutate(body, edits))
+        except (ValueError, ProtocolError):
+            pass  # a header that cannot be signed again (unknown kind, window out of range)
+    screened = bounded(lambda d: checks.screen(PEER.peer_id, d, CTX), data, CODEC_PER_BYTE)
+    assert isinstance(screened, checks.Screened) and (screened.reason is None) == all(c.passed for c in screened.checks)
