@@ -53,7 +53,7 @@ BENCH_MODELS: dict[str, dict[str, Any]] = {
 VARIANTS = ("ddp", "diloco", "sparseloco", "sparseloco-all", "sparseloco-recompress")
 PRESETS: dict[str, dict[str, Any]] = {
     # The best learning rates of the grid recorded in BENCHMARKS.md (H = 15, 2 seeds); one seed, no grid.
-    # ~35 CPU-seconds per method on one core (measured; ~70 for sparseloco-recompress); about 3.5 min for the five.
+    # ~35 CPU-seconds per method on one idle core of machine A (measured); about 3 min for the five methods.
     "quick": dict(
         model="300k",
         replicas=4,
