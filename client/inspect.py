@@ -82,7 +82,8 @@ def describe(verified: Verified[SignedObject]) -> str:
     elif isinstance(obj, Aggregate):
         tail = (
             f"base={_short(obj.base)} tensors={len(obj.tensors)} nnz={obj.nnz} manifest={len(obj.manifest)}"
-            f" alpha={obj.alpha:g} fingerprint={_short(obj.fingerprint)}"
+            f" alpha={obj.alpha:g} encoding={'plain' if obj.codec is None else f'recompressed:k={obj.codec.k}'}"
+            f" fingerprint={_short(obj.fingerprint)}"
         )
     elif isinstance(obj, CheckpointManifest):
         size = sum(f.size for f in obj.files)

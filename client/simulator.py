@@ -7,7 +7,9 @@ Per round (window) t, for ``sparseloco``::
     bytes, e_r = compress_and_pack(e_r, Δ_r, β, codec)  # feedback.compress_step + codec.pack (the wire payload)
     sparse = unpack_sparse(bytes, schema, codec)        # codec.unpack + to_sparse, as the validator does
     Δ̄      = aggregate(sparse_1..R, mode, clip)         # protocol/aggregate
-    θ_t+1  = apply_outer(θ_t, Δ̄, α)
+    tensors, e_v = publishable(Δ̄, schema, outer, codec, e_v)   # bfloat16 or re-compressed (protocol/broadcast)
+    blob   = encode_aggregate(...)                      # the signed aggregate every replica downloads
+    θ_t+1  = apply_outer(θ_t, delta_of(decode_aggregate(blob)), α)
 
 ``diloco`` averages the dense fp32 Δ_r and takes a Nesterov outer step (client/outer);
 ``ddp`` is one AdamW run whose gradient each step is the mean over the R replicas' batches (the same
@@ -29,16 +31,21 @@ from torch import Tensor
 from client.outer import NesterovOuter, dense_mean
 from client.trainer import InnerTrainer, load_params, pseudo_gradient, snapshot
 from protocol.aggregate import SparseDict, aggregate, apply_outer, sparse_of
+from protocol.broadcast import publishable
+from protocol.chain import delta_of
 from protocol.codec import pack, unpack
 from protocol.config import CodecConfig, InnerConfig, ModelConfig, OuterConfig
 from protocol.data import TokenDataset, assigned_batches, validation_batches
 from protocol.errors import ConfigError
 from protocol.feedback import FeedbackState, compress_step
+from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, parameters_of
+from protocol.wire import GENESIS, Aggregate, decode_aggregate, encode_aggregate
 
 __all__ = ["METHODS", "RoundRecord", "SimConfig", "SimResult", "Simulator", "compress_and_pack", "unpack_sparse"]
 
 METHODS = ("ddp", "diloco", "sparseloco")
+_SIGNER = Identity.from_seed(b"simulated validator key, 32 byte")  # signs the simulated aggregates
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,7 @@ class RoundRecord:
     train_loss: float  # mean inner-step loss over replicas
     bytes_per_replica: int  # what one replica sent this round
     seconds: float
+    download_per_replica: int = 0  # what one replica received this round (the signed aggregate)
 
 
 @dataclass
@@ -87,6 +95,10 @@ class SimResult:
     @property
     def bytes_per_replica_per_round(self) -> float:
         return sum(r.bytes_per_replica for r in self.rounds) / len(self.rounds)
+
+    @property
+    def download_per_replica_per_round(self) -> float:
+        return sum(r.download_per_replica for r in self.rounds) / len(self.rounds)
 
     @property
     def seconds(self) -> float:
@@ -134,6 +146,7 @@ class Simulator:
             mb = cfg.micro_batch_size
         self.trainers = [InnerTrainer(m, cfg.inner, self.device, micro_batch_size=mb) for m in self.workers]
         self.feedback = [FeedbackState() for _ in range(cfg.replicas)]
+        self.validator_feedback = FeedbackState()  # the re-compression buffer (outer.recompress)
         self.outer = NesterovOuter(cfg.outer.alpha, cfg.outer.momentum)
         self.numel = sum(p.numel() for p in self.params.values())
 
@@ -143,9 +156,9 @@ class Simulator:
         for t in range(self.cfg.rounds):
             t0 = time.perf_counter()
             step = {"ddp": self._round_ddp, "diloco": self._round_diloco, "sparseloco": self._round_sparse}
-            train_loss, sent = step[self.cfg.method](t)
+            train_loss, sent, received = step[self.cfg.method](t)
             val = eval_loss(self.model, self.val, self.device)
-            rec = RoundRecord(t, val, train_loss, sent, time.perf_counter() - t0)
+            rec = RoundRecord(t, val, train_loss, sent, time.perf_counter() - t0, received)
             records.append(rec)
             if on_round is not None:
                 on_round(rec)
@@ -166,7 +179,7 @@ class Simulator:
             deltas.append(pseudo_gradient(base, worker))
         return base, deltas, sum(losses) / len(losses)
 
-    def _round_sparse(self, t: int) -> tuple[float, int]:
+    def _round_sparse(self, t: int) -> tuple[float, int, int]:
         c = self.cfg
         _, deltas, loss = self._local_rounds(t)
         contribs, sent = [], 0
@@ -174,16 +187,23 @@ class Simulator:
             payloads, self.feedback[r] = compress_and_pack(self.feedback[r], delta, c.outer.beta, c.codec)
             sent = max(sent, sum(len(p) for p in payloads.values()))
             contribs.append(unpack_sparse(payloads, self.shapes, c.codec))
-        apply_outer(self.params, aggregate(contribs, c.outer.aggregation, c.outer.clip), c.outer.alpha)
-        return loss, sent
+        delta_bar = aggregate(contribs, c.outer.aggregation, c.outer.clip)
+        tensors, self.validator_feedback = publishable(
+            delta_bar, self.shapes, c.outer, c.codec, self.validator_feedback
+        )
+        blob = encode_aggregate(Aggregate("0" * 64, t, GENESIS, c.outer.alpha, "", (), tensors, 0.0), _SIGNER)
+        received = decode_aggregate(blob, run_hash=None, max_bytes=len(blob), allowed_signers=None).value
+        apply_outer(self.params, delta_of(received), c.outer.alpha)
+        return loss, sent, len(blob)
 
-    def _round_diloco(self, t: int) -> tuple[float, int]:
+    def _round_diloco(self, t: int) -> tuple[float, int, int]:
         _, deltas, loss = self._local_rounds(t)
         self.outer.step(self.params, dense_mean(deltas))
-        return loss, 4 * self.numel  # dense fp32 pseudo-gradient
+        return loss, 4 * self.numel, 4 * self.numel  # dense fp32 pseudo-gradient, dense fp32 mean
 
-    def _round_ddp(self, t: int) -> tuple[float, int]:
+    def _round_ddp(self, t: int) -> tuple[float, int, int]:
         per_replica = [self._batches(r, t) for r in range(self.cfg.replicas)]
         steps = [torch.cat([b[i] for b in per_replica]) for i in range(self.cfg.inner.steps)]
         loss = self.trainers[0].train_window(steps).mean_loss
-        return loss, 4 * self.numel * self.cfg.inner.steps  # one fp32 gradient all-reduce per step
+        nbytes = 4 * self.numel * self.cfg.inner.steps  # one fp32 gradient all-reduce per step
+        return loss, nbytes, nbytes

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol import layout
+from protocol.caps import object_caps
 from protocol.chain import MAX_MANIFEST_BYTES, read_aggregate
 from protocol.config import RunSpec
 from protocol.errors import MalformedPayload, ObjectNotFound, ProtocolError, StoreError
@@ -132,7 +133,7 @@ def _aggregate(spec: RunSpec, store: ObjectStore, window: int) -> Verified[Aggre
         spec.hash(),
         window,
         allowed_signers=spec.validator.public_keys,
-        max_bytes=spec.validator.max_aggregate_bytes,
+        max_bytes=object_caps(spec).aggregate,
     )
 
 

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from protocol import layout
 from protocol.aggregate import apply_outer
+from protocol.caps import object_caps
 from protocol.chain import (
     checkpoint_base,
     delta_of,
@@ -82,6 +83,7 @@ class Sync:
         self.run_hash = spec.hash()
         self.schema = param_schema(spec.model)
         self.signers = spec.validator.public_keys
+        self.max_aggregate_bytes = object_caps(spec).aggregate  # the validator reads with the same cap
         self.poll_s = poll_interval_s  # the local setting poll_interval_s
         # (window, base) -> the aggregate that continues the chain there: the validator never
         # replaces one, so it is read once even though waiting for it and applying it both ask.
@@ -111,7 +113,7 @@ class Sync:
             self.run_hash,
             window,
             allowed_signers=self.signers,
-            max_bytes=self.spec.validator.max_aggregate_bytes,
+            max_bytes=self.max_aggregate_bytes,
             schema=self.schema,
         )
 
@@ -127,7 +129,7 @@ class Sync:
                 window,
                 base,
                 allowed_signers=self.signers,
-                max_bytes=self.spec.validator.max_aggregate_bytes,
+                max_bytes=self.max_aggregate_bytes,
                 schema=self.schema,
             )
             if found is not None:

@@ -41,6 +41,7 @@ from safetensors.torch import load as st_load
 
 from protocol import layout
 from protocol.aggregate import SparseDict
+from protocol.broadcast import applied
 from protocol.errors import (
     DigestMismatch,
     MalformedPayload,
@@ -136,8 +137,9 @@ def next_aggregate(
 
 
 def delta_of(agg: Aggregate) -> SparseDict:
-    """An aggregate's Δ̄ in :mod:`protocol.aggregate`'s form (what ``apply_outer`` takes)."""
-    return {name: (t.indices.to(torch.int64), t.values.to(torch.float32)) for name, t in agg.tensors.items()}
+    """An aggregate's Δ̄ in :mod:`protocol.aggregate`'s form (what ``apply_outer`` takes), plain or
+    re-compressed (:func:`protocol.broadcast.applied`)."""
+    return applied(agg.tensors)
 
 
 def read_manifest(

@@ -154,17 +154,32 @@ class CodecConfig:
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """Outer step: θ ← θ − α·Δ̄, with Δ̄ the aggregate of the contributions (α applied once)."""
+    """Outer step: θ ← θ − α·Δ̄, with Δ̄ the aggregate of the contributions (α applied once).
+
+    ``recompress``: the validator publishes Δ̄ compressed like a contribution — chunk-wise Top-k of
+    ``recompress_k`` values per 4096 and 2-bit codes (``codec``'s chunking and index coding) — of
+    its own error-feedback buffer ``e ← recompress_beta·e + Δ̄``, so that every peer downloads a
+    contribution-sized object instead of the union of all Top-k sets. Off: Δ̄ travels with bfloat16
+    values (:mod:`protocol.broadcast`). Either way every participant applies exactly what was signed.
+    The defaults are the best measured point (BENCHMARKS.md): at k = 64 and 128 every decay > 0
+    tried ended at a higher loss than none (what the buffer sends late, the peers have partly
+    learned again by then), so by default what Top-k leaves out is dropped and no buffer is kept.
+    """
 
     alpha: float = 1.0
     beta: float = 0.95  # error-feedback decay
     aggregation: str = "contributors"  # contributors | all  (mean over contributors / over all R)
     clip: str = "median"  # median | none
     momentum: float = 0.9  # Nesterov momentum of the DiLoCo baseline (client/simulator.py) only
+    recompress: bool = False
+    recompress_k: int = 128  # values kept per 4096 by the validator's Top-k (when ``recompress``)
+    recompress_beta: float = 0.0  # decay of the validator's error-feedback buffer (0: none kept)
 
     def __post_init__(self) -> None:
         _require(self.aggregation in ("contributors", "all"), "outer.aggregation must be contributors|all")
         _require(self.clip in ("median", "none"), "outer.clip must be median|none")
+        _require(0 < self.recompress_k <= 4096, "outer.recompress_k must be in 1..4096")
+        _require(0.0 <= self.recompress_beta <= 1.0, "outer.recompress_beta must be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -181,8 +196,10 @@ class ValidatorConfig:
     """Who may sign aggregates and how contributions are checked and scored."""
 
     public_keys: tuple[str, ...] = ()  # hex Ed25519 public keys allowed to sign aggregates/checkpoints
-    max_contribution_bytes: int = 64 * 1024 * 1024
-    max_aggregate_bytes: int = 512 * 1024 * 1024
+    # Read caps of signed objects; 0 = derived from the model size, the codec, max_contributors and
+    # the aggregate's encoding (protocol.caps), which is what peers and the validator both use.
+    max_contribution_bytes: int = 0
+    max_aggregate_bytes: int = 0
     eval_peers_per_window: int = 8  # loss-scoring budget
     # Of those, the slots reserved for identities on probation (more when fewer established
     # peers need scoring): a flood of new identities cannot crowd out the scoring of known ones.
@@ -216,6 +233,8 @@ class ValidatorConfig:
     max_contributors: int = 64
 
     def __post_init__(self) -> None:
+        _require(self.max_contribution_bytes >= 0, "validator.max_contribution_bytes must be >= 0 (0 = derived)")
+        _require(self.max_aggregate_bytes >= 0, "validator.max_aggregate_bytes must be >= 0 (0 = derived)")
         # One run, one hash: key order, duplicates and hex letter case do not make another run.
         keys = tuple(sorted({k.lower() for k in self.public_keys}))
         bad = [k for k in keys if not _HEX_KEY.fullmatch(k)]

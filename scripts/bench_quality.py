@@ -11,8 +11,14 @@ step). Learning rates are tuned per method over a grid; the best of each is repo
         --lr-grid 1e-3,2e-3 --outer-lr-grid 0.3,0.5,0.7,1.0 --seeds 0,1
 
 Methods: ``ddp``, ``diloco``, ``sparseloco`` (mean over contributors, median-norm clip, the
-production rule) and ``sparseloco-all`` (mean over all R). ``--k`` changes the codec of both
-SparseLoCo variants.
+production rule, Δ̄ published with bfloat16 values), ``sparseloco-all`` (mean over all R) and
+``sparseloco-recompress`` (the production rule with ``outer.recompress``: the validator publishes
+Top-k (``--recompress-k``) + 2-bit codes of its own error-feedback buffer, decay
+``--recompress-beta``). ``--k`` changes the codec of every SparseLoCo variant.
+
+Bytes per replica and round: ``upload`` is what one replica sends, ``download`` what it receives —
+the signed aggregate for SparseLoCo (``protocol.wire.encode_aggregate``), the dense float32 mean for
+DiLoCo, one float32 gradient per inner step for DDP.
 """
 
 from __future__ import annotations
@@ -44,10 +50,10 @@ BENCH_MODELS: dict[str, dict[str, Any]] = {
     "1m": dict(dim=128, n_layers=4, n_heads=4, ffn_dim=384, max_seq_len=256),
     "300k": dict(dim=64, n_layers=4, n_heads=4, ffn_dim=192, max_seq_len=256),
 }
-VARIANTS = ("ddp", "diloco", "sparseloco", "sparseloco-all")
+VARIANTS = ("ddp", "diloco", "sparseloco", "sparseloco-all", "sparseloco-recompress")
 PRESETS: dict[str, dict[str, Any]] = {
     # The best learning rates of the grid recorded in BENCHMARKS.md (H = 15, 2 seeds); one seed, no grid.
-    # ~35 CPU-seconds per method on one core (measured); about 2.5 min for the four methods.
+    # ~35 CPU-seconds per method on one idle core of machine A (measured); about 3 min for the five methods.
     "quick": dict(
         model="300k",
         replicas=4,
@@ -55,7 +61,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         rounds=24,
         batch_size=8,
         seq_len=64,
-        methods="ddp,diloco,sparseloco,sparseloco-all",
+        methods="ddp,diloco,sparseloco,sparseloco-all,sparseloco-recompress",
         seeds="0",
         lr_ddp="4e-3",
         lr_diloco="4e-3",
@@ -86,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=1.0, help="SparseLoCo outer lr α")
     p.add_argument("--beta", type=float, default=0.95, help="SparseLoCo error-feedback decay")
     p.add_argument("--k", type=int, default=64, help="Top-k per 4096 values")
+    p.add_argument("--recompress-k", type=int, default=128, help="sparseloco-recompress: the validator's Top-k")
+    p.add_argument("--recompress-beta", type=float, default=0.0, help="sparseloco-recompress: its feedback decay")
     p.add_argument("--aggregate", choices=("contributors", "all"), help="only this SparseLoCo aggregation")
     p.add_argument("--warmup", type=int, default=0, help="warm-up inner steps (0 = 10%% of the run)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a busy box)")
@@ -130,7 +138,15 @@ def sim_config(method: str, inner_lr: float, outer_lr: float, seed: int, args: a
         outer = OuterConfig(alpha=outer_lr, momentum=0.9)
     else:
         agg = "all" if method == "sparseloco-all" else "contributors"
-        outer = OuterConfig(alpha=outer_lr, beta=args.beta, aggregation=agg, clip="median")
+        outer = OuterConfig(
+            alpha=outer_lr,
+            beta=args.beta,
+            aggregation=agg,
+            clip="median",
+            recompress=method == "sparseloco-recompress",
+            recompress_k=args.recompress_k,
+            recompress_beta=args.recompress_beta,
+        )
     return SimConfig(
         method=method.split("-")[0],
         replicas=args.replicas,
@@ -171,6 +187,7 @@ def run_grid(method: str, args: argparse.Namespace, dataset: Any, mcfg: Any, log
                                 "final_val_loss": res.final_val_loss,
                                 "loss_curve": [r.val_loss for r in res.rounds],
                                 "bytes_per_replica_per_round": res.bytes_per_replica_per_round,
+                                "download_per_replica_per_round": res.download_per_replica_per_round,
                                 "seconds": res.seconds,
                                 "cpu_seconds": cpu[-1],
                             }
@@ -191,6 +208,7 @@ def summarize(inner_lr: float, outer_lr: float, seeds: list[int], runs: list[Sim
     curves = [[r.val_loss for r in res.rounds] for res in runs]
     curve = [statistics.fmean(vals) for vals in zip(*curves)]
     per_round = statistics.fmean(r.bytes_per_replica_per_round for r in runs)
+    download = statistics.fmean(r.download_per_replica_per_round for r in runs)
     return {
         "inner_lr": inner_lr,
         "outer_lr": outer_lr,
@@ -201,6 +219,7 @@ def summarize(inner_lr: float, outer_lr: float, seeds: list[int], runs: list[Sim
         "loss_curve": curve,
         "bytes_per_replica_per_round": per_round,
         "total_bytes_per_replica": per_round * len(curve),
+        "download_per_replica_per_round": download,
         "seconds": statistics.fmean(r.seconds for r in runs),
         "fingerprints": [r.fingerprint for r in runs],
     }
@@ -209,6 +228,7 @@ def summarize(inner_lr: float, outer_lr: float, seeds: list[int], runs: list[Sim
 def render(out: dict[str, Any], console: Console) -> None:
     methods = out["methods"]
     dil = methods.get("diloco", {}).get("bytes_per_replica_per_round")
+    plain = methods.get("sparseloco")
     table = Table(title=f"quality: {out['config']['summary']}")
     for col in (
         "method",
@@ -216,22 +236,34 @@ def render(out: dict[str, Any], console: Console) -> None:
         "outer lr",
         "final val loss",
         "per seed",
-        "bytes/replica/round",
-        "vs DiLoCo bytes",
+        "vs sparseloco loss",
+        "upload/replica/round",
+        "vs DiLoCo upload",
+        "download/replica/round",
+        "vs sparseloco download",
         "s/run",
         "cpu s/run",
     ):
         table.add_column(col, justify="right" if col != "method" else "left")
     for name, m in methods.items():
         ratio = f"{dil / m['bytes_per_replica_per_round']:.3g}× fewer" if dil else "-"
+        loss_vs = f"{100 * (m['final_val_loss'] / plain['final_val_loss'] - 1):+.2f} %" if plain else "-"
+        down_vs = (
+            f"{plain['download_per_replica_per_round'] / m['download_per_replica_per_round']:.3g}× fewer"
+            if plain
+            else "-"
+        )
         table.add_row(
             name,
             f"{m['inner_lr']:g}",
             f"{m['outer_lr']:g}",
             f"{m['final_val_loss']:.4f}",
             " ".join(f"{v:.3f}" for v in m["final_val_loss_per_seed"]),
+            loss_vs,
             f"{m['bytes_per_replica_per_round']:,.0f}",
             ratio,
+            f"{m['download_per_replica_per_round']:,.0f}",
+            down_vs,
             f"{m['seconds']:.0f}",
             f"{m['cpu_seconds']:.0f}",
         )
@@ -313,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         f"model {args.model} ({n_params / 1e6:.2f} M params), R={args.replicas}, H={args.inner_steps}, "
         f"{args.rounds} rounds, {args.batch_size}×{args.seq_len} tokens/replica/step, seeds {args.seeds}"
     )
+    if "sparseloco-recompress" in args.methods:
+        summary += f", re-compression k={args.recompress_k} β={args.recompress_beta:g}"
     t0 = time.perf_counter()
     methods = {m: run_grid(m, args, dataset, mcfg, log) for m in args.methods.split(",") if m}
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}

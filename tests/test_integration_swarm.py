@@ -101,9 +101,12 @@ def run_dir(tmp_path: Path):
 
 def test_file_swarm_late_joiner_and_restarts(run_dir: Path) -> None:
     """3 peers over a directory; peer-1 is SIGKILLed mid-window 1 and restarted; peer-3 joins when
-    window 3 opens; the validator is SIGKILLed once window 4's uploads are in and restarted."""
+    window 3 opens; the validator is SIGKILLed once window 4's uploads are in and restarted. The
+    validator re-compresses Δ̄ (``outer.recompress``), so its error-feedback buffer crosses the
+    kill too (the S3 and DHT swarms publish plain aggregates)."""
     windows = 6
-    with LocalSwarm(run_dir, peers=3, windows=windows, store="file", overrides=small()) as swarm:
+    overrides = {**small(), "outer": {"recompress": True, "recompress_k": 32, "recompress_beta": 0.9}}
+    with LocalSwarm(run_dir, peers=3, windows=windows, store="file", overrides=overrides) as swarm:
         start(swarm)
         p1 = swarm.peers["peer-1"]
         swarm.follow(lambda: 0 in p1.applied, timeout_s=TIMEOUT_S)

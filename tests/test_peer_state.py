@@ -26,6 +26,7 @@ from client.trainer import pseudo_gradient
 from client.window import Skipped
 from protocol import layout
 from protocol.aggregate import aggregate, apply_outer, sparse_of
+from protocol.broadcast import applied, plain
 from protocol.config import RunSpec
 from protocol.errors import (
     AccessDenied,
@@ -114,15 +115,16 @@ class MiniValidator:
             contribs.append(c)
         contribs.sort(key=lambda c: c.sender)
         delta = aggregate([sparse_of(c.value.tensors) for c in contribs]) if contribs else {}
-        apply_outer(self.params, delta, self.spec.outer.alpha)
+        shapes = {n: tuple(p.shape) for n, p in self.params.items()}
+        tensors = plain(delta, shapes)  # what is signed, and what every participant applies
+        apply_outer(self.params, applied(tensors), self.spec.outer.alpha)
         fp = fingerprint(self.params)
         blob = encode_window_aggregate(
             run_hash=self.spec.hash(),
             window=self.window,
             base=self.base,
             alpha=self.spec.outer.alpha,
-            delta=delta,
-            shapes={n: tuple(p.shape) for n, p in self.params.items()},
+            tensors=tensors,
             manifest=[(c.sender, c.digest, 1.0) for c in contribs],
             fingerprint_next=fp,
             published_at=time.time(),
@@ -612,8 +614,7 @@ def test_forged_aggregate_is_recorded_and_never_applied(swarm, caplog) -> None:
         window=1,
         base=val.base,
         alpha=1.0,
-        delta={},
-        shapes={},
+        tensors={},
         manifest=[],
         fingerprint_next=honest_fp,
         published_at=time.time(),

@@ -102,3 +102,11 @@ def test_simulation_is_reproducible(dataset: TokenDataset) -> None:
     b = Simulator(MCFG, dataset, cfg).run()
     assert a.fingerprint == b.fingerprint
     assert [r.val_loss for r in a.rounds] == [r.val_loss for r in b.rounds]
+
+
+def test_recompressed_aggregates_download_less_and_still_learn(dataset: TokenDataset) -> None:
+    plain = Simulator(MCFG, dataset, sim("sparseloco")).run()
+    smaller = Simulator(MCFG, dataset, sim("sparseloco", recompress=True, recompress_k=16)).run()
+    assert smaller.final_val_loss < smaller.initial_val_loss - 0.05  # a quarter of the values per round
+    assert 0 < smaller.download_per_replica_per_round < plain.download_per_replica_per_round / 2
+    assert plain.download_per_replica_per_round < 3 * 3 * plain.bytes_per_replica_per_round  # ≈ R uploads

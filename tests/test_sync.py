@@ -11,6 +11,7 @@ import torch
 
 from client.sync import Sync
 from protocol import layout
+from protocol.broadcast import plain
 from protocol.config import RunSpec
 from protocol.errors import SchemaMismatch
 from protocol.identity import Identity
@@ -52,8 +53,7 @@ def publish(spec: RunSpec, store: ObjectStore, launch: str, tensors: dict[str, t
         window=0,
         base=launch,
         alpha=1.0,
-        delta=delta,
-        shapes={n: s for n, (s, _) in tensors.items()},
+        tensors=plain(delta, {n: s for n, (s, _) in tensors.items()}),
         manifest=[],
         fingerprint_next="0" * 64,
         published_at=GENESIS_AT + 1,

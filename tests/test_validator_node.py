@@ -14,14 +14,17 @@ import pytest
 import torch
 
 from protocol import layout
-from protocol.aggregate import apply_outer
+from protocol.aggregate import SparseDict, aggregate, apply_outer, sparse_of
+from protocol.broadcast import recompress_codec
+from protocol.caps import object_caps
 from protocol.chain import delta_of, read_aggregate, read_launch
 from protocol.errors import ConfigError
 from protocol.events import Event, WindowOpened, WindowPublished, WindowRetry, WindowWaiting
+from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model, fingerprint, parameters_of
 from protocol.store.memory import SimulatedCrash
-from protocol.wire import GENESIS, decode_aggregate
+from protocol.wire import GENESIS, Aggregate, decode_aggregate, decode_contribution
 from tests.validator_fixtures import LOCAL, Swarm, tiny_spec, with_nan_scale
 from validator import publish
 from validator.node import Validator
@@ -124,7 +127,7 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
     swarm.upload(replayed.peer_id, 1, swarm.honest(replayed, theta0(swarm), 0, GENESIS))
     # signed for window 1 but trained from genesis
     swarm.upload(stale.peer_id, 1, swarm.honest(stale, theta0(swarm), 1, GENESIS))
-    swarm.upload(oversized.peer_id, 1, os.urandom(spec.validator.max_contribution_bytes + 1))
+    swarm.upload(oversized.peer_id, 1, os.urandom(object_caps(spec).contribution + 1))
     good = swarm.honest(truncated, params, 1, base)
     swarm.upload(truncated.peer_id, 1, good[:-100])
     swarm.upload(wrong_run.peer_id, 1, swarm.blob(wrong_run, 1, base, enc_a, run_hash="ab" * 32))
@@ -257,6 +260,78 @@ def test_lost_state_directory_replays_the_chain_from_the_store(swarm: Swarm, vke
     v2 = make_validator(swarm, vkey, tmp_path / "b")
     assert v2.state is not None and v2.state.window == 1 and fingerprint(v2.state.params) == report.fingerprint
     v2.close()
+
+
+def _accepted_delta(sw: Swarm, agg: Aggregate) -> SparseDict:
+    """Δ̄ of a published window recomputed from the contributions its manifest names (the rule)."""
+    contribs = []
+    for m in sorted(agg.manifest, key=lambda m: m.peer_id):
+        blob = sw.store.get(layout.contrib_key(sw.run, agg.window, m.peer_id), max_bytes=1 << 26)
+        contribs.append(sparse_of(decode_contribution(blob, run_hash=sw.run_hash, max_bytes=1 << 26).value.tensors))
+    return aggregate(contribs, sw.spec.outer.aggregation, "none")  # the run does not clip
+
+
+def _dense(delta: SparseDict, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    out = torch.zeros(shape).view(-1)
+    if name in delta:
+        out[delta[name][0]] = delta[name][1]
+    return out.view(shape)
+
+
+def _assert_feedback_step(sw: Swarm, after: FeedbackState, before: FeedbackState, agg: Aggregate) -> None:
+    """e_{t+1} + decode(Δ̂_t) = β·e_t + Δ̄_t: what was not sent is kept once, nothing more."""
+    beta, delta, sent = sw.spec.outer.recompress_beta, _accepted_delta(sw, agg), delta_of(agg)
+    for name, shape in sw.schema.items():
+        old = before.buffers.get(name, torch.zeros(shape))
+        want = beta * old + _dense(delta, name, shape)
+        got = after.buffers.get(name, torch.zeros(shape)) + _dense(sent, name, shape)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_recompression_buffer_survives_crashes_without_loss_or_double_use(vkey: Identity, tmp_path) -> None:
+    outer = {"recompress": True, "recompress_k": 16, "recompress_beta": 0.9, "clip": "none"}
+    sw = Swarm(tiny_spec(vkey, outer=outer), 4)
+    sw.announce_all()
+    spec = sw.spec
+    read = lambda w: read_aggregate(  # noqa: E731
+        sw.store, sw.run, sw.run_hash, w, allowed_signers=spec.validator.public_keys, max_bytes=1 << 26
+    )
+    v = make_validator(sw, vkey, tmp_path)
+    params = theta0(sw)
+    for p in sw.peers[:3]:
+        sw.upload(p.peer_id, 0, sw.honest(p, params, 0, v.state.base))  # type: ignore[union-attr]
+    # Killed while putting aggregate 0: the buffer of window 1 was written ahead of a put that never
+    # landed; the restart decides window 0 again from the empty buffer of window 0.
+    v.store.faults.crash_mid_upload(layout.aggregate_key(sw.run, 0))  # type: ignore[attr-defined]
+    with pytest.raises(SimulatedCrash):
+        v.run_window()
+    v.log.close()
+    v2 = make_validator(sw, vkey, tmp_path)
+    assert v2.state is not None and v2.state.window == 0 and not v2.feedback.buffers
+    assert v2.run_window() is not None
+    agg0 = read(0)
+    assert agg0 is not None and agg0.value.codec == recompress_codec(spec.outer, spec.codec)
+    _assert_feedback_step(sw, v2.feedback, FeedbackState(), agg0.value)
+    apply_outer(params, delta_of(agg0.value), agg0.value.alpha)  # a peer reproduces θ_1
+    assert fingerprint(params) == agg0.value.fingerprint
+    e1 = v2.feedback
+
+    # Killed after putting aggregate 1 (while writing checkpoint 2): the restart adopts the
+    # aggregate and the buffer written ahead of it, not e_1 again.
+    base1 = v2.state.base  # type: ignore[union-attr]
+    for p in sw.peers[:3]:
+        sw.upload(p.peer_id, 1, sw.honest(p, v2.state.params, 1, base1))  # type: ignore[union-attr]
+    v2.store.faults.crash_mid_upload(layout.checkpoint_prefix(sw.run, 2))  # type: ignore[attr-defined]
+    with pytest.raises(SimulatedCrash):
+        v2.run_window()
+    v2.log.close()
+    v3 = make_validator(sw, vkey, tmp_path)
+    agg1 = read(1)
+    assert agg1 is not None and v3.state is not None and v3.state.window == 2 and v3.state.base == agg1.digest
+    _assert_feedback_step(sw, v3.feedback, e1, agg1.value)
+    assert sorted(p.name for p in tmp_path.glob("feedback-*")) == ["feedback-00000002.safetensors"]
+    v3.close()
+    sw.close()
 
 
 def test_empty_window_closes_at_the_deadline_and_publishes(swarm: Swarm, vkey: Identity, tmp_path) -> None:

@@ -9,8 +9,6 @@ import struct
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from wire_samples import (
     BASE,
     CODEC,
@@ -60,7 +58,7 @@ from protocol.wire import (
     encode_checkpoint,
     encode_contribution,
 )
-from protocol.wire.aggregate import decode_indices, encode_indices
+from protocol.wire.delta import encode_index_set, round_values
 from protocol.wire.fields import (
     Reader,
     Scalar,
@@ -325,29 +323,36 @@ def test_codec_errors_name_the_tensor() -> None:
         dec_contrib(resign(blob, PEER, payload=bytes(payload)))
 
 
-def _agg_blob(shape: tuple[int, ...], idx_bytes: bytes, nnz: int, values: bytes) -> bytes:
+def _agg_blob(shape: tuple[int, ...], idx_bytes: bytes, nnz: int, values: bytes, coding: int = 0) -> bytes:
     w = Writer()
     write_base(w, BASE)
     w.f64(1.0)
     w.text("f" * 64, 128)
     write_metadata(w, {"published_at": 5.0})
     w.varint(0)
-    write_table(w, [TensorEntry("t", shape, 0, (nnz, len(idx_bytes)))])
+    w.u8(0)  # encoding: sparse, bfloat16 values
+    write_table(w, [TensorEntry("t", shape, 0, (nnz, coding, len(idx_bytes)))])
     return resign(encode_aggregate(aggregate(), VALIDATOR), VALIDATOR, body=w.getvalue(), payload=idx_bytes + values)
 
 
+def _bf16(*values: float) -> bytes:
+    return (np.array(values, dtype="<f4").view("<u4") >> 16).astype("<u2").tobytes()
+
+
 def test_aggregate_indices_and_values_are_checked() -> None:
-    vals = np.ones(2, dtype="<f4").tobytes()
-    good = encode_indices(np.array([5, 99]), 100)
-    assert dec_agg(_agg_blob((100,), good, 2, vals)).value.tensors["t"].indices.tolist() == [5, 99]
+    vals = _bf16(1.0, 1.0)
+    coding, good = encode_index_set(np.array([5, 99]), 100)
+    assert dec_agg(_agg_blob((100,), good, 2, vals, coding)).value.tensors["t"].indices.tolist() == [5, 99]
     with pytest.raises(InvalidIndices):
-        dec_agg(_agg_blob((50,), good, 2, vals))
+        dec_agg(_agg_blob((50,), good, 2, vals, coding))
     with pytest.raises(MalformedPayload):
-        dec_agg(_agg_blob((100,), good, 3, vals + vals[:4]))
+        dec_agg(_agg_blob((100,), good, 3, vals + vals[:2], coding))
     with pytest.raises(NonFiniteValues):
-        dec_agg(_agg_blob((100,), good, 2, np.array([1, np.nan], dtype="<f4").tobytes()))
+        dec_agg(_agg_blob((100,), good, 2, _bf16(1.0, float("nan")), coding))
     with pytest.raises(MalformedPayload):
         dec_agg(_agg_blob((1,), b"", 2, vals))  # more values than positions
+    with pytest.raises(MalformedPayload, match="index coding"):
+        dec_agg(_agg_blob((100,), good, 2, vals, 7))
 
 
 def test_encoders_refuse_bad_input() -> None:
@@ -360,39 +365,18 @@ def test_encoders_refuse_bad_input() -> None:
     t = SparseDelta((10,), torch.tensor([3, 3]), torch.ones(2))
     with pytest.raises(MalformedPayload):
         encode_aggregate(type(a)(**{**a.__dict__, "tensors": {"x": t}}), VALIDATOR)
+    unrounded = SparseDelta((10,), torch.tensor([3]), torch.tensor([0.1]))  # signed ≠ applied
+    with pytest.raises(MalformedPayload, match="bfloat16"):
+        encode_aggregate(type(a)(**{**a.__dict__, "tensors": {"x": unrounded}}), VALIDATOR)
+    rounded = SparseDelta((10,), torch.tensor([3]), round_values(torch.tensor([0.1])))
+    assert dec_agg(encode_aggregate(type(a)(**{**a.__dict__, "tensors": {"x": rounded}}), VALIDATOR)).value.nnz == 1
+    mixed_agg = {"x": rounded, "y": codec.encode(torch.randn(10), CODEC)}
+    with pytest.raises(MalformedPayload, match="all sparse deltas or all encoded"):
+        encode_aggregate(type(a)(**{**a.__dict__, "tensors": mixed_agg}), VALIDATOR)
     c = contribution()
     mixed = {**c.tensors, "z": codec.encode(torch.randn(10), CodecConfig(k=128))}
     with pytest.raises(MalformedPayload, match="another codec config"):
         encode_contribution(Contribution(RUN, 1, BASE, CODEC, mixed), PEER)
-
-
-# ------------------------------------------------------------------------------ index coding
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 5000).flatmap(lambda n: st.tuples(st.just(n), st.sets(st.integers(0, n - 1)))))
-def test_index_coding_roundtrips(case) -> None:
-    numel, idx_set = case
-    idx = np.array(sorted(idx_set), dtype=np.int64)
-    data = encode_indices(idx, numel)
-    assert np.array_equal(decode_indices(data, idx.size, numel, "t"), idx)
-
-
-def test_index_coding_handles_large_gaps_and_rejects_noncanonical() -> None:
-    idx = np.array([0, 2**35, 2**40 - 1], dtype=np.int64)
-    assert np.array_equal(decode_indices(encode_indices(idx, 2**40), 3, 2**40, "t"), idx)
-    with pytest.raises(MalformedPayload, match="non-canonical"):
-        decode_indices(b"\x81\x00", 1, 100, "t")
-    with pytest.raises(MalformedPayload):
-        decode_indices(b"\x81", 1, 100, "t")  # unterminated
-    with pytest.raises(InvalidIndices):
-        decode_indices(b"\xff" * 6 + b"\x01", 1, 2**40, "t")
-
-
-def test_index_coding_is_fast_and_compact_for_dense_unions() -> None:
-    numel = 4_000_000
-    idx = np.sort(np.random.default_rng(0).choice(numel, numel // 4, replace=False))
-    data = encode_indices(idx, numel)
-    assert len(data) < 1.1 * idx.size  # gaps of a 25 %-dense union fit one byte
-    assert np.array_equal(decode_indices(data, idx.size, numel, "t"), idx)
 
 
 # ------------------------------------------------------------------------------ size

@@ -27,6 +27,7 @@ from protocol.wire import (
     encode_contribution,
     encode_dataset,
 )
+from protocol.wire.delta import round_values
 from protocol.wire.frame import Kind, seal
 
 RUN = RunSpec.default().hash()
@@ -52,7 +53,7 @@ def aggregate(window: int = 7, seed: int = 0) -> Aggregate:
     for name, shape in SCHEMA.items():
         numel = int(torch.tensor(shape).prod())
         idx = torch.randperm(numel, generator=g)[: numel // 10].sort().values
-        tensors[name] = SparseDelta(shape, idx, torch.randn(idx.numel(), generator=g))
+        tensors[name] = SparseDelta(shape, idx, round_values(torch.randn(idx.numel(), generator=g)))
     manifest = (
         ManifestEntry(PEER.peer_id, hashlib.sha256(b"c1").hexdigest(), 1.0),
         ManifestEntry(VALIDATOR.peer_id, hashlib.sha256(b"c2").hexdigest(), 0.5),

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from protocol import layout
+from protocol.caps import object_caps
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, ObjectNotFound
 from protocol.identity import Identity
@@ -99,7 +100,7 @@ def collect_run(
     # store.grant_url / public_reads are how peers reach the run; the operator holds the credential.
     settings = dataclasses.replace(local.store, grant_url="", public_reads=False)
     with open_from_settings(settings, identity=identity, validator_keys=signers) as store:
-        current = published_window(store, run, run_hash, signers=signers, max_bytes=spec.validator.max_aggregate_bytes)
+        current = published_window(store, run, run_hash, signers=signers, max_bytes=object_caps(spec).aggregate)
         plan = plan_collection(store, run, run_hash, current=current, policy=policy, signers=signers)
         deleted = _sizes(store, plan.delete)
         kept = _sizes(store, plan.kept)

@@ -15,7 +15,7 @@ within ``max_skew_s``, nonce never seen), name this run's hash, come from a peer
 and ask for something this peer may have:
 
 * ``put`` of its contribution to the *open* window, create-only, at most
-  ``validator.max_contribution_bytes``: the URL expires at the window's upload deadline;
+  the contribution cap (:func:`protocol.caps.object_caps`): the URL expires at the window's upload deadline;
 * ``put`` of its announcement (withdrawals replace it) or its preflight probe, small, short-lived;
 * ``get``/``head`` of a key, or ``list`` of a prefix, under the run (``<run>/``) or one of
   ``read_prefixes``: valid ``read_expiry_s``, so peers poll with a cached URL.
@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol import layout
+from protocol.caps import object_caps
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, StoreError
 from protocol.events import Event, GrantDenied, Granted, WindowOpened, WindowPublished
@@ -163,6 +164,7 @@ class GrantDesk:
         self.policy = policy or GrantPolicy()
         self.run_hash = spec.hash()
         self.run_id = layout.run_id(self.run_hash)
+        self.max_contribution_bytes = object_caps(spec).contribution  # what the validator reads
         self.emit = emit or (lambda event: None)
         self.clock = clock
         p = self.policy
@@ -265,7 +267,7 @@ class GrantDesk:
 
     def _contribution_expiry(self, window: int, req: GrantRequest, now: float) -> int:
         """Seconds a contribution PUT for ``window`` may live: until its upload deadline."""
-        self._size(req.size, self.spec.validator.max_contribution_bytes, "a contribution")
+        self._size(req.size, self.max_contribution_bytes, "a contribution")
         if not req.if_absent:
             raise GrantRefused("forbidden", "a contribution is created once: ask with if_absent")
         open_now = self.open_window()

@@ -30,7 +30,10 @@ with and clipped to a reference learned from earlier accepted updates, never the
 Crash safety: decisions are written (status ``decided``) before the aggregate is put, and the state
 file moves to t + 1 after it; a restart adopts an aggregate it finds already published for its
 window, and otherwise re-decides the window (rows are keyed by (window, peer) and reputation is
-derived from them, so nothing is lost or counted twice).
+derived from them, so nothing is lost or counted twice). The published Δ̄ is the bfloat16-rounded or
+re-compressed form of the aggregate (:mod:`protocol.broadcast`), and θ_{t+1} is θ_t minus exactly
+that; with re-compression the validator's error-feedback buffer is written ahead of the put
+(``validator/state.py``).
 
 Launches: the chain grows from the digest of a genesis manifest (:mod:`protocol.chain`). Without a
 state directory the validator continues the launch whose genesis the store holds, or publishes a
@@ -41,6 +44,7 @@ never adopted: they are overwritten when the validator publishes.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -53,13 +57,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from protocol import layout
+from protocol import broadcast, layout
 from protocol.aggregate import NormLimit, SparseDict, aggregate, apply_outer, clip_to_limits
+from protocol.caps import object_caps
 from protocol.chain import checkpoint_base, delta_of, next_aggregate, read_launch, read_manifest, read_weights
 from protocol.config import RunSpec
 from protocol.data import assigned_batches, validation_batches
 from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
 from protocol.events import Event, ModelEvaluated, WindowOpened, WindowPublished, WindowRetry, WindowWaiting
+from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, param_schema, parameters_of
 from protocol.outcomes import OUTCOMES, PeerOutcome, encode_outcomes, outcomes_digest
@@ -68,7 +74,7 @@ from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
 from protocol.tokens import TokenDataset
 from protocol.windows import gather_close, is_checkpoint_window
-from protocol.wire import GENESIS, Aggregate, CheckpointManifest, Verified, decode_aggregate
+from protocol.wire import GENESIS, Aggregate, AggregateTensor, CheckpointManifest, Verified, decode_aggregate
 from validator import checks, publish, randomness, reference, retention, window_checks
 from validator.budgets import Budgets
 from validator.consensus import agreement
@@ -105,7 +111,14 @@ from validator.scoring import (
     suspicion_order,
     take_sequences,
 )
-from validator.state import ValidatorState, load_state, save_state
+from validator.state import (
+    ValidatorState,
+    load_feedback,
+    load_state,
+    prune_feedback,
+    save_feedback,
+    save_state,
+)
 
 __all__ = ["LOG_FILE", "Validator"]
 
@@ -147,10 +160,12 @@ class _Window:
 
 @dataclass(frozen=True)
 class _Result:
-    """An aggregate that keeps θ finite: Δ̄, θ_{t+1}, its validation loss (None: not finite) and
-    the contributions left out to get there."""
+    """An aggregate that keeps θ finite: Δ̄'s published form (:mod:`protocol.broadcast`), the
+    validator's error-feedback buffer after it, θ_{t+1} (θ_t minus exactly the published form), its
+    validation loss (None: not finite) and the contributions left out to get there."""
 
-    delta: SparseDict
+    tensors: dict[str, AggregateTensor]
+    feedback: FeedbackState
     params: dict[str, torch.Tensor]
     val_loss: float | None
     dropped: frozenset[str] = frozenset()
@@ -214,7 +229,9 @@ class Validator:
         self.signers = sorted(set(spec.validator.public_keys))
         v = self.local.validator
         self.retention = retention.Retention(v.retain_windows, v.retain_checkpoint_every)
+        self.caps = object_caps(spec)
         self.state: ValidatorState | None = None
+        self.feedback = FeedbackState()  # the re-compression buffer that opens the current window
         self._standing_cache: tuple[int, dict[str, Standing]] | None = None
 
     def close(self) -> None:
@@ -331,6 +348,7 @@ class Validator:
         state = self._genesis() if saved is None else self._same_launch(saved)
         self._load_params(state.params)
         self.state = state
+        self.feedback = self._saved_feedback(state.window, state.base)
         self._adopt_published()
         return self._state()
 
@@ -415,7 +433,7 @@ class Validator:
             st.window,
             st.base,
             allowed_signers=self.signers,
-            max_bytes=self.spec.validator.max_aggregate_bytes,
+            max_bytes=self.caps.aggregate,
             schema=self.schema,
         )
 
@@ -433,7 +451,16 @@ class Validator:
             if fingerprint(params) != agg.value.fingerprint:
                 raise ConfigError(f"aggregate {st.window} does not reproduce its fingerprint from this state")
             self._adopt_rows(agg)
-            self._advance(st, agg, params)
+            self._advance(st, agg, params, self._saved_feedback(st.window + 1, agg.digest))
+
+    def _saved_feedback(self, window: int, base: str) -> FeedbackState:
+        """The re-compression buffer that opens ``window`` after ``base``, as written ahead of that
+        aggregate's put. Empty without a buffer to keep (``broadcast.keeps_feedback``), at genesis,
+        and when the state directory was lost (what it had not sent yet is then dropped, as a
+        peer's would be)."""
+        if not broadcast.keeps_feedback(self.spec.outer):
+            return FeedbackState()
+        return load_feedback(self.state_dir, window, base) or FeedbackState()
 
     def _adopt_rows(self, verified: Verified[Aggregate]) -> None:
         agg = verified.value
@@ -457,7 +484,7 @@ class Validator:
             expected_base=base,
             codec=self.spec.codec,
             schema=self.schema,
-            max_bytes=self.spec.validator.max_contribution_bytes,
+            max_bytes=self.caps.contribution,
             registered=registered,
             excluded=excluded,
         )
@@ -508,7 +535,7 @@ class Validator:
             opened_at=opened_at,
             windows=self.spec.windows,
             poll_interval_s=self.local.poll_interval_s,
-            max_bytes=self.spec.validator.max_contribution_bytes,
+            max_bytes=self.caps.contribution,
             concurrency=self.local.validator.gather_concurrency,
             expected=expected,
             admit=admit,
@@ -668,8 +695,12 @@ class Validator:
         delta = aggregate([contribs[p] for p in peers], o.aggregation, "none")  # clipped already
         if not all(bool(torch.isfinite(v).all()) for _, v in delta.values()):
             return None
+        tensors, feedback = broadcast.publishable(delta, self.schema, o, self.spec.codec, self.feedback)
+        published = broadcast.applied(tensors)  # what is signed, not Δ̄ itself
+        if not all(bool(torch.isfinite(v).all()) for _, v in published.values()):
+            return None
         nxt = {n: p.detach().clone() for n, p in st.params.items()}
-        apply_outer(nxt, delta, o.alpha)
+        apply_outer(nxt, published, o.alpha)
         if not all(bool(torch.isfinite(p).all()) for p in nxt.values()):
             return None
         self._load_params(nxt)
@@ -677,8 +708,8 @@ class Validator:
         if not math.isfinite(loss):
             if require_loss:
                 return None
-            return _Result(delta, nxt, None)
-        return _Result(delta, nxt, loss)
+            return _Result(tensors, feedback, nxt, None)
+        return _Result(tensors, feedback, nxt, loss)
 
     def _advance_reference(
         self, ref: reference.NormReference, screened: Sequence[checks.Screened], w: _Window
@@ -763,8 +794,7 @@ class Validator:
             window=t,
             base=st.base,
             alpha=self.spec.outer.alpha,
-            delta=result.delta,
-            shapes=self.schema,
+            tensors=result.tensors,
             manifest=[(r.peer, r.digest or "", r.weight) for r in accepted],
             fingerprint_next=fp,
             published_at=published_at,
@@ -785,6 +815,8 @@ class Validator:
         )
         self.log.record_window(win, rows)
         publish.publish_outcomes(self.store, self.run_id, t, outcomes)
+        if broadcast.keeps_feedback(self.spec.outer):  # write-ahead: the buffer after this aggregate exists first
+            save_feedback(self.state_dir, t + 1, hashlib.sha256(blob).hexdigest(), result.feedback)
         publish.publish_aggregate(
             self.store,
             self.run_id,
@@ -793,11 +825,11 @@ class Validator:
             blob,
             base=st.base,
             allowed_signers=self.signers,
-            max_bytes=self.spec.validator.max_aggregate_bytes,
+            max_bytes=self.caps.aggregate,
         )
         agg = decode_aggregate(blob, run_hash=self.run_hash, max_bytes=len(blob), allowed_signers=self.signers)
         self.log.mark_published(t, digest=agg.digest, published_at=published_at)
-        self._advance(st, agg, result.params, ref)
+        self._advance(st, agg, result.params, result.feedback, ref)
         reasons: dict[str, int] = {}
         for r in rows:
             if r.reason:
@@ -826,9 +858,11 @@ class Validator:
         st: ValidatorState,
         agg: Verified[Aggregate],
         params: dict[str, torch.Tensor],
+        feedback: FeedbackState,
         ref: reference.NormReference | None = None,
     ) -> None:
-        """Move to window t + 1: checkpoint when due, then the state file (the commit point).
+        """Move to window t + 1: checkpoint when due, then the state file (the commit point), then
+        drop the error-feedback buffer of window t (``feedback`` opens window t + 1).
         ``ref``: the norm reference after this window (None: unchanged, an adopted aggregate)."""
         ref = st.reference if ref is None else ref
         nxt = ValidatorState(
@@ -855,6 +889,8 @@ class Validator:
             )
         save_state(self.state_dir, nxt)
         self.state = nxt
+        self.feedback = feedback
+        prune_feedback(self.state_dir, before=nxt.window)
         self._load_params(params)
         self._collect(nxt.window)
 

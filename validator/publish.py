@@ -28,7 +28,6 @@ import torch
 from safetensors.torch import save as st_save
 
 from protocol import layout
-from protocol.aggregate import SparseDict
 from protocol.chain import MAX_MANIFEST_BYTES, WEIGHTS_FILE, read_checkpoint
 from protocol.errors import ObjectExists, ObjectNotFound, PayloadTooLarge, ProtocolError
 from protocol.identity import Identity
@@ -37,6 +36,7 @@ from protocol.store.base import ObjectStore
 from protocol.wire import (
     GENESIS,
     Aggregate,
+    AggregateTensor,
     CheckpointFile,
     CheckpointManifest,
     ManifestEntry,
@@ -45,9 +45,6 @@ from protocol.wire import (
     decode_checkpoint,
     encode_aggregate,
     encode_checkpoint,
-)
-from protocol.wire import (
-    SparseDelta as WireDelta,
 )
 
 __all__ = [
@@ -222,17 +219,16 @@ def encode_window_aggregate(
     window: int,
     base: str,
     alpha: float,
-    delta: SparseDict,
-    shapes: Mapping[str, tuple[int, ...]],
+    tensors: Mapping[str, AggregateTensor],
     manifest: Sequence[tuple[str, str, float]],
     fingerprint_next: str,
     published_at: float,
     metadata: Mapping[str, int | float | str | bool],
     identity: Identity,
 ) -> bytes:
-    """The signed aggregate of ``window``: Δ̄ (sparse), manifest [(peer, digest, weight)], fingerprint
-    of θ_{window+1}, ``published_at`` (now: window + 1 opens with it), metadata (``val_loss`` …)."""
-    tensors = {name: WireDelta(tuple(shapes[name]), idx, vals) for name, (idx, vals) in sorted(delta.items())}
+    """The signed aggregate of ``window``: Δ̄ in its published form (``protocol.broadcast.publishable``:
+    what θ_{window+1} was computed with), manifest [(peer, digest, weight)], fingerprint of
+    θ_{window+1}, ``published_at`` (now: window + 1 opens with it), metadata (``val_loss`` …)."""
     agg = Aggregate(
         run_hash,
         window,
@@ -240,7 +236,7 @@ def encode_window_aggregate(
         alpha,
         fingerprint_next,
         tuple(ManifestEntry(p, d, w) for p, d, w in sorted(manifest)),
-        tensors,
+        dict(tensors),
         float(published_at),
         dict(metadata),
     )

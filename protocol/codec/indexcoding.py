@@ -131,6 +131,18 @@ def golomb_param(total: int, n: int) -> int:
     return int(min(MAX_GOLOMB, math.ceil(math.log(2.0 - p) / -math.log1p(-p))))
 
 
+def rice_nbytes(local: I64, ks: I64) -> int:
+    """Bytes :func:`encode_rice` writes for ``local`` (no side values), counted without writing them:
+    the u16 parameter, the A fields, the extra bits of long remainders and the unary quotients."""
+    gaps = to_gaps(local, ks)
+    m = choose_golomb(gaps)
+    b, u = _params(m)
+    q, r = np.divmod(gaps, np.int32(m))
+    n_big = int(np.count_nonzero(r >= u)) if m > 1 else 0
+    stream_bits = n_big + int(q.sum(dtype=np.int64)) + gaps.size
+    return _U16.size + packed_size(gaps.size, max(b - 1, 0)) + (stream_bits + 7) // 8
+
+
 def encode_rice(
     local: I64,
     ks: I64,

@@ -7,8 +7,9 @@ Contribution        the peer                    base, codec params, metadata, te
                                                 payload = ``codec.pack`` of every tensor
 Aggregate           a validator key of the run  base, alpha, fingerprint of θ_{t+1}, metadata
                                                 with published_at, manifest [(peer, digest,
-                                                weight)], tensor table; payload = delta-coded
-                                                flat indices + float32
+                                                weight)], encoding, tensor table; payload =
+                                                coded index sets + bfloat16 values, or codec
+                                                payloads of a re-compressed Δ̄
 CheckpointManifest  a validator key             aggregate digest, fingerprint, metadata with
                                                 published_at, files
 Announcement        the peer                    client version, hardware, pipeline role, metadata
@@ -39,7 +40,15 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from protocol.errors import PayloadTooLarge
-from protocol.wire.aggregate import Aggregate, ManifestEntry, SparseDelta, decode_aggregate, encode_aggregate
+from protocol.wire.aggregate import (
+    Aggregate,
+    AggregateTensor,
+    Encoding,
+    ManifestEntry,
+    SparseDelta,
+    decode_aggregate,
+    encode_aggregate,
+)
 from protocol.wire.announcement import Announcement, PipelineRole, decode_announcement, encode_announcement
 from protocol.wire.checkpoint import CheckpointFile, CheckpointManifest, decode_checkpoint, encode_checkpoint
 from protocol.wire.contribution import Contribution, decode_contribution, encode_contribution
@@ -62,6 +71,8 @@ __all__ = [
     "SignedObject",
     "Contribution",
     "Aggregate",
+    "AggregateTensor",
+    "Encoding",
     "SparseDelta",
     "ManifestEntry",
     "CheckpointManifest",

@@ -1,26 +1,44 @@
-"""The validator's signed Δ̄ for a window: what every peer applies, θ_{t+1} = θ_t − alpha·Δ̄.
+"""The validator's signed Δ̄ for a window: what every participant applies, θ_{t+1} = θ_t − alpha·Δ̄.
 
 Body: base, alpha (f64), fingerprint of θ_{t+1}, metadata with ``published_at``, manifest
-[(raw peer id, contribution digest, f64 weight)], tensor table (value count and index bytes per
-tensor). Payload per tensor: the sorted flat indices as varint gaps, then the float32 values.
+[(raw peer id, contribution digest, f64 weight)], the encoding of Δ̄ (u8), the codec parameters
+when it is ``CODEC``, then the tensor table. Format version 2 of the kind has two encodings:
+
+* ``SPARSE`` (plain): per tensor the union of the contributors' positions as a coded index set and
+  one bfloat16 value per position (:mod:`protocol.wire.delta`); table lengths (value count, index
+  coding, index bytes); payload per tensor: index bytes, then values. ``tensors`` hold
+  :class:`SparseDelta`.
+* ``CODEC`` (``outer.recompress``): per tensor a codec payload, exactly like a contribution's
+  (:func:`protocol.codec.pack`: chunk-wise Top-k, 2-bit codes); table lengths (payload bytes).
+  ``tensors`` hold :class:`~protocol.codec.Encoded`, all with the one codec config of the body.
 
     blob = encode_aggregate(Aggregate(run_hash, t, base, alpha, fp, manifest, tensors, published_at), key)
     agg = decode_aggregate(blob, run_hash=..., max_bytes=cap, allowed_signers=keys, schema=shapes)
     agg.digest                                  # the ``base`` of every contribution to window t + 1
     agg.value.published_at                      # when window t + 1 opened
+    protocol.chain.delta_of(agg.value)          # Δ̄ as flat indices + float32 values (apply_outer)
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
-from protocol.errors import InvalidIndices, MalformedPayload, NonFiniteValues
+from protocol.codec import Encoded, pack
+from protocol.config import CodecConfig
+from protocol.errors import MalformedPayload
 from protocol.identity import Identity
+from protocol.wire.contribution import unpack_tensor
+from protocol.wire.delta import (
+    VALUE_BYTES,
+    decode_index_set,
+    decode_values,
+    encode_index_set,
+    encode_values,
+)
 from protocol.wire.fields import (
     DTYPE_FLOAT32,
     Metadata,
@@ -33,12 +51,14 @@ from protocol.wire.fields import (
     check_schema,
     digest_to_bytes,
     read_base,
+    read_codec,
     read_peer_id,
     read_published_metadata,
     read_table,
     shape_numel,
     split_payload,
     write_base,
+    write_codec,
     write_peer_id,
     write_published_metadata,
     write_table,
@@ -49,9 +69,17 @@ from protocol.wire.verified import Verified, check_signer, check_window_sender, 
 _MANIFEST_ENTRY_BYTES = 20 + 32 + 8  # raw peer id, contribution digest, f64 weight
 
 
+class Encoding(enum.IntEnum):
+    """How an aggregate's tensors travel (the u8 before its tensor table)."""
+
+    SPARSE = 0
+    CODEC = 1
+
+
 @dataclass(frozen=True)
 class SparseDelta:
-    """One tensor of Δ̄: sorted flat int64 ``indices`` into ``shape`` and float32 ``values``."""
+    """One tensor of a plain Δ̄: sorted flat int64 ``indices`` into ``shape`` and float32 ``values``
+    that are bfloat16 numbers (:func:`protocol.wire.delta.round_values`)."""
 
     shape: Shape
     indices: torch.Tensor
@@ -60,6 +88,9 @@ class SparseDelta:
     @property
     def nnz(self) -> int:
         return int(self.indices.numel())
+
+
+AggregateTensor = SparseDelta | Encoded
 
 
 @dataclass(frozen=True)
@@ -84,7 +115,7 @@ class Aggregate:
     alpha: float
     fingerprint: str
     manifest: tuple[ManifestEntry, ...]
-    tensors: Mapping[str, SparseDelta]
+    tensors: Mapping[str, AggregateTensor]  # all SparseDelta (plain) or all Encoded (re-compressed)
     published_at: float
     metadata: Metadata = field(default_factory=dict)
 
@@ -92,19 +123,29 @@ class Aggregate:
     def nnz(self) -> int:
         return sum(t.nnz for t in self.tensors.values())
 
+    @property
+    def codec(self) -> CodecConfig | None:
+        """The codec of a re-compressed aggregate; None for a plain one (or one without tensors)."""
+        return _encoding(self.tensors)[1]
+
 
 def encode_aggregate(a: Aggregate, identity: Identity) -> bytes:
-    """Sign and serialize an aggregate (indices must be sorted, unique and inside each shape)."""
-    names = sorted(a.tensors)
+    """Sign and serialize an aggregate. Plain tensors need sorted unique indices inside their shape
+    and bfloat16 values; re-compressed ones one codec config. MalformedPayload otherwise."""
+    encoding, cfg = _encoding(a.tensors)
     table, parts = [], []
-    for name in names:
+    for name in sorted(a.tensors):
         t = a.tensors[name]
-        idx = encode_indices(t.indices.detach().cpu().numpy(), shape_numel(t.shape))
-        vals = t.values.detach().cpu().to(torch.float32).contiguous().numpy()
-        if vals.shape != (t.nnz,) or not np.isfinite(vals).all():
-            raise MalformedPayload(f"{name}: values must be nnz finite float32 numbers")
-        table.append(TensorEntry(name, tuple(t.shape), DTYPE_FLOAT32, (t.nnz, len(idx))))
-        parts += [idx, vals.astype("<f4").tobytes()]
+        if isinstance(t, Encoded):
+            blob = pack(t)
+            table.append(TensorEntry(name, tuple(t.shape), DTYPE_FLOAT32, (len(blob),)))
+            parts.append(blob)
+            continue
+        if t.values.shape != (t.nnz,):
+            raise MalformedPayload(f"{name}: {tuple(t.values.shape)} values for {t.nnz} indices")
+        coding, idx = encode_index_set(t.indices.detach().cpu().numpy(), shape_numel(t.shape))
+        table.append(TensorEntry(name, tuple(t.shape), DTYPE_FLOAT32, (t.nnz, int(coding), len(idx))))
+        parts += [idx, encode_values(t.values, name)]
     w = Writer()
     write_base(w, a.base)
     w.f64(a.alpha)
@@ -115,8 +156,22 @@ def encode_aggregate(a: Aggregate, identity: Identity) -> bytes:
         write_peer_id(w, m.peer_id)
         w.raw(digest_to_bytes(m.digest))
         w.f64(m.weight)
+    w.u8(encoding)
+    if cfg is not None:
+        write_codec(w, cfg)
     write_table(w, table)
     return seal(Kind.AGGREGATE, a.run_hash, a.window, identity, w.getvalue(), b"".join(parts))
+
+
+def _encoding(tensors: Mapping[str, AggregateTensor]) -> tuple[Encoding, CodecConfig | None]:
+    """SPARSE when every tensor is a SparseDelta, CODEC (with its config) when every one is an
+    Encoded of one codec config; MalformedPayload for a mixture."""
+    configs = {t.cfg for t in tensors.values() if isinstance(t, Encoded)}
+    if not configs:
+        return Encoding.SPARSE, None
+    if len(configs) != 1 or not all(isinstance(t, Encoded) for t in tensors.values()):
+        raise MalformedPayload("an aggregate's tensors are all sparse deltas or all encoded with one codec config")
+    return Encoding.CODEC, next(iter(configs))
 
 
 def decode_aggregate(
@@ -138,8 +193,9 @@ def decode_aggregate(
     default ``partial=True``; ``partial=False`` demands every tensor.
 
     Raises the envelope errors plus UnknownSigner, WrongWindow, MalformedPayload (also without a
-    ``published_at``), SchemaMismatch, InvalidIndices (unsorted, duplicate or out-of-range indices)
-    and NonFiniteValues.
+    ``published_at``, or for an index set not in its one canonical coding), SchemaMismatch,
+    InvalidIndices (out-of-range indices), NonFiniteValues and whatever the codec raises for a
+    re-compressed tensor's payload.
     """
     env = open_envelope(data, max_bytes=max_bytes, run_hash=run_hash, kind=Kind.AGGREGATE)
     check_signer(env, allowed_signers)
@@ -153,80 +209,36 @@ def decode_aggregate(
     manifest = tuple(ManifestEntry(read_peer_id(r), r.digest(), r.f64()) for _ in range(n_entries))
     if len({m.peer_id for m in manifest}) != len(manifest):
         raise MalformedPayload("a peer appears twice in the aggregate manifest")
-    table = read_table(r, n_lengths=2)
+    encoding = r.u8()
+    if encoding not in (Encoding.SPARSE, Encoding.CODEC):
+        raise MalformedPayload(f"unknown aggregate encoding {encoding}")
+    cfg = read_codec(r) if encoding == Encoding.CODEC else None
+    table = read_table(r, n_lengths=3 if cfg is None else 1)
     r.end()
     check_schema(table, schema, partial)
-    lengths = []
     for t in table:
         check_dtype(t)
-        nnz, idx_len = t.lengths
-        if nnz > shape_numel(t.shape):
-            raise MalformedPayload(f"{t.name}: {nnz} values for {shape_numel(t.shape)} positions")
-        lengths += [idx_len, 4 * nnz]
-    views = split_payload(env.payload, lengths)
-    tensors: dict[str, SparseDelta] = {}
-    for i, t in enumerate(table):
-        idx = decode_indices(views[2 * i], t.lengths[0], shape_numel(t.shape), t.name)
-        vals = np.frombuffer(views[2 * i + 1], dtype="<f4")
-        if not np.isfinite(vals).all():
-            raise NonFiniteValues(f"{t.name}: non-finite aggregate value")
-        tensors[t.name] = SparseDelta(t.shape, torch.from_numpy(idx), torch.from_numpy(vals.astype(np.float32)))
+    tensors = _sparse_tensors(table, env.payload) if cfg is None else _codec_tensors(table, env.payload, cfg)
     agg = Aggregate(env.run_hash, env.window, a_base, alpha, fingerprint, manifest, tensors, published_at, metadata)
     return verified(agg, env)
 
 
-# ---------------------------------------------------------------------------- sparse indices
-# Sorted flat indices are coded as varint gaps with vectorized numpy (millions of indices per
-# second; a Python loop would take seconds per aggregate).
-_MAX_VARINT_BYTES = 6  # gaps < 2**42 > MAX_NUMEL
+def _sparse_tensors(table: list[TensorEntry], payload: memoryview) -> dict[str, AggregateTensor]:
+    lengths = []
+    for t in table:
+        nnz, _, idx_len = t.lengths
+        if nnz > shape_numel(t.shape):
+            raise MalformedPayload(f"{t.name}: {nnz} values for {shape_numel(t.shape)} positions")
+        lengths += [idx_len, VALUE_BYTES * nnz]
+    views = split_payload(payload, lengths)
+    tensors: dict[str, AggregateTensor] = {}
+    for i, t in enumerate(table):
+        nnz, coding, _ = t.lengths
+        idx = decode_index_set(coding, views[2 * i], nnz, shape_numel(t.shape), t.name)
+        tensors[t.name] = SparseDelta(t.shape, torch.from_numpy(idx), decode_values(views[2 * i + 1], t.name))
+    return tensors
 
 
-def encode_indices(indices: npt.NDArray[np.integer], numel: int) -> bytes:
-    """Sorted unique flat indices -> varint gaps (first value, then index[i] − index[i−1] − 1)."""
-    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-    if idx.size == 0:
-        return b""
-    gaps = np.diff(idx, prepend=np.int64(-1)) - 1
-    if gaps.min() < 0 or idx[-1] >= numel:
-        raise MalformedPayload("indices must be sorted, unique and inside the tensor")
-    g = gaps.astype(np.uint64)
-    nbytes = np.ones(g.size, dtype=np.int64)
-    for p in range(1, _MAX_VARINT_BYTES):
-        nbytes += g >= np.uint64(1 << (7 * p))
-    ends = np.cumsum(nbytes)
-    starts = ends - nbytes
-    out = np.zeros(int(ends[-1]), dtype=np.uint8)
-    for p in range(_MAX_VARINT_BYTES):
-        sel = nbytes > p
-        byte = (g[sel] >> np.uint64(7 * p)) & np.uint64(0x7F)
-        more = (nbytes[sel] > p + 1).astype(np.uint64) << np.uint64(7)
-        out[starts[sel] + p] = (byte | more).astype(np.uint8)
-    return out.tobytes()
-
-
-def decode_indices(data: bytes | memoryview, count: int, numel: int, what: str) -> npt.NDArray[np.int64]:
-    """Inverse of :func:`encode_indices`, strict: exactly ``count`` canonical varints filling
-    ``data``, every index < ``numel``. Raises InvalidIndices / MalformedPayload."""
-    b = np.frombuffer(data, dtype=np.uint8)
-    if count == 0:
-        if b.size:
-            raise MalformedPayload(f"{what}: index bytes for zero values")
-        return np.zeros(0, dtype=np.int64)
-    ends = np.flatnonzero(b < 0x80)
-    if ends.size != count or ends[-1] != b.size - 1:
-        raise MalformedPayload(f"{what}: index stream does not hold exactly {count} varints")
-    starts = np.concatenate(([0], ends[:-1] + 1))
-    lengths = ends - starts + 1
-    if lengths.max() > _MAX_VARINT_BYTES:
-        raise InvalidIndices(f"{what}: index gap too large")
-    if np.any((lengths > 1) & (b[ends] == 0)):
-        raise MalformedPayload(f"{what}: non-canonical varint")
-    pos = np.arange(b.size, dtype=np.int64) - np.repeat(starts, lengths)
-    parts = (b & 0x7F).astype(np.int64) << (7 * pos)
-    gaps = np.add.reduceat(parts, starts)
-    # cumsum of (gap + 1) − 1 is strictly increasing by construction; only the range can fail.
-    # Gaps are < 2**42 and count ≤ numel ≤ 2**40, so the int64 sum cannot overflow.
-    idx = np.cumsum(gaps + 1) - 1
-    if idx[-1] >= numel:
-        raise InvalidIndices(f"{what}: index {int(idx[-1])} outside a tensor of {numel} values")
-    return idx
+def _codec_tensors(table: list[TensorEntry], payload: memoryview, cfg: CodecConfig) -> dict[str, AggregateTensor]:
+    views = split_payload(payload, [t.lengths[0] for t in table])
+    return {t.name: unpack_tensor(t, blob, cfg) for t, blob in zip(table, views)}

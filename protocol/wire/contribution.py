@@ -131,11 +131,12 @@ def parse_contribution(
     tensors: dict[str, Encoded] = {}
     for t, blob in zip(table, split_payload(env.payload, [t.lengths[0] for t in table])):
         check_dtype(t)
-        tensors[t.name] = _unpack_tensor(t, blob, cfg)
+        tensors[t.name] = unpack_tensor(t, blob, cfg)
     return verified(Contribution(env.run_hash, env.window, c_base, cfg, tensors, metadata), env)
 
 
-def _unpack_tensor(t: TensorEntry, blob: memoryview, cfg: CodecConfig) -> Encoded:
+def unpack_tensor(t: TensorEntry, blob: memoryview, cfg: CodecConfig) -> Encoded:
+    """One codec payload of a tensor table row (contributions, re-compressed aggregates)."""
     # Every chunk costs the codec at least one payload byte, so a shape far larger than its payload
     # is rejected here, before the codec builds per-chunk tables for it (inspect has no schema).
     if shape_numel(t.shape) > max(cfg.block * cfg.block, cfg.chunk_1d) * (len(blob) + 1):

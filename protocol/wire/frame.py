@@ -4,7 +4,7 @@ Layout (all integers little-endian)::
 
     offset  size  field
     0       4     magic  b"SLoC"
-    4       1     format version (FORMAT_VERSION)
+    4       1     format version of the kind (KIND_VERSIONS)
     5       1     kind (Kind)
     6       32    RunSpec hash (raw sha256)
     38      8     window (u64)
@@ -36,7 +36,7 @@ from protocol.identity import SIGNATURE_BYTES, Identity, verify
 from protocol.wire.fields import digest_to_bytes
 
 MAGIC = b"SLoC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # the frame itself and every kind whose bytes never changed
 _FIXED = struct.Struct("<4sBB32sQ32sIQ")
 FIXED_HEADER_BYTES = _FIXED.size  # 90
 ENVELOPE_OVERHEAD = FIXED_HEADER_BYTES + SIGNATURE_BYTES  # bytes every object pays besides body+payload
@@ -52,6 +52,16 @@ class Kind(enum.IntEnum):
     @property
     def label(self) -> str:
         return self.name.lower()
+
+    @property
+    def version(self) -> int:
+        """The format version objects of this kind are written in (byte 4 of the frame)."""
+        return KIND_VERSIONS.get(self, FORMAT_VERSION)
+
+
+# Kinds whose body or payload changed since FORMAT_VERSION. Aggregate 2: coded index sets and
+# bfloat16 values, or codec payloads of a re-compressed Δ̄ (protocol.wire.aggregate).
+KIND_VERSIONS: dict[Kind, int] = {Kind.AGGREGATE: 2}
 
 
 @dataclass(frozen=True)
@@ -73,9 +83,7 @@ def seal(kind: Kind, run_hash: str, window: int, identity: Identity, body: bytes
     run_raw = digest_to_bytes(run_hash, what="run hash")
     if not 0 <= window < 2**63:
         raise MalformedPayload(f"cannot encode window {window}")
-    header = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, int(kind), run_raw, window, identity.public_key, len(body), len(payload)
-    )
+    header = _FIXED.pack(MAGIC, kind.version, int(kind), run_raw, window, identity.public_key, len(body), len(payload))
     unsigned = b"".join((header, body, payload))
     return unsigned + identity.sign(hashlib.sha256(unsigned).digest())
 
@@ -84,12 +92,15 @@ def peek_kind(data: bytes | memoryview) -> Kind:
     """The kind an object claims to be (no verification); UnsupportedVersion when unknown."""
     if len(data) < 6 or bytes(data[:4]) != MAGIC:
         raise UnsupportedVersion("not a sparseloco object (bad magic)")
-    if data[4] != FORMAT_VERSION:
-        raise UnsupportedVersion(f"format version {data[4]} is not supported (this client: {FORMAT_VERSION})")
     try:
-        return Kind(data[5])
+        kind = Kind(data[5])
     except ValueError:
         raise UnsupportedVersion(f"unknown object kind {data[5]}") from None
+    if data[4] != kind.version:
+        raise UnsupportedVersion(
+            f"{kind.label} format version {data[4]} is not supported (this client: {kind.version})"
+        )
+    return kind
 
 
 def open_envelope(data: bytes, *, max_bytes: int, run_hash: str | None, kind: Kind | None = None) -> Envelope:
