@@ -160,7 +160,7 @@ class Validator:
         st, clock = self._state(), _PhaseClock()
         t = st.window
         self._opened(st)
-        ctx = self._context(t, st.base)  # registered keys, exclusions, expected base
+        ctx = self._context(t, st)  # registered keys, exclusions, accepted bases
         received = self._gather(t, st.opened_at, ctx)  # bounded, size-capped, deadline
         if self.stop.is_set():
             return None
@@ -226,7 +226,16 @@ class Validator:
         if launch is None:
             launch = self._publish_genesis(params, self.clock())
         at = launch.value.published_at
-        state = ValidatorState(self.run_hash, 0, launch.digest, at, params, launch=launch.digest, launched_at=at)
+        state = ValidatorState(
+            self.run_hash,
+            0,
+            launch.digest,
+            at,
+            params,
+            launch=launch.digest,
+            launched_at=at,
+            previous_base=launch.digest,
+        )
         save_state(self.state_dir, state)
         return state
 
@@ -305,14 +314,17 @@ class Validator:
         self.log.mark_published(agg.window, digest=verified.digest, published_at=agg.published_at)
 
     # ------------------------------------------------------------------ phases
-    def _context(self, t: int, base: str) -> checks.Context:
+    def _context(self, t: int, st: ValidatorState) -> checks.Context:
         registered = self.registry.refresh()
         standing = self._standings(t)
         excluded = frozenset(p for p, s in standing.items() if is_excluded(s, t))
         return checks.Context(
             run_hash=self.run_hash,
             window=t,
-            expected_base=base,
+            expected_base=st.base,
+            # One-window-delayed outer step: a peer trains window t from θ_{t−1} while aggregate
+            # t−1 is published; its update is scored and applied against θ_t like any other.
+            previous_base=st.previous_base if self.spec.outer.delay else None,
             codec=self.spec.codec,
             schema=self.schema,
             max_bytes=self.spec.validator.max_contribution_bytes,
@@ -519,6 +531,7 @@ class Validator:
             params,
             launch=st.launch,
             launched_at=st.launched_at,
+            previous_base=st.base,
         )
         if is_checkpoint_window(nxt.window, self.spec.windows, self.local.max_windows):
             publish.publish_checkpoint(
