@@ -364,8 +364,8 @@ def test_stage_that_skips_after_training_keeps_feedback(tmp_path: Path) -> None:
 
     from client.peer import Peer, Staged
     from client.pipeline.trainer import StageTrainer
-    from client.window import Skipped
     from client.state import LocalState
+    from client.window import Skipped
     from protocol import layout
     from protocol.events import PeerWindow
     from protocol.identity import Identity
