@@ -7,23 +7,32 @@
 One iteration, as :meth:`Peer.run` reads it, for the next window t to train::
 
     catch_up    apply every published aggregate (verify, fingerprint check, resync on mismatch);
-                wait only while θ is more than ``outer.delay`` aggregates behind t
+                wait only while θ is further behind t than the schedule allows (below)
     train       the trainer's H steps from the newest θ (θ_t, or θ_t−1 while aggregate t−1 is in
                 flight), then Δ folded into e: Δ̂, e ← compress(e, Δ) in place; sign Δ̂
     upload      commit e and the signed bytes, then put contrib/<t>/<peer> — both on the background
                 lane (client/lane.py) while the next window trains
 
 **Overlap** (``outer.delay = 1``, the default): a peer does not wait for the aggregate of the window
-it just sent; it trains window t+1 while the validator gathers, scores and publishes window t, from
-the newest θ it holds (θ_t while aggregate t is in flight), and the validator applies that update to
-θ_t+1 one window late. θ itself changes only by applying signed aggregates, so every participant
-stays bit-identical; the contribution's ``base`` names the θ it was trained from, one aggregate old
-at most. Δ is formed against that θ, tensor by tensor, *before* the peer applies the aggregates that
-arrived meanwhile (so θ is never held twice). With ``outer.eager`` the window starts from
-θ − α·Δ̂_own, the peer's own contribution standing in for the aggregate in flight. A contribution
-is uploaded as soon as it is staged, also before its window opens (aggregate t−1 not yet
-published): the validator lists ``contrib/<t>/`` when it opens window t and finds it there. With
-``outer.delay = 0`` the peer waits for aggregate t−1 before it trains window t.
+it just sent. It trains window t while the validator gathers, scores and publishes window t−1,
+starting from the newest θ it holds, θ_t−1. Between inner steps it looks for aggregate t−1; when it
+is published the peer applies it to θ (bit-identical with everyone, as always: θ changes only by
+signed aggregates) and moves its working model by the same step, and trains on; Δ is then taken
+against θ_t and the contribution's ``base`` is aggregate t−1, as on the synchronous schedule. Once
+``outer.overlap`` of the window's inner steps are done without it, the peer waits for it there
+(bounding how much of a window is trained from the older θ; ``overlap = 1.0`` never waits, and a
+window that ends first is sent with Δ against θ_t−1 and ``base`` one aggregate old, which the
+validator applies to θ_t one window late). With ``outer.eager`` (the default) the working model
+starts from θ_t−1 − α·Δ̄′ instead, Δ̄′ being aggregate t−1 as forecast from the window's
+contributions already in the store, refreshed between steps (:mod:`client.forecast`); when the
+validator accepts the same contributions the forecast is the aggregate, bit for bit, and its
+arrival moves nothing. Δ is formed against θ as it stands at the fold, tensor by tensor, before
+any later aggregate is applied (so θ is never held twice). A contribution is uploaded as soon as it
+is staged, also before its window opens: the validator lists ``contrib/<t>/`` when it opens window t
+and finds it there. A fresh peer that finds no genesis yet trains window 0 from θ₀ (a pure function
+of the RunSpec) while it waits. With ``outer.delay = 0``, and for a trainer that cannot move its
+working model mid-window (a pipeline stage), the peer waits for aggregate t−1 before it trains
+window t.
 
 How the peer trains is a :class:`~client.window.WindowTrainer` it holds: the whole model
 (:class:`client.replica.FullReplica`) or one stage of a pipeline replica
@@ -118,6 +127,7 @@ from protocol.events import (
 )
 from protocol.feedback import FeedbackBuffers
 from protocol.identity import Identity
+from protocol.model import build_model
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore, put_once
 from protocol.windows import upload_deadline
@@ -210,6 +220,7 @@ class Peer:
         self._stand_in: SparseDict = {}  # what of the forecast the working model holds (outer.eager)
         self._forecast: Forecast | None = None
         self._refreshed = 0.0  # monotonic time of the forecast's last refresh
+        self._early: Trained | None = None  # window 0, trained from θ₀ while genesis was not out yet
         self._last_manifest: frozenset[str] | None = None  # the peers of the last aggregate applied
         self._previous_base = ""  # the base of the window before θ's (what aggregate pos.window−1 built on)
         self._checkpoint_window = 0
@@ -278,8 +289,7 @@ class Peer:
             return None, self.pending.window + 1 if self.pending else self.pos.window
         if until_window is not None and window >= until_window:
             return None, until_window
-        ahead = self.trainer.shifts and self._overlap_steps() > 0  # may start before θ opens it
-        return window, window - 1 if ahead else window
+        return window, window - 1 if self._overlaps() else window
 
     def _overlap_steps(self) -> int:
         """Inner steps a window may take before θ holds the aggregate that opens it."""
@@ -317,7 +327,7 @@ class Peer:
                 self.trainer.load_state_dict(snap.optimizer)
             self._moments_at, self._moments_step = self.state.moments_window(), self.trainer.step
             self._last_trained = snap.pending if snap.pending is not None else snap.window - 1
-        self.pos = self._wait_for_genesis()
+        self.pos = self._wait_for_genesis(early=snap is None)
         if snap is not None and snap.pending is not None and snap.pending >= self.pos.window and snap.pending_blob:
             self._resume_pending(snap.pending, snap.pending_blob)
         self.flush()
@@ -364,9 +374,10 @@ class Peer:
             return False  # the validator stops waiting after one window anyway
         return True
 
-    def _wait_for_genesis(self) -> Position:
+    def _wait_for_genesis(self, *, early: bool) -> Position:
         """Newest checkpoint (waiting for genesis if the validator is not up yet, at most
-        ``peer.join_timeout_s``), then replay."""
+        ``peer.join_timeout_s``), then replay. With ``early`` (a fresh peer) and the overlapped
+        schedule, the wait for genesis trains window 0 (:meth:`_train_before_genesis`)."""
         timeout = self.local.peer.join_timeout_s
         start = time.monotonic()
         reported: float | None = None
@@ -391,10 +402,39 @@ class Peer:
                         timeout_s=timeout,
                     )
                 )
+            if early and self._overlaps():
+                early = False  # one window, once
+                self._early = self._train_before_genesis(deadline=start + timeout)
+                continue
             self.display.update(phase="waiting for genesis")
             time.sleep(self.sync.poll_s)
         self._checkpoint_window = pos.window
         return self.sync.advance(self.params, pos, on_apply=self._applied, on_resync=self._resynced)
+
+    def _overlaps(self) -> bool:
+        """Whether this peer trains a window before θ opens it (``outer.delay = 1``, a trainer that
+        can take the aggregate mid-window, ``outer.overlap`` > 0)."""
+        return self.spec.outer.delay == 1 and self.trainer.shifts and self._overlap_steps() > 0
+
+    def _train_before_genesis(self, *, deadline: float) -> Trained | None:
+        """Window 0 from θ₀ while the validator has not published genesis yet: θ₀ is a pure function
+        of the RunSpec, and only the base (the genesis manifest's digest) is unknown, which is
+        signed only at the fold. The work is used if genesis turns out to open window 0 of this θ₀
+        (:meth:`train`), dropped otherwise; it stops at the join deadline."""
+        self.params.clear()  # resync replaces these tensors in place by the checked θ₀
+        self.params.update({n: p.detach().clone() for n, p in build_model(self.spec.model).named_parameters()})
+        job = WindowJob(
+            0,
+            self.params,
+            "",
+            self.feedback.view(),
+            report=self.display.update,
+            should_stop=lambda: self._stop or time.monotonic() >= deadline,
+            alpha=self.spec.outer.alpha,
+        )
+        work = self.trainer.train(job)
+        self.inner_s += work.stats.inner_s if isinstance(work, Trained) else work.inner_s
+        return work if isinstance(work, Trained) else None
 
     def _not_found(self, timeout: float) -> str:
         return (
@@ -568,8 +608,12 @@ class Peer:
     def train(self, window: int) -> Staged | Skipped:
         """The trainer's window from the newest θ, then its Δ folded into e and the signed
         contribution (staged by :meth:`upload`). θ does not change in between."""
+        early, self._early = self._early, None
         if not self._window_open(window):
             return Skipped("window closed before training started")
+        if early is not None and window == 0 == self.pos.window:  # trained while genesis was not out yet
+            self._stand_in, self._arrived_at = {}, 0
+            return self._fold(window, early, trained_from=0)
         trained_from = self.pos.window
         self._arrived_at = 0 if trained_from >= window else None
         self._abandoned = False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -153,6 +154,11 @@ class Recorder(PeerDisplay):
         with self._changed:
             self.events.append(event)
             self._changed.notify_all()
+
+    def update(self, **fields: object) -> None:
+        with self._changed:
+            super().update(**fields)
+            self._changed.notify_all()  # progress fields count as news for wait_for
 
     def of(self, kind: type[E]) -> list[E]:
         return [e for e in self.events if isinstance(e, kind)]
@@ -650,3 +656,97 @@ def test_forged_aggregate_is_recorded_and_never_applied(swarm, caplog) -> None:
     val.close_window(1)
     t.join(timeout=60)
     assert not t.is_alive() and fingerprint(peer.params) == val.fingerprints[-1]
+
+
+# ---------------------------------------------------------------------- the overlapped schedule
+def contribution_of(store: ObjectStore, val: MiniValidator, peer: Peer, window: int):
+    blob = store.get(layout.contrib_key(val.run, window, peer.identity.peer_id))
+    return decode_contribution(blob, run_hash=val.spec.hash(), max_bytes=len(blob)).value
+
+
+def test_a_fresh_peer_trains_window_0_while_genesis_is_not_out(tmp_path: Path) -> None:
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident)
+    store = open_store(f"memory://early-{time.time_ns()}")
+    peer, rec = make_peer(spec, store, tmp_path, "early")
+    t = threading.Thread(target=peer.run, kwargs={"until_window": 1}, daemon=True)
+    t.start()
+    rec.wait_for(lambda: peer.trainer.step == spec.inner.steps)  # window 0 trained, no genesis yet
+    assert rec.of(WaitingForGenesis) and not rec.of(Joined) and not rec.of(PeerWindow)
+    val = MiniValidator(spec, store, vident)  # the validator comes up: genesis
+    val.close_window(1)
+    t.join(timeout=60)
+    assert not t.is_alive()
+    [window] = rec.of(PeerWindow)
+    assert (window.window, window.outcome, window.inner_s > 0) == (0, "uploaded", True)
+    assert contribution_of(store, val, peer, 0).base == val.launch  # signed once genesis was known
+    assert peer.trainer.step == spec.inner.steps  # trained once, before genesis
+    assert fingerprint(peer.params) == val.fingerprints[-1]
+
+
+def test_an_aggregate_that_arrives_mid_window_moves_the_working_model(tmp_path: Path) -> None:
+    """Window 1 starts from θ_0 while aggregate 0 is in flight; it is published after the first
+    inner step: the peer applies it to θ and to its working model, and window 1 is sent against θ_1
+    (base = aggregate 0), exactly like a synchronous contribution."""
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident).replace(outer={"eager": False})
+    store = open_store(f"memory://mid-window-{time.time_ns()}")
+    val, root = MiniValidator(spec, store, vident), tmp_path
+    peer, rec = make_peer(spec, store, root, "a")
+    peer.join()
+    staged = peer.train(0)
+    assert isinstance(staged, Staged)
+    peer.upload(staged)
+    peer.flush()
+
+    def publish_after_first_step(**fields: object) -> None:
+        if fields.get("step") == 1 and fields.get("window") == 1 and val.window == 0:
+            val.close_window(1)
+
+    peer.display.update = publish_after_first_step  # type: ignore[method-assign]
+    staged = peer.train(1)
+    assert isinstance(staged, Staged) and staged.trained_from == 0 and staged.stats.stale_steps == 1
+    assert peer.pos.window == 1 and peer.pos.fingerprint == val.fingerprints[0]
+    peer.upload(staged)
+    peer.flush()
+    assert contribution_of(store, val, peer, 1).base == val.base  # aggregate 0's digest: not stale
+    assert rec.of(PeerWindow)[-1].stale_steps == 1 and [e.window for e in rec.of(Applied)] == [0]
+
+
+def test_the_eager_forecast_is_the_aggregate_when_the_validator_takes_the_same_contributions(swarm) -> None:
+    """Two peers; peer a trains window 1 from θ_0 less the forecast of aggregate 0 from both
+    window-0 contributions in the store, and aggregate 0 arrives after its first inner step. The
+    validator took both: the forecast was aggregate 0 bit for bit, so a's contribution is exactly
+    the one its twin (same key, e and optimizer state) trains from θ_1 on the synchronous schedule."""
+    spec, store, val, root = swarm
+    (a, _), (b, _) = make_peer(spec, store, root, "a"), make_peer(spec, store, root, "b")
+    for p in (a, b):
+        p.join()
+        staged = p.train(0)
+        assert isinstance(staged, Staged)
+        p.upload(staged)
+        p.flush()
+    shutil.copytree(root / "a", root / "twin")  # a's key, e, moments and step after window 0
+    forecast: list[int] = []
+
+    def publish_after_first_step(**fields: object) -> None:
+        if fields.get("window") == 1 and fields.get("step") == 1 and val.window == 0:
+            assert a._forecast is not None
+            forecast.append(a._forecast.contributors)
+            val.close_window(2)
+
+    a.display.update = publish_after_first_step  # type: ignore[method-assign]
+    staged = a.train(1)
+    assert isinstance(staged, Staged) and staged.trained_from == 0 and staged.stats.stale_steps == 1
+    assert forecast == [2] and a.pos.fingerprint == val.fingerprints[0] and a._stand_in == {}
+
+    twin, _ = make_peer(spec, store, root, "twin")
+    twin.join()  # θ_1: aggregate 0 is published
+    assert twin.pos.window == 1 and twin.identity.peer_id == a.identity.peer_id
+    synchronous = twin.train(1)
+    assert isinstance(synchronous, Staged) and synchronous.stats.stale_steps == 0
+    for name, enc in staged.sent.items():
+        other = synchronous.sent[name]
+        assert torch.equal(enc.indices, other.indices) and torch.equal(enc.codes, other.codes), name
+        assert torch.equal(enc.scale_codes, other.scale_codes) and enc.base == other.base, name
+    assert tensors_equal(a.feedback.state_dict(), twin.feedback.state_dict())
