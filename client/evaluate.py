@@ -1,25 +1,24 @@
 """How good a checkpoint is (``sparseloco eval``): loss, perplexity and bits per byte on held-out text.
 
-    data = heldout_data(spec, None, sequences=256)       # the run's validation split
-    data = heldout_data(spec, "notes.txt", sequences=64)  # any text, all of it
+    data = heldout_data(spec, None, sequences=256, store=store)   # the run's validation split
+    data = heldout_data(spec, "notes.txt", sequences=64)          # any text, all of it
     score = score_lm(model_of(spec, ckpt), data.batches, data.tokenizer)   # protocol.evaluation
 
 What is held out:
 
-* no ``--data``: the validation split of the run's own dataset — the same split, sequence length
-  and spacing the validator's ``val_loss`` uses (:func:`protocol.data.validation_batches`); with
-  ``sequences`` equal to ``validator.eval_sequences`` the loss is the validator's;
-* ``builtin:stdlib`` or a shard directory: that dataset's validation split;
-* any other text file or directory: all of its text (unless it is the run's own source, whose
-  validation split is used), tokenized with the run's tokenizer, one end-of-document token after
-  each file.
+* no ``--data``: the validation split of the run's own dataset, read from the run's store (the
+  shards it touches are fetched and verified into the data cache) — the same split, sequence
+  length and spacing the validator's ``val_loss`` uses (:func:`protocol.data.validation_batches`);
+  with ``sequences`` equal to ``validator.eval_sequences`` the loss is the validator's;
+* ``builtin:stdlib`` or a shard directory: that dataset's validation split, tokenized on this machine;
+* any other text file or directory: all of its text, tokenized with the run's tokenizer, one
+  end-of-document token after each file.
 
 Sequences are ``data.seq_len + 1`` tokens, evenly spaced over the held-out tokens.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +29,9 @@ from torch import Tensor
 from protocol.config import RunSpec
 from protocol.data import INDEX, open_dataset, text_documents, validation_batches
 from protocol.errors import ConfigError
+from protocol.run_data import dataset_of, run_tokenizer
 from protocol.settings import DataSettings
+from protocol.store.base import ObjectStore
 from protocol.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["HeldOut", "heldout_data"]
@@ -46,37 +47,41 @@ class HeldOut:
     available_tokens: int  # held-out tokens the sequences were spread over
 
 
-def heldout_data(spec: RunSpec, data: str | None, *, sequences: int, local: DataSettings | None = None) -> HeldOut:
-    """The held-out sequences ``data`` names (see the module docstring); ``local``: this machine's
-    data settings (the run's corpus ``local.source``, the cache)."""
+def heldout_data(
+    spec: RunSpec,
+    data: str | None,
+    *,
+    sequences: int,
+    local: DataSettings | None = None,
+    store: ObjectStore | None = None,
+) -> HeldOut:
+    """The held-out sequences ``data`` names (see the module docstring). ``store``: the run's
+    store (needed for the run's own dataset and an ``hf:<sha256>`` tokenizer); ``local``: this
+    machine's data cache settings."""
     if sequences < 1:
         raise ConfigError("sequences must be >= 1")
     d, local = spec.data, local or DataSettings()
-    if data is None or data == local.source or _is_dataset(data) or _same_path(data, local.source):
-        source = local.source if data is None else data
-        ds = open_dataset(d, dataclasses.replace(local, source=source))
-        return HeldOut(
-            f"{source} (validation split)",
-            validation_batches(ds, sequences, d.batch_size, d.seq_len),
-            load_tokenizer(d.tokenizer),
-            len(ds.val),
-        )
+    tok = run_tokenizer(spec, store, local) if store is not None else load_tokenizer(d.tokenizer)
+    if data is None or _is_dataset(data):
+        if data is not None:
+            ds, source = open_dataset(d, data, local), data
+        elif store is not None:
+            ds, source = dataset_of(spec, store, local), "the run's dataset"
+        elif d.dataset:
+            raise ConfigError("the run's dataset lies in its store: give the store")
+        else:  # an in-process run on the local built-in corpus
+            ds, source = open_dataset(d, local=local), "builtin:stdlib"
+        batches = validation_batches(ds, sequences, d.batch_size, d.seq_len)
+        return HeldOut(f"{source} (validation split)", batches, tok, len(ds.val))
     path = Path(data).expanduser()
     if not path.exists():
         raise ConfigError(f"data not found: {data!r}")
-    tok = load_tokenizer(d.tokenizer)
     tokens = _tokenize_all(path, tok)
     return HeldOut(f"{data} (all text)", _even_sequences(tokens, sequences, d.batch_size, d.seq_len), tok, len(tokens))
 
 
 def _is_dataset(data: str) -> bool:
     return data.startswith("builtin:") or (Path(data).expanduser() / INDEX).is_file()
-
-
-def _same_path(data: str, source: str) -> bool:
-    if source.startswith("builtin:"):
-        return False
-    return Path(data).expanduser().resolve() == Path(source).expanduser().resolve()
 
 
 def _tokenize_all(path: Path, tok: ByteTokenizer | HFTokenizer) -> np.ndarray:

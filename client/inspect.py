@@ -30,8 +30,10 @@ from protocol.wire import (
     CheckpointFile,
     CheckpointManifest,
     Contribution,
+    DatasetManifest,
     SignedObject,
     Verified,
+    dataset_digest,
     decode_object,
 )
 
@@ -51,6 +53,13 @@ class InspectResult:
 def describe(verified: Verified[SignedObject]) -> str:
     """The fields after ``OK <kind>`` for a decoded object."""
     obj = verified.value
+    if isinstance(obj, DatasetManifest):  # a whole run's: window 0, the body's digest names it
+        tokens = {split: sum(s.tokens for s in obj.split(split)) for split in ("train", "val")}
+        return (
+            f"window=0 sender={verified.sender} bytes={verified.size} tokenizer={obj.tokenizer} "
+            f"shards={len(obj.shards)} train_tokens={tokens['train']} val_tokens={tokens['val']} "
+            f"dataset={_short(dataset_digest(obj))} digest={_short(verified.digest)}"
+        )
     head = f"window={obj.window} sender={verified.sender} bytes={verified.size}"
     if isinstance(obj, Contribution):
         tail = f"base={_short(obj.base)} tensors={len(obj.tensors)} nnz={obj.nnz}"
@@ -87,7 +96,7 @@ def inspect_bytes(
         return _invalid(path, exc.reason, exc.args[0] if exc.args else "")
     except Exception as exc:
         return _invalid(path, "internal_error", f"{type(exc).__name__}: {exc}")
-    kind = type(obj.value).__name__.lower().replace("checkpointmanifest", "checkpoint")
+    kind = type(obj.value).__name__.lower().replace("checkpointmanifest", "checkpoint").replace("manifest", "")
     return InspectResult(path, True, printable(f"OK {kind} {describe(obj)} path={path}"), obj=obj)
 
 

@@ -1,13 +1,16 @@
 """A full replica: the whole model and its inner optimizer in this process, one window at a time.
 
-    replica = FullReplica(spec, data_key=identity.peer_id, device="cuda", data=settings.data)
-    result = replica.train(job)        # Trained (fold, optimizer state) or Skipped (stopped)
+    replica = FullReplica(spec, data_key=identity.peer_id, device="cuda",
+                          data=lambda: open_run_dataset(spec, store, settings.data))
+    result = replica.train(job)        # Trained (fold, optimizer state) or Skipped (stopped, no data)
     encoded = result.fold(e)           # Δ folded into the peer's e in place; Δ̂ back
 
-The window: load θ into the model (less the job's stand-in for the aggregate in flight, if any), H AdamW steps on the
-batches assigned to (run, data_key, t); then, when the peer folds it, Δ = θ_start − θ_local tensor by
-tensor and ``e.compress``. Nothing the peer owns is changed before that; see :mod:`client.window` for
-the values and :mod:`client.peer` for when they take effect.
+The window: load θ into the model (less the job's stand-in for the aggregate in flight, if any), H
+AdamW steps on the batches assigned to (run, data_key, t) (:class:`client.data_feed.DataFeed`:
+fetched from the run's store, verified, cached); then, when the peer folds it, Δ = θ_start −
+θ_local tensor by tensor and ``e.compress``. A window whose data cannot be had intact is skipped
+with the reason. Nothing the peer owns is changed before the fold; see :mod:`client.window` for the
+values and :mod:`client.peer` for when they take effect.
 
 ``micro_batch_size`` 0 is automatic (:func:`client.memory.auto_micro_batch`): the whole batch on
 a CPU, on CUDA the most sequences that fit the device's free memory.
@@ -17,23 +20,23 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from client.data_feed import DataFeed, skip_reason
 from client.memory import auto_micro_batch
 from client.trainer import InnerTrainer, load_params
 from client.window import Skipped, Trained, WindowJob, WindowStats, hardware_of
 from protocol.aggregate import Sparse, SparseDict, apply_outer
 from protocol.codec import Encoded
 from protocol.config import RunSpec
-from protocol.data import assigned_batches, open_dataset
-from protocol.errors import NonFiniteValues
+from protocol.errors import NonFiniteValues, ProtocolError, StoreError
 from protocol.feedback import FeedbackBuffers
 from protocol.model import build_model, parameters_of
-from protocol.settings import DataSettings
+from protocol.tokens import TokenDataset
 from protocol.wire import PipelineRole
 
 __all__ = ["FullReplica"]
@@ -42,8 +45,10 @@ __all__ = ["FullReplica"]
 class FullReplica:
     """A :class:`~client.window.WindowTrainer` holding the whole model on ``device``.
 
-    ``data``: this machine's corpus (local settings); ``micro_batch_size``: sequences per
-    forward/backward pass (the local setting ``compute.micro_batch_size``, 0: automatic)."""
+    ``data``: opens the run's dataset, on the first window (default: the local built-in corpus of
+    an in-process run without a dataset, see :class:`~client.data_feed.DataFeed`);
+    ``micro_batch_size``: sequences per forward/backward pass (the local setting
+    ``compute.micro_batch_size``, 0: automatic)."""
 
     def __init__(
         self,
@@ -51,12 +56,12 @@ class FullReplica:
         *,
         data_key: str,
         device: torch.device | str = "cpu",
-        data: DataSettings | None = None,
+        data: Callable[[], TokenDataset] | None = None,
         micro_batch_size: int = 0,
     ) -> None:
         self.spec, self.data_key = spec, data_key
         self.device = torch.device(device)
-        self.dataset = open_dataset(spec.data, data)
+        self.data = DataFeed(spec, key=data_key, opener=data)
         self.model = build_model(spec.model).to(self.device)
         if micro_batch_size == 0:
             micro_batch_size = auto_micro_batch(spec.model, spec.data, self.device)
@@ -82,13 +87,13 @@ class FullReplica:
         """H inner steps from θ (less the stand-in) on this peer's batches, moving the working model
         as ``between_steps`` says (θ took an aggregate, the stand-in changed); the fold is left to
         the peer."""
+        try:
+            batches = self.data.batches(job.window)
+        except (ProtocolError, StoreError) as exc:  # never trained on data that did not verify
+            return Skipped(skip_reason(exc))
         load_params(self.model, job.theta)
         params = parameters_of(self.model)
         apply_outer(params, job.stand_in, job.alpha)
-        d = self.spec.data
-        batches = assigned_batches(
-            self.dataset, self.spec.seed, self.data_key, job.window, self.spec.inner.steps, d.batch_size, d.seq_len
-        )
         t0 = time.perf_counter()
         losses: list[float] = []
         tokens = 0
@@ -113,7 +118,7 @@ class FullReplica:
             return Skipped("stopped", inner_s=time.perf_counter() - t0)
         inner_s = time.perf_counter() - t0
         meta = {"loss_first": losses[0], "loss_last": losses[-1], "tokens": tokens, "inner_s": round(inner_s, 3)}
-        stats = WindowStats(losses[0], losses[-1], tokens, inner_s, 0.0)
+        stats = WindowStats(losses[0], losses[-1], tokens, inner_s, 0.0, data=self.data.take_usage())
         fold = functools.partial(self._fold, job.theta, job.alpha)
         return Trained(fold, meta, stats, self.trainer.state_dict())
 

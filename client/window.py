@@ -36,6 +36,7 @@ from torch import Tensor
 from protocol.aggregate import SparseDict
 from protocol.codec import Encoded
 from protocol.feedback import FeedbackBuffers, FeedbackState
+from protocol.tokens import DataUsage
 from protocol.wire import PipelineRole
 
 __all__ = ["Skipped", "Trained", "WindowJob", "WindowStats", "WindowTrainer", "hardware_of"]
@@ -79,7 +80,8 @@ class WindowJob:
 @dataclass(frozen=True)
 class WindowStats:
     """What the window's training cost and achieved (losses are training-batch means).
-    ``stale_steps``: inner steps taken before θ held the aggregate that opens the window."""
+    ``stale_steps``: inner steps taken before θ held the aggregate that opens the window. ``data``:
+    what reaching the run's data cost since the last trained window (fetches, cache hits)."""
 
     loss_first: float
     loss_last: float
@@ -87,6 +89,7 @@ class WindowStats:
     inner_s: float
     compress_s: float
     stale_steps: int = 0
+    data: DataUsage = DataUsage()
 
 
 @dataclass(frozen=True)

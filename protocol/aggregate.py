@@ -8,6 +8,12 @@ contributions into one sparse Δ̄ and every participant applies it::
     delta = aggregate(contribs, mode="contributors", clip="median")
     apply_outer(params, delta, alpha)                          # θ ← θ − α·Δ̄, in place
 
+The validator passes ``limits`` (:class:`NormLimit` per tensor, from its history of accepted
+updates) instead of clipping to the window's median, so that the contributions of one window
+cannot choose their own clip, and caps every row as well as every tensor::
+
+    delta = aggregate(contribs, clip="median", limits={"w": NormLimit(norm=2.0, row=0.3, row_len=64)})
+
 Determinism: every reduction runs on CPU in float64 in the order given, then rounds to float32, so
 the same inputs give the same bytes everywhere. ``apply_outer`` scales on CPU and performs exactly one
 float32 subtraction per touched element on the parameter's device (IEEE-exact on CPU and GPU).
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -25,11 +32,13 @@ from protocol.codec import Encoded, to_sparse
 from protocol.errors import InvalidIndices, NonFiniteValues, SchemaMismatch
 
 __all__ = [
+    "NormLimit",
     "Sparse",
     "SparseDict",
     "aggregate",
     "apply_outer",
     "check_sparse",
+    "clip_to_limits",
     "clip_to_median_norm",
     "mean_over_all",
     "mean_over_contributors",
@@ -79,6 +88,52 @@ def clip_to_median_norm(contribs: Sequence[SparseDict]) -> list[SparseDict]:
     return out
 
 
+@dataclass(frozen=True)
+class NormLimit:
+    """Caps on one contribution's part of one tensor: the L2 norm of all its values (``norm``) and
+    of each row (a row is ``row_len`` consecutive flat positions, the last dimensions of the
+    tensor): ``row`` for every row, and ``rows`` (one cap per row, float64) when given, the
+    smaller of the two applying. ``row = 0`` or ``row_len = 0``: no row cap."""
+
+    norm: float
+    row: float = 0.0
+    row_len: int = 0
+    rows: Tensor | None = None
+
+
+def clip_to_limits(contribs: Sequence[SparseDict], limits: Mapping[str, NormLimit]) -> list[SparseDict]:
+    """Scale each contribution down (never up): first every row above ``limit.row`` to that norm,
+    then the whole tensor above ``limit.norm``. Tensors without a limit are left as they are.
+
+    The row cap bounds what one contributor can do to one row of a matrix (say, the output row of
+    one token) however it spends the norm the tensor cap allows it. Float64, deterministic."""
+    out: list[SparseDict] = []
+    for c in contribs:
+        clipped: SparseDict = {}
+        for name, (idx, vals) in c.items():
+            limit = limits.get(name)
+            clipped[name] = (idx, vals) if limit is None else (idx, _clip_values(idx, vals, limit))
+        out.append(clipped)
+    return out
+
+
+def _clip_values(idx: Tensor, vals: Tensor, limit: NormLimit) -> Tensor:
+    v = vals.double()
+    if limit.row > 0.0 and limit.row_len > 0 and len(idx):
+        rows = torch.div(idx, limit.row_len, rounding_mode="floor")
+        uniq, inverse = torch.unique(rows, return_inverse=True)
+        row_norms = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, v * v).sqrt()
+        cap = torch.full((len(uniq),), limit.row, dtype=torch.float64)
+        if limit.rows is not None:
+            cap = torch.minimum(cap, limit.rows.to(torch.float64)[uniq])
+        scale = torch.where(row_norms > cap, cap / row_norms.clamp_min(1e-300), 1.0)
+        v = v * scale[inverse]
+    norm = float(torch.linalg.vector_norm(v))
+    if norm > limit.norm >= 0.0 and norm > 0.0:
+        v = v * (limit.norm / norm)
+    return v.float()
+
+
 def _sum_by_index(contribs: Sequence[SparseDict], name: str) -> tuple[Tensor, Tensor, Tensor]:
     """(unique sorted indices, float64 sums, contributor counts) for one tensor."""
     parts = [c[name] for c in contribs if name in c]
@@ -113,18 +168,25 @@ def mean_over_all(contribs: Sequence[SparseDict], n: int | None = None) -> Spars
     return out
 
 
-def aggregate(contribs: Sequence[SparseDict], mode: str = "contributors", clip: str = "median") -> SparseDict:
-    """Δ̄ from accepted contributions: optional median-norm clip, then the chosen mean.
+def aggregate(
+    contribs: Sequence[SparseDict],
+    mode: str = "contributors",
+    clip: str = "median",
+    limits: Mapping[str, NormLimit] | None = None,
+) -> SparseDict:
+    """Δ̄ from accepted contributions: optional clip, then the chosen mean.
 
     ``mode``: ``contributors`` (mean over the contributors of each coordinate) or ``all`` (mean
-    over all R). ``clip``: ``median`` or ``none``. No contributions → empty Δ̄.
+    over all R). ``clip``: ``median`` or ``none``; with ``clip="median"``, ``limits`` (a robust
+    median the caller keeps, see :func:`clip_to_limits`) replace the median of these contributions.
+    No contributions → empty Δ̄.
     """
     if mode not in MODES or clip not in CLIPS:
         raise ValueError(f"aggregate(mode={mode!r}, clip={clip!r}): mode in {MODES}, clip in {CLIPS}")
     if not contribs:
         return {}
     if clip == "median":
-        contribs = clip_to_median_norm(contribs)
+        contribs = clip_to_median_norm(contribs) if limits is None else clip_to_limits(contribs, limits)
     return mean_over_contributors(contribs) if mode == "contributors" else mean_over_all(contribs)
 
 

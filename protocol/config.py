@@ -5,8 +5,8 @@ optimisers, codec, window timing, validator policy and keys, pipeline. Its canon
 (:meth:`RunSpec.hash`) names the run; every signed object carries it, so objects of another run or
 another version are rejected.
 
-What one machine decides for itself (where the store is and how to reach it, the local corpus
-path, poll interval, device, threads …) is *not* here: those are local settings
+What one machine decides for itself (where the store is and how to reach it, where its data
+cache lives, poll interval, device, threads …) is *not* here: those are local settings
 (:mod:`protocol.settings`), read from ``run.toml``'s ``[local]`` table among other places and never
 hashed. Two participants whose files differ only in ``[local]`` are in the same run.
 
@@ -84,21 +84,30 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class DataConfig:
-    """How tokens are cut into batches.
+    """The run's dataset and how its tokens are cut into batches.
 
-    ``tokenizer``: ``bytes`` or a path to a tokenizer.json. ``batch_size`` sequences of
-    ``seq_len`` tokens per inner step per replica. Where the corpus lives on this machine is a
-    local setting (``[local.data] source``, :class:`protocol.settings.DataSettings`).
+    ``dataset``: the digest of the run's signed dataset manifest (``<run>/data/manifest`` in the
+    run's store, :mod:`protocol.wire.dataset`), written by ``sparseloco-validator init``; every
+    peer and the validator read the same shards from the store. Empty only for in-process runs on
+    local data (the simulator, tests), which the commands refuse. ``tokenizer``: ``bytes`` or
+    ``hf:<sha256 of the tokenizer.json>`` (in the store next to the shards); a path to a
+    tokenizer.json serves local data only. ``batch_size`` sequences of ``seq_len`` tokens per inner
+    step per replica; ``val_fraction``: the share of the corpus ``init`` holds out for validation.
     """
 
     tokenizer: str = "bytes"
     seq_len: int = 128
     batch_size: int = 8
     val_fraction: float = 0.02
+    dataset: str = ""
 
     def __post_init__(self) -> None:
         _require(self.seq_len > 1 and self.batch_size > 0, "data.seq_len > 1 and data.batch_size > 0")
         _require(0.0 < self.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
+        _require(
+            self.dataset == "" or re.fullmatch(r"[0-9a-f]{64}", self.dataset) is not None,
+            "data.dataset must be the 64 lowercase hex digest of the run's dataset manifest",
+        )
 
 
 @dataclass(frozen=True)
@@ -201,13 +210,35 @@ class ValidatorConfig:
     max_contribution_bytes: int = 64 * 1024 * 1024
     max_aggregate_bytes: int = 512 * 1024 * 1024
     eval_peers_per_window: int = 8  # loss-scoring budget
+    # Of those, the slots reserved for identities on probation (more when fewer established
+    # peers need scoring): a flood of new identities cannot crowd out the scoring of known ones.
+    eval_probation_peers: int = 4
     eval_sequences: int = 16
     eval_scale: float = 1.0  # update scale applied when measuring loss after
-    norm_max_ratio: float = 10.0  # reject norms above ratio × window median
+    # An update that raises the loss on held-out random data by more than this fraction is harmful.
+    eval_harm_tolerance: float = 0.002
+    # An update that lowers the loss on its own data by less than this share of what the
+    # established peers' updates achieve in the same window is ineffective.
+    eval_min_gain_ratio: float = 0.25
+    # Norms are compared with the validator's reference (per tensor, from accepted updates of
+    # earlier windows; validator/reference.py): above norm_max_ratio × it in any tensor is an
+    # outlier, a total below norm_min_ratio × it too small to count.
+    norm_max_ratio: float = 10.0
+    norm_min_ratio: float = 0.1
+    reference_step: float = 2.0  # the reference moves by at most this factor per window
+    clip_headroom: float = 2.0  # clip caps lie between the reference and headroom × it
+    row_clip: bool = True  # cap every row of a matrix too, not only the whole tensor
     copy_overlap_threshold: float = 0.6
+    # A later upload sharing this share of an earlier one's rare positions (selected by few
+    # others), with signs agreeing at least copy_sign_agreement, is a copy.
+    copy_rare_threshold: float = 0.3
+    copy_sign_agreement: float = 0.8
     reputation_decay: float = 0.9
     exclude_after_failures: int = 3
     exclude_windows: int = 5
+    # A new identity is on probation until this many of its updates were scored and accepted:
+    # until then only its scored, helpful updates count.
+    probation_passes: int = 1
     max_contributors: int = 64
 
     def __post_init__(self) -> None:
@@ -339,7 +370,7 @@ _HEX_KEY = re.compile(r"[0-9a-f]{64}")
 # version gets told where each one went instead of a bare "unknown key".
 _MOVED = {
     "storage": "[local.store] (url, s3_endpoint, s3_region, dht_bootstrap)",
-    "data.source": "[local.data] source",
+    "data.source": "nothing (the run's dataset lies in its store: sparseloco-validator init)",
     "data.micro_batch_size": "[local.compute] micro_batch_size",
     "windows.poll_interval_s": "[local] poll_interval_s",
     "windows.max_windows": "[local] max_windows",

@@ -139,6 +139,13 @@ class AccessDenied(StoreError):
     reason = "access_denied"
 
 
+class StoreUnavailable(StoreError):
+    """The store, or the grant server in front of it, cannot be reached now (connection refused,
+    timeouts, 5xx, rate limits that outlast the retries). Waiting may help; nothing was refused."""
+
+    reason = "unavailable"
+
+
 class InvalidKey(StoreError, ValueError):
     """An object key or prefix breaks the key rules (empty, absolute, ``..``, odd characters)."""
 
@@ -161,3 +168,11 @@ class IncompleteObject(ObjectNotFound):
     DHT nodes, or never written)."""
 
     reason = "incomplete"
+
+
+class DataUnavailable(StoreError):
+    """A shard of the run's dataset could not be had intact: the store failed, or kept returning
+    bytes that do not hash to the name the signed dataset manifest gives them. Nothing is trained
+    or scored on it; the next window tries again."""
+
+    reason = "data_unavailable"

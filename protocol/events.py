@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -149,7 +150,10 @@ class PeerWindow(Event):
     feedback_norm: float | None = None
     trained_from: int | None = None  # the window θ opened when training started (window − 1: overlapped)
     stale_steps: int = 0  # inner steps trained before θ held the aggregate that opens the window
-    download_bytes: int = 0  # read from the store since the previous window report (aggregates, checkpoints, data)
+    download_bytes: int = 0  # read from the store since the previous window report: aggregates, checkpoints, data_bytes
+    data_bytes: int = 0  # fetched from the store since the last trained window (shards, prefetch)
+    data_hits: int = 0  # shards the window read that were already local (cached or prefetched)
+    data_misses: int = 0  # shards it had to wait for
 
 
 @_event("resumed_upload")
@@ -260,6 +264,45 @@ class ModelEvaluated(Event):
     seconds: float
 
 
+@_event("grants_served")
+@dataclass(frozen=True, kw_only=True)
+class GrantsServed(Event):
+    """The validator's grant server listens at ``url`` (``--grant-port``): peers whose
+    ``store.grant_url`` names it need no store credential."""
+
+    url: str
+
+
+@_event("granted")
+@dataclass(frozen=True, kw_only=True)
+class Granted(Event):
+    """A presigned request was handed out: ``op`` (put, get, head, list) of ``key`` (a prefix
+    for list) to ``peer_id`` at ``address``; ``size``: the exact bytes a put may send;
+    ``expires_at``: unix seconds."""
+
+    peer_id: str
+    address: str
+    op: str
+    key: str
+    size: int = 0
+    expires_at: float
+
+
+@_event("grant_denied")
+@dataclass(frozen=True, kw_only=True)
+class GrantDenied(Event):
+    """A grant request was refused with ``reason`` (protocol.grants.STATUS) and HTTP ``status``;
+    ``peer_id`` is "" when the request did not verify."""
+
+    peer_id: str
+    address: str
+    op: str
+    key: str
+    reason: str
+    status: int
+    detail: str = ""
+
+
 # ---------------------------------------------------------------------- reading and writing
 def to_json(event: Event) -> str:
     return json.dumps(event.to_dict(), sort_keys=True, allow_nan=True)
@@ -300,14 +343,18 @@ def read_events(lines: Iterable[str]) -> Iterator[Event]:
 
 
 class EventWriter:
-    """Writes events as JSON lines to ``stream`` (flushed per line, so a reader sees them at once)."""
+    """Writes events as JSON lines to ``stream`` (flushed per line, so a reader sees them at once).
+    Thread-safe: a validator's grant server reports from its own threads."""
 
     def __init__(self, stream: IO[str]) -> None:
         self.stream = stream
+        self._lock = threading.Lock()
 
     def __call__(self, event: Event) -> None:
-        self.stream.write(to_json(event) + "\n")
-        self.stream.flush()
+        line = to_json(event) + "\n"
+        with self._lock:
+            self.stream.write(line)
+            self.stream.flush()
 
 
 # ---------------------------------------------------------------------- human lines
@@ -318,7 +365,9 @@ def describe(event: Event) -> str:
             f"[bold]window {event.window}[/bold] {event.outcome}"
             f"  loss {_num(event.loss, '{:.4f}')}"
             f"  upload {_num(event.upload_bytes or None, '{:,}')} B"
-            f"  inner {event.inner_s:.1f} s" + (f"  ({event.reason})" if event.reason else "")
+            f"  inner {event.inner_s:.1f} s"
+            + (f"  data {event.data_bytes:,} B" if event.data_bytes else "")
+            + (f"  ({event.reason})" if event.reason else "")
         )
     if isinstance(event, WindowPublished):
         reasons = " ".join(f"{k}={v}" for k, v in sorted(event.reasons.items()))
@@ -347,6 +396,13 @@ def describe(event: Event) -> str:
             f"waiting for genesis of run {event.run_id} in {_plain(event.store)}: {event.waited_s:.0f} s"
             f" of {event.timeout_s:.0f} s (hash {event.run_hash})"
         )
+    if isinstance(event, Granted):
+        return f"granted {event.op} {event.key} to {event.peer_id[:12]} at {event.address}" + (
+            f" ({event.size:,} B)" if event.op == "put" else ""
+        )
+    if isinstance(event, GrantDenied):
+        who = event.peer_id[:12] or "an unverified request"
+        return f"grant denied: {event.op} {event.key} to {who} at {event.address}: {event.reason} ({event.detail})"
     if isinstance(event, WindowWaiting):
         ids = ", ".join(p[:12] for p in event.waiting_for)
         return (

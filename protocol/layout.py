@@ -6,6 +6,10 @@
     <run>/aggregate/<window>                signed aggregate
     <run>/checkpoint/<window>/<file>        checkpoint files; ``manifest`` is the signed manifest
     <run>/peers/<peer_id>                   signed announcement
+    <run>/data/manifest                     signed dataset manifest (the RunSpec names its digest)
+    <run>/data/shard/<sha256>               a token shard, named by the sha256 of its bytes
+    <run>/data/tokenizer/<sha256>           the run's tokenizer.json, named likewise
+    <run>/probe/<peer_id>                   any bytes: a peer's write and bandwidth probe (preflight)
 
 ``<run>`` is :func:`run_id` of the RunSpec hash (its first 16 hex characters) unless an operator
 names it. Windows are zero-padded to 8 digits so that a lexicographic listing is in window order.
@@ -30,10 +34,13 @@ WINDOW_DIGITS = 8
 MAX_WINDOW = 10**WINDOW_DIGITS - 1
 RUN_ID_CHARS = 16
 CHECKPOINT_MANIFEST = "manifest"
+DATASET_MANIFEST = "manifest"
+DATA_OBJECTS = ("shard", "tokenizer")  # content-addressed objects under <run>/data/
 _RUN_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _WINDOW_RE = re.compile(rf"^[0-9]{{{WINDOW_DIGITS}}}$")
-KINDS = ("contrib", "aggregate", "checkpoint", "peers")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+KINDS = ("contrib", "aggregate", "checkpoint", "peers", "data", "probe")
 
 
 def run_id(run_hash: str) -> str:
@@ -109,16 +116,49 @@ def peer_key(run: str, peer_id: str) -> str:
     return peers_prefix(run) + _peer(peer_id)
 
 
+def data_prefix(run: str) -> str:
+    return f"{_run(run)}/data/"
+
+
+def dataset_manifest_key(run: str) -> str:
+    return data_prefix(run) + DATASET_MANIFEST
+
+
+def shard_key(run: str, sha256: str) -> str:
+    """A token shard of the run's dataset, named by the sha256 hex of its bytes."""
+    return data_prefix(run) + "shard/" + _sha256(sha256)
+
+
+def tokenizer_key(run: str, sha256: str) -> str:
+    """The run's tokenizer.json, named by the sha256 hex of its bytes."""
+    return data_prefix(run) + "tokenizer/" + _sha256(sha256)
+
+
+def _sha256(text: str) -> str:
+    if not _SHA256_RE.match(text):
+        raise MalformedPayload(f"not a sha256 hex digest: {text!r}")
+    return text
+
+
+def probe_key(run: str, peer_id: str) -> str:
+    """Where ``sparseloco-peer preflight`` checks that this peer can write, and how fast: nobody
+    reads it as part of the run."""
+    return f"{_run(run)}/probe/{_peer(peer_id)}"
+
+
 # ------------------------------------------------------------------------------ parsing
 @dataclass(frozen=True)
 class ParsedKey:
-    """What a key names. ``window`` is None for peers; ``peer_id``/``file`` where applicable."""
+    """What a key names. ``window`` is None for peers, probes and data; ``peer_id``/``file`` where
+    applicable. Data keys: ``file`` is ``manifest``, ``shard`` or ``tokenizer``, ``sha256`` the
+    content address of the latter two."""
 
     run: str
     kind: str  # one of KINDS
     window: int | None = None
     peer_id: str | None = None
     file: str | None = None
+    sha256: str | None = None
 
 
 def parse_window(text: str) -> int:
@@ -140,6 +180,10 @@ def parse_key(key: str, *, run: str | None = None) -> ParsedKey:
         return ParsedKey(r, kind, parse_window(rest[0]))
     if kind == "checkpoint" and len(rest) == 2:
         return ParsedKey(r, kind, parse_window(rest[0]), file=check_file_name(rest[1]))
-    if kind == "peers" and len(rest) == 1:
+    if kind in ("peers", "probe") and len(rest) == 1:
         return ParsedKey(r, kind, peer_id=_peer(rest[0]))
+    if kind == "data" and rest == [DATASET_MANIFEST]:
+        return ParsedKey(r, kind, file=DATASET_MANIFEST)
+    if kind == "data" and len(rest) == 2 and rest[0] in DATA_OBJECTS:
+        return ParsedKey(r, kind, file=rest[0], sha256=_sha256(rest[1]))
     raise MalformedPayload(f"key {key!r} does not follow the object layout")

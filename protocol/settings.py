@@ -2,7 +2,7 @@
 
 The RunSpec (:mod:`protocol.config`) is what every participant must agree on; its hash names the
 run. Everything else is a *local setting*: how this machine reaches the store (URL, endpoint,
-region, DHT bootstrap nodes), where its corpus and cache live, how often it polls, which device and
+region, DHT bootstrap nodes), where it caches the run's data, how often it polls, which device and
 how many threads it uses, when it gives up. Local settings never enter the hash, so a peer that
 writes ``127.0.0.1`` where the operator wrote ``localhost`` is still in the operator's run.
 
@@ -17,7 +17,7 @@ and the processes ``sparseloco demo`` starts::
 
     settings = load_settings("run.toml", settings_path=None, env=os.environ,
                              flags={"store.url": "s3://bucket/run", "compute.device": None})
-    settings.store.url, settings.data.source, settings.peer.join_timeout_s
+    settings.store.url, settings.data.cache_dir, settings.peer.join_timeout_s
 
 A setting's name is ``section.field`` (``store.url``) or a top-level ``field``
 (``poll_interval_s``); its environment variable is ``SPARSELOCO_`` and the name upper-cased with
@@ -31,8 +31,8 @@ An ``s3://bucket/prefix?endpoint=URL&region=NAME`` store URL carries settings to
 URL was given in, so ``--store s3://…?endpoint=…`` overrides an endpoint in run.toml.
 
 Each component receives only its own subtree: the store opener ``settings.store``
-(:func:`protocol.store.open_from_settings`), the corpus ``settings.data``
-(:func:`protocol.data.open_dataset`), and so on.
+(:func:`protocol.store.open_from_settings`), the data cache ``settings.data``
+(:func:`protocol.run_data.open_run_dataset`), and so on.
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ __all__ = [
 ENV_PREFIX = "SPARSELOCO_"
 # SPARSELOCO_* variables that are not settings: the data cache's default location.
 _OTHER_ENV = frozenset({"SPARSELOCO_CACHE"})
+# Settings that no longer exist, and what replaced them (named in the error an old file gets).
+_REMOVED = {"data.source": "the run's dataset lies in its store, created by `sparseloco-validator init`"}
 # s3:// URL parameters that are store settings (the others stay in the URL: protocol.store).
 _URL_SETTINGS = {"endpoint": "s3_endpoint", "endpoint_url": "s3_endpoint", "region": "s3_region"}
 
@@ -83,9 +85,13 @@ class StoreSettings:
 
     ``url``: ``file:///path``, ``s3://bucket/prefix``, ``dht://`` or ``memory://``.
     ``s3_endpoint``/``s3_region``: for S3-compatible stores other than AWS (R2, MinIO, SeaweedFS).
-    ``dht_bootstrap``: multiaddrs of DHT nodes to join through (``dht://``). ``grant_url``: where a
-    validator hands out upload grants (reserved: not used yet). Credentials are never settings:
-    they come from the usual AWS environment and profile chain.
+    ``dht_bootstrap``: multiaddrs of DHT nodes to join through (``dht://``). ``grant_url``: the
+    run's grant server (``http(s)://host:port``, ``sparseloco-validator run --grant-port``): a peer
+    that has one needs no credential, every read and write is a request the validator presigned
+    (:mod:`protocol.store.granted`); the validator itself ignores it. ``public_reads``: with a
+    grant server, read the objects anonymously from ``url``/``s3_endpoint`` (a bucket whose run
+    prefix the operator made public-read) and ask only for write grants. Credentials are never
+    settings: they come from the usual AWS environment and profile chain.
     """
 
     url: str = "file://./.sparseloco/store"
@@ -93,6 +99,7 @@ class StoreSettings:
     s3_region: str = "auto"
     dht_bootstrap: tuple[str, ...] = ()
     grant_url: str = ""
+    public_reads: bool = False
 
     def __post_init__(self) -> None:
         url, endpoint, region = lift_url_settings(self.url, self.s3_endpoint, self.s3_region)
@@ -101,22 +108,25 @@ class StoreSettings:
         object.__setattr__(self, "s3_region", region)
 
     def location(self) -> str:
-        """The store as people read it in messages: the URL, and the endpoint of an S3 store."""
+        """The store as people read it in messages: the URL, and the endpoint of an S3 store (and
+        the grant server, for a peer that has one)."""
+        where = self.url
         if self.url.lower().startswith("s3://") and self.s3_endpoint:
-            return f"{self.url} (endpoint {self.s3_endpoint})"
-        return self.url
+            where = f"{self.url} (endpoint {self.s3_endpoint})"
+        if self.grant_url:
+            where += f" via grants from {self.grant_url}" + (" (public reads)" if self.public_reads else "")
+        return where
 
 
 @dataclass(frozen=True)
 class DataSettings:
-    """The corpus on this machine. ``source``: ``builtin:stdlib`` (the Python standard library's
-    source, no download), a shard directory, or a text file/directory. ``cache_dir``: where text
-    sources are tokenized to ("": ``$SPARSELOCO_CACHE`` or ``~/.cache/sparseloco``);
-    ``cache_max_bytes``: the cache's size cap, oldest entries removed first (0: no cap)."""
+    """This machine's copy of the run's data. The dataset itself lies in the run's store (the
+    RunSpec's ``data.dataset``); a process fetches the shards its batches need and keeps them,
+    verified, in ``cache_dir`` ("": ``$SPARSELOCO_CACHE`` or ``~/.cache/sparseloco``), the least
+    recently used going first once they would exceed ``cache_max_bytes`` (0: no cap)."""
 
-    source: str = "builtin:stdlib"
     cache_dir: str = ""
-    cache_max_bytes: int = 0
+    cache_max_bytes: int = 16 << 30
 
     def __post_init__(self) -> None:
         _require(self.cache_max_bytes >= 0, "data.cache_max_bytes must be >= 0")
@@ -162,16 +172,24 @@ class PeerSettings:
 class ValidatorSettings:
     """``gather_concurrency``: contributions fetched at once while gathering a window.
     ``eval_every``: evaluate θ on held-out data every N windows (0: never), on ``eval_sequences``
-    sequences, recorded beside the contribution log."""
+    sequences, recorded beside the contribution log. ``grant_port``: serve grants to peers
+    without credentials on this port (0: no grant server), bound to ``grant_host``, over HTTPS
+    with ``tls_cert``/``tls_key`` (PEM files; both or neither)."""
 
     gather_concurrency: int = 16
     eval_every: int = 0
     eval_sequences: int = 256
+    grant_port: int = 0
+    grant_host: str = "0.0.0.0"
+    tls_cert: str = ""
+    tls_key: str = ""
 
     def __post_init__(self) -> None:
         _require(self.gather_concurrency >= 1, "validator.gather_concurrency must be >= 1")
         _require(self.eval_every >= 0, "validator.eval_every must be >= 0")
         _require(self.eval_sequences >= 1, "validator.eval_sequences must be >= 1")
+        _require(0 <= self.grant_port <= 65535, "validator.grant_port must be in 0..65535")
+        _require(bool(self.tls_cert) == bool(self.tls_key), "validator.tls_cert and validator.tls_key go together")
 
 
 @dataclass(frozen=True)
@@ -207,8 +225,8 @@ def _names(cls: type[Any] = LocalSettings, prefix: str = "") -> Iterator[tuple[s
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            yield from _names(tp, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            yield from _names(tp, f"{prefix}{f.name}.")
         else:
             yield prefix + f.name, tp
 
@@ -302,7 +320,9 @@ def _layer(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
             known = {n.split(".", 1)[1] for n in SETTINGS if n.startswith(key + ".")}
             unknown = sorted(set(value) - known)
             if unknown:
-                raise ConfigError(f"unknown key(s) in {where}: {', '.join(f'{key}.{k}' for k in unknown)}")
+                raise ConfigError(
+                    f"unknown key(s) in {where}: {', '.join(_removed_hint(f'{key}.{k}') for k in unknown)}"
+                )
             out[key] = dict(value)
         elif key in SETTINGS:
             out[key] = value
@@ -319,6 +339,10 @@ def _layer(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def _removed_hint(name: str) -> str:
+    return f"{name} (no longer a setting: {_REMOVED[name]})" if name in _REMOVED else name
+
+
 def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for var, text in env.items():
@@ -326,6 +350,9 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
             continue
         name = _BY_ENV.get(var)
         if name is None:
+            removed = [n for n in _REMOVED if env_name(n) == var]
+            if removed:
+                raise ConfigError(f"{var} is no longer a setting: {_REMOVED[removed[0]]}")
             raise ConfigError(f"unknown setting in the environment: {var} (known: {', '.join(sorted(_BY_ENV))})")
         flat[name] = _from_text(SETTINGS[name], text, var)
     return _nest(flat)

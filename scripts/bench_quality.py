@@ -52,7 +52,6 @@ from client.simulator import SimConfig, SimResult, Simulator
 from protocol.config import MODEL_PRESETS, CodecConfig, DataConfig, InnerConfig, OuterConfig, model_config
 from protocol.data import open_dataset
 from protocol.model import param_schema
-from protocol.settings import DataSettings
 
 # "1m" ≈ 0.9 M parameters, "300k" ≈ 0.25 M: small enough for a grid of runs on a 2-core CPU
 # machine (BENCHMARKS.md records both).
@@ -379,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     mcfg = model_config("tiny", **overrides) if overrides else model_config(args.model)
     mcfg = replace(mcfg, max_seq_len=max(mcfg.max_seq_len, args.seq_len))
     data = DataConfig(seq_len=args.seq_len, batch_size=args.batch_size)
-    dataset = open_dataset(data, DataSettings(source=args.data))
+    dataset = open_dataset(data, args.data)
     n_params = sum(math.prod(shape) for shape in param_schema(mcfg).values())
     summary = (
         f"model {args.model} ({n_params / 1e6:.2f} M params), R={args.replicas}, H={args.inner_steps}, "

@@ -67,7 +67,7 @@ def test_hash_is_taken_over_normalised_values() -> None:
         ("[validator]\npublic_keys = ['abc']\n", "public_keys"),
         ("[inner]\nlr = nan\n", "finite"),
         ("[storage]\nurl = 'file:///x'\n", r"\[local.store\]"),
-        ("[data]\nsource = 'x'\n", r"\[local.data\] source"),
+        ("[data]\nsource = 'x'\n", r"data.source .*sparseloco-validator init"),
         ("[windows]\npoll_interval_s = 1.0\n", r"\[local\] poll_interval_s"),
         ("[validator]\nannouncement_ttl_s = 1.0\n", "announcement_ttl_s"),
     ],

@@ -74,12 +74,15 @@ def test_rows_round_trip_with_checks_and_first_seen(db: Path) -> None:
 
 def test_first_seen_is_kept_and_redeciding_overwrites(tmp_path: Path) -> None:
     with ContributionLog(tmp_path / "l.sqlite") as log:
-        assert log.note_received(0, P1, received_at=10.0, nbytes=5) == 10.0
-        assert log.note_received(0, P1, received_at=99.0, nbytes=5) == 10.0  # a restart sees it again later
+        assert log.note_received(0, P1, received_at=10.0, nbytes=5, digest="d1") == (10.0, "d1")
+        # a restart sees it again later: the first time and the first digest are kept
+        assert log.note_received(0, P1, received_at=99.0, nbytes=5, digest="d2") == (10.0, "d1")
+        assert log.note_received(0, P2, received_at=5.0, nbytes=None) == (5.0, None)
+        assert log.note_received(0, P2, received_at=6.0, nbytes=5, digest="d3") == (5.0, "d3")
         log.record_window(WindowRecord(window=0), [rec(0, P1, False, "norm_outlier")])
         log.record_window(WindowRecord(window=0), [rec(0, P1, True)])  # the window re-decided after a crash
         rows = log.rows()
-        assert len(rows) == 1 and rows[0].accepted and rows[0].received_at == 10.0
+        assert len(rows) == 1 and rows[0].accepted and rows[0].received_at == 10.0  # P2 was never decided
         assert len(rows[0].checks) == 2  # old checks replaced, not appended
 
 
@@ -138,7 +141,7 @@ def test_cli_windows_lists_each_window_with_documented_fields(db: Path) -> None:
     rows = json.loads(out.output)
     assert [r["window"] for r in rows] == [1, 2]
     fields = ["window", "status", "opened_at", "closed_at", "published_at", "base", "digest", "fingerprint"]
-    assert set(rows[0]) == {*fields, "val_loss", "accepted", "rejected"}
+    assert set(rows[0]) == {*fields, "val_loss", "accepted", "rejected", "unannounced"}
     assert rows[1] | {"digest": f"{2:064x}", "status": "published", "val_loss": 3.0, "accepted": 2} == rows[1]
     documented = cli.commands["logs"].help or ""
     assert all(field in documented for field in rows[0])  # --help names every field

@@ -11,7 +11,13 @@ import torch
 
 from protocol.config import DataConfig
 from protocol.data import (
+    PAGES_PER_WINDOW,
+    TokenDataset,
+    TokenSplit,
     assigned_batches,
+    assigned_shards,
+    assigned_starts,
+    lanes,
     open_dataset,
     open_shards,
     random_batches,
@@ -86,6 +92,47 @@ def test_string_peer_ids_are_deterministic_and_differ(positional: Path) -> None:
     assert not _ranges(a) & _ranges(b)
 
 
+def sharded(n_shards: int = 64, tokens: int = 4096, digest: str = "d" * 64) -> TokenDataset:
+    """A dataset of ``n_shards`` train shards whose token at stream position i is i mod 2^16."""
+    arrays = [np.arange(k * tokens, (k + 1) * tokens, dtype=np.int64) % 65536 for k in range(n_shards)]
+    val = TokenSplit.of_arrays([np.zeros(4096, dtype=np.uint16)])
+    return TokenDataset(Path("."), TokenSplit.of_arrays(arrays), val, 65536, "test", digest)
+
+
+def test_a_window_touches_a_few_shards_and_depends_on_the_dataset_digest() -> None:
+    """Locality: pages of consecutive sequences, PAGES_PER_WINDOW of them per peer and window."""
+    ds, args = sharded(), (4, 4, 15)
+    touched = [len(assigned_shards(ds, 3, f"peer-{p}", w, *args)) for p in range(8) for w in range(40)]
+    assert max(touched) <= PAGES_PER_WINDOW < ds.train.n_shards
+    other = sharded(digest="e" * 64)  # the same tokens under another name: other batches
+    assert not np.array_equal(assigned_starts(ds, 3, "peer-0", 0, *args), assigned_starts(other, 3, "peer-0", 0, *args))
+    # Sequences never cross a shard: each comes from one page of one shard.
+    starts = assigned_starts(ds, 3, "peer-0", 5, *args)
+    assert all(len(ds.train.shards_of([s], 16)) == 1 for s in starts)
+    # Random reference batches also come from PAGES_PER_WINDOW pages.
+    ref = torch.cat(random_batches(ds, 11, 2, 4, 15))
+    assert len({int(row[0]) // 4096 for row in ref}) <= PAGES_PER_WINDOW
+
+
+def test_string_peers_overlap_no_more_than_the_bound(positional: Path) -> None:
+    """Peers that do not know each other share a window's lane with probability 1/n_lanes: a
+    peer's expected share of sequences another of P peers also trains is at most (P − 1)/n_lanes.
+    Measured over 300 windows of 8 peers; integer lanes (simulator replicas) are exactly disjoint."""
+    ds, args, peers, windows = open_shards(positional), (4, 4, 15), 8, 300
+    n_lanes = lanes(ds, *args)
+    shared = []
+    for w in range(windows):
+        sets = [set(assigned_starts(ds, 1, f"peer-{p}", w, *args).tolist()) for p in range(peers)]
+        for p, mine in enumerate(sets):
+            others = set().union(*(s for q, s in enumerate(sets) if q != p))
+            shared.append(len(mine & others) / len(mine))
+    measured, bound = float(np.mean(shared)), (peers - 1) / n_lanes
+    print(f"n_lanes {n_lanes}: measured overlap share {measured:.4f}, bound {bound:.4f}")
+    assert 0 < measured <= bound * 1.25  # 2400 draws: the bound holds well within sampling error
+    exact = [set(assigned_starts(ds, 1, p, 7, *args).tolist()) for p in range(peers)]
+    assert sum(len(s) for s in exact) == len(set().union(*exact))
+
+
 def test_assignment_rejects_impossible_requests(positional: Path) -> None:
     ds = open_shards(positional)
     with pytest.raises(ConfigError):
@@ -121,16 +168,16 @@ def test_open_dataset_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     text.mkdir()
     (text / "a.txt").write_text("hello world\n" * 2000)
     (text / "b.bin").write_bytes(b"\x00\x01binary")  # skipped
-    ds = open_dataset(DataConfig(val_fraction=0.4), DataSettings(source=str(text)))
+    ds = open_dataset(DataConfig(val_fraction=0.4), str(text))
     assert len(ds.train) + len(ds.val) == len("hello world\n" * 2000) + 1
-    again = open_dataset(DataConfig(val_fraction=0.4), DataSettings(source=str(text)))
+    again = open_dataset(DataConfig(val_fraction=0.4), str(text))
     assert again.path == ds.path  # cached
     with pytest.raises(ConfigError):
-        open_dataset(DataConfig(), DataSettings(source=str(tmp_path / "missing")))
+        open_dataset(DataConfig(), str(tmp_path / "missing"))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "index.json").write_text("{not json")
     with pytest.raises(ConfigError):
-        open_dataset(DataConfig(), DataSettings(source=str(tmp_path / "bad")))
+        open_dataset(DataConfig(), str(tmp_path / "bad"))
 
 
 def test_cache_dir_setting_and_size_cap(tmp_path: Path) -> None:
@@ -142,11 +189,11 @@ def test_cache_dir_setting_and_size_cap(tmp_path: Path) -> None:
         corpora.append(tmp_path / name)
     cache = tmp_path / "cache"
     cfg = DataConfig(val_fraction=0.4)  # a small corpus still has a val split
-    first = open_dataset(cfg, DataSettings(source=str(corpora[0]), cache_dir=str(cache)))
+    first = open_dataset(cfg, str(corpora[0]), DataSettings(cache_dir=str(cache)))
     assert Path(first.path).parent == cache
     entry = sum(f.stat().st_size for f in Path(first.path).rglob("*") if f.is_file())
-    local = DataSettings(source=str(corpora[1]), cache_dir=str(cache), cache_max_bytes=entry + entry // 2)
-    second = open_dataset(cfg, local)
+    local = DataSettings(cache_dir=str(cache), cache_max_bytes=entry + entry // 2)
+    second = open_dataset(cfg, str(corpora[1]), local)
     assert Path(second.path).is_dir() and not Path(first.path).exists()  # one entry fits, not two
 
 

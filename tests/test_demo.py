@@ -26,6 +26,8 @@ REQUIRED = {
     "rejected_per_window",
     "fingerprints_equal",
     "upload_bytes_per_peer_per_window",
+    "data_bytes_per_peer_per_window",
+    "data_cache_hit_rate",
     "compute_fraction",
     "seconds",
 }
@@ -83,9 +85,10 @@ def test_demo_json_last_line(tmp_path: Path) -> None:
     assert summary["accepted_per_window"] == [2, 2] and summary["rejected_per_window"] == [0, 0]
     assert 0 < summary["upload_bytes_per_peer_per_window"] < summary["dense_fp32_bytes"] / 50
     assert 0.0 < summary["compute_fraction"] < 1.0
+    assert summary["data_bytes_per_peer_per_window"] > 0 and 0.0 <= summary["data_cache_hit_rate"] <= 1.0
     assert Path(summary["contribution_log"]).is_file()
     pids = json.loads((tmp_path / "run" / "logs" / "pids.json").read_text())
-    assert len(pids) == 3 and not still_alive(pids.values())
+    assert len(pids) == 4 and not still_alive(pids.values())  # init, the validator, 2 peers
 
 
 def published(validator_log: Path) -> bool:
@@ -128,7 +131,7 @@ def test_demo_interrupt_leaves_no_orphans(tmp_path: Path) -> None:
             proc.wait()
     assert rc == 130, (tmp_path / "demo.err").read_text()[-2000:]
     pids = json.loads(pids_file.read_text())
-    assert len(pids) == 3
+    assert len(pids) == 4  # init, the validator, 2 peers
     left = still_alive(pids.values())
     assert not [n for n, p in pids.items() if p in left]
 

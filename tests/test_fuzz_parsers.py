@@ -50,7 +50,13 @@ SLOWEST_S = 1.0  # per input, on a loaded machine, under tracemalloc
 #: (8 bytes for every ~1 to 9 input bits), which sets their factor; everything else is far below.
 CODEC_PER_BYTE, OTHER_PER_BYTE = 96, 32
 ALLOC_BASE = 1 << 20
-SIGNERS = {Kind.CONTRIBUTION: PEER, Kind.AGGREGATE: VALIDATOR, Kind.CHECKPOINT: VALIDATOR, Kind.ANNOUNCEMENT: PEER}
+SIGNERS = {
+    Kind.CONTRIBUTION: PEER,
+    Kind.AGGREGATE: VALIDATOR,
+    Kind.CHECKPOINT: VALIDATOR,
+    Kind.ANNOUNCEMENT: PEER,
+    Kind.DATASET: VALIDATOR,
+}
 POLICY = WritePolicy("sparseloco", [VALIDATOR.public_key])
 
 

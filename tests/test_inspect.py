@@ -38,13 +38,16 @@ def objects(tmp_path: Path) -> dict[str, Path]:
 
 
 def test_ok_lines_describe_each_kind(objects) -> None:
-    lines = {k: inspect_file(objects[k]).line for k in ("contribution", "aggregate", "checkpoint", "announcement")}
+    kinds = ("contribution", "aggregate", "checkpoint", "announcement", "dataset")
+    lines = {k: inspect_file(objects[k]).line for k in kinds}
     assert lines["contribution"].startswith(f"OK contribution window=7 sender={PEER.peer_id} bytes=")
     assert "tensors=3 nnz=" in lines["contribution"]
     assert lines["aggregate"].startswith(f"OK aggregate window=7 sender={VALIDATOR.peer_id}")
     assert "manifest=2" in lines["aggregate"]
     assert "files=2" in lines["checkpoint"]
     assert 'hardware="cpu x2" role=g1:1/3' in lines["announcement"]
+    assert lines["dataset"].startswith(f"OK dataset window=0 sender={VALIDATOR.peer_id}")
+    assert "tokenizer=bytes shards=3 train_tokens=1060921 val_tokens=4321 dataset=" in lines["dataset"]
     size = objects["aggregate"].stat().st_size
     assert f"bytes={size} " in lines["aggregate"]
 
@@ -67,7 +70,8 @@ def test_optional_run_and_signer_checks(objects) -> None:
 
 def test_directories_expand_to_their_files_in_order(objects) -> None:
     results = list(inspect_paths([objects["aggregate"].parent]))
-    assert [Path(r.path).name for r in results] == sorted(["aggregate", "announcement", "checkpoint", "contribution"])
+    names = ["aggregate", "announcement", "checkpoint", "contribution", "dataset"]
+    assert [Path(r.path).name for r in results] == sorted(names)
     assert all(r.ok for r in results)
 
 

@@ -82,13 +82,17 @@ def test_precedence_flag_env_file_local_default(name: str, given: tuple[str, ...
 def test_layers_merge_per_setting_from_files_and_the_environment(tmp_path: Path) -> None:
     """Each setting comes from the highest layer that sets it; the others keep theirs."""
     run = tmp_path / "run.toml"
-    local = {"poll_interval_s": 0.5, "store": {"url": "file:///run", "s3_region": "eu"}, "data": {"source": "/corpus"}}
+    local = {
+        "poll_interval_s": 0.5,
+        "store": {"url": "file:///run", "s3_region": "eu"},
+        "data": {"cache_dir": "/cache"},
+    }
     run.write_text(RunSpec().to_toml() + local_table_toml(local))
     mine = tmp_path / "mine.toml"
     mine.write_text('[store]\nurl = "file:///mine"\n[compute]\ndevice = "cuda:1"\n')
     env = {"SPARSELOCO_COMPUTE_DEVICE": "cpu", "SPARSELOCO_CACHE": "/not/a/setting", "PATH": "/bin"}
     s = load_settings(run, settings_path=mine, env=env, flags={"store.url": "file:///flag", "compute.threads": None})
-    assert (s.poll_interval_s, s.store.s3_region, s.data.source) == (0.5, "eu", "/corpus")  # [local]
+    assert (s.poll_interval_s, s.store.s3_region, s.data.cache_dir) == (0.5, "eu", "/cache")  # [local]
     assert s.store.url == "file:///flag" and s.compute.device == "cpu" and s.compute.threads == 0
 
 
@@ -152,12 +156,12 @@ def write_run(path: Path, key: str, local: dict[str, Any], spelled: dict[str, st
 
 def test_the_run_hash_ignores_everything_local(tmp_path: Path) -> None:
     """Two machines' run.toml files that differ only in how they reach the store, where their
-    corpus is, how they poll, and how they wrote the validator key and a float: the same run."""
+    data cache is, how they poll, and how they wrote the validator key and a float: the same run."""
     key = Identity.from_seed(bytes(range(32))).public_key_hex
     mine = write_run(
         tmp_path / "mine.toml",
         key.upper(),
-        {"store": {"url": "s3://bucket/run/", "s3_endpoint": "http://localhost:8333"}, "data": {"source": "/a"}},
+        {"store": {"url": "s3://bucket/run/", "s3_endpoint": "http://localhost:8333"}, "data": {"cache_dir": "/a"}},
         {"lr = 0.001": "lr = 1e-3", "alpha = 1.0": "alpha = 1"},  # the same floats
     )
     theirs = write_run(
@@ -167,7 +171,7 @@ def test_the_run_hash_ignores_everything_local(tmp_path: Path) -> None:
             "poll_interval_s": 0.2,
             "max_windows": 9,
             "store": {"url": "s3://bucket/run", "s3_endpoint": "http://127.0.0.1:8333", "s3_region": "us-east-1"},
-            "data": {"source": "builtin:stdlib"},
+            "data": {"cache_max_bytes": 1 << 30},
             "validator": {"gather_concurrency": 2},
         },
     )

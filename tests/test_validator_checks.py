@@ -12,7 +12,7 @@ from protocol.identity import Identity
 from protocol.windows import gather_close, is_checkpoint_window, should_close, upload_deadline
 from protocol.wire import GENESIS, Contribution, encode_contribution
 from validator import checks
-from validator.copies import global_indices, overlap, scan
+from validator.copies import CopyRule, scan, similarity
 from validator.log import CheckRow
 from validator.reputation import EXCLUDED, Outcome, Standing, is_excluded, standings, update
 
@@ -73,15 +73,45 @@ def test_single_checks() -> None:
     assert checks.check_finite({"w": (torch.tensor([0]), torch.tensor([1.0]))}).passed
 
 
-def test_norm_check_uses_the_lower_median() -> None:
-    norms = [{"w": 1.0}, {"w": 1000.0}]
-    med = checks.window_medians(norms)
-    assert med == {"w": 1.0}  # with two contributions, the huge one cannot drag the reference up
-    assert checks.check_norm(norms[0], med, 10.0).passed
-    assert checks.check_norm(norms[1], med, 10.0).reason == "norm_outlier"
-    assert checks.check_norm({"w": float("inf")}, {"w": 1.0}, 10.0).reason == "norm_outlier"
-    assert checks.check_norm({"w": 1.0}, {"w": 0.0}, 10.0).reason == "norm_outlier"  # others sent zeros
-    assert checks.lower_median([3.0, 1.0, 2.0]) == 2.0
+def test_norm_check_compares_with_the_reference_not_the_window() -> None:
+    from validator.reference import NormReference, TensorNorms, check_norms, lower_median, window_value
+
+    med = window_value([{"w": TensorNorms(1.0)}, {"w": TensorNorms(1000.0)}])
+    assert med == {"w": TensorNorms(1.0)}  # with two contributions, the huge one cannot drag it up
+    ref = NormReference({"w": TensorNorms(1.0, 0.1)})
+
+    def reason(norm: float) -> str | None:
+        return check_norms({"w": TensorNorms(norm)}, ref, max_ratio=10.0, min_ratio=0.1)[0].reason
+
+    assert reason(1.0) is None and reason(9.0) is None  # scaled up to 9x: passes (and is clipped)
+    assert reason(1000.0) == "norm_outlier" and reason(float("inf")) == "norm_outlier"
+    assert reason(0.001) == "norm_tiny"  # however many send tiny updates, the reference stays
+    empty = NormReference()
+    assert check_norms({"w": TensorNorms(1e6)}, empty, max_ratio=10.0, min_ratio=0.1)[0].passed  # no history yet
+    assert check_norms({"w": TensorNorms(float("nan"))}, empty, max_ratio=10.0, min_ratio=0.1)[0].reason == (
+        "norm_outlier"
+    )
+    assert lower_median([3.0, 1.0, 2.0]) == 2.0
+
+
+def test_reference_moves_at_a_bounded_rate_and_round_trips() -> None:
+    from validator.reference import NormReference, TensorNorms, advance, clip_limits
+
+    ref = NormReference({"w": TensorNorms(1.0, 0.2)})
+    assert advance(ref, {"w": TensorNorms(100.0, 0.0)}, 2.0).tensors["w"] == TensorNorms(2.0, 0.1)
+    assert advance(ref, {"b": TensorNorms(3.0)}, 2.0).tensors["b"] == TensorNorms(3.0)  # new tensor: as is
+    assert NormReference.from_json(ref.to_json()) == ref
+    with pytest.raises(ValueError):
+        NormReference.from_json('{"w": [NaN, 0]}')
+    # caps: the established median, kept within [reference, headroom x reference]
+    big = {"w": (torch.tensor([0, 8]), torch.tensor([5.0, 0.3]))}  # norm ~5, rows 5.0 and 0.3
+    caps = clip_limits(ref, [big], {"w": (4, 8)}, headroom=2.0, rows=True)
+    assert caps["w"].norm == 2.0 and caps["w"].row == pytest.approx(0.4) and caps["w"].row_len == 8
+    # each row: headroom x max(what established peers did to that row, the RMS row = 1 / 2)
+    assert caps["w"].rows is not None and caps["w"].rows.tolist() == pytest.approx([10.0, 1.0, 1.0, 1.0])
+    small = {"w": (torch.tensor([0]), torch.tensor([0.01]))}
+    caps = clip_limits(ref, [small], {"w": (4, 8)}, headroom=2.0, rows=False)
+    assert caps["w"].norm == 1.0 and caps["w"].row == 0.0 and caps["w"].rows is None
 
 
 def test_rows_for_error_name_the_failing_check() -> None:
@@ -136,30 +166,69 @@ def test_screen_never_raises_on_garbage(peer: Identity) -> None:
 
 
 # ------------------------------------------------------------------ copies
-def test_overlap_and_global_indices() -> None:
-    g = global_indices({"a": np.array([0, 5]), "b": np.array([1])}, {"a": 0, "b": 10})
-    assert g.tolist() == [0, 5, 11]
-    assert overlap(np.array([1, 2, 3, 4]), np.array([3, 4, 5, 6])) == 0.5
-    assert overlap(np.array([], dtype=np.int64), np.array([1])) == 0.0
+def test_global_entries_and_similarity() -> None:
+    from validator.window_checks import global_entries
+
+    sparse = {"b": (torch.tensor([1]), torch.tensor([2.0])), "a": (torch.tensor([0, 5]), torch.tensor([1.0, -1.0]))}
+    idx, vals = global_entries(sparse, {"a": 0, "b": 10})
+    assert idx.tolist() == [0, 5, 11] and vals.tolist() == [1.0, -1.0, 2.0]
+    a = (np.array([1, 2, 3, 4]), np.array([1.0, 1.0, 1.0, 1.0], dtype=np.float32))
+    b = (np.array([3, 4, 5, 6]), np.array([1.0, -1.0, 1.0, 1.0], dtype=np.float32))
+    s = similarity(a, b, rare_shared=1, rare_a=2, rare_b=4)
+    assert s.overlap == 0.5 and s.signs == 0.5 and s.rare == 0.5
+    assert similarity((np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)), b, 0, 0, 4).overlap == 0.0
+
+
+def _entry(idx: np.ndarray, sign: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    return idx.astype(np.int64), np.full(len(idx), sign, dtype=np.float32)
 
 
 def test_copy_scan_later_upload_is_the_copier() -> None:
     a = np.arange(0, 100)
-    idx = {"orig": a, "copier": a.copy(), "honest": np.arange(80, 180)}
-    v, best = scan(idx, {"orig": 1.0, "copier": 2.0, "honest": 1.5}, threshold=0.6)
-    assert set(v) == {"copier"} and v["copier"].original == "orig" and v["copier"].overlap == 1.0
-    assert best == {"orig": 0.0, "honest": 0.2, "copier": 1.0}
+    idx = {"orig": _entry(a), "copier": _entry(a.copy()), "honest": _entry(np.arange(80, 180))}
+    v, best = scan(idx, {"orig": 1.0, "copier": 2.0, "honest": 1.5}, CopyRule())
+    assert set(v) == {"copier"} and v["copier"].original == "orig" and v["copier"].similarity.overlap == 1.0
+    # the overlap is measured with each peer's closest candidates (those sharing rare positions)
+    assert best["orig"] == best["copier"] == 1.0 and best["honest"] <= 0.2
     # reversed order: now "orig" is the later one
-    v, _ = scan(idx, {"orig": 3.0, "copier": 2.0, "honest": 1.5}, threshold=0.6)
-    assert set(v) == {"orig"}
+    v, _ = scan(idx, {"orig": 3.0, "copier": 2.0, "honest": 1.5}, CopyRule())
+    assert set(v) == {"orig"} and not v["orig"].tie
     # below the threshold nobody is a copier (honest overlap 0.2)
-    assert scan({"x": a, "y": np.arange(80, 180)}, {"x": 1.0, "y": 2.0}, 0.6)[0] == {}
+    assert scan({"x": _entry(a), "y": _entry(np.arange(80, 180))}, {"x": 1.0, "y": 2.0}, CopyRule())[0] == {}
 
 
-def test_copy_scan_same_listing_flags_both() -> None:
+def test_copy_scan_unknown_order_is_a_tie_not_a_copy() -> None:
     a = np.arange(50)
-    v, _ = scan({"x": a, "y": a}, {"x": 1.0, "y": 1.0}, 0.6)
-    assert set(v) == {"x", "y"} and all(c.ambiguous for c in v.values())
+    v, _ = scan({"x": _entry(a), "y": _entry(a)}, {"x": 1.0, "y": 1.0}, CopyRule())
+    assert set(v) == {"x", "y"} and all(c.tie for c in v.values())
+    # listed in the same poll (1.0), read one after the other: which came first is unknown
+    v, _ = scan({"x": _entry(a), "y": _entry(a)}, {"x": 1.01, "y": 1.02}, CopyRule(), {"x": 1.0, "y": 1.0})
+    assert set(v) == {"x", "y"} and all(c.tie for c in v.values())
+    # y's key appeared only after x's bytes were read: y is the copier
+    v, _ = scan({"x": _entry(a), "y": _entry(a)}, {"x": 1.01, "y": 2.02}, CopyRule(), {"x": 1.0, "y": 2.0})
+    assert set(v) == {"y"} and not v["y"].tie
+
+
+def test_copy_scan_catches_a_partial_copy_by_its_rare_positions() -> None:
+    """Six honest uploads share popular positions; a copy of 55 % of one of them plus its own
+    positions stays under the overlap threshold but shares the original's rare positions."""
+    rng = np.random.default_rng(0)
+    popular = np.arange(0, 2000)
+    entries = {}
+    for i in range(6):
+        own = rng.choice(np.arange(10_000, 200_000), size=300, replace=False)
+        entries[f"h{i}"] = _entry(np.unique(np.concatenate([rng.choice(popular, 100, replace=False), own])))
+    orig = entries["h0"][0]
+    copied = rng.choice(orig, size=int(0.55 * len(orig)), replace=False)
+    noise = rng.choice(np.arange(300_000, 400_000), size=len(orig) - len(copied), replace=False)
+    entries["copier"] = _entry(np.unique(np.concatenate([copied, noise])))
+    times = {p: float(i) for i, p in enumerate(entries)}
+    v, best = scan(entries, times, CopyRule())
+    assert set(v) == {"copier"} and v["copier"].original == "h0"
+    assert v["copier"].similarity.overlap < 0.6 <= 0.3 + v["copier"].similarity.rare
+    # flipped signs are not a copy: a free rider keeps the signs
+    entries["copier"] = _entry(entries["copier"][0], -1.0)
+    assert "copier" not in scan(entries, times, CopyRule())[0]
 
 
 # ------------------------------------------------------------------ reputation
@@ -208,27 +277,74 @@ def _screened(peer: str, idx: list[int], vals: list[float]) -> checks.Screened:
 
 def test_window_checks_norm_copy_score_capacity() -> None:
     from validator import window_checks as wc
+    from validator.reference import NormReference, TensorNorms
     from validator.scoring import LossScore
 
     a = _screened("a", [0, 1, 2, 3], [1.0, 1.0, 1.0, 1.0])
     b = _screened("b", [10, 11, 12, 13], [1.0, -1.0, 1.0, 1.0])
     copy = _screened("c", [0, 1, 2, 3], [1.0, 1.0, 1.0, 1.1])
     huge = _screened("h", [20, 21, 22, 23], [100.0, 100.0, 100.0, 100.0])
+    tiny = _screened("t", [30, 31, 32, 33], [0.01, 0.01, 0.01, 0.01])
     rejected = checks.Screened(peer="r", checks=(CheckRow("size", False, "too_large"),), reason="too_large")
-    out = wc.norms([a, b, copy, huge, rejected], 10.0)
-    assert [s.reason for s in out] == [None, None, None, "norm_outlier", "too_large"]
-    assert out[4] is rejected  # rejected ones pass through untouched
-    out = wc.copies(out, {"a": 1.0, "b": 2.0, "c": 3.0, "h": 0.0}, {"w": (64, 64)}, 0.6)
-    assert [s.reason for s in out] == [None, None, "copied", "norm_outlier", "too_large"]
-    assert "overlap 1.00 with a" in (out[2].detail or "")
-    out = wc.scores(out, {"a": LossScore(5.0, 4.0, 5.0, 4.5), "b": LossScore(5.0, 5.1, 5.0, 4.9)})
+    ref = NormReference({"w": TensorNorms(2.0, 1.0)})
+    out = wc.norms([a, b, copy, huge, tiny, rejected], ref, {"w": (64, 64)}, max_ratio=10.0, min_ratio=0.1)
+    assert [s.reason for s in out] == [None, None, None, "norm_outlier", "norm_tiny", "too_large"]
+    assert out[5] is rejected  # rejected ones pass through untouched
+    out = wc.copies(out, {"a": 1.0, "b": 2.0, "c": 3.0, "h": 0.0}, {"w": (64, 64)}, CopyRule())
+    assert [s.reason for s in out[:4]] == [None, None, "copied", "norm_outlier"]
+    assert "overlap 1.00" in (out[2].detail or "") and "with a" in (out[2].detail or "")
+    out = wc.scores(out, {"a": LossScore(5.0, 4.0, 5.0, 4.5), "b": LossScore(5.0, 5.1, 5.0, 4.9)}, 0.0)
     assert [s.reason for s in out[:2]] == [None, "harmful"]
     assert out[0].checks[-1] == CheckRow("score", True)
-    two = [_screened(p, [i], [1.0]) for i, p in enumerate("xyz")]
-    kept = wc.capacity(two, {"x": 0.1, "y": 0.5, "z": -1.0}, 2)
+    three = [_screened(p, [i], [1.0]) for i, p in enumerate("xyz")]
+    rank = {"x": -0.1, "y": -0.5, "z": 1.0}
+    kept = wc.capacity(three, rank.__getitem__, 2)
     assert [s.reason for s in kept] == [None, None, "over_capacity"]
     assert wc.total_norm(a.sparse) == pytest.approx(2.0)
     assert wc.offsets({"b": (2,), "a": (3, 2)}) == {"a": 0, "b": 6}
+
+
+def test_window_checks_ties_probation_harm_and_effect() -> None:
+    from validator import window_checks as wc
+    from validator.scoring import LossScore
+
+    x, y, n = (_screened(p, [0, 1, 2, 3], [1.0] * 4) for p in "xyn")
+    out = wc.copies([x, y], {"x": 1.01, "y": 1.02}, {"w": (64, 64)}, CopyRule(), {"x": 1.0, "y": 1.0})
+    assert [s.reason for s in out] == [None, None] and "order unknown" in (out[1].detail or "")  # a tie
+    good = LossScore(5.0, 4.0, 5.0, 4.9)
+    out = wc.probation([x, n], established={"x"}, loss_scores={})
+    assert [s.reason for s in out] == [None, "probation"]
+    assert wc.probation([n], established=set(), loss_scores={"n": good})[0].reason is None
+    # lowers the loss on its own data, raises it on held-out data: rejected, and never rewarded
+    raises = LossScore(5.0, 4.0, 5.0, 5.2)
+    assert raises.score == pytest.approx(0.8) and raises.score < LossScore(5.0, 4.0, 5.0, 5.0).score
+    assert wc.scores([x], {"x": raises}, 0.002)[0].reason == "harmful_general"
+    assert wc.scores([x], {"x": LossScore(5.0, 4.0, 5.0, 5.005)}, 0.002)[0].reason is None  # within tolerance
+    # helps, but by far less than the established peers' updates did
+    assert wc.scores([x], {"x": LossScore(5.0, 4.99, 5.0, 4.99)}, 0.002, min_gain=0.05)[0].reason == "ineffective"
+    assert wc.stable([x, y], {"y"})[1].reason == "non_finite_result"
+
+
+def test_agreement_with_established_uploads_orders_probation() -> None:
+    from validator.consensus import agreement
+
+    idx = np.arange(100, dtype=np.int64)
+    up = np.ones(100, dtype=np.float32)
+    entries = {
+        "k1": (idx, up),
+        "k2": (idx, up),
+        "same": (idx[:50], up[:50]),
+        "flipped": (idx[:50], -up[:50]),
+        "elsewhere": (idx + 1000, up),
+    }
+    got = agreement(entries, {"k1", "k2"})
+    assert got["same"] == 51 / 52 and got["flipped"] == 1 / 52 and got["elsewhere"] == 0.5
+    assert got["k1"] == got["k2"] == 101 / 102  # an established peer is compared with the others
+    assert agreement({"a": (idx, up)}, set()) == {"a": 0.5}
+    # per tensor: an edit in a second tensor that nobody else makes counts, however well the rest agrees
+    two = {**entries, "edit": (np.concatenate([idx, idx + 5000]), np.ones(200, dtype=np.float32))}
+    starts = np.array([0, 5000], dtype=np.int64)
+    assert agreement(two, {"k1", "k2"}, starts)["edit"] == 0.5 < agreement(two, {"k1", "k2"})["edit"]
 
 
 # ------------------------------------------------------------------ hostile tensor tables

@@ -9,25 +9,64 @@ from protocol.aggregate import sparse_of
 from protocol.data import assigned_batches, random_batches
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, parameters_of
+from protocol.wire import PipelineRole
 from tests.validator_fixtures import Swarm, tiny_spec
-from validator.scoring import LossScore, pick_sample, score_update, scoring_units, take_sequences
+from validator.scoring import (
+    LossScore,
+    plan_sample,
+    probation_order,
+    score_update,
+    scoring_batches,
+    scoring_units,
+    take_sequences,
+)
 
 
-def test_pick_sample_is_deterministic_bounded_and_varies_by_window() -> None:
+def _plan(est: list[str], new: list[str], budget: int, slots: int, seed: bytes = b"s") -> list[str]:
+    return plan_sample(established=est, probation=new, budget=budget, probation_slots=slots, seed=seed)
+
+
+def test_plan_sample_is_deterministic_bounded_and_varies_by_seed() -> None:
     peers = [f"p{i}" for i in range(20)]
-    a = pick_sample(peers, 5, seed=0, window=3)
+    a = _plan(peers, [], 5, 2)
     assert len(a) == 5 and set(a) <= set(peers) and a == sorted(a)
-    assert a == pick_sample(list(reversed(peers)), 5, seed=0, window=3)
-    assert any(pick_sample(peers, 5, seed=0, window=w) != a for w in range(4, 10))
-    assert pick_sample(peers, 0, 0, 0) == [] and pick_sample(peers[:2], 5, 0, 0) == peers[:2]
+    assert a == _plan(list(peers), [], 5, 2) and set(peers[:3]) <= set(a)  # half (rounded up) in order
+    assert any(_plan(peers, [], 5, 2, seed=bytes([w])) != a for w in range(6))
+    assert _plan(peers, [], 0, 2) == [] and _plan(peers[:2], [], 5, 2) == peers[:2]
 
 
-def test_data_key_follows_pipeline_groups() -> None:
+def test_plan_sample_reserves_slots_so_new_identities_cannot_starve_known_ones() -> None:
+    known = [f"k{i}" for i in range(6)]
+    flood = [f"s{i}" for i in range(1000)]
+    plan = _plan(known, flood, 8, 3)
+    assert sum(p.startswith("k") for p in plan) == 5 and sum(p.startswith("s") for p in plan) == 3
+    assert sum(p.startswith("s") for p in _plan(known[:2], flood, 8, 3)) == 6  # unused known slots go to them
+    assert sum(p.startswith("k") for p in _plan(known, flood[:1], 8, 3)) == 6  # and the other way round
+    assert _plan([], ["s2", "s1", "s3"], 2, 1) == ["s1", "s2"]  # probation in the order given
+    # half the established slots go to the first in the order given (the least agreeing)
+    assert "k5" in _plan(["k5", *known[:5]], [], 2, 0) and "k5" in _plan(["k5", *known[:5]], [], 1, 0)
+    order = probation_order(["a", "b", "c"], {"a": 0.5, "b": 0.9, "c": 0.1}, b"s")
+    assert order == ["b", "a", "c"]  # most agreement with established uploads first
+
+
+def test_scoring_batches_come_from_the_held_out_split_and_follow_the_seed(swarm: Swarm) -> None:
+    d = swarm.spec.data
+    a = scoring_batches(swarm.dataset, b"seed-a", 6, d.batch_size, d.seq_len)
+    assert sum(len(b) for b in a) == 6 and all(b.shape[1] == d.seq_len + 1 for b in a)
+    again = scoring_batches(swarm.dataset, b"seed-a", 6, d.batch_size, d.seq_len)
+    other = scoring_batches(swarm.dataset, b"seed-b", 6, d.batch_size, d.seq_len)
+    assert all(torch.equal(x, y) for x, y in zip(a, again)) and not torch.equal(a[0], other[0])
+    val = torch.from_numpy(swarm.dataset.val.read(0, len(swarm.dataset.val)).astype("int64"))
+    first = a[0][0]
+    windows = val.unfold(0, len(first), 1)
+    assert bool((windows == first).all(dim=1).any())  # a held-out sequence
+
+
+def test_data_key_follows_announced_pipeline_roles() -> None:
     from validator.scoring import data_key
 
-    assert data_key("p", {}) == "p" and data_key("p", {"loss": 1.0}) == "p"
-    assert data_key("p", {"pipeline_group": "g1", "pipeline_stage": 1}) == "pipeline:g1"
-    assert data_key("p", {"pipeline_group": 3}) == "p"  # malformed metadata: the peer's own lane
+    assert data_key("p", None) == "p"
+    assert data_key("p", PipelineRole("g1", 1, 2)) == "pipeline:g1"
 
 
 def test_validator_and_pipeline_replicas_share_one_data_key() -> None:
@@ -35,7 +74,7 @@ def test_validator_and_pipeline_replicas_share_one_data_key() -> None:
     from protocol.data import pipeline_data_key
     from validator.scoring import data_key
 
-    assert data_key("p", {"pipeline_group": "g1"}) == pipeline_data_key("g1") == pipeline_peer_key("g1")
+    assert data_key("p", PipelineRole("g1", 0, 2)) == pipeline_data_key("g1") == pipeline_peer_key("g1")
 
 
 def test_take_sequences_crosses_batches() -> None:
@@ -90,16 +129,20 @@ def test_honest_update_helps_its_own_data_and_negated_is_harmful(swarm: Swarm) -
 
 
 def test_pipeline_stages_are_scored_as_one_unit() -> None:
-    meta = {
-        "full-b": {},
-        "s1": {"pipeline_group": "g", "pipeline_stage": 1},
-        "full-a": {"pipeline_group": 7},  # malformed group: scored alone, on its own lane
-        "s0": {"pipeline_group": "g", "pipeline_stage": 0},
-        "h0": {"pipeline_group": "h", "pipeline_stage": 0},
+    roles = {
+        "full-b": None,
+        "s1": PipelineRole("g", 1, 2),
+        "full-a": None,
+        "s0": PipelineRole("g", 0, 2),
+        "h0": PipelineRole("h", 0, 2),
+        "x0": PipelineRole("g", 0, 2),  # claims a stage that is taken: scored alone, on its own lane
     }
-    assert scoring_units(meta) == {
+    assert scoring_units(roles, roles, pipelines=True) == {
         "full-a": ["full-a"],
         "full-b": ["full-b"],
         "pipeline:g": ["s0", "s1"],
         "pipeline:h": ["h0"],
+        "x0": ["x0"],
     }
+    # a run without pipelines scores everyone alone, whatever they announced
+    assert scoring_units(roles, roles, pipelines=False) == {p: [p] for p in sorted(roles)}

@@ -35,7 +35,13 @@ RESIGNED_PER_KIND = 600
 PEAK_LIMIT = 32 << 20  # bytes traced by tracemalloc (numpy and Python allocations)
 RSS_GROWTH_LIMIT = 256 << 20
 SLOWEST_LIMIT_S = 0.5
-SIGNERS = {Kind.CONTRIBUTION: PEER, Kind.AGGREGATE: VALIDATOR, Kind.CHECKPOINT: VALIDATOR, Kind.ANNOUNCEMENT: PEER}
+SIGNERS = {
+    Kind.CONTRIBUTION: PEER,
+    Kind.AGGREGATE: VALIDATOR,
+    Kind.CHECKPOINT: VALIDATOR,
+    Kind.ANNOUNCEMENT: PEER,
+    Kind.DATASET: VALIDATOR,
+}
 Mutation = Callable[[random.Random, bytes], bytes]
 
 

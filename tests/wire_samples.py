@@ -16,6 +16,8 @@ from protocol.wire import (
     CheckpointFile,
     CheckpointManifest,
     Contribution,
+    DatasetManifest,
+    DatasetShard,
     ManifestEntry,
     PipelineRole,
     SparseDelta,
@@ -23,6 +25,7 @@ from protocol.wire import (
     encode_announcement,
     encode_checkpoint,
     encode_contribution,
+    encode_dataset,
 )
 from protocol.wire.frame import Kind, seal
 
@@ -71,6 +74,15 @@ def announcement(window: int = 3) -> Announcement:
     return Announcement(RUN, window, "0.1.0", "cpu x2", PipelineRole("g1", 1, 3), {"store": "file:///tmp/x"})
 
 
+def dataset() -> DatasetManifest:
+    shards = (
+        DatasetShard("train", hashlib.sha256(b"t0").hexdigest(), 1 << 20),
+        DatasetShard("train", hashlib.sha256(b"t1").hexdigest(), 12345),
+        DatasetShard("val", hashlib.sha256(b"v0").hexdigest(), 4321),
+    )
+    return DatasetManifest("bytes", 2, 256, 0, shards, {"documents": 17, "val_fraction": 0.02})
+
+
 def blobs() -> dict[Kind, bytes]:
     """One valid signed object of each kind."""
     return {
@@ -78,6 +90,7 @@ def blobs() -> dict[Kind, bytes]:
         Kind.AGGREGATE: encode_aggregate(aggregate(), VALIDATOR),
         Kind.CHECKPOINT: encode_checkpoint(checkpoint(), VALIDATOR),
         Kind.ANNOUNCEMENT: encode_announcement(announcement(), PEER),
+        Kind.DATASET: encode_dataset(dataset(), RUN, VALIDATOR),
     }
 
 

@@ -4,8 +4,8 @@ A check returns a :class:`~validator.log.CheckRow` ``(name, passed, reason)``; `
 stable name written to the contribution log. Order (the first failure decides the rejection
 reason; later checks are not run)::
 
-    size  format  signature  run  window  registered  codec  schema  finite  sync  excluded  norm  copy  score
-    capacity
+    size  format  signature  run  window  registered  codec  schema  finite  sync  excluded
+    immutable  norm  copy  score  probation  capacity  stable
 
 ``size`` … ``finite`` are mostly enforced by :func:`protocol.wire.decode_contribution` (given the
 window, the run's codec and the model's schema, so a hostile tensor table is refused before the
@@ -18,15 +18,14 @@ object of another window or run. Unless the object is signed by ``<peer>`` for t
 (``size`` through ``window``), it says nothing about the peer: it is rejected with reason
 ``foreign`` (:data:`~validator.reputation.FOREIGN`, neutral for reputation) and the detail says what
 was found, instead of ``bad_signature`` or ``wrong_window`` against the peer. Everything after
-that (a malformed body, the codec, the schema …) the peer signed, and is its own. ``screen`` runs the
-per-contribution checks on one received object; ``norm`` and ``copy`` need the whole window
-(:func:`check_norm`, :mod:`validator.copies`), ``score`` the loss evaluation
-(:mod:`validator.scoring`); those window-level checks live in :mod:`validator.window_checks`.
+that (a malformed body, the codec, the schema …) the peer signed, and is its own
+(:mod:`validator.reputation`). ``screen`` runs the per-contribution checks on one received object;
+the checks from ``immutable`` on need the log, the whole window, the loss evaluation or the
+aggregate and live in :mod:`validator.window_checks`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
@@ -49,17 +48,14 @@ __all__ = [
     "check_codec",
     "check_excluded",
     "check_finite",
-    "check_norm",
     "check_registered",
     "check_schema",
     "check_size",
     "check_sync",
     "check_window",
     "foreign",
-    "lower_median",
     "rows_for_error",
     "screen",
-    "tensor_norms",
 ]
 
 CHECK_ORDER = (
@@ -74,10 +70,13 @@ CHECK_ORDER = (
     "finite",
     "sync",
     "excluded",
+    "immutable",
     "norm",
     "copy",
     "score",
+    "probation",
     "capacity",
+    "stable",
 )
 
 # ProtocolError.reason (raised while decoding) -> the check that failed
@@ -109,13 +108,16 @@ def fail(name: str, reason: str) -> CheckRow:
     return CheckRow(name, False, reason)
 
 
-def rows_for_error(reason: str, registered: CheckRow | None = None) -> tuple[CheckRow, ...]:
+def rows_for_error(reason: str, registered: CheckRow | None = None, *, signed: bool = False) -> tuple[CheckRow, ...]:
     """Check rows for a decode failure: every check before the failing one passed.
 
     Only checks decoding performs are claimed (it is given the window, codec and schema);
     ``registered``, when given, is the registration check's row and is placed in its turn (a
-    failed one ends the rows: it decides the rejection)."""
+    failed one ends the rows: it decides the rejection). ``signed``: the envelope verified as the
+    peer's, so a structural failure is in the body it signed (check ``schema``)."""
     name = _REASON_CHECK.get(reason, "format")
+    if signed and name in ("size", "format", "signature"):
+        name = "schema"
     rows: list[CheckRow] = []
     for n in CHECK_ORDER[: CHECK_ORDER.index(name)]:
         if n in _DECODE_CHECKS:
@@ -175,35 +177,6 @@ def check_excluded(excluded: bool) -> CheckRow:
     return fail("excluded", "excluded") if excluded else ok("excluded")
 
 
-def tensor_norms(sparse: SparseDict) -> dict[str, float]:
-    return {name: float(torch.linalg.vector_norm(vals.double())) for name, (_, vals) in sparse.items()}
-
-
-def lower_median(xs: Collection[float]) -> float:
-    """The lower median: with two contributions it is the smaller one, so one huge update cannot
-    drag the reference up to half its own size."""
-    s = sorted(xs)
-    return s[(len(s) - 1) // 2]
-
-
-def window_medians(norms: Collection[Mapping[str, float]]) -> dict[str, float]:
-    """Per tensor, the lower median of the norms of the contributions that sent it."""
-    by_name: dict[str, list[float]] = {}
-    for n in norms:
-        for name, v in n.items():
-            by_name.setdefault(name, []).append(v)
-    return {name: lower_median(vs) for name, vs in by_name.items()}
-
-
-def check_norm(norms: Mapping[str, float], medians: Mapping[str, float], max_ratio: float) -> CheckRow:
-    """Every tensor's norm must be ≤ ``max_ratio`` × the window's median for that tensor."""
-    for name, v in norms.items():
-        med = medians.get(name, 0.0)
-        if not math.isfinite(v) or (med > 0.0 and v > max_ratio * med) or (med == 0.0 and v > 0.0):
-            return fail("norm", "norm_outlier")
-    return ok("norm")
-
-
 # ---------------------------------------------------------------------------- one contribution
 @dataclass(frozen=True, kw_only=True)
 class Context:
@@ -234,7 +207,9 @@ class Screened:
 
 
 def screen(peer: str, data: bytes, ctx: Context) -> Screened:
-    """Run ``size`` … ``excluded`` on the bytes found at ``contrib/<window>/<peer>``. Pure."""
+    """Run ``size`` … ``excluded`` on the bytes found at ``contrib/<window>/<peer>``. Pure.
+
+    The result holds the decoded sparse form, not ``data``: the caller can drop the bytes."""
     size = check_size(len(data), ctx.max_bytes)
     if not size.passed:
         return foreign(peer, "size", f"{size.reason}: {len(data)} bytes, cap {ctx.max_bytes}")
@@ -297,9 +272,10 @@ def _attribution(peer: str, env: Envelope, ctx: Context) -> tuple[str, str] | No
 
 
 def _undecodable(peer: str, exc: ProtocolError, ctx: Context) -> Screened:
-    """A contribution that failed to decode; an unregistered sender is named as such when its
+    """A contribution whose envelope is the peer's but whose body failed to decode (the peer signed
+    it: a structural failure is check ``schema``); an unregistered sender is named as such when its
     check comes before the failing one."""
-    rows = rows_for_error(exc.reason, check_registered(peer, ctx.registered))
+    rows = rows_for_error(exc.reason, check_registered(peer, ctx.registered), signed=True)
     if rows[-1].name == "registered":
         return Screened(peer=peer, checks=rows, reason=rows[-1].reason, detail="no signed announcement for this peer")
     return Screened(peer=peer, checks=rows, reason=exc.reason, detail=str(exc))

@@ -1,21 +1,29 @@
-"""``sparseloco-validator``: run a validator, read its contribution log, make its key.
+"""``sparseloco-validator``: create a run, run its validator, read its contribution log, make its key.
 
     sparseloco-validator keygen --key validator.pem          # prints the public key for the RunSpec
+    sparseloco-validator init --corpus PATH... --store URL --key validator.pem --out run.toml
+                              [--tokenizer bytes|tokenizer.json] [--preset NAME | --spec base.toml]
+                              [--text-field text] [--name NAME] [--shard-tokens N] [--json]
     sparseloco-validator run --run run.toml --key validator.pem --state vstate [--settings FILE]
                              [--store URL] [--dht-peer MULTIADDR ...] [--device cuda] [--threads N]
                              [--windows N] [--status-json]
                              [--eval-every N [--eval-sequences M]]
+                             [--grant-port PORT [--grant-host HOST] [--tls-cert PEM --tls-key PEM]]
+                             [--wait-for-peers N]
     sparseloco-validator logs --db vstate/contributions.sqlite [--peer ID] [--window A:B] [--rejected]
-                              [--windows | --evals] [--json | --csv] [--summary]
+                              [--windows | --evals] [--json | --csv] [--summary] [--plot PNG]
+    sparseloco-validator dashboard --db vstate/contributions.sqlite [--host 127.0.0.1] [--port 8080]
 
 Local settings (store, corpus, device, poll interval …; :mod:`protocol.settings`) come from the
 flags, then ``SPARSELOCO_*`` variables, then ``--settings FILE``, then run.toml's ``[local]`` table.
+With ``--grant-port`` the validator also serves grants (:mod:`validator.grant_server`): peers
+without a store credential get presigned requests for their own keys and for reading the run.
 
 ``run`` reports what happens as :mod:`protocol.events` records: one timestamped human line each
 (``2025-01-31 12:00:03 window 3 published: accepted=3 rejected=0 val_loss=4.5487 …``), or with
 ``--status-json`` one JSON object per line on stdout and nothing else there (what ``sparseloco
 demo`` reads). Ctrl-C or SIGTERM finish or abandon the current window cleanly (a restart resumes
-it). Exit codes: 0 done, 2 configuration/identity error, 130 interrupted.
+it). Exit codes: 0 done, 1 the store failed at start, 2 configuration/identity error, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -24,32 +32,41 @@ import csv
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from protocol.config import RunSpec
-from protocol.errors import ConfigError
-from protocol.events import Event, EventWriter, Failed, Stopped, ValidatorStarted, describe
+from protocol.errors import ConfigError, ProtocolError, StoreError
+from protocol.events import Event, EventWriter, Failed, GrantsServed, Stopped, ValidatorStarted, describe
 from protocol.identity import Identity
-from protocol.settings import LocalSettings, load_settings, settings_help
+from protocol.settings import LocalSettings, load_settings, resolve_settings, settings_help
 from protocol.store import open_from_settings
+from protocol.store.presign import Presigner
 from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
 
 if TYPE_CHECKING:
+    from validator.grant_server import GrantServer
+    from validator.grants import OpenWindows
+    from validator.init import InitResult
     from validator.node import Validator
 
 DEFAULT_KEY = "~/.sparseloco/validator.pem"
 DEFAULT_STATE = "validator-state"
 ROLE = "validator"
+EXIT_STORE = 1
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 
@@ -75,6 +92,154 @@ def keygen(key_path: str, as_json: bool) -> None:
         return
     click.echo(f"public key  {ident.public_key_hex}")
     click.echo(f"peer id     {ident.peer_id}")
+
+
+@cli.command()
+@click.option(
+    "--corpus",
+    "corpus",
+    multiple=True,
+    required=True,
+    help="builtin:stdlib, a text file or directory, a .jsonl file, or a shard directory (repeatable).",
+)
+@click.option("--store", "store_url", required=True, help="Store URL the run lives in (written to [local.store]).")
+@click.option(
+    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
+)
+@click.option(
+    "--key", "key_path", default=DEFAULT_KEY, show_default=True, help="Validator Ed25519 key (created if missing)."
+)
+@click.option(
+    "--tokenizer",
+    default="bytes",
+    show_default=True,
+    help="'bytes', or a tokenizer.json (stored in the run's store, named by its sha256 in the RunSpec).",
+)
+@click.option("--text-field", default="text", show_default=True, help="The text field of JSONL lines.")
+@click.option(
+    "--preset", default=None, help="A run preset (protocol/presets: demo) or a model preset (tiny, small, 150m …)."
+)
+@click.option(
+    "--spec", "spec_path", default=None, type=click.Path(exists=True, dir_okay=False), help="Base RunSpec TOML."
+)
+@click.option("--name", default=None, help="The run's name (RunSpec name) [default: the base's].")
+@click.option("--shard-tokens", type=click.IntRange(1), default=None, help="Tokens per shard [default: 1 Mi].")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="The run.toml to write (new).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+def init(
+    corpus: tuple[str, ...],
+    store_url: str,
+    dht_peers: tuple[str, ...],
+    key_path: str,
+    tokenizer: str,
+    text_field: str,
+    preset: str | None,
+    spec_path: str | None,
+    name: str | None,
+    shard_tokens: int | None,
+    out_path: str,
+    as_json: bool,
+) -> None:
+    """Create a run from a corpus: tokenize it once into content-addressed shards, put them and a
+    signed dataset manifest into the run's store, and write run.toml (`run` publishes genesis).
+
+    \b
+    The RunSpec is the base (--preset or --spec) with data.dataset (the manifest's digest),
+    data.tokenizer ('bytes' or 'hf:<sha256>'), this key in validator.public_keys and
+    model.vocab_size at least the tokenizer's; run.toml's [local] table names the store (and
+    keeps the base's [local] table). Peers fetch only the shards their batches need.
+    Prints the run id and run hash. Exit status: 0 done, 1 the store failed, 2 configuration.
+    """
+    from validator.dataset import DEFAULT_SHARD_TOKENS
+    from validator.init import base_spec, init_run
+
+    err = Console(stderr=True, highlight=False)
+    try:
+        base, table = base_spec(preset, spec_path)
+        store_table = {"url": store_url, **({"dht_bootstrap": list(dht_peers)} if dht_peers else {})}
+        table = {**table, "store": {**table.get("store", {}), **store_table}}
+        flags = {"store.url": store_url, "store.dht_bootstrap": list(dht_peers) or None}
+        settings = resolve_settings(run_local=table, env=os.environ, flags=flags)
+        identity = Identity.load_or_create(Path(key_path).expanduser())
+        with _InitProgress(err) as steps:
+            result = init_run(
+                list(corpus),
+                base=base,
+                local=table,
+                store=settings.store,
+                identity=identity,
+                out=out_path,
+                tokenizer=tokenizer,
+                name=name,
+                shard_tokens=shard_tokens or DEFAULT_SHARD_TOKENS,
+                text_field=text_field,
+                steps=steps,
+            )
+    except ConfigError as exc:
+        err.print(f"sparseloco-validator init: {exc}")
+        sys.exit(EXIT_CONFIG)
+    except (StoreError, ProtocolError) as exc:
+        err.print(f"sparseloco-validator init: the store failed: {exc}")
+        sys.exit(EXIT_STORE)
+    _print_init(result, settings.store.location(), as_json)
+
+
+def _print_init(r: InitResult, store: str, as_json: bool) -> None:
+    if as_json:
+        fields = {
+            "run_id": r.run_id,
+            "run_hash": r.run_hash,
+            "dataset": r.dataset,
+            "tokenizer": r.spec.data.tokenizer,
+            "shards": r.shards,
+            "train_tokens": r.train_tokens,
+            "val_tokens": r.val_tokens,
+            "data_bytes": r.data_bytes,
+            "documents": r.documents,
+            "store": store,
+            "run_toml": str(r.out),
+        }
+        click.echo(json.dumps(fields))
+        return
+    click.echo(f"run id     {r.run_id}")
+    click.echo(f"run hash   {r.run_hash}")
+    click.echo(
+        f"dataset    {r.dataset}  ({r.documents:,} documents, {r.shards} shards, {r.train_tokens:,} train + "
+        f"{r.val_tokens:,} val tokens, {r.data_bytes / 2**20:.1f} MiB)"
+    )
+    click.echo(f"tokenizer  {r.spec.data.tokenizer}")
+    click.echo(f"store      {store}")
+    click.echo(f"wrote      {r.out}  (give it to every peer: sparseloco-peer join --run {r.out.name})")
+
+
+class _InitProgress:
+    """``init``'s progress bars on stderr (rich): tokenizing, then uploading."""
+
+    def __init__(self, console: Console) -> None:
+        self.bars = Progress(
+            TextColumn("{task.description:<10}"),
+            BarColumn(),
+            DownloadColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        )
+
+    def __enter__(self) -> _InitProgress:
+        self.bars.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bars.stop()
+
+    def tokenizing(self, total_bytes: int) -> Callable[[int], None]:
+        return self._task("tokenizing", total_bytes)
+
+    def uploading(self, total_bytes: int) -> Callable[[int], None]:
+        return self._task("uploading", total_bytes)
+
+    def _task(self, what: str, total: int) -> Callable[[int], None]:
+        task = self.bars.add_task(what, total=total or None)
+        return lambda n: self.bars.advance(task, n)
 
 
 @cli.command(epilog=settings_help())
@@ -111,6 +276,22 @@ def keygen(key_path: str, as_json: bool) -> None:
     default=None,
     help="Validation sequences per periodic evaluation [validator.eval_sequences, default 256].",
 )
+@click.option(
+    "--grant-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve grants on this port: peers need no store credential, only store.grant_url "
+    "(validator.grant_port; 0: no grant server) [needs an s3:// store].",
+)
+@click.option("--grant-host", default=None, help="Address the grant server binds (validator.grant_host) [0.0.0.0].")
+@click.option("--tls-cert", default=None, help="PEM certificate: serve grants over HTTPS (validator.tls_cert).")
+@click.option("--tls-key", default=None, help="PEM private key of --tls-cert (validator.tls_key).")
+@click.option(
+    "--wait-for-peers",
+    type=click.IntRange(0),
+    default=0,
+    help="A new run: publish genesis (open window 0) only once N peers have announced.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def run(
     run_path: str,
@@ -125,6 +306,11 @@ def run(
     status_json: bool,
     eval_every: int | None,
     eval_sequences: int | None,
+    grant_port: int | None,
+    grant_host: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    wait_for_peers: int,
     verbose: bool,
 ) -> None:
     """Validate windows: gather, check, score, aggregate, publish.
@@ -141,10 +327,14 @@ def run(
       window_retry       window, reason, detail       (a store error; retried)
       model_evaluated    window, fingerprint, sequences, loss, perplexity,
                          bits_per_byte, seconds       (--eval-every N)
+      grants_served      url                          (--grant-port)
+      granted            peer_id, address, op, key, size, expires_at
+      grant_denied       peer_id, address, op, key, reason, status, detail
       stopped            role, reason (done | stopped | interrupted), window
       failed             role, reason, detail
 
-    Exit status: 0 done, 2 configuration or identity error, 130 stopped or interrupted.
+    Exit status: 0 done, 1 the store failed at start, 2 configuration or identity error, 130 stopped
+    or interrupted.
     """
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -157,15 +347,39 @@ def run(
         "compute.threads": threads,
         "validator.eval_every": eval_every,
         "validator.eval_sequences": eval_sequences,
+        "validator.grant_port": grant_port,
+        "validator.grant_host": grant_host,
+        "validator.tls_cert": tls_cert,
+        "validator.tls_key": tls_key,
     }
-    try:
-        local = load_settings(run_path, settings_path=settings_path, flags=flags)
-        validator = _open_validator(run_path, local, key_path, state_dir, emit)
-    except ConfigError as exc:
-        emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
-        sys.exit(EXIT_CONFIG)
-    _install_stop(validator)
-    sys.exit(_serve(validator, windows, emit))
+    # torch and the grant desk load here, not at import: `logs` (what sparseloco demo runs) stays quick.
+    from validator.grants import OpenWindows
+    from validator.state import STATE_FILE
+
+    windows_open = OpenWindows()  # the grant desk's view of the window clock, from our own events
+
+    def emit_all(event: Event) -> None:
+        windows_open.observe(event)
+        emit(event)
+
+    with ExitStack() as stack:
+        try:
+            local = load_settings(run_path, settings_path=settings_path, flags=flags)
+            validator = _open_validator(run_path, local, key_path, state_dir, emit_all)
+            stack.callback(validator.close)
+            if local.validator.grant_port:
+                stack.enter_context(_grant_server(validator, local, windows_open, emit_all))
+        except ConfigError as exc:
+            emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
+            sys.exit(EXIT_CONFIG)
+        except StoreError as exc:  # the run's dataset manifest could not be read
+            emit(Failed(role=ROLE, reason=exc.reason, detail=str(exc)))
+            sys.exit(EXIT_STORE)
+        _install_stop(validator)
+        if wait_for_peers and not (Path(state_dir) / STATE_FILE).exists():
+            _wait_for_peers(validator, wait_for_peers)
+        code = _serve(validator, windows, emit_all)
+    sys.exit(code)
 
 
 def _open_validator(run_path: str, local: LocalSettings, key_path: str, state_dir: str, emit: Emit) -> Validator:
@@ -178,8 +392,15 @@ def _open_validator(run_path: str, local: LocalSettings, key_path: str, state_di
     if local.compute.threads > 0:
         torch.set_num_threads(local.compute.threads)
     spec = RunSpec.load(run_path)
+    if not spec.data.dataset:
+        raise ConfigError(
+            f"{run_path} names no dataset (data.dataset): a run's data lies in its store; create the run "
+            "with `sparseloco-validator init`"
+        )
     ident = Identity.load(Path(key_path).expanduser())
     device = local.compute.device or "cpu"
+    # store.grant_url / public_reads are how peers reach the run; the validator holds the credential.
+    local = dataclasses.replace(local, store=dataclasses.replace(local.store, grant_url="", public_reads=False))
     store = open_from_settings(local.store, identity=ident, validator_keys=spec.validator.public_keys)
     validator = Validator(spec, store, ident, state_dir, device=device, local=local, emit=emit)
     started = ValidatorStarted(
@@ -193,6 +414,33 @@ def _open_validator(run_path: str, local: LocalSettings, key_path: str, state_di
     return validator
 
 
+def _grant_server(validator: Validator, local: LocalSettings, windows_open: OpenWindows, emit: Emit) -> GrantServer:
+    """The started grant server of ``validator`` (its store signs the grants); GrantsServed says where."""
+    from validator.grant_server import GrantServer
+    from validator.grants import GrantDesk
+
+    if not isinstance(validator.store, Presigner):
+        raise ConfigError(
+            f"--grant-port hands out presigned S3 requests: it needs an s3:// store, not {local.store.url}"
+        )
+    desk = GrantDesk(validator.spec, validator.store, windows_open.current, emit=emit)
+    settings = local.validator
+    server = GrantServer(
+        desk, settings.grant_host, settings.grant_port, tls_cert=settings.tls_cert, tls_key=settings.tls_key
+    ).start()
+    emit(GrantsServed(url=server.url))
+    return server
+
+
+def _wait_for_peers(validator: Validator, count: int) -> None:
+    """Until ``count`` peers have announced (and not withdrawn), or the validator is stopped."""
+    while not validator.stop.is_set():
+        registry = validator.registry
+        if len(registry.refresh() - registry.withdrawn) >= count:
+            return
+        validator.stop.wait(validator.local.poll_interval_s)
+
+
 def _serve(validator: Validator, windows: int | None, emit: Emit) -> int:
     """Run until done, stopped or failed; the exit status (the last event says why)."""
     try:
@@ -203,8 +451,6 @@ def _serve(validator: Validator, windows: int | None, emit: Emit) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C: the current window is redone on restart
         emit(Stopped(role=ROLE, reason="interrupted", window=_window(validator)))
         return EXIT_INTERRUPTED
-    finally:
-        validator.close()
     if validator.stop.is_set():  # Ctrl-C or SIGTERM: an unfinished window is redone on restart
         emit(Stopped(role=ROLE, reason="stopped", window=_window(validator)))
         return EXIT_INTERRUPTED
@@ -268,6 +514,14 @@ _COLUMNS = (
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (an array of rows).")
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV.")
 @click.option("--summary", is_flag=True, help="Leaderboard: windows, acceptance rate, mean score per peer.")
+@click.option(
+    "--plot",
+    "plot_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Write the dashboard's charts to this PNG (val loss, outcomes per window, rejections by reason; "
+    "--window picks windows; needs matplotlib: pip install 'sparseloco[plot]').",
+)
 def logs(
     db: str,
     peer: str | None,
@@ -278,6 +532,7 @@ def logs(
     as_json: bool,
     as_csv: bool,
     summary: bool,
+    plot_path: str | None,
 ) -> None:
     """Show the contribution log: who sent what, how it scored, why it was rejected.
 
@@ -289,13 +544,40 @@ def logs(
                      decided rows only
       --windows      window, status (decided | published), opened_at, closed_at,
                      published_at, base, digest (of the aggregate), fingerprint (of θ
-                     after it), val_loss, accepted, rejected
+                     after it), val_loss, accepted, rejected, unannounced (uploads under
+                     keys of peers without an announcement: counted, never read)
       --evals        window (θ after its aggregate), fingerprint, sequences, tokens,
                      bytes, loss (nats/token), perplexity, bits_per_byte,
                      evaluated_at, seconds
       --summary      peer, windows, accepted, acceptance_rate, mean_score, reputation,
                      last_window; the table also shows the periodic evaluations
-    Times are unix seconds; absent values are null (empty in CSV).
+    Times are unix seconds; absent values are null (empty in CSV). Rows exist only for
+    announced peers.
+
+    \b
+    Rejection reasons (* = never held against the peer):
+      foreign*            bytes at the peer's key that the peer did not sign for this run
+                          and window: too large, not an envelope, a bad signature, signed by
+                          another key, or the peer's own object of another run or window
+      unregistered wrong_codec schema_mismatch invalid_indices
+      non_finite stale_base malformed (a body the peer signed)
+                          what the peer signed breaks the protocol
+      excluded*           the peer is serving an exclusion for repeated failures
+      over_budget*        beyond the window's read budget (keys or bytes)
+      not_found* store_error* fetch_timeout*
+                          the store failed or was too slow
+      mutated             other bytes than the ones first read, signed by the peer
+      norm_outlier        a tensor above norm_max_ratio x the validator's reference
+      norm_tiny*          an update below norm_min_ratio x the reference: does not count
+      copied              shares the values of an upload read before its key appeared
+                          (index or rare-position overlap with agreeing signs)
+      harmful             does not lower the loss on the peer's own data
+      harmful_general     raises the loss on held-out data
+      ineffective         lowers it far less than established peers' updates do
+      probation*          a new identity whose update was not scored in this window
+      over_capacity*      more than max_contributors passed
+      non_finite_result   with it the aggregate makes θ or the loss non-finite
+      late*               uploaded after the window closed
     """
     if as_json and as_csv:
         raise click.UsageError("--json and --csv are exclusive")
@@ -306,6 +588,9 @@ def logs(
     if not Path(db).exists():
         raise click.ClickException(f"no contribution log at {db}")
     windows = _parse_range(window_range)
+    if plot_path is not None:
+        _plot(db, plot_path, windows, others=(peer, rejected, per_window, evaluations, as_json, as_csv, summary))
+        return
     with ContributionLog(db) as log:
         if per_window:
             lo, hi = windows
@@ -326,6 +611,20 @@ def logs(
             return
         rows = log.rows(peer=peer, windows=windows, rejected_only=rejected)
         _emit([_flat(r) for r in rows], as_json, as_csv, _rows_table)
+
+
+def _plot(db: str, path: str, windows: tuple[int | None, int | None], others: tuple[object, ...]) -> None:
+    """``logs --plot``: the charts of the whole log (or of ``--window``) as one PNG."""
+    from validator.plots import write_plots  # matplotlib loads only for a plot
+
+    if any(others):
+        raise click.UsageError("--plot draws whole windows: only --window applies")
+    try:
+        with ContributionLog(db, readonly=True) as log:
+            write_plots(log, path, windows=windows)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote {path}")
 
 
 def _parse_range(text: str | None) -> tuple[int | None, int | None]:
@@ -456,6 +755,45 @@ def _evals_table(rows: list[dict[str, object]]) -> Table:
             _fmt(r["seconds"], 1),
         )
     return t
+
+
+# ------------------------------------------------------------------------------ dashboard
+@cli.command()
+@click.option(
+    "--db", default=str(Path(DEFAULT_STATE) / LOG_FILE), show_default=True, help="Contribution log (read only)."
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="Port (0: a free one).")
+def dashboard(db: str, host: str, port: int) -> None:
+    """Serve the contribution log as web pages: leaderboard (first and last seen, windows, acceptance,
+    mean score, reputation), one page per peer, validation loss and outcomes per window (SVG charts),
+    rejections by reason, and the window the validator has open.
+
+    \b
+    The same data as JSON, for other tools:
+      /api/overview  /api/leaderboard?page=N&per_page=M  /api/peers/<id>?page=N
+      /api/windows?from=A&to=B&points=N  /api/rejections?from=A&to=B  /api/current
+    The log is opened read-only on every request, so it can run beside a running
+    validator. Prints "dashboard at URL" once it listens; Ctrl-C or SIGTERM stops it.
+    """
+    from validator.dashboard import Dashboard
+
+    try:
+        server = Dashboard(db, host=host, port=port)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    click.echo(f"dashboard at {server.start()}  (log {db}, read-only; Ctrl-C stops)")
+    sys.stdout.flush()  # whoever started it reads the URL from a pipe
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
 
 
 def main() -> None:

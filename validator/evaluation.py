@@ -16,6 +16,7 @@ contribution log's ``evaluations`` table (``sparseloco-validator logs --evals``,
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 from protocol.config import DataConfig
 from protocol.data import TokenDataset, validation_batches
 from protocol.evaluation import score_lm
-from protocol.tokenizer import load_tokenizer
+from protocol.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from validator.log import EvaluationRecord
 
 __all__ = ["DEFAULT_EVAL_SEQUENCES", "PeriodicEval"]
@@ -34,11 +35,23 @@ DEFAULT_EVAL_SEQUENCES = 256
 class PeriodicEval:
     """When θ is evaluated (every ``every`` windows; 0: never) and on which sequences."""
 
-    def __init__(self, *, every: int, sequences: int, dataset: TokenDataset, data: DataConfig) -> None:
+    def __init__(
+        self,
+        *,
+        every: int,
+        sequences: int,
+        dataset: TokenDataset,
+        data: DataConfig,
+        tokenizer: Callable[[], ByteTokenizer | HFTokenizer] | None = None,
+    ) -> None:
+        """``tokenizer``: how to get the run's tokenizer when first needed (default: from
+        ``data.tokenizer`` on this machine; a run's ``hf:<sha256>`` one comes from its store)."""
         if every < 0 or sequences < 1:
             raise ValueError("every must be >= 0 and sequences >= 1")
         self.every, self.sequences = every, sequences
         self.dataset, self.data = dataset, data
+        self._load_tokenizer = tokenizer or (lambda: load_tokenizer(data.tokenizer))
+        self._tokenizer: ByteTokenizer | HFTokenizer | None = None
         self._batches: list[Tensor] | None = None  # built on first use: fixed for the whole run
 
     def due(self, window: int) -> bool:
@@ -52,7 +65,9 @@ class PeriodicEval:
         started = time.monotonic()
         if self._batches is None:
             self._batches = validation_batches(self.dataset, self.sequences, self.data.batch_size, self.data.seq_len)
-        score = score_lm(model, self._batches, load_tokenizer(self.data.tokenizer), device)
+        if self._tokenizer is None:
+            self._tokenizer = self._load_tokenizer()
+        score = score_lm(model, self._batches, self._tokenizer, device)
         return EvaluationRecord(
             window=window,
             fingerprint=fingerprint,

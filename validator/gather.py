@@ -1,30 +1,42 @@
-"""Gathering a window's contributions: polling listings, bounded concurrent fetches, size caps.
+"""Gathering a window's contributions: polling listings, bounded and prioritised fetches, budgets.
 
-:func:`gather` polls ``contrib/<window>/`` every ``poll_interval_s`` and fetches each new object on a
-pool of ``concurrency`` threads (local settings). Every object is size-checked (``store.size``)
-before its body is read, and read with ``max_bytes``, so one huge upload costs one HEAD request, not
-the window. It stops at :func:`protocol.windows.should_close`: past the deadline plus grace, or as
-soon as every expected peer has uploaded. The validator expects the peers that are actually
-contributing (:func:`expected_peers`): announced, not withdrawn, not excluded, and either uploaded
-in the previous window or announced since it opened. A peer that missed one window is no longer
-waited for, but its upload is accepted whenever it arrives while the window is open. Store failures
-are values: a fetch that fails is retried on the next poll and, if the window closes first, recorded
-with its reason.
+:func:`gather` polls ``contrib/<window>/`` every ``poll_interval_s`` (a local setting). Only keys of announced,
+non-excluded peers are read (``admit``); the others are counted (``unannounced``) or logged
+without a read (``excluded``). Admitted keys wait in a queue and are read on a pool of
+``concurrency`` threads (a local setting) in ``priority`` order (the validator puts established peers by
+reputation first, then newcomers in an order derived from its secret), within the window's
+:class:`~validator.budgets.Budgets`: at most ``max_fetches`` reads and ``max_fetch_bytes`` bytes
+(uploads beyond are ``over_budget``). Every object is size-checked (``store.size``) before its body
+is read, and read with ``max_bytes``, so one huge upload costs one HEAD request.
 
-The first time a key is listed is its *received* time (``on_seen`` lets the contribution log keep
-the earliest one across restarts); copy detection orders uploads by it.
+A read object is checked at once (``screen``: decoding, signature, per-contribution checks) and only
+the verdict with the decoded sparse form is kept; the bytes are dropped. Its **time** is when its
+exact bytes arrived, kept with their sha256 ``digest``: copy detection orders uploads by it, and
+bytes that change later at the same key are noticed (the log keeps the first digest).
+
+It stops at :func:`protocol.windows.should_close`: past the deadline plus grace, or as soon as every
+expected peer has uploaded. The validator expects the peers that are actually contributing
+(:func:`expected_peers`): announced, not withdrawn, not excluded, and either uploaded in the
+previous window or announced since it opened. A peer that missed one window is no longer waited
+for, but its upload is accepted whenever it arrives while the window is open. Reads listed before
+the close still finish, for at most ``fetch_timeout_s``. Store failures are values:
+a failed read is retried on the next poll and, if the window closes first, recorded with its
+reason — never held against the peer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 from protocol import layout
 from protocol.config import WindowConfig
@@ -32,24 +44,51 @@ from protocol.errors import ObjectNotFound, PayloadTooLarge, ProtocolError, Stor
 from protocol.store.base import ObjectStore
 from protocol.windows import should_close
 from protocol.wire import Announcement, decode_announcement
+from validator.budgets import Budgets
+from validator.checks import Screened
+from validator.randomness import keyed_order
 
-__all__ = ["PeerRegistry", "Received", "expected_peers", "fetch", "gather", "list_contributions"]
+__all__ = [
+    "EXCLUDED",
+    "OVER_BUDGET",
+    "UNANNOUNCED",
+    "Gathered",
+    "PeerRegistry",
+    "Received",
+    "expected_peers",
+    "fetch",
+    "gather",
+    "list_contributions",
+]
 
 log = logging.getLogger(__name__)
 MAX_ANNOUNCEMENT_BYTES = 64 * 1024
+UNANNOUNCED, EXCLUDED, OVER_BUDGET = "unannounced", "excluded", "over_budget"
+FETCH_TIMEOUT = "fetch_timeout"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Received:
-    """One listed contribution: its bytes, or why they could not be read."""
+    """One listed contribution of an admitted peer: the verdict on its bytes, or why it has none."""
 
     peer: str
     key: str
-    received_at: float
-    data: bytes | None = None
+    received_at: float  # when its bytes arrived (or when the validator gave up on them)
+    listed_at: float | None = None  # when its key was first listed in this gather
     nbytes: int | None = None
-    reason: str | None = None  # too_large | not_found | store_error (data is None)
+    digest: str | None = None  # sha256 of the bytes read
+    screened: Screened | None = None  # the per-contribution checks, with the decoded sparse form
+    reason: str | None = None  # too_large | not_found | store_error | fetch_timeout | over_budget | excluded
     detail: str | None = None
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """A window's uploads: per admitted peer what was read, and how many keys were not read
+    because no announcement names their peer (junk is counted, never stored per key)."""
+
+    received: dict[str, Received]
+    unannounced: int = 0
 
 
 def list_contributions(store: ObjectStore, run: str, window: int) -> dict[str, str]:
@@ -60,30 +99,64 @@ def list_contributions(store: ObjectStore, run: str, window: int) -> dict[str, s
         try:
             parsed = layout.parse_key(key, run=run)
         except ProtocolError:
-            log.warning("ignoring foreign key %r", key)
+            log.debug("ignoring foreign key %r", key)
             continue
         if parsed.kind == "contrib" and parsed.window == window and parsed.peer_id:
             out[parsed.peer_id] = key
     return out
 
 
-Fetched = tuple[bytes | None, int | None, str | None, str | None]
+class _ByteBudget:
+    """Bytes a window may still read, shared by the fetch threads."""
+
+    def __init__(self, total: int) -> None:
+        self.left = total
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if n > self.left:
+                return False
+            self.left -= n
+            return True
 
 
-def fetch(store: ObjectStore, key: str, max_bytes: int) -> Fetched:
-    """(data, nbytes, reason, detail): the size is checked before the body is transferred."""
+@dataclass(frozen=True)
+class Fetched:
+    """What one read produced (``fetch``'s value)."""
+
+    nbytes: int | None = None
+    digest: str | None = None
+    screened: Screened | None = None
+    reason: str | None = None
+    detail: str | None = None
+    at: float = field(default_factory=time.time)
+
+
+def fetch(
+    store: ObjectStore,
+    key: str,
+    max_bytes: int,
+    screen: Callable[[bytes], Screened],
+    budget: _ByteBudget | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Fetched:
+    """Size-check, read and screen one object; the bytes do not outlive this call."""
     try:
         n = store.size(key)
         if n > max_bytes:
-            return None, n, "too_large", f"{n} bytes, cap {max_bytes}"
+            return Fetched(nbytes=n, reason="too_large", detail=f"{n} bytes, cap {max_bytes}", at=clock())
+        if budget is not None and not budget.take(n):
+            return Fetched(nbytes=n, reason=OVER_BUDGET, detail="the window's byte budget is spent", at=clock())
         data = store.get(key, max_bytes=max_bytes)
-        return data, len(data), None, None
     except PayloadTooLarge as exc:
-        return None, None, "too_large", str(exc)
+        return Fetched(reason="too_large", detail=str(exc), at=clock())
     except ObjectNotFound as exc:
-        return None, None, "not_found", str(exc)
+        return Fetched(reason="not_found", detail=str(exc), at=clock())
     except StoreError as exc:
-        return None, None, "store_error", str(exc)
+        return Fetched(reason="store_error", detail=str(exc), at=clock())
+    at = clock()
+    return Fetched(nbytes=len(data), digest=hashlib.sha256(data).hexdigest(), screened=screen(data), at=at)
 
 
 def expected_peers(
@@ -105,23 +178,38 @@ def expected_peers(
 
 class PeerRegistry:
     """Peers with a valid signed announcement under ``peers/`` (withdrawn ones included: a
-    contribution uploaded before its peer left is still theirs).
+    contribution uploaded before its peer left is still theirs), within a budget.
 
-    :meth:`refresh` fetches only keys not seen before (a rejected announcement is logged once);
-    :meth:`recheck` re-reads the announcements of given peers, which is how a withdrawal (or a
-    return after one) is noticed. ``first_seen``: when this validator first saw each peer's current
-    announcement (its own clock); announcements already in the store when the validator starts
-    count as old (``-inf``): the contribution log says whether those peers uploaded lately.
+    :meth:`refresh` reads at most ``max_per_poll`` announcements not seen before per call, in an
+    order derived from ``secret``, and tracks at most ``max_tracked`` identities (idle ones make
+    room, :meth:`make_room`); a rejected announcement is logged once. :meth:`recheck` re-reads the
+    announcements of given peers, which is how a withdrawal (or a return after one) is noticed.
+    ``first_seen``: when this validator first saw each peer's current announcement (its own
+    clock); announcements already in the store when the validator starts count as old (``-inf``):
+    the contribution log says whether those peers uploaded lately.
     """
 
-    def __init__(self, store: ObjectStore, run: str, run_hash: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        run: str,
+        run_hash: str,
+        clock: Callable[[], float] = time.time,
+        *,
+        secret: bytes = b"",
+        max_per_poll: int = 64,
+        max_tracked: int = 4096,
+    ) -> None:
         self.store, self.run, self.run_hash, self.clock = store, run, run_hash, clock
+        self.secret, self.max_per_poll, self.max_tracked = secret, max_per_poll, max_tracked
         self.announcements: dict[str, Announcement] = {}
         self.first_seen: dict[str, float] = {}
         self.withdrawn: set[str] = set()
         self._rejected: set[str] = set()
+        self._dismissed: dict[str, float] = {}  # key -> until when it is not read again
         self._checked: dict[str, float] = {}  # peer -> when its announcement was last read
         self._started = False
+        self.ignored = 0  # announcements not read at the last refresh (budget or capacity)
 
     def expected(self, uploaded_last: Collection[str], since: float | None) -> frozenset[str]:
         """:func:`expected_peers` of every accepted announcement (no store access)."""
@@ -135,17 +223,20 @@ class PeerRegistry:
             return frozenset(self.announcements)
         first = not self._started
         self._started = True
-        for key in keys:
-            if key in self._rejected:
-                continue
-            try:
-                peer = layout.parse_key(key, run=self.run).peer_id
-            except ProtocolError as exc:
-                log.warning("announcement %s rejected: %s", key, exc)
-                self._rejected.add(key)
-                continue
-            if peer is not None and peer not in self.announcements:
-                self._read(peer, key, old=first)
+        now = self.clock()
+        new = [k for k in keys if k not in self._rejected and self._dismissed.get(k, 0.0) <= now]
+        named = [(k, _peer_of(k, self.run)) for k in new]
+        for key, peer in named:
+            if peer is None:
+                log.info("announcement %s rejected: not a peer key", key)
+                if len(self._rejected) < self.max_tracked:
+                    self._rejected.add(key)
+        fresh = {k: p for k, p in named if p is not None and p not in self.announcements}
+        room = max(0, self.max_tracked - len(self.announcements))
+        take = keyed_order(self.secret, "announcement", list(fresh))[: min(self.max_per_poll, room)]
+        self.ignored = len(fresh) - len(take)
+        for key in take:
+            self._read(fresh[key], key, old=first)
         return frozenset(self.announcements)
 
     def recheck(self, peers: Collection[str], min_interval_s: float) -> None:
@@ -154,6 +245,22 @@ class PeerRegistry:
         for peer in sorted(peers):
             if peer in self.announcements and now - self._checked.get(peer, -math.inf) >= min_interval_s:
                 self._read(peer, layout.peer_key(self.run, peer), old=False)
+
+    def make_room(self, keep: Collection[str], idle_s: float) -> int:
+        """When at capacity, forget announcements first seen more than ``idle_s`` ago of peers
+        not in ``keep`` (the validator keeps those with a record or a recent upload); they are not
+        read again for ``idle_s``. Returns how many were dropped."""
+        if len(self.announcements) < self.max_tracked:
+            return 0
+        now = self.clock()
+        idle = [p for p, seen in self.first_seen.items() if p not in keep and now - seen >= idle_s]
+        for peer in idle:
+            del self.announcements[peer], self.first_seen[peer]
+            self.withdrawn.discard(peer)
+            self._checked.pop(peer, None)
+            self._dismissed[layout.peer_key(self.run, peer)] = now + idle_s
+        self._dismissed = {k: t for k, t in self._dismissed.items() if t > now}
+        return len(idle)
 
     def _read(self, peer: str, key: str, *, old: bool) -> None:
         """Fetch and verify one announcement; record it, and whether it withdraws the peer."""
@@ -165,8 +272,9 @@ class PeerRegistry:
             ).value  # signed by ``peer``, the key it is kept under
         except ProtocolError as exc:
             if peer not in self.announcements:
-                log.warning("announcement %s rejected: %s", key, exc)
-                self._rejected.add(key)
+                log.info("announcement %s rejected: %s", key, exc)
+                if len(self._rejected) < self.max_tracked:
+                    self._rejected.add(key)
             return
         except StoreError as exc:  # transient: try again on the next refresh
             log.warning("announcement %s unreadable: %s", key, exc)
@@ -181,6 +289,110 @@ class PeerRegistry:
             self.withdrawn.discard(peer)
 
 
+def _peer_of(key: str, run: str) -> str | None:
+    try:
+        return layout.parse_key(key, run=run).peer_id
+    except ProtocolError:
+        return None
+
+
+class _Fetcher:
+    """The queue and the pool of one window's reads, within its budgets."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        budgets: Budgets,
+        max_bytes: int,
+        concurrency: int,
+        screen: Callable[[str, bytes], Screened],
+        priority: Callable[[str], Any],
+        clock: Callable[[], float],
+    ) -> None:
+        self.store, self.budgets, self.max_bytes, self.screen = store, budgets, max_bytes, screen
+        self.priority, self.clock, self.concurrency = priority, clock, max(1, concurrency)
+        self.pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="gather")
+        self.bytes = _ByteBudget(budgets.max_fetch_bytes)
+        self.queue: dict[str, str] = {}  # peer -> key, waiting for a slot
+        self.pending: dict[str, Future[Fetched]] = {}
+        self.keys: dict[str, str] = {}
+        self.done: dict[str, Received] = {}
+        self.started: set[str] = set()
+        self.listed: dict[str, float] = {}
+
+    def want(self, peer: str, key: str, now: float) -> None:
+        """Queue ``peer``'s upload unless it is read, being read or queued (a store error is retried)."""
+        self.listed.setdefault(peer, now)
+        retry = peer in self.done and self.done[peer].reason == "store_error"
+        if (peer in self.done and not retry) or peer in self.pending or peer in self.queue:
+            return
+        self.done.pop(peer, None)
+        self.queue[peer], self.keys[peer] = key, key
+
+    def submit(self) -> None:
+        """Start reads, highest priority first, while threads and the window's read budget allow."""
+        for peer in sorted(self.queue, key=self.priority):
+            if len(self.pending) >= self.concurrency:
+                return
+            key = self.queue.pop(peer)
+            if peer not in self.started and len(self.started) >= self.budgets.max_fetches:
+                detail = f"more than {self.budgets.max_fetches} uploads in this window"
+                self.done[peer] = Received(
+                    peer=peer, key=key, received_at=self.clock(), reason=OVER_BUDGET, detail=detail
+                )
+                continue
+            self.started.add(peer)
+            self.pending[peer] = self.pool.submit(
+                fetch,
+                self.store,
+                key,
+                self.max_bytes,
+                partial(self.screen, peer),
+                self.bytes,
+                self.clock,
+            )
+
+    def collect(self, wait_s: float = 0.0) -> None:
+        if wait_s > 0 and self.pending:
+            futures_wait(list(self.pending.values()), timeout=wait_s, return_when=FIRST_COMPLETED)
+        for peer, fut in list(self.pending.items()):
+            if not fut.done() or fut.cancelled():
+                continue
+            exc = fut.exception()  # fetch() turns store failures into values; anything else is a bug
+            f = fut.result() if exc is None else Fetched(reason="store_error", detail=repr(exc), at=self.clock())
+            self.done[peer] = Received(
+                peer=peer,
+                key=self.keys[peer],
+                received_at=f.at,
+                listed_at=self.listed.get(peer),
+                nbytes=f.nbytes,
+                digest=f.digest,
+                screened=f.screened,
+                reason=f.reason,
+                detail=f.detail,
+            )
+            del self.pending[peer]
+
+    def drain(self, deadline: float, stop: threading.Event) -> None:
+        """Finish what was listed before the close, until ``deadline`` (monotonic)."""
+        while (self.pending or self.queue) and not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.submit()
+            self.collect(wait_s=min(left, 0.5))
+        self.pool.shutdown(wait=False, cancel_futures=True)  # a read stuck in the store is abandoned
+        now = self.clock()
+        for peer in list(self.pending) + list(self.queue):
+            self.done[peer] = Received(
+                peer=peer,
+                key=self.keys[peer],
+                received_at=now,
+                reason=FETCH_TIMEOUT,
+                detail="read did not finish in time",
+            )
+
+
 def gather(
     store: ObjectStore,
     run: str,
@@ -192,25 +404,29 @@ def gather(
     max_bytes: int,
     concurrency: int,
     expected: Collection[str] | Callable[[frozenset[str]], Collection[str]],
-    on_seen: Callable[[str, float], float] | None = None,
+    admit: Callable[[str], str | None],
+    screen: Callable[[str, bytes], Screened],
+    priority: Callable[[str], Any] = lambda peer: peer,
+    budgets: Budgets | None = None,
+    on_listed: Callable[[str], None] | None = None,
     stop: threading.Event | None = None,
     clock: Callable[[], float] = time.time,
-    fetch_timeout_s: float = 30.0,
-) -> dict[str, Received]:
-    """Every contribution of ``window`` that could be listed before the window closed.
+) -> Gathered:
+    """Every admitted contribution of ``window`` that could be listed before the window closed.
 
     ``expected``: the peers whose uploads complete the window early, or a function of the peers
     that have uploaded so far returning them (called on every poll, so peers announcing or
-    withdrawing mid-window count)."""
+    withdrawing mid-window count). ``admit(peer)``: None
+    to read the peer's upload, :data:`UNANNOUNCED` or :data:`EXCLUDED` not to. ``on_listed``:
+    called once per admitted peer when its upload is first listed."""
     stop = stop or threading.Event()
-    seen: dict[str, float] = {}
-    keys: dict[str, str] = {}
-    done: dict[str, Received] = {}
-    pending: dict[str, Future[Fetched]] = {}
-    pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="gather")
+    budgets = budgets or Budgets()
+    f = _Fetcher(store, budgets, max_bytes, concurrency, screen, priority, clock)
+    uploaded: set[str] = set()
+    unannounced: set[str] = set()
     try:
         while True:
-            _collect(pending, done, keys, seen)
+            f.collect()
             try:
                 listed = list_contributions(store, run, window)
             except StoreError as exc:
@@ -218,48 +434,27 @@ def gather(
                 listed = {}
             now = clock()
             for peer, key in listed.items():
-                if peer not in seen:
-                    seen[peer] = on_seen(peer, now) if on_seen else now
-                    keys[peer] = key
-                retry = peer in done and done[peer].reason == "store_error"
-                if (peer not in done or retry) and peer not in pending:
-                    done.pop(peer, None)
-                    pending[peer] = pool.submit(fetch, store, key, max_bytes)
-            want = expected(frozenset(seen)) if callable(expected) else expected  # peers come and go mid-window
-            if stop.is_set() or should_close(now, opened_at, windows, expected=want, uploaded=seen):
+                verdict = admit(peer)
+                if verdict == UNANNOUNCED:
+                    unannounced.add(peer)  # it may still announce: looked at again next poll
+                    continue
+                unannounced.discard(peer)
+                if verdict == EXCLUDED:
+                    if peer not in f.done:
+                        f.done[peer] = Received(peer=peer, key=key, received_at=now, reason=EXCLUDED)
+                    continue
+                if peer not in uploaded:
+                    uploaded.add(peer)
+                    if on_listed is not None:
+                        on_listed(peer)
+                f.want(peer, key, now)
+            f.submit()
+            done = frozenset(uploaded)
+            want = expected(done) if callable(expected) else expected  # peers come and go mid-window
+            if stop.is_set() or should_close(now, opened_at, windows, expected=want, uploaded=uploaded):
                 break
             stop.wait(poll_interval_s)
-        # Objects listed before the close are still read, for a bounded time.
-        _collect(pending, done, keys, seen, wait_s=0.0 if stop.is_set() else fetch_timeout_s)
+        f.drain(time.monotonic() + budgets.fetch_timeout_s, stop)
     finally:
-        # a fetch stuck in the store must not hold the window: abandon it (reads are size-capped)
-        pool.shutdown(wait=False, cancel_futures=True)
-    for peer in pending:
-        done[peer] = Received(
-            peer=peer,
-            key=keys[peer],
-            received_at=seen[peer],
-            reason="store_error",
-            detail="fetch did not finish in time",
-        )
-    return done
-
-
-def _collect(
-    pending: dict[str, Future[Fetched]],
-    done: dict[str, Received],
-    keys: dict[str, str],
-    seen: dict[str, float],
-    wait_s: float = 0.0,
-) -> None:
-    if wait_s > 0 and pending:
-        futures_wait(list(pending.values()), timeout=wait_s)
-    for peer, fut in list(pending.items()):
-        if not fut.done() or fut.cancelled():
-            continue
-        exc = fut.exception()  # fetch() turns store failures into values; anything else is a bug
-        data, nbytes, reason, detail = fut.result() if exc is None else (None, None, "store_error", repr(exc))
-        done[peer] = Received(
-            peer=peer, key=keys[peer], received_at=seen[peer], data=data, nbytes=nbytes, reason=reason, detail=detail
-        )
-        del pending[peer]
+        f.pool.shutdown(wait=False, cancel_futures=True)
+    return Gathered(received=f.done, unannounced=len(unannounced))

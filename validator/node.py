@@ -9,17 +9,28 @@ window, WindowWaiting while expected peers have not uploaded (every few seconds,
 WindowPublished (also ``run_window``'s return value), WindowRetry after a store error and, with
 ``validator.eval_every`` (a local setting), ModelEvaluated (:mod:`validator.evaluation`).
 
-Per window t (docs/ARCHITECTURE.md, "One window, end to end"): gather the contributions under
-``contrib/<t>/`` until the deadline or until every expected peer has uploaded (announced, not
-withdrawn, not excluded, and uploaded in window t − 1 or announced since it opened:
-:func:`validator.gather.expected_peers`); run the cheap
-checks on all of them; score a budgeted sample by loss; decide; aggregate the accepted ones;
-publish the signed aggregate (opening window t + 1) and, every ``checkpoint_every`` windows, a
-checkpoint. Every decision is a row of the contribution log. Crash safety: decisions are written
-(status ``decided``) before the aggregate is put, and the state file moves to t + 1 after it; a
-restart adopts an aggregate it finds already published for its window, and otherwise re-decides
-the window (rows are keyed by (window, peer) and reputation is derived from them, so nothing is
-lost or counted twice).
+Per window t (docs/ARCHITECTURE.md, "One window, end to end"): gather the uploads of announced,
+non-excluded peers under ``contrib/<t>/``, within the window's budgets, until the deadline or until
+every expected peer has uploaded (announced, not withdrawn, not excluded, and uploaded in window
+t − 1 or announced since it opened: :func:`validator.gather.expected_peers`); run the cheap checks as each one is read; compare norms with the
+validator's reference and look for copies; fix the window's seed (its secret, committed one window
+earlier, mixed with the digests of what was received) and score a budgeted sample by loss, in the
+clipped form that would be aggregated; decide (probation, capacity); aggregate the accepted ones,
+dropping any whose update would make θ or the loss non-finite; publish the signed aggregate
+(revealing the secret, committing to the next one, opening window t + 1) and, every
+``checkpoint_every`` windows, a checkpoint. Every decision about an announced peer is a row of the
+contribution log.
+
+The swarm is open: identities cost nothing, so nothing here assumes honest peers are the majority.
+New identities are on probation until scored (:mod:`validator.reputation`); norms are compared
+with and clipped to a reference learned from earlier accepted updates, never the window's median
+(:mod:`validator.reference`); what is scored is unknown until uploads close
+(:mod:`validator.randomness`).
+
+Crash safety: decisions are written (status ``decided``) before the aggregate is put, and the state
+file moves to t + 1 after it; a restart adopts an aggregate it finds already published for its
+window, and otherwise re-decides the window (rows are keyed by (window, peer) and reputation is
+derived from them, so nothing is lost or counted twice).
 
 Launches: the chain grows from the digest of a genesis manifest (:mod:`protocol.chain`). Without a
 state directory the validator continues the launch whose genesis the store holds, or publishes a
@@ -30,35 +41,69 @@ never adopted: they are overwritten when the validator publishes.
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from protocol import layout
-from protocol.aggregate import SparseDict, aggregate, apply_outer
+from protocol.aggregate import NormLimit, SparseDict, aggregate, apply_outer, clip_to_limits
 from protocol.chain import delta_of, next_aggregate, read_launch
 from protocol.config import RunSpec
-from protocol.data import assigned_batches, open_dataset, random_batches, validation_batches
+from protocol.data import assigned_batches, validation_batches
 from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
 from protocol.events import Event, ModelEvaluated, WindowOpened, WindowPublished, WindowRetry, WindowWaiting
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, param_schema, parameters_of
+from protocol.run_data import dataset_of, run_tokenizer
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
+from protocol.tokens import TokenDataset
 from protocol.windows import gather_close, is_checkpoint_window
 from protocol.wire import GENESIS, Aggregate, CheckpointManifest, Verified, decode_aggregate
-from validator import checks, publish, window_checks
+from validator import checks, publish, randomness, reference, window_checks
+from validator.budgets import Budgets
+from validator.consensus import agreement
+from validator.copies import CopyRule
 from validator.evaluation import PeriodicEval
-from validator.gather import PeerRegistry, Received, gather, list_contributions
-from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
-from validator.reputation import FOREIGN, LATE, Outcome, Standing, is_excluded, standings, update
-from validator.scoring import LossScore, pick_sample, score_update, scoring_units, take_sequences
+from validator.gather import (
+    EXCLUDED,
+    OVER_BUDGET,
+    UNANNOUNCED,
+    Gathered,
+    PeerRegistry,
+    Received,
+    gather,
+    list_contributions,
+)
+from validator.log import LOG_FILE, CheckRow, ContributionLog, ContributionRecord, WindowRecord
+from validator.reputation import (
+    LATE,
+    UNATTRIBUTABLE_CHECKS,
+    Outcome,
+    Standing,
+    is_established,
+    is_excluded,
+    standings,
+    update,
+)
+from validator.scoring import (
+    LossScore,
+    plan_sample,
+    probation_order,
+    score_update,
+    scoring_batches,
+    scoring_units,
+    suspicion_order,
+    take_sequences,
+)
 from validator.state import ValidatorState, load_state, save_state
 
 __all__ = ["LOG_FILE", "Validator"]
@@ -67,6 +112,9 @@ __all__ = ["LOG_FILE", "Validator"]
 # wait) and reports whom it waits for.
 RECHECK_S = 1.0
 WAITING_REPORT_S = 5.0
+# An announcement tracked this long (in upload deadlines) by an identity with no record may make
+# room for others when the registry is full.
+IDLE_WINDOWS = 4
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +130,33 @@ class _PhaseClock:
         self._last = now
 
 
+@dataclass(frozen=True)
+class _Window:
+    """What the phases of one window share: its number, secret, the standings before it, and who
+    is past probation."""
+
+    t: int
+    secret: bytes
+    standing: Mapping[str, Standing]
+    established: frozenset[str]
+
+
+@dataclass(frozen=True)
+class _Result:
+    """An aggregate that keeps θ finite: Δ̄, θ_{t+1}, its validation loss (None: not finite) and
+    the contributions left out to get there."""
+
+    delta: SparseDict
+    params: dict[str, torch.Tensor]
+    val_loss: float | None
+    dropped: frozenset[str] = frozenset()
+
+
 class Validator:
-    """Owns θ_t, the store handle, the contribution log and the state directory."""
+    """Owns θ_t, the store handle, the contribution log and the state directory.
+
+    ``budgets``: what a window may cost this validator (:class:`~validator.budgets.Budgets`;
+    local, not part of the RunSpec)."""
 
     def __init__(
         self,
@@ -96,6 +169,7 @@ class Validator:
         local: LocalSettings | None = None,
         emit: Callable[[Event], None] | None = None,
         clock: Callable[[], float] = time.time,
+        budgets: Budgets | None = None,
     ) -> None:
         if identity.public_key_hex not in spec.validator.public_keys:
             raise ConfigError(
@@ -111,20 +185,31 @@ class Validator:
         self.device = torch.device(device)
         self.schema = param_schema(spec.model)
         self.model = build_model(spec.model).to(self.device)
-        self.dataset = open_dataset(spec.data, self.local.data)
+        self.dataset = _open_dataset(spec, store, self.local)  # scoring reads the peers' dataset
         self.periodic = PeriodicEval(
             every=self.local.validator.eval_every,
             sequences=self.local.validator.eval_sequences,
             dataset=self.dataset,
             data=spec.data,
+            tokenizer=lambda: run_tokenizer(spec, store, self.local.data),
         )
         self.stop = threading.Event()
         self.emit = emit or _ignore  # WindowOpened, WindowWaiting, WindowPublished, WindowRetry
         self._gathering: int | None = None  # the window whose WindowOpened was emitted last
         self.clock = clock
-        self.registry = PeerRegistry(store, self.run_id, self.run_hash, clock)
+        self.budgets = budgets or Budgets()
+        self.registry = PeerRegistry(
+            store,
+            self.run_id,
+            self.run_hash,
+            clock,
+            secret=randomness.window_secret(identity, self.run_hash, -1),  # never revealed
+            max_per_poll=self.budgets.max_announcements_per_poll,
+            max_tracked=self.budgets.max_tracked_peers,
+        )
         self.signers = sorted(set(spec.validator.public_keys))
         self.state: ValidatorState | None = None
+        self._standing_cache: tuple[int, dict[str, Standing]] | None = None
 
     def close(self) -> None:
         self.log.close()
@@ -158,28 +243,57 @@ class Validator:
 
     def run_window(self) -> WindowPublished | None:
         st, clock = self._state(), _PhaseClock()
-        t = st.window
+        t, cfg = st.window, self.spec.validator
         self._opened(st)
-        ctx = self._context(t, st)  # registered keys, exclusions, accepted bases
-        received = self._gather(t, st.opened_at, ctx)  # bounded, size-capped, deadline
+        standing = self._standings(t)
+        w = _Window(
+            t=t,
+            secret=randomness.window_secret(self.identity, self.run_hash, t),
+            standing=standing,
+            established=frozenset(p for p, s in standing.items() if is_established(s, cfg)),
+        )
+        ctx = self._context(t, st, standing)  # registered keys, exclusions, accepted bases
+        gathered = self._gather(w, st.opened_at, ctx)  # announced peers only, within budgets
         if self.stop.is_set():
             return None
         clock.lap("gather")
-        ctx = replace(ctx, registered=frozenset(self.registry.announcements))  # peers may announce mid-window
-        screened = [self._screen(r, ctx) for r in received.values()]  # cheap checks on all
-        screened = window_checks.norms(screened, self.spec.validator.norm_max_ratio)  # vs the median
-        first_seen = {p: r.received_at for p, r in received.items()}
-        screened = window_checks.copies(screened, first_seen, self.schema, self.spec.validator.copy_overlap_threshold)
+        received = gathered.received
+        screened, read_at, listed_at = self._screened(t, received)  # read and checked while gathering
+        screened = window_checks.norms(
+            screened, st.reference, self.schema, max_ratio=cfg.norm_max_ratio, min_ratio=cfg.norm_min_ratio
+        )
+        rule = CopyRule(cfg.copy_overlap_threshold, cfg.copy_rare_threshold, cfg.copy_sign_agreement)
+        screened = window_checks.copies(screened, read_at, self.schema, rule, listed_at)
         clock.lap("checks")
-        scores = self._score(screened, t, st.base)  # budgeted loss scoring
-        screened = window_checks.scores(screened, scores)  # harmful updates rejected
-        screened = window_checks.capacity(screened, self._rank(t, scores), self.spec.validator.max_contributors)
+        live = {s.peer: s for s in screened if s.reason is None and s.contribution is not None}
+        root = randomness.contributions_root({p: s.contribution.digest for p, s in live.items() if s.contribution})
+        seed = randomness.window_seed(w.secret, root)
+        limits = self._limits(st.reference, [s for p, s in live.items() if p in w.established])
+        newcomer_limits = self._newcomer_limits(limits, st.reference)
+        clipped = {p: self._clip(s.sparse, limits if p in w.established else newcomer_limits) for p, s in live.items()}
+        scores = self._score(w, clipped, seed)  # budgeted, on the clipped form
+        screened = window_checks.scores(screened, scores, cfg.eval_harm_tolerance, self._min_gain(w, scores))
+        screened = window_checks.probation(screened, w.established, scores)
+        ref, bootstrapped = st.reference, False
+        if ref.empty:  # no history yet: start one
+            ref, first = self._bootstrap(screened, scores, live)
+            if self.spec.outer.clip == "median":
+                clipped = {p: self._clip(s.sparse, first) for p, s in live.items()}
+            bootstrapped = not ref.empty
+        screened = window_checks.capacity(screened, self._rank(w, scores, seed), cfg.max_contributors)
         clock.lap("scoring")
-        rows = self._decide(screened, received, scores, t)  # reputation, weights
+        accepted = sorted(s.peer for s in screened if s.reason is None)  # order-free Δ̄
+        result = self._aggregate(st, {p: clipped[p] for p in accepted})
+        screened = window_checks.stable(screened, result.dropped)
+        rows = self._decide(screened, received, scores, w)  # reputation, weights
         self._record_late(t - 1)  # uploads that missed the previous window are accounted for too
-        accepted = sorted((s for s in screened if s.reason is None), key=lambda s: s.peer)  # order-free Δ̄
-        delta = aggregate([s.sparse for s in accepted], self.spec.outer.aggregation, self.spec.outer.clip)
-        return self._publish(t, st, rows, delta, clock)  # log, aggregate, checkpoint, state
+        nxt_ref = ref if bootstrapped else self._advance_reference(ref, screened, w)
+        meta: dict[str, int | float | str | bool] = {
+            randomness.SECRET: w.secret.hex(),
+            randomness.COMMITMENT: randomness.commitment(randomness.window_secret(self.identity, self.run_hash, t + 1)),
+            randomness.ROOT: root,
+        }
+        return self._publish(t, st, rows, result, meta, nxt_ref, gathered.unannounced, clock)
 
     def _evaluate(self, report: WindowPublished) -> None:
         """The periodic evaluation of θ after the aggregate just published, when due."""
@@ -314,9 +428,8 @@ class Validator:
         self.log.mark_published(agg.window, digest=verified.digest, published_at=agg.published_at)
 
     # ------------------------------------------------------------------ phases
-    def _context(self, t: int, st: ValidatorState) -> checks.Context:
+    def _context(self, t: int, st: ValidatorState, standing: Mapping[str, Standing]) -> checks.Context:
         registered = self.registry.refresh()
-        standing = self._standings(t)
         excluded = frozenset(p for p, s in standing.items() if is_excluded(s, t))
         return checks.Context(
             run_hash=self.run_hash,
@@ -332,14 +445,17 @@ class Validator:
             excluded=excluded,
         )
 
-    def _gather(self, t: int, opened_at: float, ctx: checks.Context) -> dict[str, Received]:
+    def _gather(self, w: _Window, opened_at: float, ctx: checks.Context) -> Gathered:
         """Until the deadline, or until every expected peer (:func:`validator.gather.expected_peers`)
-        uploaded."""
-        cfg = self.spec.validator
+        uploaded. Identities without an upload in the previous window (newcomers) hold the window
+        open only for ``budgets.newcomer_wait`` of the upload deadline."""
+        t = w.t
         prev = self.log.rows(windows=(t - 1, t - 1)) if t > 0 else []
-        uploaded_last = {r.peer for r in prev if r.reason not in ("bad_signature", FOREIGN)}  # forgeries prove nothing
+        uploaded_last = {r.peer for r in prev if _shows_activity(r)}  # forged or foreign uploads prove nothing
         opened_last = self.log.window(t - 1) if t > 0 else None
         since = opened_last.opened_at if opened_last is not None else None
+        self.registry.make_room(uploaded_last | w.established, IDLE_WINDOWS * self.spec.windows.upload_deadline_s)
+        newcomers_until = opened_at + self.budgets.newcomer_wait * self.spec.windows.upload_deadline_s
         waiting = _WaitingReport(t, gather_close(opened_at, self.spec.windows), self.clock, self.emit)
 
         def expected(uploaded: frozenset[str]) -> frozenset[str]:
@@ -349,57 +465,141 @@ class Validator:
             awaited = self.registry.expected(uploaded_last, since) - uploaded
             self.registry.recheck(awaited | self.registry.withdrawn, RECHECK_S)
             want = self.registry.expected(uploaded_last, since) - ctx.excluded
+            if since is not None and self.clock() >= newcomers_until:
+                want = frozenset(p for p in want if p in uploaded_last or p in uploaded)
             waiting.report(want - uploaded, len(uploaded))
             return want
 
-        def seen(peer: str, now: float) -> float:
-            return self.log.note_received(t, peer, received_at=now, nbytes=None)
+        def admit(peer: str) -> str | None:
+            if peer not in self.registry.announcements:
+                return UNANNOUNCED
+            return EXCLUDED if peer in ctx.excluded else None
+
+        def priority(peer: str) -> tuple[int, float, bytes]:
+            st = w.standing.get(peer)
+            rep = st.reputation if st is not None else 0.0
+            return (0 if peer in w.established else 1, -rep, randomness.keyed_key(w.secret, "fetch", peer))
+
+        def screen(peer: str, data: bytes) -> checks.Screened:
+            # admitted peers are announced; checking against this one avoids sharing the registry across threads
+            return checks.screen(peer, data, replace(ctx, registered=frozenset({peer})))
 
         return gather(
             self.store,
             self.run_id,
-            t,
+            w.t,
             opened_at=opened_at,
             windows=self.spec.windows,
             poll_interval_s=self.local.poll_interval_s,
-            max_bytes=cfg.max_contribution_bytes,
+            max_bytes=self.spec.validator.max_contribution_bytes,
             concurrency=self.local.validator.gather_concurrency,
             expected=expected,
+            admit=admit,
+            screen=screen,
+            priority=priority,
+            budgets=self.budgets,
             stop=self.stop,
             clock=self.clock,
-            on_seen=seen,
         )
 
-    def _screen(self, r: Received, ctx: checks.Context) -> checks.Screened:
-        if r.data is None and r.reason == "too_large":  # never read, so nobody can be named
-            return checks.foreign(r.peer, "size", f"too_large: {r.detail}")
-        if r.data is None:
-            name = "fetch"
-            return checks.Screened(
-                peer=r.peer, checks=(checks.fail(name, r.reason or "store_error"),), reason=r.reason, detail=r.detail
-            )
-        return checks.screen(r.peer, r.data, ctx)
+    def _screened(
+        self, t: int, received: Mapping[str, Received]
+    ) -> tuple[list[checks.Screened], dict[str, float], dict[str, float]]:
+        """The per-contribution verdicts, when each peer's bytes were first read (kept in the log
+        across restarts) and its key listed, and the ``immutable`` check against the first digest."""
+        out: list[checks.Screened] = []
+        read_at: dict[str, float] = {}
+        listed_at: dict[str, float] = {}
+        first_digest: dict[str, str | None] = {}
+        for peer in sorted(received):
+            r = received[peer]
+            read_at[peer] = r.received_at
+            listed_at[peer] = r.received_at if r.listed_at is None else r.listed_at
+            if r.screened is None:
+                out.append(_unread(r))
+                continue
+            if r.screened.contribution is not None:  # signed by the peer: its bytes, its time
+                first, first_digest[peer] = self.log.note_received(
+                    t, peer, received_at=r.received_at, nbytes=r.nbytes, digest=r.screened.contribution.digest
+                )
+                if first < r.received_at:  # read before a restart: when it was listed is unknown
+                    read_at[peer], listed_at[peer] = first, -math.inf
+            out.append(r.screened)
+        return window_checks.immutable(out, first_digest), read_at, listed_at
 
-    def _score(self, screened: list[checks.Screened], t: int, base: str) -> dict[str, LossScore]:
+    def _limits(
+        self, ref: reference.NormReference, established: Sequence[checks.Screened]
+    ) -> dict[str, NormLimit] | None:
+        """The clip caps of this window (None: no reference yet, or the run does not clip)."""
+        cfg = self.spec.validator
+        if ref.empty or self.spec.outer.clip != "median":
+            return None
+        sparse = [s.sparse for s in established]
+        return reference.clip_limits(ref, sparse, self.schema, headroom=cfg.clip_headroom, rows=cfg.row_clip)
+
+    def _newcomer_limits(
+        self, limits: Mapping[str, NormLimit] | None, ref: reference.NormReference
+    ) -> dict[str, NormLimit] | None:
+        """The caps for identities on probation: the window's, but never above the reference
+        (no headroom until they have a record)."""
+        if limits is None:
+            return None
+        out = {}
+        for name, lim in limits.items():
+            r = ref.tensors[name]
+            rows = None if lim.rows is None else lim.rows / self.spec.validator.clip_headroom
+            out[name] = replace(lim, norm=min(lim.norm, r.norm), row=min(lim.row, r.row), rows=rows)
+        return out
+
+    def _clip(self, sparse: SparseDict, limits: Mapping[str, NormLimit] | None) -> SparseDict:
+        return sparse if limits is None else clip_to_limits([sparse], limits)[0]
+
+    def _bootstrap(
+        self, screened: Sequence[checks.Screened], scores: Mapping[str, LossScore], live: Mapping[str, checks.Screened]
+    ) -> tuple[reference.NormReference, dict[str, NormLimit] | None]:
+        """The first window with no history: the reference starts at the scored, accepted update that
+        lowered the loss on its own data most; without one, the accepted updates' lower median."""
+        standing = [s.peer for s in screened if s.reason is None]
+        helped = [p for p in standing if p in scores]
+        cfg = self.spec.validator
+        if helped:
+            best = max(helped, key=lambda p: (scores[p].own_gain, p))
+            ref = reference.bootstrap(reference.measure(live[best].sparse, self.schema))
+            limits = reference.clip_limits(ref, [live[best].sparse], self.schema, headroom=1.0, rows=cfg.row_clip)
+            return ref, limits
+        if not standing:
+            return reference.NormReference(), None
+        median = reference.window_value([reference.measure(live[p].sparse, self.schema) for p in standing])
+        fallback = reference.NormReference(median)
+        return reference.NormReference(), reference.clip_limits(fallback, [], self.schema, headroom=1.0, rows=False)
+
+    def _score(self, w: _Window, clipped: Mapping[str, SparseDict], seed: bytes) -> dict[str, LossScore]:
         cfg, data = self.spec.validator, self.spec.data
-        live = {s.peer: s for s in screened if s.reason is None}
-        units = scoring_units({p: s.contribution.value.metadata if s.contribution else {} for p, s in live.items()})
-        sample = pick_sample(sorted(units), cfg.eval_peers_per_window, self.spec.seed, t)
+        roles = {p: a.role for p, a in self.registry.announcements.items() if p in clipped}
+        units = scoring_units(clipped, roles, pipelines=self.spec.pipeline.enabled)
+        known = [u for u, ps in units.items() if all(p in w.established for p in ps)]
+        offs = window_checks.offsets(self.schema)
+        entries = {p: window_checks.global_entries(sp, offs) for p, sp in clipped.items()}
+        agree = agreement(entries, w.established, np.array(sorted(offs.values()), dtype=np.int64))
+        unit_agree = {u: min(agree.get(p, 0.5) for p in ps) for u, ps in units.items()}
+        sample = plan_sample(
+            established=suspicion_order(known, unit_agree, seed),
+            probation=probation_order([u for u in units if u not in known], unit_agree, seed),
+            budget=cfg.eval_peers_per_window,
+            probation_slots=cfg.eval_probation_peers,
+            seed=seed,
+        )
         if not sample:
             return {}
-        seed = int.from_bytes(hashlib.sha256(f"{self.spec.seed}|{t}|{base}".encode()).digest()[:8], "little")
-        n_batches = -(-cfg.eval_sequences // data.batch_size)
-        rand = take_sequences(
-            random_batches(self.dataset, seed, n_batches, data.batch_size, data.seq_len), cfg.eval_sequences
-        )
+        rand = scoring_batches(self.dataset, seed, cfg.eval_sequences, data.batch_size, data.seq_len)
         rand_before = eval_loss(self.model, rand, self.device)
         scale = cfg.eval_scale * self.spec.outer.alpha
         out: dict[str, LossScore] = {}
         for key in sample:  # a peer, or the stages of one pipeline replica (disjoint slices)
-            update = {name: v for peer in units[key] for name, v in live[peer].sparse.items()}
+            update = {name: v for peer in units[key] for name, v in clipped[peer].items()}
             own = take_sequences(
                 assigned_batches(
-                    self.dataset, self.spec.seed, key, t, self.spec.inner.steps, data.batch_size, data.seq_len
+                    self.dataset, self.spec.seed, key, w.t, self.spec.inner.steps, data.batch_size, data.seq_len
                 ),
                 cfg.eval_sequences,
             )
@@ -409,29 +609,91 @@ class Validator:
             out.update((peer, score) for peer in units[key])
         return out
 
-    def _rank(self, t: int, scores: dict[str, LossScore]) -> dict[str, float]:
-        """Who is kept when too many pass: reputation so far, plus this window's score if measured."""
-        rank = {p: st.reputation for p, st in self._standings(t).items()}
-        for p, sc in scores.items():
-            rank[p] = rank.get(p, 0.0) + sc.score
+    def _min_gain(self, w: _Window, scores: Mapping[str, LossScore]) -> float | None:
+        """What a scored update must at least lower its own loss by: ``eval_min_gain_ratio`` × the
+        lower median of the established peers' helpful updates in this window (None: none scored)."""
+        gains = [sc.own_gain for p, sc in scores.items() if p in w.established and sc.own_gain > 0]
+        if not gains:
+            return None
+        return self.spec.validator.eval_min_gain_ratio * reference.lower_median(gains)
+
+    def _rank(self, w: _Window, scores: Mapping[str, LossScore], seed: bytes) -> Callable[[str], Any]:
+        """Who is kept when too many pass: established peers first, then reputation so far plus
+        this window's score if measured, then a draw from the window's seed (ids cannot be ground)."""
+
+        def rank(peer: str) -> tuple[int, float, bytes]:
+            st = w.standing.get(peer)
+            value = (st.reputation if st is not None else 0.0) + (scores[peer].score if peer in scores else 0.0)
+            value = value if math.isfinite(value) else -math.inf
+            return (0 if peer in w.established else 1, -value, randomness.keyed_key(seed, "capacity", peer))
+
         return rank
 
+    def _aggregate(self, st: ValidatorState, contribs: Mapping[str, SparseDict]) -> _Result:
+        """Δ̄ of ``contribs`` (already clipped); if θ_{t+1} or its validation loss would not be
+        finite, the contributions responsible are found by bisection and left out (nothing
+        non-finite is ever signed)."""
+        full = self._try(st, contribs, sorted(contribs))
+        if full is not None:
+            return full
+        dropped = frozenset(_culprits(sorted(contribs), lambda ps: self._try(st, contribs, ps) is not None))
+        kept = sorted(set(contribs) - dropped)
+        result = self._try(st, contribs, kept)
+        if result is None:  # only together do they break it: publish nothing rather than guess
+            dropped, result = frozenset(contribs), self._try(st, contribs, [], require_loss=False)
+        assert result is not None  # an empty Δ̄ leaves θ_t, which is finite
+        return replace(result, dropped=dropped)
+
+    def _try(
+        self, st: ValidatorState, contribs: Mapping[str, SparseDict], peers: Sequence[str], require_loss: bool = True
+    ) -> _Result | None:
+        o = self.spec.outer
+        delta = aggregate([contribs[p] for p in peers], o.aggregation, "none")  # clipped already
+        if not all(bool(torch.isfinite(v).all()) for _, v in delta.values()):
+            return None
+        nxt = {n: p.detach().clone() for n, p in st.params.items()}
+        apply_outer(nxt, delta, o.alpha)
+        if not all(bool(torch.isfinite(p).all()) for p in nxt.values()):
+            return None
+        self._load_params(nxt)
+        loss = self._val_loss()
+        if not math.isfinite(loss):
+            if require_loss:
+                return None
+            return _Result(delta, nxt, None)
+        return _Result(delta, nxt, loss)
+
+    def _advance_reference(
+        self, ref: reference.NormReference, screened: Sequence[checks.Screened], w: _Window
+    ) -> reference.NormReference:
+        """Move the reference towards the updates accepted from established peers (all accepted
+        ones when none is established yet)."""
+        accepted = [s for s in screened if s.reason is None]
+        known = [s for s in accepted if s.peer in w.established] or accepted
+        if not known or ref.empty:
+            return ref
+        value = reference.window_value([reference.measure(s.sparse, self.schema) for s in known])
+        return reference.advance(ref, value, self.spec.validator.reference_step)
+
     def _decide(
-        self, screened: list[checks.Screened], received: dict[str, Received], scores: dict[str, LossScore], t: int
+        self,
+        screened: list[checks.Screened],
+        received: Mapping[str, Received],
+        scores: Mapping[str, LossScore],
+        w: _Window,
     ) -> list[ContributionRecord]:
-        standing = self._standings(t)
         rows = []
         for s in sorted(screened, key=lambda s: s.peer):
             r, sc, c = received[s.peer], scores.get(s.peer), s.contribution
             accepted = s.reason is None
             st = update(
-                standing.get(s.peer, Standing()),
-                Outcome(t, s.peer, accepted, s.reason, sc.score if sc else None),
+                w.standing.get(s.peer, Standing()),
+                Outcome(w.t, s.peer, accepted, s.reason, sc.score if sc else None, _failed_check(s.checks)),
                 self.spec.validator,
             )
             rows.append(
                 ContributionRecord(
-                    window=t,
+                    window=w.t,
                     peer=s.peer,
                     received_at=r.received_at,
                     bytes=r.nbytes,
@@ -454,22 +716,33 @@ class Validator:
         return rows
 
     def _publish(
-        self, t: int, st: ValidatorState, rows: list[ContributionRecord], delta: SparseDict, clock: _PhaseClock
+        self,
+        t: int,
+        st: ValidatorState,
+        rows: list[ContributionRecord],
+        result: _Result,
+        extra: Mapping[str, int | float | str | bool],
+        ref: reference.NormReference,
+        unannounced: int,
+        clock: _PhaseClock,
     ) -> WindowPublished:
-        nxt = {n: p.detach().clone() for n, p in st.params.items()}
-        apply_outer(nxt, delta, self.spec.outer.alpha)
-        fp = fingerprint(nxt)
-        self._load_params(nxt)
-        val_loss = self._val_loss()
+        fp = fingerprint(result.params)
+        self._load_params(result.params)
         published_at = self.clock()
         accepted = [r for r in rows if r.accepted]
-        meta = {"val_loss": val_loss, "accepted": len(accepted), "rejected": len(rows) - len(accepted)}
+        meta: dict[str, int | float | str | bool] = {
+            **extra,
+            "accepted": len(accepted),
+            "rejected": len(rows) - len(accepted),
+        }
+        if result.val_loss is not None:  # the wire refuses a non-finite number, and so do peers
+            meta["val_loss"] = result.val_loss
         blob = publish.encode_window_aggregate(
             run_hash=self.run_hash,
             window=t,
             base=st.base,
             alpha=self.spec.outer.alpha,
-            delta=delta,
+            delta=result.delta,
             shapes=self.schema,
             manifest=[(r.peer, r.digest or "", r.weight) for r in accepted],
             fingerprint_next=fp,
@@ -484,9 +757,10 @@ class Validator:
             closed_at=published_at,
             base=st.base,
             fingerprint=fp,
-            val_loss=val_loss,
+            val_loss=result.val_loss,
             accepted=len(accepted),
             rejected=len(rows) - len(accepted),
+            unannounced=unannounced,
         )
         self.log.record_window(win, rows)
         publish.publish_aggregate(
@@ -501,17 +775,19 @@ class Validator:
         )
         agg = decode_aggregate(blob, run_hash=self.run_hash, max_bytes=len(blob), allowed_signers=self.signers)
         self.log.mark_published(t, digest=agg.digest, published_at=published_at)
-        self._advance(st, agg, nxt)
+        self._advance(st, agg, result.params, ref)
         reasons: dict[str, int] = {}
         for r in rows:
             if r.reason:
                 reasons[r.reason] = reasons.get(r.reason, 0) + 1
+        if unannounced:
+            reasons[UNANNOUNCED] = unannounced
         clock.lap("publish")
         report = WindowPublished(
             window=t,
             accepted=len(accepted),
             rejected=len(rows) - len(accepted),
-            val_loss=val_loss,
+            val_loss=result.val_loss if result.val_loss is not None else math.nan,
             digest=agg.digest,
             fingerprint=fp,
             published_at=published_at,
@@ -521,8 +797,16 @@ class Validator:
         self.emit(report)
         return report
 
-    def _advance(self, st: ValidatorState, agg: Verified[Aggregate], params: dict[str, torch.Tensor]) -> None:
-        """Move to window t + 1: checkpoint when due, then the state file (the commit point)."""
+    def _advance(
+        self,
+        st: ValidatorState,
+        agg: Verified[Aggregate],
+        params: dict[str, torch.Tensor],
+        ref: reference.NormReference | None = None,
+    ) -> None:
+        """Move to window t + 1: checkpoint when due, then the state file (the commit point).
+        ``ref``: the norm reference after this window (None: unchanged, an adopted aggregate)."""
+        ref = st.reference if ref is None else ref
         nxt = ValidatorState(
             self.run_hash,
             st.window + 1,
@@ -532,6 +816,7 @@ class Validator:
             launch=st.launch,
             launched_at=st.launched_at,
             previous_base=st.base,
+            reference=ref,
         )
         if is_checkpoint_window(nxt.window, self.spec.windows, self.local.max_windows):
             publish.publish_checkpoint(
@@ -550,6 +835,7 @@ class Validator:
         self._load_params(params)
 
     def _record_late(self, window: int) -> None:
+        """Rows for announced peers whose upload to ``window`` arrived after it closed."""
         if window < 0:
             return
         decided = {r.peer for r in self.log.rows(windows=(window, window))}
@@ -567,7 +853,8 @@ class Validator:
                 checks=(checks.fail("deadline", LATE),),
             )
             for peer in sorted(set(listed) - decided)
-        ]
+            if peer in self.registry.announcements
+        ][: self.budgets.max_fetches]
         if late:
             self.log.record_rows(late)
 
@@ -578,10 +865,19 @@ class Validator:
         return self.state
 
     def _standings(self, t: int) -> dict[str, Standing]:
-        history = [
-            Outcome(r.window, r.peer, r.accepted, r.reason, r.score) for r in self.log.rows(windows=(None, t - 1))
-        ]
-        return standings(history, self.spec.validator, before=t)
+        """Every peer's standing before window ``t``: the previous window's rows folded into the
+        standings before it (the whole log only after a restart), so a window's cost does not
+        grow with history."""
+        cached = self._standing_cache
+        if cached is not None and cached[0] == t:
+            return cached[1]
+        if cached is not None and cached[0] == t - 1:
+            rows = self.log.rows(windows=(t - 1, t - 1))
+            out = standings(map(_outcome, rows), self.spec.validator, start=cached[1])
+        else:
+            out = standings(map(_outcome, self.log.rows(windows=(None, t - 1))), self.spec.validator, before=t)
+        self._standing_cache = (t, out)
+        return out
 
     def _load_params(self, params: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -612,6 +908,53 @@ class _WaitingReport:
         self.emit(
             WindowWaiting(window=self.window, waiting_for=sorted(missing), uploaded=uploaded, closes_in_s=closes_in)
         )
+
+
+def _outcome(r: ContributionRecord) -> Outcome:
+    return Outcome(r.window, r.peer, r.accepted, r.reason, r.score, _failed_check(r.checks))
+
+
+def _failed_check(rows: Sequence[CheckRow]) -> str | None:
+    return next((c.name for c in rows if not c.passed), None)
+
+
+def _shows_activity(r: ContributionRecord) -> bool:
+    """The row says the peer itself uploaded (not a store failure, nor bytes someone else signed)."""
+    if r.accepted or r.reason == LATE:
+        return True
+    return r.reason not in (EXCLUDED, OVER_BUDGET) and _failed_check(r.checks) not in UNATTRIBUTABLE_CHECKS
+
+
+def _unread(r: Received) -> checks.Screened:
+    """The verdict on an upload that was not read: excluded, over the budget, or a store failure."""
+    reason = r.reason or "store_error"
+    name = {"too_large": "size", EXCLUDED: "excluded"}.get(reason, "fetch")
+    return checks.Screened(peer=r.peer, checks=(checks.fail(name, reason),), reason=reason, detail=r.detail)
+
+
+def _culprits(peers: Sequence[str], fine: Callable[[Sequence[str]], bool]) -> list[str]:
+    """The members of ``peers`` that break ``fine`` on their own, by bisection (each half is
+    tested alone; a single member that fails is a culprit)."""
+    if not peers or fine(peers):
+        return []
+    if len(peers) == 1:
+        return list(peers)
+    mid = len(peers) // 2
+    return _culprits(peers[:mid], fine) + _culprits(peers[mid:], fine)
+
+
+def _open_dataset(spec: RunSpec, store: ObjectStore, local: LocalSettings) -> TokenDataset:
+    """The run's dataset (its manifest verified now; shards are fetched when scoring needs them).
+    A run without a usable dataset manifest cannot be validated: ConfigError."""
+    try:
+        return dataset_of(spec, store, local.data)
+    except ObjectNotFound as exc:
+        raise ConfigError(
+            f"the store holds no dataset manifest for run {layout.run_id(spec.hash())} ({exc}): create the run "
+            "with `sparseloco-validator init`, or check store.url"
+        ) from exc
+    except ProtocolError as exc:
+        raise ConfigError(f"the run's dataset manifest does not verify: {exc}") from exc
 
 
 def _ignore(event: Event) -> None:

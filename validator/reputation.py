@@ -9,9 +9,22 @@ accepted windows leave it unchanged (no evidence either way)::
 
 ``exclude_after_failures`` consecutive rejections exclude the peer for the next
 ``exclude_windows`` windows; its uploads in those windows are logged with reason ``excluded`` and
-neither count as new failures nor extend the exclusion. Late uploads (``late``), contributions
-beyond ``max_contributors`` (``over_capacity``) and objects at a peer's key that the peer did not
-sign for that window (``foreign``: forged, overwritten or replayed by someone else) are neutral too.
+neither count as new failures nor extend the exclusion.
+
+Only what the peer provably did counts against it. Neutral (no evidence either way): late uploads
+(``late``), contributions beyond ``max_contributors`` (``over_capacity``) or the window's fetch
+budget (``over_budget``), unscored uploads of identities on probation (``probation``), updates
+too small to count (``norm_tiny``),
+and every failure of the bytes at the peer's key that the peer's signature does not cover: store
+errors and timeouts (check ``fetch``), oversized, empty or unparseable envelopes, bad signatures
+and objects the peer did not sign for that run and window (``foreign``: forged, overwritten or
+replayed by someone else; checks ``size`` through ``window``). On a shared store anyone can write
+there.
+
+**Probation.** A peer is *established* once ``probation_passes`` of its updates were scored and
+accepted, i.e. lowered the loss on its own data without raising it on held-out data
+(``Standing.passes``); until then only its scored, helpful updates count
+(validator/window_checks.py, ``probation``).
 
 Because :func:`standings` recomputes everything from the (window, peer) rows, re-deciding a window
 after a crash cannot count a failure twice.
@@ -19,17 +32,32 @@ after a crash cannot count a failure twice.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from protocol.config import ValidatorConfig
 
-__all__ = ["EXCLUDED", "FOREIGN", "LATE", "Outcome", "Standing", "is_excluded", "standings", "update"]
+__all__ = [
+    "EXCLUDED",
+    "FOREIGN",
+    "LATE",
+    "NEUTRAL",
+    "UNATTRIBUTABLE_CHECKS",
+    "Outcome",
+    "Standing",
+    "is_established",
+    "is_excluded",
+    "standings",
+    "update",
+]
 
 EXCLUDED = "excluded"
 LATE = "late"  # uploaded after the window closed: not evidence of bad faith, just missed
 FOREIGN = "foreign"  # not signed by the peer for this run and window: says nothing about the peer
-NEUTRAL = frozenset({EXCLUDED, LATE, FOREIGN, "over_capacity"})  # rejections that say nothing about the peer
+# rejections that say nothing about the peer
+NEUTRAL = frozenset({EXCLUDED, LATE, FOREIGN, "over_capacity", "over_budget", "probation", "norm_tiny"})
+# checks whose failure concerns bytes the peer's signature does not cover (or the store)
+UNATTRIBUTABLE_CHECKS = frozenset({"fetch", "size", "format", "signature"})
 
 
 @dataclass(frozen=True)
@@ -41,6 +69,12 @@ class Outcome:
     accepted: bool
     reason: str | None = None
     score: float | None = None
+    check: str | None = None  # the check that failed (None when accepted)
+
+    @property
+    def neutral(self) -> bool:
+        """Rejected for something that is no evidence against the peer."""
+        return not self.accepted and (self.reason in NEUTRAL or self.check in UNATTRIBUTABLE_CHECKS)
 
 
 @dataclass(frozen=True)
@@ -49,15 +83,21 @@ class Standing:
     failures: int = 0  # consecutive rejected windows
     excluded_until: int = 0  # excluded for windows < excluded_until
     windows: int = 0
+    passes: int = 0  # windows in which an update was scored and accepted
 
 
 def is_excluded(standing: Standing, window: int) -> bool:
     return window < standing.excluded_until
 
 
+def is_established(standing: Standing | None, cfg: ValidatorConfig) -> bool:
+    """Past probation: enough of its updates were scored and helped."""
+    return standing is not None and standing.passes >= cfg.probation_passes
+
+
 def update(prev: Standing, outcome: Outcome, cfg: ValidatorConfig) -> Standing:
     """The standing after one more window's outcome."""
-    if outcome.reason in NEUTRAL:
+    if outcome.neutral:
         return prev
     failed = not outcome.accepted
     if failed:
@@ -74,15 +114,33 @@ def update(prev: Standing, outcome: Outcome, cfg: ValidatorConfig) -> Standing:
     if cfg.exclude_after_failures > 0 and failures >= cfg.exclude_after_failures:
         excluded_until = outcome.window + 1 + cfg.exclude_windows
         failures = 0
-    return replace(prev, reputation=rep, failures=failures, excluded_until=excluded_until, windows=prev.windows + 1)
+    passed = outcome.accepted and outcome.score is not None  # scored and it helped (not harmful)
+    return replace(
+        prev,
+        reputation=rep,
+        failures=failures,
+        excluded_until=excluded_until,
+        windows=prev.windows + 1,
+        passes=prev.passes + int(passed),
+    )
 
 
-def standings(history: Iterable[Outcome], cfg: ValidatorConfig, *, before: int | None = None) -> dict[str, Standing]:
+def standings(
+    history: Iterable[Outcome],
+    cfg: ValidatorConfig,
+    *,
+    before: int | None = None,
+    start: Mapping[str, Standing] | None = None,
+) -> dict[str, Standing]:
     """Fold outcomes (any order; sorted by window here) into each peer's standing, using only
-    windows ``< before`` when given."""
-    out: dict[str, Standing] = {}
+    windows ``< before`` when given, starting from ``start`` (the standings before the first of
+    these windows; the validator folds one window at a time). Neutral outcomes of peers without
+    a standing add none: junk does not grow the table."""
+    out: dict[str, Standing] = dict(start or {})
     for o in sorted(history, key=lambda o: (o.window, o.peer)):
         if before is not None and o.window >= before:
+            continue
+        if o.neutral and o.peer not in out:
             continue
         out[o.peer] = update(out.get(o.peer, Standing()), o, cfg)
     return out

@@ -1,34 +1,66 @@
-"""Loss scoring of contributions on an explicit budget.
+"""Loss scoring of contributions on an explicit budget, with randomness peers cannot predict.
 
 For each sampled peer the validator measures the loss of θ_t on ``eval_sequences`` sequences of the
-batches that peer was assigned in this window ("own") and on the same number of random training
-sequences ("random", shared by every peer of the window), then applies that peer's update alone,
-``θ' = θ_t − eval_scale · α · Δ̂_p``, and measures both again::
+batches that peer was assigned in this window ("own") and on the same number of random *held-out*
+sequences ("random", shared by every peer of the window), then applies that peer's update alone
+— in the clipped form the aggregate would use — ``θ' = θ_t − eval_scale · α · Δ̂_p``, and
+measures both again. With ``own_gain = own_before − own_after`` and ``random_gain = random_before
+− random_after``::
 
-    score = (own_before − own_after) − (random_before − random_after)
+    score = own_gain − |random_gain|
 
 A peer that trained on the data it was assigned improves its own sequences more than random ones
-(score > 0). An update that does not even lower the loss on the peer's own data
-(``own_after ≥ own_before``) is *harmful* and is rejected: noise, sign-flipped or scaled updates
-fail here. The budget (``eval_peers_per_window`` peers × ``eval_sequences`` sequences) bounds the
-cost of a window whatever the number of peers; the sample is drawn deterministically from
-(run seed, window) so a restarted validator scores the same peers.
+(score > 0). Any change on random data counts against the score, so an update that lowers its
+own loss by raising the loss elsewhere is never rewarded. It is *harmful*, and rejected, when it
+does not lower the loss on its own data (``harmful``: noise, sign-flipped, scaled) or raises the
+loss on held-out data by more than ``eval_harm_tolerance`` × ``random_before``
+(``harmful_general``); and *ineffective* when it lowers the loss on its own data by less than
+``eval_min_gain_ratio`` × the median of what established peers' scored updates achieve in the
+same window (``ineffective``: noise at a plausible norm helps a little, by chance).
+
+**What peers cannot know.** The sample and the random sequences are drawn from the window's seed
+(:mod:`validator.randomness`), fixed only once uploads are closed: a peer cannot tell whether it
+will be scored, nor tune an update to the sequences it is scored on. The random sequences come
+from the held-out split, which nobody trains on (:func:`scoring_batches`).
+
+**Budget.** At most ``eval_peers_per_window`` updates are scored (:func:`plan_sample`), whatever
+the number of peers: up to ``eval_probation_peers`` identities on probation (their updates count
+only when scored; those agreeing most with the window's established uploads first,
+:func:`probation_order`) and established peers in the remaining slots (half to those agreeing
+least with the others, :func:`suspicion_order`, half drawn at random); slots one group cannot
+use go to the other, so a flood of new identities never takes the slots of known peers.
+
+**Units.** A pipeline replica's stages trained one model jointly on one data key, so they are
+scored as one update (:func:`scoring_units`) — but only in a run with ``pipeline.enabled`` and
+only by the roles the peers *signed in their announcements*; a contribution's own metadata
+cannot put it into somebody else's unit.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from protocol.aggregate import SparseDict, apply_outer
-from protocol.data import pipeline_data_key
+from protocol.data import TokenDataset, pipeline_data_key, random_batches
 from protocol.model import eval_loss, parameters_of
+from protocol.wire import PipelineRole
 
-__all__ = ["LossScore", "data_key", "pick_sample", "score_update", "take_sequences"]
+__all__ = [
+    "LossScore",
+    "data_key",
+    "plan_sample",
+    "probation_order",
+    "suspicion_order",
+    "scoring_batches",
+    "scoring_units",
+    "score_update",
+    "take_sequences",
+]
 
 
 @dataclass(frozen=True)
@@ -39,42 +71,102 @@ class LossScore:
     loss_random_after: float
 
     @property
+    def own_gain(self) -> float:
+        return self.loss_own_before - self.loss_own_after
+
+    @property
+    def random_gain(self) -> float:
+        return self.loss_random_before - self.loss_random_after
+
+    @property
     def score(self) -> float:
-        return (self.loss_own_before - self.loss_own_after) - (self.loss_random_before - self.loss_random_after)
+        """Improvement on the peer's own data beyond any change on random data (NaN: harmful)."""
+        return self.own_gain - abs(self.random_gain)
 
     @property
     def harmful(self) -> bool:
+        """Does not lower the loss on the peer's own data (NaN included)."""
         return not self.loss_own_after < self.loss_own_before
 
+    def harms_general(self, tolerance: float) -> bool:
+        """Raises the loss on held-out random data by more than ``tolerance`` × its level (NaN included)."""
+        return not self.loss_random_after <= self.loss_random_before * (1.0 + tolerance)
 
-def pick_sample(peers: Sequence[str], budget: int, seed: int, window: int) -> list[str]:
-    """Up to ``budget`` peers, chosen by a keyed hash of (seed, window, peer): deterministic,
-    unpredictable to peers before the window, and fair over time."""
+
+def _draw(seed: bytes, label: str, item: str) -> bytes:
+    return hashlib.sha256(seed + f"|{label}|{item}".encode()).digest()
+
+
+def plan_sample(
+    *,
+    established: Sequence[str],
+    probation: Sequence[str],
+    budget: int,
+    probation_slots: int,
+    seed: bytes,
+) -> list[str]:
+    """The units to score (sorted): up to ``probation_slots`` of ``probation`` (taken in the order
+    given: the caller's preference) and the rest from ``established``, slots one group cannot use
+    going to the other. Half the established slots (rounded up) go to the first of
+    ``established`` in the order given (the validator puts those agreeing least with the others
+    first), the rest to a draw by a keyed hash of the window's ``seed``: every peer may be scored
+    in any window, unpredictably before the window closed, reproducibly after the reveal."""
     if budget <= 0:
         return []
+    new = [u for u in probation if u not in set(established)]
+    n_new = min(len(new), max(min(probation_slots, budget), budget - len(established)))
+    n_est = min(len(established), budget - n_new)
+    first = list(established[: (n_est + 1) // 2])
+    rest = sorted((u for u in established if u not in set(first)), key=lambda u: _draw(seed, "score", u))
+    return sorted(new[:n_new] + first + rest[: n_est - len(first)])
 
-    def key(p: str) -> bytes:
-        return hashlib.sha256(f"score|{seed}|{window}|{p}".encode()).digest()
 
-    return sorted(sorted(peers, key=key)[:budget])
+def probation_order(units: Collection[str], agreement: Mapping[str, float], seed: bytes) -> list[str]:
+    """Units on probation in the order they are scored: highest agreement with the window's
+    established uploads first (:mod:`validator.consensus`), then by the window's seed."""
+    return sorted(units, key=lambda u: (-agreement.get(u, 0.5), _draw(seed, "probation", u)))
 
 
-def data_key(peer: str, metadata: Mapping[str, object]) -> str:
+def suspicion_order(units: Collection[str], agreement: Mapping[str, float], seed: bytes) -> list[str]:
+    """Established units in the order half their scoring slots go: least agreement with the
+    other established uploads first, then by the window's seed."""
+    return sorted(units, key=lambda u: (agreement.get(u, 0.5), _draw(seed, "suspicion", u)))
+
+
+def data_key(peer: str, role: PipelineRole | None) -> str:
     """Under which name the peer's batches were assigned: its peer id, or for a stage of a pipeline
     replica the replica's shared key :func:`protocol.data.pipeline_data_key` (every stage trains
     on the same batches)."""
-    group = metadata.get("pipeline_group")
-    return pipeline_data_key(group) if isinstance(group, str) and group else peer
+    return pipeline_data_key(role.group) if role is not None and role.group else peer
 
 
-def scoring_units(metadata: Mapping[str, Mapping[str, object]]) -> dict[str, list[str]]:
-    """Who is scored together: data key -> peers (sorted). A full peer is a unit of its own; the
-    stages of one pipeline replica trained one model jointly on one data key, and a single stage's
-    slice applied alone is not an update anybody trained, so its stages are scored as one update."""
+def scoring_units(
+    peers: Collection[str], roles: Mapping[str, PipelineRole | None], *, pipelines: bool
+) -> dict[str, list[str]]:
+    """Who is scored together: data key -> peers (sorted). A full peer is a unit of its own; with
+    ``pipelines`` the stages of one replica (by their announced roles) are one unit, each stage
+    at most once: a second peer claiming a taken stage is scored alone."""
     units: dict[str, list[str]] = {}
-    for peer in sorted(metadata):
-        units.setdefault(data_key(peer, metadata[peer]), []).append(peer)
+    taken: dict[str, set[int]] = {}
+    for peer in sorted(peers):
+        role = roles.get(peer) if pipelines else None
+        if role is not None and role.stage in taken.setdefault(role.group, set()):
+            role = None
+        if role is not None:
+            taken[role.group].add(role.stage)
+        units.setdefault(data_key(peer, role), []).append(peer)
     return units
+
+
+def scoring_batches(
+    dataset: TokenDataset, seed: bytes, n_sequences: int, batch_size: int, seq_len: int
+) -> list[Tensor]:
+    """``n_sequences`` random held-out sequences [≤ batch_size, seq_len + 1] drawn with ``seed``
+    (the window's): the "random" data of the window's scores, from a few pages of the validation
+    split (so a few shards are read)."""
+    draw = int.from_bytes(hashlib.sha256(b"scoring|" + seed).digest()[:8], "little")
+    n_batches = -(-n_sequences // batch_size)
+    return take_sequences(random_batches(dataset, draw, n_batches, batch_size, seq_len, split="val"), n_sequences)
 
 
 def take_sequences(batches: Sequence[Tensor], n: int) -> list[Tensor]:

@@ -2,8 +2,8 @@
 
 ``state.safetensors`` holds the parameters that open the current window plus metadata
 (window, the digest of the aggregate it trained from and of the one before it, when the window
-opened, the run hash, and the launch: the digest and time of the genesis manifest this chain grows
-from). It is
+opened, the run hash, the launch: the digest and time of the genesis manifest this chain grows
+from, and the norm reference learned from accepted updates, :mod:`validator.reference`). It is
 replaced atomically (temp file, fsync, rename) after every published aggregate, so a validator
 killed at any instant restarts either before or after a window, never in between; the store tells
 which (an aggregate already published for the saved window is adopted, not recomputed).
@@ -11,7 +11,7 @@ which (an aggregate already published for the saved window is adopted, not recom
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from safetensors.torch import save as st_save
 
 from protocol.errors import ConfigError
 from protocol.files import atomic_write
+from validator.reference import NormReference
 
 __all__ = ["STATE_FILE", "ValidatorState", "load_state", "save_state"]
 
@@ -37,6 +38,7 @@ class ValidatorState:
     launch: str  # digest of the genesis manifest: the base of window 0 and the root of the chain
     launched_at: float  # its published_at, so that the same genesis can be written again
     previous_base: str  # the base of window − 1 (window 0: the launch); accepted with outer.delay = 1
+    reference: NormReference = field(default_factory=NormReference)  # empty: none learned yet
 
 
 def save_state(directory: str | Path, state: ValidatorState) -> None:
@@ -50,6 +52,7 @@ def save_state(directory: str | Path, state: ValidatorState) -> None:
         "launch": state.launch,
         "launched_at": repr(state.launched_at),
         "previous_base": state.previous_base,
+        "reference": state.reference.to_json(),
     }
     blob = st_save({n: t.detach().to("cpu").contiguous() for n, t in state.params.items()}, metadata=meta)
     atomic_write(d / STATE_FILE, blob)
@@ -74,6 +77,7 @@ def load_state(directory: str | Path, run_hash: str) -> ValidatorState | None:
             launch=meta["launch"],
             launched_at=float(meta["launched_at"]),
             previous_base=meta["previous_base"],
+            reference=NormReference.from_json(meta.get("reference", "{}")),
         )
     except (SafetensorError, KeyError, ValueError, OSError) as exc:
         raise ConfigError(f"validator state {path} is unreadable: {exc}") from exc

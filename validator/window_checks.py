@@ -1,4 +1,5 @@
-"""The checks that need the whole window: norm against the median, copies, loss-score harm, capacity.
+"""The checks that need more than one contribution: immutability, norm against the validator's
+reference, copies, loss-score harm and effect, probation, capacity, a finite result.
 
 Each takes the window's :class:`~validator.checks.Screened` list and returns it with one more check
 row on every contribution still standing (rejected ones pass through untouched). Pure functions.
@@ -7,51 +8,92 @@ row on every contribution still standing (rejected ones pass through untouched).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
+
+import numpy as np
 
 from protocol.aggregate import SparseDict
 from validator import checks
-from validator.copies import global_indices, scan
+from validator.copies import F32, I64, CopyRule, scan
 from validator.log import CheckRow
+from validator.reference import NormReference, check_norms, measure
 from validator.scoring import LossScore
 
-__all__ = ["OVER_CAPACITY", "capacity", "copies", "norms", "offsets", "scores", "total_norm"]
+__all__ = [
+    "MUTATED",
+    "NON_FINITE_RESULT",
+    "OVER_CAPACITY",
+    "PROBATION",
+    "capacity",
+    "copies",
+    "global_entries",
+    "immutable",
+    "norms",
+    "offsets",
+    "probation",
+    "scores",
+    "stable",
+    "total_norm",
+]
 
 OVER_CAPACITY = "over_capacity"
+MUTATED = "mutated"
+PROBATION = "probation"
+NON_FINITE_RESULT = "non_finite_result"
 
 Screened = checks.Screened
 
 
-def norms(screened: Sequence[Screened], max_ratio: float) -> list[Screened]:
-    """Reject any contribution with a tensor norm above ``max_ratio`` × that tensor's window median."""
-    by_peer = {s.peer: checks.tensor_norms(s.sparse) for s in screened if s.reason is None}
-    medians = checks.window_medians(list(by_peer.values()))
+def immutable(screened: Sequence[Screened], first_digest: Mapping[str, str | None]) -> list[Screened]:
+    """Reject a contribution whose bytes differ from the ones first fetched at its key (kept by
+    the log across restarts). Only objects the peer signed get here, so the change is its own."""
+    out = []
+    for s in screened:
+        if s.reason is None and s.contribution is not None:
+            first = first_digest.get(s.peer)
+            if first is not None and first != s.contribution.digest:
+                detail = f"digest {s.contribution.digest[:16]}, first fetched {first[:16]}"
+                s = with_row(s, checks.fail("immutable", MUTATED), detail)
+            else:
+                s = with_row(s, checks.ok("immutable"))
+        out.append(s)
+    return out
+
+
+def norms(
+    screened: Sequence[Screened],
+    reference: NormReference,
+    schema: Mapping[str, tuple[int, ...]],
+    *,
+    max_ratio: float,
+    min_ratio: float,
+) -> list[Screened]:
+    """Reject a tensor norm above ``max_ratio`` × the reference (``norm_outlier``) or an update
+    below ``min_ratio`` × it (``norm_tiny``); see :mod:`validator.reference`."""
     out = []
     for s in screened:
         if s.reason is None:
-            n = by_peer[s.peer]
-            row = checks.check_norm(n, medians, max_ratio)
-            worst = max(n, key=lambda name: n[name] / max(medians[name], 1e-30))
-            s = with_row(s, row, f"{worst}: norm {n[worst]:.3g}, window median {medians[worst]:.3g}")
+            row, detail = check_norms(measure(s.sparse, schema), reference, max_ratio=max_ratio, min_ratio=min_ratio)
+            s = with_row(s, row, detail)
         out.append(s)
     return out
 
 
 def copies(
     screened: Sequence[Screened],
-    first_seen: Mapping[str, float],
+    read_at: Mapping[str, float],
     schema: Mapping[str, tuple[int, ...]],
-    threshold: float,
+    rule: CopyRule,
+    listed_at: Mapping[str, float] | None = None,
 ) -> list[Screened]:
-    """Reject the later of two contributions whose Top-k index sets overlap ≥ ``threshold``."""
+    """Reject the later of two near-identical contributions as ``copied`` (see
+    :mod:`validator.copies`: ``read_at``, ``listed_at``). A pair whose order is unknown is a tie:
+    neither is rejected (the original must never lose one); the row says so."""
     offs = offsets(schema)
-    indices = {
-        s.peer: global_indices({n: i.numpy() for n, (i, _) in s.sparse.items()}, offs)
-        for s in screened
-        if s.reason is None
-    }
-    verdicts, best = scan(indices, first_seen, threshold)
+    entries = {s.peer: global_entries(s.sparse, offs) for s in screened if s.reason is None}
+    verdicts, best = scan(entries, read_at, rule, listed_at)
     out = []
     for s in screened:
         if s.reason is None:
@@ -59,15 +101,27 @@ def copies(
             s = replace(s, overlap=best.get(s.peer))
             if v is None:
                 s = with_row(s, checks.ok("copy"))
+            elif v.tie:
+                note = f"near-identical to {v.original[:12]}, read in the same poll: order unknown, neither is a copy"
+                s = replace(with_row(s, checks.ok("copy")), detail=note)
             else:
-                how = " (same listing: order unknown)" if v.ambiguous else ""
-                s = with_row(s, checks.fail("copy", "copied"), f"overlap {v.overlap:.2f} with {v.original[:12]}{how}")
+                sim = v.similarity
+                detail = f"overlap {sim.overlap:.2f}, rare {sim.rare:.2f}, signs {sim.signs:.2f} with {v.original[:12]}"
+                s = with_row(s, checks.fail("copy", "copied"), detail)
         out.append(s)
     return out
 
 
-def scores(screened: Sequence[Screened], loss_scores: Mapping[str, LossScore]) -> list[Screened]:
-    """Reject scored contributions whose update does not lower the loss on the peer's own data."""
+def scores(
+    screened: Sequence[Screened],
+    loss_scores: Mapping[str, LossScore],
+    tolerance: float,
+    min_gain: float | None = None,
+) -> list[Screened]:
+    """Reject scored contributions whose update does not lower the loss on the peer's own data
+    (``harmful``), raises it on held-out data (``harmful_general``), or lowers it by less than
+    ``min_gain`` (``ineffective``: the validator passes a share of what established peers'
+    updates achieve in this window; noise at a plausible norm lowers it a little, by chance)."""
     out = []
     for s in screened:
         sc = loss_scores.get(s.peer)
@@ -75,22 +129,57 @@ def scores(screened: Sequence[Screened], loss_scores: Mapping[str, LossScore]) -
             if sc.harmful:
                 detail = f"own loss {sc.loss_own_before:.4f} -> {sc.loss_own_after:.4f}"
                 s = with_row(s, checks.fail("score", "harmful"), detail)
+            elif sc.harms_general(tolerance):
+                detail = f"held-out loss {sc.loss_random_before:.4f} -> {sc.loss_random_after:.4f}"
+                s = with_row(s, checks.fail("score", "harmful_general"), detail)
+            elif min_gain is not None and sc.own_gain < min_gain:
+                detail = f"own loss lowered by {sc.own_gain:.4f}, less than {min_gain:.4f}"
+                s = with_row(s, checks.fail("score", "ineffective"), detail)
             else:
                 s = with_row(s, checks.ok("score"))
         out.append(s)
     return out
 
 
-def capacity(screened: Sequence[Screened], rank: Mapping[str, float], max_contributors: int) -> list[Screened]:
-    """Keep at most ``max_contributors`` of the contributions still standing, highest ``rank``
-    first (ties by peer id); the others are rejected as ``over_capacity`` (not held against them)."""
-    live = sorted((s.peer for s in screened if s.reason is None), key=lambda p: (-rank.get(p, 0.0), p))
+def probation(
+    screened: Sequence[Screened], established: Collection[str], loss_scores: Mapping[str, LossScore]
+) -> list[Screened]:
+    """An identity on probation counts only when its update was scored (and passed)."""
+    out = []
+    for s in screened:
+        if s.reason is None:
+            if s.peer in established or s.peer in loss_scores:
+                s = with_row(s, checks.ok("probation"))
+            else:
+                s = with_row(s, checks.fail("probation", PROBATION), "new identity, not scored in this window")
+        out.append(s)
+    return out
+
+
+def capacity(screened: Sequence[Screened], rank: Callable[[str], Any], max_contributors: int) -> list[Screened]:
+    """Keep at most ``max_contributors`` of the contributions still standing, smallest ``rank``
+    first; the others are rejected as ``over_capacity`` (not held against them)."""
+    live = sorted((s.peer for s in screened if s.reason is None), key=rank)
     keep = set(live[: max(0, max_contributors)])
     out = []
     for s in screened:
         if s.reason is None:
             row = checks.ok("capacity") if s.peer in keep else checks.fail("capacity", OVER_CAPACITY)
             s = with_row(s, row, f"more than {max_contributors} contributions passed the checks")
+        out.append(s)
+    return out
+
+
+def stable(screened: Sequence[Screened], dropped: Collection[str]) -> list[Screened]:
+    """Reject the contributions without which θ and the validation loss stay finite."""
+    out = []
+    for s in screened:
+        if s.reason is None:
+            if s.peer in dropped:
+                detail = "the aggregate with this update makes θ or the validation loss non-finite"
+                s = with_row(s, checks.fail("stable", NON_FINITE_RESULT), detail)
+            else:
+                s = with_row(s, checks.ok("stable"))
         out.append(s)
     return out
 
@@ -112,3 +201,14 @@ def offsets(schema: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
 
 def total_norm(sparse: SparseDict) -> float:
     return math.sqrt(sum(float((v.double() ** 2).sum()) for _, v in sparse.values()))
+
+
+def global_entries(sparse: SparseDict, offs: Mapping[str, int]) -> tuple[I64, F32]:
+    """(global indices, values), sorted: tensors are offset in name order and each tensor's
+    indices are strictly increasing, so concatenating in name order sorts them."""
+    names = sorted(n for n in sparse if n in offs)
+    if not names:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+    idx = np.concatenate([sparse[n][0].numpy().astype(np.int64) + offs[n] for n in names])
+    vals = np.concatenate([sparse[n][1].numpy().astype(np.float32) for n in names])
+    return idx, vals

@@ -1,7 +1,7 @@
 """``sparseloco demo``: the whole system on this machine, with progress and a summary.
 
     sparseloco demo                          # validator + 3 peers, file store, 6 windows
-    sparseloco demo --peers 4 --store s3     # SeaweedFS on 127.0.0.1, one credential per peer
+    sparseloco demo --peers 4 --store s3     # SeaweedFS on 127.0.0.1; peers hold no credential (grants)
     sparseloco demo --store dht --json       # hivemind DHT on 127.0.0.1; last line is JSON
 
 Thin command: :func:`client.demo.swarm.run_demo` does the work; this module renders the processes'
@@ -63,9 +63,11 @@ def demo(
     """Run a validator and N peers as separate processes on this machine (the demo RunSpec preset:
     a small LLaMA-style model on the Python standard library's source, H = 30).
 
-    The peers start first and the validator once every peer has announced itself, so window 0
-    waits for all of them. Progress goes to stderr: one line per peer window and per published
-    window.
+    The run is created with `sparseloco-validator init --corpus builtin:stdlib`: the validator
+    tokenizes the corpus once into the run's store, and every peer starts with no data and
+    fetches the shards its batches need. The peers start first and the validator once every peer
+    has announced itself, so window 0 waits for all of them. Progress goes to stderr: one line per
+    peer window and per published window.
 
     \b
     --json summary fields:
@@ -74,6 +76,9 @@ def demo(
       fingerprints_equal       every peer holds the validator's θ after every window
       contributions_accounted  every upload a peer reported has a row in the contribution log
       upload_bytes_per_peer_per_window, dense_fp32_bytes   (mean compressed vs dense size)
+      data_bytes_per_peer_per_window  mean bytes of the dataset a peer fetched per trained window
+      data_cache_hit_rate      of the shards the peers' windows read, the share already local
+                               (cached or prefetched in time)
       compute_fraction         peers' inner-loop time / their wall time
       contribution_log         the validator's log (sparseloco-validator logs --db PATH)
 
@@ -162,6 +167,7 @@ def summary_table(s: dict[str, Any]) -> Table:
     t.caption = (
         f"fingerprints equal: {s['fingerprints_equal']} · contributions accounted: {s['contributions_accounted']} · "
         f"upload {s['upload_bytes_per_peer_per_window']:,} B/peer/window ({ratio:.0f}× below dense fp32) · "
-        f"compute fraction {s['compute_fraction']:.2f} at H = {s['inner_steps']}"
+        f"compute fraction {s['compute_fraction']:.2f} at H = {s['inner_steps']} · "
+        f"data {s['data_bytes_per_peer_per_window']:,} B/peer/window, {s['data_cache_hit_rate']:.0%} cache hits"
     )
     return t

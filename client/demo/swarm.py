@@ -10,10 +10,14 @@ processes' events until the last window is published, and prints a summary::
         swarm.follow(until=swarm.finished, timeout_s=600)
         summary = swarm.summary()          # val loss per window, fingerprints_equal, bytes …
 
-The run directory's ``run.toml`` holds the RunSpec and a ``[local]`` table with the store (URL,
-endpoint, DHT bootstrap nodes), ``max_windows`` and the preset's own local settings; each process
-gets its per-process settings as flags and ``SPARSELOCO_*`` variables (device, threads, the join
-timeout). The integration tests drive the same class to inject faults (kill a peer mid-window,
+The run is created as an operator creates one: ``sparseloco-validator init`` tokenizes the corpus
+(``builtin:stdlib`` by default) once, puts the shards and the signed dataset manifest into the
+run's store, publishes genesis and writes the run directory's ``run.toml``: the RunSpec (the preset
+with the dataset's digest and the validator key) and a ``[local]`` table with the store (URL,
+endpoint, DHT bootstrap nodes), ``max_windows`` and the preset's own local settings. Peers start
+with no data: each fetches the shards its batches need into its own cache directory, as separate
+machines would. Each process gets its per-process settings as flags and ``SPARSELOCO_*`` variables
+(device, threads, the join timeout, the data cache). The integration tests drive the same class to inject faults (kill a peer mid-window,
 restart the validator, start a late joiner, stop a peer cleanly). Peers run ``sparseloco-peer join --status-json`` and the validator
 ``sparseloco-validator run --status-json``: both write :mod:`protocol.events` records as JSON lines,
 read here with :func:`protocol.events.parse_line`. The contribution log is read through its owner,
@@ -27,6 +31,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -57,7 +62,10 @@ from protocol.settings import env_name, local_table, local_table_toml
 
 PRESET = Path(protocol.__file__).parent / "presets" / "demo.toml"
 VALIDATOR = "validator"
+INIT = "init"
 LOG_DB = "contributions.sqlite"
+CORPUS = "builtin:stdlib"
+INIT_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -91,14 +99,20 @@ class LocalSwarm:
         peer_threads: int = 1,
         join_timeout_s: float = 300.0,
         on_event: Callable[[str, Event], None] | None = None,
+        corpus: str = CORPUS,
+        tokenizer: str = "bytes",
+        shard_tokens: int | None = None,
     ) -> None:
         """``overrides``: RunSpec sections over the preset's; ``local``: run.toml [local] settings
-        over the preset's [local] table; ``join_timeout_s``: each peer's ``peer.join_timeout_s``."""
+        over the preset's [local] table; ``join_timeout_s``: each peer's ``peer.join_timeout_s``;
+        ``corpus``, ``tokenizer`` (``bytes`` or a tokenizer.json) and ``shard_tokens`` (None:
+        init's default): how ``init`` makes the run's dataset."""
         self._own_dir = run_dir is None
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="sparseloco-demo-"))
         self.n_peers, self.windows, self.store_kind = peers, windows, store
         self.preset, self.overrides = Path(preset), dict(overrides or {})
         self.local = dict(local or {})
+        self.corpus, self.tokenizer, self.shard_tokens = corpus, tokenizer, shard_tokens
         self.peer_threads = peer_threads
         self.join_timeout_s = join_timeout_s
         self.validator_threads = (
@@ -138,13 +152,13 @@ class LocalSwarm:
         self._stack.close()
 
     def _write_run(self, vkey: Identity) -> RunSpec:
-        """run.toml: the preset's RunSpec with ``overrides`` and the validator key, and a [local]
-        table with the store, max_windows, the preset's own [local] table and ``local``."""
+        """run.toml, made by ``sparseloco-validator init`` (with ``vkey``, saved at
+        ``validator_key``) from the base ``base.toml``: the preset's RunSpec with ``overrides``, and
+        a [local] table with the store, max_windows, the preset's own [local] table and ``local``.
+        init adds the dataset and the validator key."""
         assert self.backend is not None
-        base = RunSpec.load(self.preset)
         sections: dict[str, dict[str, Any]] = {k: dict(v) for k, v in self.overrides.items()}
-        sections.setdefault("validator", {})["public_keys"] = [vkey.public_key_hex]
-        spec = base.replace(**sections)
+        base = RunSpec.load(self.preset).replace(**sections)
         local: dict[str, Any] = {}
         for layer in (
             local_table(self.preset),
@@ -153,8 +167,42 @@ class LocalSwarm:
         ):
             for key, value in layer.items():
                 local[key] = {**local.get(key, {}), **value} if isinstance(value, Mapping) else value
-        self.run_toml.write_text(spec.to_toml() + local_table_toml(local))
-        return spec
+        self.base_toml.write_text(base.to_toml() + local_table_toml(local))
+        self._init()
+        return RunSpec.load(self.run_toml)
+
+    def _init(self) -> None:
+        """Run ``sparseloco-validator init`` with the validator's credential; DemoError if it fails."""
+        assert self.group is not None and self.backend is not None
+        argv = python_console("sparseloco-validator") + [
+            "init",
+            "--corpus",
+            self.corpus,
+            "--store",
+            self.backend.url,
+            "--key",
+            str(self.validator_key),
+            "--spec",
+            str(self.base_toml),
+            "--out",
+            str(self.run_toml),
+            "--tokenizer",
+            self.tokenizer,
+            "--json",
+            *(["--shard-tokens", str(self.shard_tokens)] if self.shard_tokens else []),
+            *self.backend.args(),
+        ]
+        env = {**self.backend.validator_env(), env_name("data.cache_dir"): str(self.run_dir / INIT / "cache")}
+        child = self.group.start(INIT, argv, env=env)
+        try:
+            rc = self.group.wait(INIT, timeout=INIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise DemoError(
+                f"sparseloco-validator init took over {INIT_TIMEOUT_S:.0f} s; log {child.log_path}"
+            ) from None
+        if rc != 0:
+            tail = child.log_path.read_text(errors="replace")[-2000:]
+            raise DemoError(f"sparseloco-validator init exited with status {rc}; log {child.log_path}:\n{tail}")
 
     @property
     def validator_key(self) -> Path:
@@ -163,6 +211,11 @@ class LocalSwarm:
     @property
     def run_toml(self) -> Path:
         return self.run_dir / "run.toml"
+
+    @property
+    def base_toml(self) -> Path:
+        """The RunSpec and [local] table ``init`` starts from."""
+        return self.run_dir / "base.toml"
 
     @property
     def log_db(self) -> Path:
@@ -178,7 +231,9 @@ class LocalSwarm:
         assert self.backend is not None
         return self.backend.url
 
-    def start_validator(self) -> None:
+    def start_validator(self, *, wait_for_peers: int = 0) -> None:
+        """Start (or restart) the validator; ``wait_for_peers``: a new run opens window 0 only
+        once that many peers have announced."""
         assert self.group is not None and self.backend is not None
         argv = python_console("sparseloco-validator") + [
             "run",
@@ -189,26 +244,38 @@ class LocalSwarm:
             "--state",
             str(self.run_dir / VALIDATOR),
             "--status-json",
-            *self.backend.args(),
+            "--wait-for-peers",
+            str(wait_for_peers),
+            *self.backend.validator_args(),
         ]
         # One thread, like each peer: OpenMP threads spinning on an oversubscribed machine made
         # the validator's evaluation ~8x slower than its single-threaded speed.
-        env = {**self.backend.validator_env(), "OMP_NUM_THREADS": str(self.validator_threads)}
+        env = {
+            **self.backend.validator_env(),
+            "OMP_NUM_THREADS": str(self.validator_threads),
+            env_name("data.cache_dir"): str(self.run_dir / VALIDATOR / "cache"),
+        }
         self.may_exit.discard(VALIDATOR)
         self.group.start(VALIDATOR, argv, env=env)
 
     def start_peers_then_validator(self, timeout_s: float = 300.0) -> None:
-        """Start every peer, wait until each has announced itself, then start the validator.
+        """Start every peer and the validator so that window 0 opens once every peer has announced.
 
         A window closes early once every peer the validator expects has uploaded, and it expects
         the peers announced so far (it re-reads the announcements while gathering, so a later one
-        is still accepted). Started after every announcement, window 0 waits for all the peers
-        instead of closing as soon as those announced so far have uploaded.
+        is still accepted). Opened after every announcement, window 0 waits for all the peers
+        instead of closing as soon as those announced so far have uploaded. Peers that announce
+        through the validator's grants need it first: then it starts first and waits for them
+        (``--wait-for-peers``) before it publishes genesis.
         """
+        assert self.backend is not None
+        if self.backend.grant_port:
+            self.start_validator(wait_for_peers=self.n_peers)
         for i in range(self.n_peers):
             self.start_peer(i)
         self.follow(lambda: all(v.announced for v in self.peers.values()), timeout_s=timeout_s)
-        self.start_validator()
+        if not self.backend.grant_port:
+            self.start_validator()
 
     def wait_validator_ready(self, timeout_s: float = 300.0) -> None:
         """Until the validator has published genesis (or resumed) and opened its window."""
@@ -216,7 +283,8 @@ class LocalSwarm:
         self.follow(lambda: self.validator_ready, timeout_s=timeout_s)
 
     def start_peer(self, i: int, *extra: str) -> str:
-        """Start peer ``i`` (its key is created first so an S3 credential can be scoped to it)."""
+        """Start peer ``i`` (its key is created first so that a credential can be scoped to it);
+        ``peer_envs[name]``, when set before, is its environment (settings, a credential)."""
         assert self.group is not None and self.backend is not None and self.spec is not None
         state = self.peer_dir(i)
         ident = Identity.load_or_create(state / "key.pem")
@@ -241,6 +309,7 @@ class LocalSwarm:
             **self.peer_envs[name],
             "OMP_NUM_THREADS": str(self.peer_threads),
             env_name("peer.join_timeout_s"): str(self.join_timeout_s),
+            env_name("data.cache_dir"): str(state / "cache"),  # its own: peers start with no data
         }
         self.may_exit.discard(name)
         self.group.start(name, argv, env=env)
@@ -377,6 +446,8 @@ class LocalSwarm:
         order = sorted(windows)
         equal = all(self._fingerprints_agree(w, windows[w].fingerprint) for w in order)
         uploads = [e.upload_bytes for v in self.peers.values() for e in v.windows.values() if e.outcome == "uploaded"]
+        trained = [e for v in self.peers.values() for e in v.events if isinstance(e, PeerWindow) and e.tokens > 0]
+        looked_up = sum(e.data_hits + e.data_misses for e in trained)
         wall = sum(v.wall_s for v in self.peers.values())
         n_params = sum(_numel(s) for s in param_schema(self.spec.model).values())
         return {
@@ -389,6 +460,10 @@ class LocalSwarm:
             "fingerprints_equal": bool(order) and equal,
             "contributions_accounted": self.unaccounted() == [],
             "upload_bytes_per_peer_per_window": round(sum(uploads) / len(uploads)) if uploads else 0,
+            "data_bytes_per_peer_per_window": round(sum(e.data_bytes for e in trained) / len(trained))
+            if trained
+            else 0,
+            "data_cache_hit_rate": round(sum(e.data_hits for e in trained) / looked_up, 4) if looked_up else 0.0,
             "dense_fp32_bytes": 4 * n_params,
             "parameters": n_params,
             "inner_steps": self.spec.inner.steps,

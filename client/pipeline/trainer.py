@@ -14,20 +14,20 @@ on ``device``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from client.pipeline.replica import PipelineStage, replica_batches, run_stage_window
+from client.data_feed import DataFeed, skip_reason
+from client.pipeline.replica import PipelineStage, pipeline_peer_key, run_stage_window
 from client.window import Skipped, Trained, WindowJob, WindowStats, hardware_of
 from protocol.aggregate import SparseDict
 from protocol.codec import Encoded
 from protocol.config import RunSpec
-from protocol.data import open_dataset
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, ProtocolError, StoreError
 from protocol.feedback import FeedbackBuffers
-from protocol.settings import DataSettings
+from protocol.tokens import TokenDataset
 from protocol.wire import PipelineRole
 
 __all__ = ["StageTrainer"]
@@ -46,13 +46,13 @@ class StageTrainer:
         rendezvous: str,
         device: torch.device | str = "cpu",
         backend: str = "gloo",
-        data: DataSettings | None = None,
+        data: Callable[[], TokenDataset] | None = None,
     ) -> None:
         if not spec.pipeline.enabled:
             raise ConfigError("this run does not accept pipeline replicas (pipeline.enabled = false)")
         self.spec, self.rendezvous = spec, rendezvous
         self.pipeline = PipelineStage(spec, group=group, stage=stage, stages=stages, device=device, backend=backend)
-        self.dataset = open_dataset(spec.data, data)  # this machine's corpus (local settings)
+        self.data = DataFeed(spec, key=pipeline_peer_key(group), opener=data)  # the replica's batches
         self._role = PipelineRole(group, stage, stages)
 
     @property
@@ -81,14 +81,19 @@ class StageTrainer:
         slice's size."""
         role = self._role
         job.report(phase=f"pipeline stage {role.stage}/{role.stages}", window=job.window)
-        batches = replica_batches(self.dataset, self.spec, role.group, job.window)
+        try:
+            batches = self.data.batches(job.window)  # the same on every stage of the replica
+        except (ProtocolError, StoreError) as exc:
+            return Skipped(skip_reason(exc))
         result = run_stage_window(
             self.pipeline, job.theta, job.window, job.base, batches, rendezvous=self.rendezvous, feedback=job.feedback
         )
         after = result.feedback_after
         if not result.ok or after is None:
             return Skipped(f"pipeline {result.reason}: {result.detail}", inner_s=result.seconds)
-        stats = WindowStats(result.mean_loss, result.mean_loss, result.tokens, result.seconds, 0.0)
+        stats = WindowStats(
+            result.mean_loss, result.mean_loss, result.tokens, result.seconds, 0.0, data=self.data.take_usage()
+        )
         encoded = dict(result.encoded)
 
         def fold(e: FeedbackBuffers, stand_in: SparseDict) -> dict[str, Encoded]:

@@ -1,4 +1,4 @@
-"""The four signed objects of the protocol and their bytes.
+"""The five signed objects of the protocol and their bytes.
 
 ==================  ==========================  ===========================================
 object              signed by                   body (see :mod:`protocol.wire.frame` for the frame)
@@ -12,10 +12,13 @@ Aggregate           a validator key of the run  base, alpha, fingerprint of θ_{
 CheckpointManifest  a validator key             aggregate digest, fingerprint, metadata with
                                                 published_at, files
 Announcement        the peer                    client version, hardware, pipeline role, metadata
+DatasetManifest     a validator key of the run  tokenizer, token width, vocabulary, end-of-document
+                                                id, metadata, shards [(split, sha256, tokens)]
 ==================  ==========================  ===========================================
 
 One module per kind (:mod:`~protocol.wire.contribution`, :mod:`~protocol.wire.aggregate`,
-:mod:`~protocol.wire.checkpoint`, :mod:`~protocol.wire.announcement`); the fields they share are in
+:mod:`~protocol.wire.checkpoint`, :mod:`~protocol.wire.announcement`,
+:mod:`~protocol.wire.dataset`); the fields they share are in
 :mod:`~protocol.wire.fields`, the signed frame in :mod:`~protocol.wire.frame`. Every ``decode_*``
 returns a :class:`~protocol.wire.verified.Verified`: the object in ``.value`` and what the
 signature proved about its bytes (``digest``, ``sender``, ``public_key``, ``size``)::
@@ -40,6 +43,14 @@ from protocol.wire.aggregate import Aggregate, ManifestEntry, SparseDelta, decod
 from protocol.wire.announcement import Announcement, PipelineRole, decode_announcement, encode_announcement
 from protocol.wire.checkpoint import CheckpointFile, CheckpointManifest, decode_checkpoint, encode_checkpoint
 from protocol.wire.contribution import Contribution, decode_contribution, encode_contribution
+from protocol.wire.dataset import (
+    DatasetManifest,
+    DatasetShard,
+    dataset_body,
+    dataset_digest,
+    decode_dataset,
+    encode_dataset,
+)
 from protocol.wire.fields import GENESIS
 from protocol.wire.frame import Kind, peek_kind
 from protocol.wire.verified import Verified
@@ -57,6 +68,8 @@ __all__ = [
     "CheckpointFile",
     "Announcement",
     "PipelineRole",
+    "DatasetManifest",
+    "DatasetShard",
     "encode_contribution",
     "decode_contribution",
     "encode_aggregate",
@@ -65,10 +78,14 @@ __all__ = [
     "decode_checkpoint",
     "encode_announcement",
     "decode_announcement",
+    "dataset_body",
+    "dataset_digest",
+    "encode_dataset",
+    "decode_dataset",
     "decode_object",
 ]
 
-SignedObject = Contribution | Aggregate | CheckpointManifest | Announcement
+SignedObject = Contribution | Aggregate | CheckpointManifest | Announcement | DatasetManifest
 
 
 def decode_object(
@@ -88,4 +105,6 @@ def decode_object(
         return decode_aggregate(data, run_hash=run_hash, max_bytes=max_bytes, allowed_signers=allowed_signers)
     if kind == Kind.CHECKPOINT:
         return decode_checkpoint(data, run_hash=run_hash, max_bytes=max_bytes, allowed_signers=allowed_signers)
+    if kind == Kind.DATASET:
+        return decode_dataset(data, run_hash=run_hash, max_bytes=max_bytes, allowed_signers=allowed_signers)
     return decode_announcement(data, run_hash=run_hash, max_bytes=max_bytes)

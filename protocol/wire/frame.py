@@ -47,6 +47,7 @@ class Kind(enum.IntEnum):
     AGGREGATE = 2
     CHECKPOINT = 3
     ANNOUNCEMENT = 4
+    DATASET = 5
 
     @property
     def label(self) -> str:

@@ -1,0 +1,735 @@
+#!/usr/bin/env python
+"""Robustness benchmark: a simulated open swarm, honest peers plus attackers, through the real Validator.
+
+Everything runs in one process: a memory store, the real :class:`validator.node.Validator` (the same
+gather, checks, scoring, aggregation and publishing as ``sparseloco-validator run``), honest peers
+that train the small test model for real (AdamW on their assigned batches from θ_t, error
+feedback, the run's codec, signed contributions) and attackers, one kind per scenario and then
+mixed. Attackers arrive after ``--attack-from`` windows, as in a running swarm; the ones that must
+first earn a record (timed ascent, harm to general loss, targeted rows) join one window earlier and
+behave honestly until then. Window 0 is the same honest window in every scenario (one validator
+key, the same honest identities), so differences come from the attacks.
+
+    python scripts/bench_robustness.py --quick             # a few minutes on 2 CPU cores
+    python scripts/bench_robustness.py --quick --json      # one JSON object on stdout
+    python scripts/bench_robustness.py --scenarios honest,tiny_75 --windows 12
+
+Per scenario: ``final_val_loss`` (the validator's after the last window), ``honest_val_loss`` (the
+honest-only run, same peers and windows), ``bad_accepted`` / ``bad_rejected`` (attacker rows),
+``bad_weight`` (attackers' share of accepted contributions), ``honest_rejected`` (share of honest
+uploads rejected for any reason but ``probation``; ``honest_deferred`` counts those), ``honest_excluded``
+(honest peers ever excluded), ``crashes`` (exceptions out of ``run_window``),
+``validator_peak_rss_mb`` (largest growth of the process RSS during a window: what the validator
+holds; the memory store's contents are in place before the window opens), and scenario extras
+(``target_prob_ratio``: probability of the attacked token relative to the honest run;
+``gather_s``: mean gather time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from protocol import codec, layout
+from protocol.aggregate import apply_outer, clip_to_limits, sparse_of
+from protocol.config import RunSpec
+from protocol.data import assigned_batches, open_dataset, random_batches, validation_batches
+from protocol.feedback import FeedbackState, compress_step
+from protocol.identity import Identity
+from protocol.model import build_model, lm_loss, parameters_of
+from protocol.store.memory import MemoryStore
+from protocol.wire import Announcement, Contribution, encode_announcement, encode_contribution
+from validator.budgets import Budgets
+from validator.node import Validator
+from validator.reference import clip_limits
+
+torch.set_num_threads(1)
+
+MODEL = {"dim": 64, "n_layers": 1, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 64}
+TARGET_TOKEN = ord("$")  # the token the targeted-row attacker promotes (3e-5 of the corpus)
+Params = dict[str, torch.Tensor]
+
+
+def bench_spec(vkey: Identity, *, max_contributors: int, row_clip: bool = True) -> RunSpec:
+    return RunSpec().replace(
+        model=MODEL,
+        data={"seq_len": 32, "batch_size": 4},
+        inner={"steps": 4, "lr": 3e-3, "warmup_steps": 1},
+        windows={"upload_deadline_s": 10.0, "poll_interval_s": 0.02, "gather_grace_s": 0.05, "checkpoint_every": 1000},
+        validator={
+            "public_keys": [vkey.public_key_hex],
+            "eval_sequences": 8,
+            "eval_peers_per_window": 4,
+            "eval_probation_peers": 2,
+            "max_contributors": max_contributors,
+            "max_contribution_bytes": 1 << 20,
+            "row_clip": row_clip,
+        },
+    )
+
+
+# ---------------------------------------------------------------------------- the swarm
+class Swarm:
+    """The shared store, the announced identities and what every peer needs to build updates."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec, self.run_hash = spec, spec.hash()
+        self.run = layout.run_id(self.run_hash)
+        self.name = f"bench-{uuid.uuid4().hex[:8]}"
+        self.store = MemoryStore(self.name)
+        self.dataset = open_dataset(spec.data)
+
+    def announce(self, peer: Identity) -> None:
+        blob = encode_announcement(Announcement(self.run_hash, 0, "bench", "cpu"), peer)
+        self.store.put(layout.peer_key(self.run, peer.peer_id), blob)
+
+    def upload(self, peer_id: str, window: int, blob: bytes) -> None:
+        self.store.put(layout.contrib_key(self.run, window, peer_id), blob)
+
+    def sign(
+        self, signer: Identity, window: int, base: str, tensors: dict[str, codec.Encoded], run_hash: str | None = None
+    ) -> bytes:
+        c = Contribution(run_hash or self.run_hash, window, base, self.spec.codec, tensors, {})
+        return encode_contribution(c, signer)
+
+    def train(
+        self,
+        key: str,
+        params: Params,
+        window: int,
+        *,
+        loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    ) -> Params:
+        """θ_t − θ_local after ``inner.steps`` AdamW steps on ``key``'s assigned batches."""
+        model = build_model(self.spec.model)
+        with torch.no_grad():
+            for n, p in parameters_of(model).items():
+                p.copy_(params[n])
+        opt = torch.optim.AdamW(model.parameters(), lr=self.spec.inner.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        d = self.spec.data
+        for batch in assigned_batches(
+            self.dataset, self.spec.seed, key, window, self.spec.inner.steps, d.batch_size, d.seq_len
+        ):
+            opt.zero_grad()
+            (loss or lm_loss)(model, batch).backward()
+            opt.step()
+        return {n: (params[n] - p.detach()).contiguous() for n, p in parameters_of(model).items()}
+
+    def encode(self, delta: Params) -> dict[str, codec.Encoded]:
+        return {n: codec.encode(t, self.spec.codec) for n, t in delta.items()}
+
+    def close(self) -> None:
+        MemoryStore.forget(self.name)
+
+
+@dataclass
+class Honest:
+    identity: Identity
+    feedback: FeedbackState = field(default_factory=FeedbackState)
+    joins: int = 0  # first window it uploads in
+
+    def blob(self, sw: Swarm, params: Params, window: int, base: str) -> tuple[bytes, dict[str, codec.Encoded]]:
+        enc, self.feedback = compress_step(
+            self.feedback, sw.train(self.identity.peer_id, params, window), sw.spec.outer.beta, sw.spec.codec
+        )
+        return sw.sign(self.identity, window, base, enc), enc
+
+
+@dataclass
+class Window:
+    """What attackers see of a window: its number, θ_t, base, the honest uploads (peer -> encoded)."""
+
+    t: int
+    params: Params
+    base: str
+    honest: dict[str, dict[str, codec.Encoded]]
+    scored_guess: Callable[[list[str]], set[str]]
+
+
+# An attacker: identities it controls, and for each window the (peer id, blob, delay s) it uploads.
+Upload = tuple[str, bytes, float]
+
+
+class Attacker:
+    """Base class: ``identities`` to announce (``announce``=False: never announced), uploads per window."""
+
+    announce = True
+
+    def __init__(self, sw: Swarm, n: int) -> None:
+        self.sw = sw
+        self.ids = [Identity.generate() for _ in range(n)]
+
+    def uploads(self, w: Window) -> list[Upload]:
+        return []
+
+    @property
+    def peer_ids(self) -> set[str]:
+        return {i.peer_id for i in self.ids}
+
+
+def _honest_norm(w: Window) -> float:
+    any_enc = next(iter(w.honest.values()))
+    return math.sqrt(sum(float(v.double().pow(2).sum()) for _, (_, v) in sparse_of(any_enc).items()))
+
+
+def _noise(sw: Swarm, params: Params, norm: float, gen: torch.Generator) -> Params:
+    raw = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
+    enc = sw.encode(raw)
+    cur = math.sqrt(sum(float(v.double().pow(2).sum()) for _, (_, v) in sparse_of(enc).items()))
+    return {n: t * (norm / cur) for n, t in raw.items()}
+
+
+class Noise(Attacker):
+    """Gaussian noise with the norm of an honest update (``scale`` × it)."""
+
+    def __init__(self, sw: Swarm, n: int, scale: float = 1.0) -> None:
+        super().__init__(sw, n)
+        self.scale, self.gen = scale, torch.Generator().manual_seed(1)
+
+    def uploads(self, w: Window) -> list[Upload]:
+        norm = _honest_norm(w) * self.scale
+        return [
+            (i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(_noise(self.sw, w.params, norm, self.gen))), 0.0)
+            for i in self.ids
+        ]
+
+
+class Scaled(Attacker):
+    """Trains honestly, then multiplies its update by ``factor`` (−1: sign-flipped)."""
+
+    def __init__(self, sw: Swarm, n: int, factor: float) -> None:
+        super().__init__(sw, n)
+        self.factor = factor
+
+    def uploads(self, w: Window) -> list[Upload]:
+        out = []
+        for i in self.ids:
+            delta = {n: t * self.factor for n, t in self.sw.train(i.peer_id, w.params, w.t).items()}
+            out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(delta)), 0.0))
+        return out
+
+
+class Huge(Attacker):
+    """Free identities sending ×1e30 updates (finite in float32)."""
+
+    def uploads(self, w: Window) -> list[Upload]:
+        out = []
+        gen = torch.Generator().manual_seed(w.t)
+        for i in self.ids:
+            delta = {n: t * 1e30 for n, t in _noise(self.sw, w.params, _honest_norm(w), gen).items()}
+            out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(delta)), 0.0))
+        return out
+
+
+class Established(Attacker):
+    """Honest until ``attack_from``, then ``attack``s (it has earned a record first)."""
+
+    def __init__(self, sw: Swarm, n: int, attack_from: int) -> None:
+        super().__init__(sw, n)
+        self.attack_from = attack_from
+        self.pushes: list[tuple[float, float]] = []
+        self.last: dict[str, codec.Encoded] | None = None
+
+    def uploads(self, w: Window) -> list[Upload]:
+        out = []
+        for i in self.ids:
+            delta = self.sw.train(i.peer_id, w.params, w.t)
+            if w.t >= self.attack_from:
+                delta = self.attack(i, w, delta)
+            out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(delta)), 0.0))
+        return out
+
+    def attack(self, i: Identity, w: Window, delta: Params) -> Params:
+        return delta
+
+
+class TimedAscent(Established):
+    """Gradient ascent (its negated update, ×2) in windows where the *public* scoring formula says it
+    is not scored; honest otherwise."""
+
+    def attack(self, i: Identity, w: Window, delta: Params) -> Params:
+        live = sorted({*w.honest, i.peer_id})
+        if i.peer_id in w.scored_guess(live):
+            return delta
+        return {n: -2.0 * t for n, t in delta.items()}
+
+
+class TargetedRow(Established):
+    """An honest update plus one edited row of the output matrix: the row of ``TARGET_TOKEN``,
+    moved along the mean final hidden state so that the token's logit rises everywhere, by as much
+    norm as the whole honest output update has (the rest stays honest, so the update still helps
+    and agrees with the others)."""
+
+    def attack(self, i: Identity, w: Window, delta: Params) -> Params:
+        name = "head.output.weight"
+        model = build_model(self.sw.spec.model)
+        with torch.no_grad():
+            for n, p in parameters_of(model).items():
+                p.copy_(w.params[n])
+            d = self.sw.spec.data
+            batch = random_batches(self.sw.dataset, w.t, 1, d.batch_size, d.seq_len)[0][:, :-1]
+            h = _final_hidden(model, batch)
+        direction = h.reshape(-1, h.shape[-1]).mean(0)
+        direction = direction / direction.norm()
+        edit = delta[name].clone()
+        budget = float(sparse_of(self.sw.encode({name: delta[name]}))[name][1].norm())
+        edit[TARGET_TOKEN] = -budget * direction  # θ ← θ − α·Δ̄: the row moves along +direction
+        self.last = self.sw.encode({**delta, name: edit})
+        return {**delta, name: edit}
+
+    def push(self, v: Validator, honest: dict[str, dict[str, codec.Encoded]]) -> None:
+        """What this window's edit alone, clipped as the validator clips an established peer's
+        update (caps from its reference and this window's honest uploads), does to the target's
+        probability, with and without the row caps: the influence bound measured directly,
+        whether or not the edit is accepted."""
+        st, cfg = v.state, self.sw.spec.validator
+        if st is None or st.reference.empty or self.last is None:
+            return
+        schema = {n: tuple(p.shape) for n, p in st.params.items()}
+        others = [sparse_of(enc) for enc in honest.values()]
+        out = []
+        for rows in (True, False):
+            limits = clip_limits(st.reference, others, schema, headroom=cfg.clip_headroom, rows=rows)
+            (clipped,) = clip_to_limits([sparse_of(self.last)], limits)
+            params = {n: p.clone() for n, p in st.params.items()}
+            apply_outer(params, clipped, self.sw.spec.outer.alpha)
+            out.append(_target_prob_at(self.sw, params) / _target_prob_at(self.sw, st.params))
+        self.pushes.append((out[0], out[1]))
+        self.last = None
+
+
+def _final_hidden(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """The normalised hidden state the output matrix reads (what ``logits`` multiplies)."""
+    captured: list[torch.Tensor] = []
+    handle = model.head.output.register_forward_hook(lambda mod, inp, out: captured.append(inp[0].detach()))
+    model(tokens)
+    handle.remove()
+    return captured[0]
+
+
+class HarmsGeneral(Established):
+    """Lowers the loss on its own batches while raising it on other data: descent on its own
+    batches, ascent on batches it was not given."""
+
+    def attack(self, i: Identity, w: Window, delta: Params) -> Params:
+        other = self.sw.train(f"elsewhere-{i.peer_id}", w.params, w.t)
+        return {n: t - 1.5 * other[n] for n, t in delta.items()}
+
+
+class PerturbedCopy(Attacker):
+    """Copies the largest 55 % of an honest upload, adds noise, re-encodes and signs it; uploads
+    after the original was read (``delay``), or in the same poll (``delay=0``, exact re-signed copy)."""
+
+    def __init__(self, sw: Swarm, n: int, *, exact: bool) -> None:
+        super().__init__(sw, n)
+        self.exact, self.gen = exact, torch.Generator().manual_seed(2)
+
+    def uploads(self, w: Window) -> list[Upload]:
+        out = []
+        victims = sorted(w.honest)
+        for k, i in enumerate(self.ids):
+            enc = w.honest[victims[k % len(victims)]]
+            if self.exact:
+                out.append((i.peer_id, self.sw.sign(i, w.t, w.base, dict(enc)), 0.0))
+                continue
+            dense = {}
+            for n, (idx, vals) in sparse_of(enc).items():
+                keep = torch.argsort(vals.abs(), descending=True)[: int(0.55 * len(vals))]
+                t = torch.zeros(w.params[n].numel())
+                t[idx[keep]] = vals[keep]
+                t += torch.randn(t.shape, generator=self.gen) * float(vals.abs().mean()) * 0.3
+                dense[n] = t.view(w.params[n].shape)
+            out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(dense)), 0.3))
+        return out
+
+
+class Junk(Attacker):
+    """Large random bytes: under unannounced ids (``announce=False``) or announced ones."""
+
+    def __init__(self, sw: Swarm, n: int, nbytes: int, *, announced: bool) -> None:
+        super().__init__(sw, n)
+        self.nbytes, self.announce = nbytes, announced
+
+    def uploads(self, w: Window) -> list[Upload]:
+        return [(i.peer_id, os.urandom(self.nbytes), 0.0) for i in self.ids]
+
+
+class AnnounceOnly(Attacker):
+    """Announces new identities every window and never uploads (holding windows open)."""
+
+    def uploads(self, w: Window) -> list[Upload]:
+        fresh = [Identity.generate() for _ in range(len(self.ids) // 4 or 1)]
+        for i in fresh:
+            self.sw.announce(i)
+        self.ids += fresh
+        return []
+
+
+class Replays(Attacker):
+    """Replayed older contributions, objects of another run, and objects signed by another key."""
+
+    def __init__(self, sw: Swarm, n: int) -> None:
+        super().__init__(sw, max(3, n))
+        self.old: bytes | None = None
+
+    def uploads(self, w: Window) -> list[Upload]:
+        replay, other, forged = self.ids[:3]
+        enc = next(iter(w.honest.values()))
+        out = [
+            (other.peer_id, self.sw.sign(other, w.t, w.base, dict(enc), run_hash="ab" * 32), 0.0),
+            (forged.peer_id, self.sw.sign(Identity.generate(), w.t, w.base, dict(enc)), 0.0),
+        ]
+        if self.old is not None:
+            out.append((replay.peer_id, self.old, 0.0))
+        self.old = self.sw.sign(replay, w.t, w.base, self.sw.encode(self.sw.train(replay.peer_id, w.params, w.t)))
+        return out
+
+
+# ---------------------------------------------------------------------------- scenarios
+@dataclass
+class Scenario:
+    name: str
+    attackers: Callable[[Swarm, int, int], list[Attacker]]  # (swarm, honest count, attack_from)
+    max_contributors: int = 32
+    row_clip: bool = True
+    newcomer: bool = False  # an honest peer joins when the attack starts
+    budgets: Budgets = field(
+        default_factory=lambda: Budgets(max_fetches=64, max_fetch_bytes=8 << 20, fetch_timeout_s=5.0)
+    )
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    junk_n, junk_bytes = (60, 1 << 20) if quick else (200, 1 << 20)
+    return [
+        Scenario("honest", lambda sw, h, a: []),
+        Scenario("honest_no_row_cap", lambda sw, h, a: [], row_clip=False),  # what the row caps cost honest peers
+        Scenario("noise", lambda sw, h, a: [Noise(sw, 2)]),
+        Scenario("scaled_x10", lambda sw, h, a: [Scaled(sw, 2, 10.0)]),
+        Scenario("scaled_x1000", lambda sw, h, a: [Scaled(sw, 2, 1000.0)]),
+        Scenario("sign_flip", lambda sw, h, a: [Scaled(sw, 2, -1.0)]),
+        Scenario("tiny_50", lambda sw, h, a: [Noise(sw, h, 1e-3)]),
+        Scenario("tiny_75", lambda sw, h, a: [Noise(sw, 3 * h, 1e-3)]),
+        Scenario("huge_50", lambda sw, h, a: [Huge(sw, h)]),
+        Scenario("huge_75", lambda sw, h, a: [Huge(sw, 3 * h)]),
+        Scenario("ascent_unscored", lambda sw, h, a: [TimedAscent(sw, 1, a)]),
+        Scenario("harms_general", lambda sw, h, a: [HarmsGeneral(sw, 1, a)]),
+        Scenario("targeted_row", lambda sw, h, a: [TargetedRow(sw, 1, a)]),
+        Scenario("targeted_row_no_row_cap", lambda sw, h, a: [TargetedRow(sw, 1, a)], row_clip=False),
+        Scenario("perturbed_copy", lambda sw, h, a: [PerturbedCopy(sw, 2, exact=False)]),
+        Scenario("same_poll_copy", lambda sw, h, a: [PerturbedCopy(sw, 2, exact=True)]),
+        Scenario("crowding", lambda sw, h, a: [Noise(sw, 16)], max_contributors=8, newcomer=True),
+        Scenario(
+            "junk_flood",
+            lambda sw, h, a: [
+                Junk(sw, junk_n, junk_bytes, announced=False),
+                Junk(sw, junk_n // 4, junk_bytes, announced=True),
+            ],
+        ),
+        Scenario("announce_only", lambda sw, h, a: [AnnounceOnly(sw, 64)]),
+        Scenario("replay_forged", lambda sw, h, a: [Replays(sw, 3)]),
+        Scenario(
+            "mixed",
+            lambda sw, h, a: [
+                Noise(sw, 1),
+                Scaled(sw, 1, 1000.0),
+                Scaled(sw, 1, -1.0),
+                Noise(sw, h, 1e-3),
+                TimedAscent(sw, 1, a),
+                TargetedRow(sw, 1, a),
+                PerturbedCopy(sw, 1, exact=False),
+                Junk(sw, junk_n // 2, junk_bytes, announced=False),
+                AnnounceOnly(sw, 16),
+                Replays(sw, 3),
+            ],
+        ),
+    ]
+
+
+def public_sample(spec: RunSpec, t: int) -> Callable[[list[str]], set[str]]:
+    """The scoring sample as it used to be computable by anyone: a hash of (run seed, window, peer)."""
+    import hashlib
+
+    budget = spec.validator.eval_peers_per_window
+
+    def guess(peers: list[str]) -> set[str]:
+        key = lambda p: hashlib.sha256(f"score|{spec.seed}|{t}|{p}".encode()).digest()  # noqa: E731
+        return set(sorted(peers, key=key)[:budget])
+
+    return guess
+
+
+# ---------------------------------------------------------------------------- running one
+class RssPeak:
+    """Largest growth of this process's resident memory while ``with`` runs (sampled every 5 ms)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self) -> RssPeak:
+        self.base = self.rss()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self.rss() - self.base)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss() - self.base)
+
+
+def run_scenario(
+    sc: Scenario, *, honest_ids: list[Identity], vkey: Identity, windows: int, attack_from: int
+) -> dict[str, Any]:
+    spec = bench_spec(vkey, max_contributors=sc.max_contributors, row_clip=sc.row_clip)
+    sw = Swarm(spec)
+    state_dir = tempfile.mkdtemp(prefix="bench-robust-")
+    honest = [Honest(i) for i in honest_ids]
+    if sc.newcomer:
+        honest.append(Honest(Identity.generate(), joins=attack_from))
+    for h in honest:
+        if h.joins == 0:
+            sw.announce(h.identity)
+    attackers = sc.attackers(sw, len(honest_ids), attack_from)
+    early = [a for a in attackers if isinstance(a, Established)]  # join a window early to earn a record
+    v = Validator(spec, MemoryStore(sw.name), vkey, state_dir, budgets=sc.budgets)
+    v.resume()
+    crashes, peak, gather_s = 0, 0, []
+    for t in range(windows):
+        st = v.state
+        assert st is not None
+        for a in attackers:
+            if a.announce and t == (attack_from - 1 if a in early else attack_from):
+                for i in a.ids:
+                    sw.announce(i)
+        for h in honest:
+            if h.joins == t and t > 0:
+                sw.announce(h.identity)
+        encoded = {}
+        for h in honest:
+            if t >= h.joins:
+                blob, enc = h.blob(sw, st.params, t, st.base)
+                sw.upload(h.identity.peer_id, t, blob)
+                encoded[h.identity.peer_id] = enc
+        w = Window(t, st.params, st.base, encoded, public_sample(spec, t))
+        delayed: list[Upload] = []
+        for a in attackers:
+            if t >= attack_from or (a in early and t >= attack_from - 1):
+                for peer, blob, delay in a.uploads(w):
+                    if delay > 0:
+                        delayed.append((peer, blob, delay))
+                    else:
+                        sw.upload(peer, t, blob)
+        for a in attackers:
+            if isinstance(a, TargetedRow):
+                a.push(v, encoded)
+        feeder = threading.Thread(target=_feed, args=(sw, t, delayed), daemon=True)
+        try:
+            with RssPeak() as rss:
+                feeder.start()
+                report = v.run_window()
+            peak = max(peak, rss.peak)
+            if report is not None:
+                gather_s.append(report.seconds.get("gather", 0.0))
+        except Exception:
+            crashes += 1
+            traceback.print_exc(file=sys.stderr)
+            v.close()
+            v = Validator(spec, MemoryStore(sw.name), vkey, state_dir, budgets=sc.budgets)  # a restart
+            v.resume()
+        feeder.join()
+    out = _measure(v, sw, honest, attackers, windows)
+    out.update(
+        crashes=crashes,
+        validator_peak_rss_mb=round(peak / 2**20, 1),
+        gather_s=round(sum(gather_s) / max(1, len(gather_s)), 3),
+    )
+    out["target_prob"] = _target_prob(v, sw)
+    pushes = [p for a in attackers if isinstance(a, TargetedRow) for p in a.pushes]
+    if pushes:  # geometric means over the attack windows
+        out["row_push_capped"] = round(math.exp(sum(math.log(c) for c, _ in pushes) / len(pushes)), 3)
+        out["row_push_uncapped"] = round(math.exp(sum(math.log(u) for _, u in pushes) / len(pushes)), 3)
+    v.close()
+    sw.close()
+    shutil.rmtree(state_dir, ignore_errors=True)
+    return out
+
+
+def _feed(sw: Swarm, t: int, delayed: list[Upload]) -> None:
+    start = time.monotonic()
+    for peer, blob, delay in sorted(delayed, key=lambda u: u[2]):
+        time.sleep(max(0.0, start + delay - time.monotonic()))  # after the originals were read
+        sw.upload(peer, t, blob)
+
+
+def _measure(v: Validator, sw: Swarm, honest: list[Honest], attackers: list[Attacker], windows: int) -> dict[str, Any]:
+    honest_ids = {h.identity.peer_id for h in honest}
+    bad_ids = set().union(*(a.peer_ids for a in attackers)) if attackers else set()
+    rows = v.log.rows(windows=(0, windows - 1))
+    hon = [r for r in rows if r.peer in honest_ids]
+    bad = [r for r in rows if r.peer in bad_ids]
+    accepted = [r for r in rows if r.accepted]
+    deferred = [r for r in hon if r.reason == "probation"]
+    standing = v._standings(windows)
+    last = v.log.window(windows - 1)
+    reasons: dict[str, int] = {}
+    for r in hon:
+        if not r.accepted:
+            reasons[r.reason or "?"] = reasons.get(r.reason or "?", 0) + 1
+    bad_reasons: dict[str, int] = {}
+    for r in bad:
+        if not r.accepted:
+            bad_reasons[r.reason or "?"] = bad_reasons.get(r.reason or "?", 0) + 1
+    unannounced = sum((w.unannounced for w in v.log.windows()), 0)
+    return {
+        "final_val_loss": last.val_loss if last is not None else None,
+        "bad_accepted": sum(r.accepted for r in bad),
+        "bad_rejected": sum(not r.accepted for r in bad) + unannounced,
+        "bad_weight": round(
+            sum(r.weight for r in accepted if r.peer in bad_ids) / max(1.0, sum(r.weight for r in accepted)), 4
+        ),
+        "honest_rejected": round(
+            (sum(not r.accepted for r in hon) - len(deferred)) / max(1, len(hon) - len(deferred)), 4
+        ),
+        "honest_deferred": len(deferred),
+        "honest_excluded": sum(1 for p in honest_ids if standing.get(p) is not None and standing[p].excluded_until > 0),
+        "honest_reasons": reasons,
+        "bad_reasons": bad_reasons,
+    }
+
+
+def _target_prob(v: Validator, sw: Swarm) -> float:
+    """Mean probability of ``TARGET_TOKEN`` over the validation sequences under the final θ."""
+    assert v.state is not None
+    return _target_prob_at(sw, v.state.params)
+
+
+def _target_prob_at(sw: Swarm, params: Params) -> float:
+    model = build_model(sw.spec.model)
+    d = sw.spec.data
+    batches = validation_batches(sw.dataset, 32, d.batch_size, d.seq_len)
+    with torch.no_grad():
+        for n, p in parameters_of(model).items():
+            p.copy_(params[n])
+        probs = [torch.softmax(model(b[:, :-1]), dim=-1)[..., TARGET_TOKEN].mean() for b in batches]
+    return float(torch.stack(probs).mean())
+
+
+# ---------------------------------------------------------------------------- report
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer windows and smaller floods (a few minutes on 2 cores)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
+    ap.add_argument("--scenarios", default=None, help="comma-separated names (default: all)")
+    ap.add_argument("--windows", type=int, default=None, help="windows per scenario (quick 8, full 12)")
+    ap.add_argument("--honest", type=int, default=None, help="honest peers (quick 6, full 8)")
+    ap.add_argument("--attack-from", type=int, default=2, help="first window with attackers (>= 1)")
+    args = ap.parse_args()
+    if args.attack_from < 1:
+        ap.error("--attack-from must be at least 1: attackers that earn a record first join a window earlier")
+    windows = args.windows or (8 if args.quick else 12)
+    n_honest = args.honest or (6 if args.quick else 8)
+    chosen = scenarios(args.quick)
+    if args.scenarios:
+        names = args.scenarios.split(",")
+        unknown = set(names) - {s.name for s in chosen}
+        if unknown:
+            ap.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
+        chosen = [s for s in chosen if s.name in names or s.name == "honest"]
+    honest_ids = [Identity.generate() for _ in range(n_honest)]
+    vkey = Identity.generate()  # one validator key: the same secrets in every scenario
+    results: dict[str, dict[str, Any]] = {}
+    started = time.monotonic()
+    for sc in chosen:
+        t0 = time.monotonic()
+        results[sc.name] = run_scenario(
+            sc, honest_ids=honest_ids, vkey=vkey, windows=windows, attack_from=args.attack_from
+        )
+        results[sc.name]["seconds"] = round(time.monotonic() - t0, 1)
+        print(f"{sc.name}: {results[sc.name]['seconds']} s", file=sys.stderr)
+    base = results["honest"]
+    base_prob = base["target_prob"]
+    for r in results.values():
+        r["honest_val_loss"] = base["final_val_loss"]
+        r["target_prob_ratio"] = round(r.pop("target_prob") / base_prob, 3) if base_prob else None
+        r["loss_vs_honest"] = (
+            round(r["final_val_loss"] / base["final_val_loss"] - 1.0, 4) if r["final_val_loss"] else None
+        )
+    meta = {
+        "windows": windows,
+        "honest": n_honest,
+        "attack_from": args.attack_from,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    console = Console(file=sys.stderr if args.json else sys.stdout, width=200)
+    console.print(table(results, meta))
+    if args.json:
+        print(json.dumps({"scenarios": results, "setup": meta}, indent=1))
+
+
+def table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Table:
+    t = Table(
+        title=f"robustness: {meta['honest']} honest peers, {meta['windows']} windows, attacks from window {meta['attack_from']}"
+    )
+    cols = [
+        "scenario",
+        "final loss",
+        "vs honest",
+        "bad acc/rej",
+        "bad weight",
+        "honest rej",
+        "deferred",
+        "excluded",
+        "crashes",
+        "RSS MB",
+        "gather s",
+        "target p ×",
+    ]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "scenario" else "right")
+    for name, r in results.items():
+        loss = r["final_val_loss"]
+        t.add_row(
+            name,
+            f"{loss:.4f}" if loss is not None else "–",
+            f"{100 * r['loss_vs_honest']:+.2f} %" if r["loss_vs_honest"] is not None else "–",
+            f"{r['bad_accepted']}/{r['bad_rejected']}",
+            f"{r['bad_weight']:.3f}",
+            f"{100 * r['honest_rejected']:.1f} %",
+            str(r["honest_deferred"]),
+            str(r["honest_excluded"]),
+            str(r["crashes"]),
+            f"{r['validator_peak_rss_mb']:.1f}",
+            f"{r['gather_s']:.2f}",
+            f"{r['target_prob_ratio']:.2f}" if r["target_prob_ratio"] is not None else "–",
+        )
+    return t
+
+
+if __name__ == "__main__":
+    main()
