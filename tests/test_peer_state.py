@@ -11,9 +11,9 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -789,3 +789,51 @@ def test_the_eager_forecast_is_the_aggregate_when_the_validator_takes_the_same_c
         assert torch.equal(enc.indices, other.indices) and torch.equal(enc.codes, other.codes), name
         assert torch.equal(enc.scale_codes, other.scale_codes) and enc.base == other.base, name
     assert tensors_equal(a.feedback.state_dict(), twin.feedback.state_dict())
+
+
+# ---------------------------------------------------------------------- the moments rule
+def moments_of(optimizer_state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The AdamW moment tensors of a trainer state_dict, cloned, by parameter index."""
+    return {
+        f"{i}.{k}": v.detach().clone()
+        for i, s in optimizer_state["optimizer"]["state"].items()
+        for k, v in s.items()
+        if isinstance(v, torch.Tensor) and v.numel() > 1
+    }
+
+
+def test_a_restart_resumes_e_and_the_schedule_exactly_and_moments_at_most_moments_every_old(swarm) -> None:
+    """``peer.moments_every = 3``: the moments are written with window 0's commit and next with
+    window 3's. A peer killed after window 1 restarts with e and the inner step of window 1 and
+    the moments of window 0; it trains on, stays on the swarm's θ, and window 3 writes them again."""
+    spec, store, val, root = swarm
+    local = LocalSettings(poll_interval_s=0.02, peer=PeerSettings(moments_every=3))
+    peer, _ = make_peer(spec, store, root, "a", local)
+    peer.join()
+    after: list[dict[str, torch.Tensor]] = []
+    for window in (0, 1):
+        staged = peer.train(window)
+        assert isinstance(staged, Staged)
+        peer.upload(staged)
+        peer.flush()
+        after.append(moments_of(peer.trainer.state_dict()))
+        val.close_window(1)
+    assert not tensors_equal(after[0], after[1])
+    assert peer.state.moments_window() == 0
+    e, step = copy_of(peer.feedback), peer.trainer.step  # "killed" here: no stop, no final commit
+
+    again, rec = make_peer(spec, store, root, "a", local)
+    again.join()
+    assert rec.of(Joined)[0].resumed
+    assert tensors_equal(again.feedback.state_dict(), e.state_dict())  # e: exactly the last commit's
+    assert again.trainer.step == step  # the learning-rate schedule: exactly
+    assert tensors_equal(moments_of(again.trainer.state_dict()), after[0])  # moments: window 0's
+    for window in (2, 3):
+        staged = again.train(window)
+        assert isinstance(staged, Staged)
+        again.upload(staged)
+        again.flush()
+        val.close_window(1)
+    assert again.state.moments_window() == 3
+    again.catch_up(4)
+    assert fingerprint(again.params) == val.fingerprints[-1]

@@ -77,6 +77,8 @@ def demo(
       contributions_accounted  every upload a peer reported has a row in the contribution log
       upload_bytes_per_peer_per_window, dense_fp32_bytes   (mean compressed vs dense size)
       data_bytes_per_peer_per_window  mean bytes of the dataset a peer fetched per trained window
+      download_bytes_per_peer_per_window  mean bytes a peer fetched from the store per window
+                               (aggregates, checkpoints, data, contributions it forecast from)
       data_cache_hit_rate      of the shards the peers' windows read, the share already local
                                (cached or prefetched in time)
       compute_fraction         peers' inner-loop time / their wall time

@@ -448,6 +448,7 @@ class LocalSwarm:
         uploads = [e.upload_bytes for v in self.peers.values() for e in v.windows.values() if e.outcome == "uploaded"]
         trained = [e for v in self.peers.values() for e in v.events if isinstance(e, PeerWindow) and e.tokens > 0]
         looked_up = sum(e.data_hits + e.data_misses for e in trained)
+        reported = [e for v in self.peers.values() for e in v.events if isinstance(e, PeerWindow)]
         wall = sum(v.wall_s for v in self.peers.values())
         n_params = sum(_numel(s) for s in param_schema(self.spec.model).values())
         return {
@@ -464,6 +465,9 @@ class LocalSwarm:
             if trained
             else 0,
             "data_cache_hit_rate": round(sum(e.data_hits for e in trained) / looked_up, 4) if looked_up else 0.0,
+            "download_bytes_per_peer_per_window": round(sum(e.download_bytes for e in reported) / len(reported))
+            if reported
+            else 0,
             "dense_fp32_bytes": 4 * n_params,
             "parameters": n_params,
             "inner_steps": self.spec.inner.steps,
