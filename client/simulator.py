@@ -11,6 +11,18 @@ Per round (window) t, for ``sparseloco``::
     blob   = encode_aggregate(...)                      # the signed aggregate every replica downloads
     θ_t+1  = apply_outer(θ_t, delta_of(decode_aggregate(blob)), α)
 
+With ``outer.delay = 1`` (the overlapped schedule peers run, see :mod:`client.peer`) round t starts
+from θ_{t−1}, the newest θ a peer holds while aggregate t−1 is still in flight. ``arrival`` says
+when that aggregate reaches the replicas, as a fraction of the round's H inner steps: a replica
+that has it moves its working model by it and goes on, and its Δ is taken against θ_t (0: at the
+start, the synchronous schedule bit for bit). With ``arrival = 1`` it comes after the window: Δ
+is taken against where the round started and applied to θ_t one round late (a one-window-delayed
+outer step). With ``outer.eager`` a replica trains from θ_{t−1} − α·Δ̄′ until then, Δ̄′ being the
+forecast of the aggregate from the contributions it can see (:mod:`client.forecast`): only its
+own until ``forecast_at`` of the round, every replica's after that, which is the aggregate itself
+(the validator here accepts every contribution), so that the working model is exactly θ_t plus
+the round's progress from then on. Round 0 starts from θ_0.
+
 ``diloco`` averages the dense fp32 Δ_r and takes a Nesterov outer step (client/outer);
 ``ddp`` is one AdamW run whose gradient each step is the mean over the R replicas' batches (the same
 tokens per step as the other methods). Validation loss on held-out data after every round.
@@ -63,12 +75,16 @@ class SimConfig:
     micro_batch_size: int = 0
     eval_sequences: int = 64
     seed: int = 0
+    arrival: float = 1.0  # outer.delay = 1: fraction of H trained before the aggregate in flight arrives
+    forecast_at: float = 0.0  # outer.eager: fraction of H after which every replica's contribution is seen
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.replicas < 1 or self.rounds < 1:
             raise ConfigError("replicas and rounds must be >= 1")
+        if not (0.0 <= self.arrival <= 1.0 and 0.0 <= self.forecast_at <= 1.0):
+            raise ConfigError("arrival and forecast_at must be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -147,6 +163,9 @@ class Simulator:
         self.trainers = [InnerTrainer(m, cfg.inner, self.device, micro_batch_size=mb) for m in self.workers]
         self.feedback = [FeedbackState() for _ in range(cfg.replicas)]
         self.validator_feedback = FeedbackState()  # the re-compression buffer (outer.recompress)
+        self._previous: dict[str, Tensor] | None = None  # θ_{t−1}, what a delayed round starts from
+        self._in_flight: SparseDict = {}  # Δ̄_{t−1}, the aggregate a delayed round starts without
+        self._sent: list[SparseDict] = [{} for _ in range(cfg.replicas)]  # each replica's last Δ̂
         self.outer = NesterovOuter(cfg.outer.alpha, cfg.outer.momentum)
         self.numel = sum(p.numel() for p in self.params.values())
 
@@ -169,19 +188,22 @@ class Simulator:
         c = self.cfg
         return assigned_batches(self.data, c.seed, replica, window, c.inner.steps, c.batch_size, c.seq_len)
 
-    def _local_rounds(self, t: int) -> tuple[dict[str, Tensor], list[dict[str, Tensor]], float]:
-        """Every replica trains H steps from θ_t; returns (θ_t, pseudo-gradients, mean train loss)."""
-        base = snapshot(self.model)
+    def _local_rounds(self, t: int, starts: list[dict[str, Tensor]]) -> tuple[list[dict[str, Tensor]], float]:
+        """Replica r trains H steps from ``starts[r]``; returns (pseudo-gradients, mean train loss)."""
         deltas, losses = [], []
         for r, (worker, trainer) in enumerate(zip(self.workers, self.trainers)):
-            load_params(worker, base)
+            load_params(worker, starts[r])
             losses.append(trainer.train_window(self._batches(r, t)).mean_loss)
-            deltas.append(pseudo_gradient(base, worker))
-        return base, deltas, sum(losses) / len(losses)
+            deltas.append(pseudo_gradient(starts[r], worker))
+        return deltas, sum(losses) / len(losses)
 
     def _round_sparse(self, t: int) -> tuple[float, int, int]:
         c = self.cfg
-        _, deltas, loss = self._local_rounds(t)
+        current = snapshot(self.model)  # θ_t
+        if c.outer.delay == 0 or self._previous is None:
+            deltas, loss = self._local_rounds(t, [current] * c.replicas)
+        else:
+            deltas, loss = self._overlapped(t, self._previous, current)
         contribs, sent = [], 0
         for r, delta in enumerate(deltas):
             payloads, self.feedback[r] = compress_and_pack(self.feedback[r], delta, c.outer.beta, c.codec)
@@ -193,11 +215,58 @@ class Simulator:
         )
         blob = encode_aggregate(Aggregate("0" * 64, t, GENESIS, c.outer.alpha, "", (), tensors, 0.0), _SIGNER)
         received = decode_aggregate(blob, run_hash=None, max_bytes=len(blob), allowed_signers=None).value
-        apply_outer(self.params, delta_of(received), c.outer.alpha)
+        published = delta_of(received)  # what every peer applies: the signed, decoded form
+        apply_outer(self.params, published, c.outer.alpha)
+        self._previous, self._in_flight, self._sent = current, published, contribs
         return loss, sent, len(blob)
 
+    def _overlapped(
+        self, t: int, previous: dict[str, Tensor], current: dict[str, Tensor]
+    ) -> tuple[list[dict[str, Tensor]], float]:
+        """Round t on the overlapped schedule (module docstring): each replica starts from θ_{t−1}
+        less its stand-in, moves when the forecast completes and when the aggregate in flight
+        arrives, and measures Δ against θ_t if it arrived during the round, else against where it
+        started (less the stand-in it still holds)."""
+        c = self.cfg
+        alpha, steps = c.outer.alpha, c.inner.steps
+        arrive, complete = round(c.arrival * steps), round(c.forecast_at * steps)
+        deltas, losses = [], []
+        for r, (worker, trainer) in enumerate(zip(self.workers, self.trainers)):
+            stand_in = self._sent[r] if c.outer.eager and complete > 0 else {}
+            if c.outer.eager and complete == 0:
+                stand_in = self._in_flight  # every contribution is in the store already
+            start = {n: p.clone() for n, p in previous.items()}
+            apply_outer(start, stand_in, alpha)
+            load_params(worker, start)
+            params, batches = parameters_of(worker), self._batches(r, t)
+            total, done = 0.0, 0
+            for stop, event in sorted([(complete, "forecast"), (arrive, "aggregate"), (steps, "end")]):
+                if stop > done:
+                    total += trainer.train_window(batches[done:stop]).mean_loss * (stop - done)
+                    done = stop
+                if event == "end":
+                    break
+                if stop >= steps or (event == "forecast" and (not c.outer.eager or stand_in is self._in_flight)):
+                    continue
+                if event == "forecast" and arrive <= complete:
+                    continue  # the aggregate came first
+                if stand_in is not self._in_flight:  # an exact forecast needs no move
+                    apply_outer(params, stand_in, -alpha)
+                    apply_outer(params, self._in_flight, alpha)
+                stand_in = self._in_flight
+            arrived = arrive < steps
+            if arrived:
+                base = current
+            else:
+                base = {n: p.clone() for n, p in previous.items()}
+                apply_outer(base, stand_in, alpha)
+            losses.append(total / steps)
+            deltas.append(pseudo_gradient(base, worker))
+        return deltas, sum(losses) / len(losses)
+
     def _round_diloco(self, t: int) -> tuple[float, int, int]:
-        _, deltas, loss = self._local_rounds(t)
+        base = snapshot(self.model)
+        deltas, loss = self._local_rounds(t, [base] * self.cfg.replicas)
         self.outer.step(self.params, dense_mean(deltas))
         return loss, 4 * self.numel, 4 * self.numel  # dense fp32 pseudo-gradient, dense fp32 mean
 

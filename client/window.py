@@ -8,30 +8,34 @@ A peer trains each window in one of two ways, and holds the one it was started w
 
 Both answer :meth:`WindowTrainer.train` with a value and change nothing the peer owns::
 
-    result = trainer.train(WindowJob(window, theta, base, feedback, report=show.update, should_stop=...))
+    result = trainer.train(WindowJob(window, theta, base, e.view(), report=show.update, should_stop=...))
     if isinstance(result, Trained):
-        # result.encoded + result.metadata → a signed contribution; result.feedback_after and
-        # result.optimizer_after are adopted in the same commit that stages it (client/peer.py)
+        encoded = result.fold(e, stand_in) # only now: Δ folded into the peer's e in place, Δ̂ back
+        # encoded + result.metadata → a signed contribution, staged with e and result.optimizer_after
     else:
         result.reason                      # Skipped: nothing to send, e is unchanged
 
-The error-feedback state ``e`` is an input and ``feedback_after`` an output: a trainer never keeps
-one. The inner optimizer lives in the trainer (its moments are large and stay on the device);
-``optimizer_after`` is its state_dict at the end of the window, for the peer's commit.
+The error-feedback buffer ``e`` belongs to the peer: a trainer never keeps one, and touches it only
+when the peer calls :attr:`Trained.fold`, which the peer does once it knows the window is still
+worth sending. Δ is formed there, tensor by tensor against ``theta`` (which the peer leaves
+untouched until then, even when an aggregate arrived meanwhile), so that neither a second e nor a
+whole Δ is ever held. The inner optimizer lives in the trainer (its moments are large and stay on
+the device); ``optimizer_after`` is its state_dict at the end of the window, for the peer's commits.
 """
 
 from __future__ import annotations
 
 import platform
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from protocol.aggregate import SparseDict
 from protocol.codec import Encoded
-from protocol.feedback import FeedbackState
+from protocol.feedback import FeedbackBuffers, FeedbackState
 from protocol.tokens import DataUsage
 from protocol.wire import PipelineRole
 
@@ -44,10 +48,22 @@ Metadata = Mapping[str, int | float | str | bool]
 class WindowJob:
     """Everything one window's training starts from.
 
-    ``theta``: θ_window, the synchronised parameters (CPU float32; read, never written).
-    ``base``: digest of the aggregate θ came from (``GENESIS`` at window 0). ``feedback``: e before
-    the window. ``report``: live progress fields for the peer's display. ``should_stop``: polled
-    between inner steps; a true answer abandons the window.
+    ``window``: the window the contribution is for. ``theta``: the newest synchronised θ the peer
+    holds (CPU float32; the trainer reads it, never writes it): θ_window, or with
+    ``outer.delay = 1`` θ_window−1 while aggregate window−1 is in flight. ``base``: digest of the
+    aggregate θ came from (the launch at window 0). ``feedback``: e before the window (a view; a
+    trainer that computes e′ as a value starts from it). ``report``: live progress fields for the
+    peer's display. ``should_stop``: polled between inner steps; a true answer abandons the window.
+    ``stand_in``: the working model starts from θ − ``alpha``·stand_in (``outer.eager``: the
+    forecast of the aggregate in flight, :mod:`client.forecast`); empty otherwise.
+
+    ``between_steps(done)``: called before the first inner step and after each one (``done`` steps
+    taken). The peer finishes background work there, and applies the aggregate in flight to
+    ``theta`` in place when it arrives (it may also wait for it). It returns how the working model
+    must move so that it stays θ − α·stand-in plus this window's progress: a list of
+    ``(Δ, scale)``, each meaning θ_local ← θ_local − scale·Δ (the aggregate that arrived, the
+    stand-in taken back or replaced by a newer forecast). A trainer that cannot move mid-window
+    says so (:attr:`WindowTrainer.shifts`), and the peer gives it a window only once θ opens it.
     """
 
     window: int
@@ -56,11 +72,15 @@ class WindowJob:
     feedback: FeedbackState
     report: Callable[..., None]
     should_stop: Callable[[], bool]
+    stand_in: SparseDict = field(default_factory=dict)
+    alpha: float = 1.0
+    between_steps: Callable[[int], Sequence[tuple[SparseDict, float]]] = lambda done: ()
 
 
 @dataclass(frozen=True)
 class WindowStats:
-    """What the window's training cost and achieved (losses are training-batch means). ``data``:
+    """What the window's training cost and achieved (losses are training-batch means).
+    ``stale_steps``: inner steps taken before θ held the aggregate that opens the window. ``data``:
     what reaching the run's data cost since the last trained window (fetches, cache hits)."""
 
     loss_first: float
@@ -68,23 +88,27 @@ class WindowStats:
     tokens: int
     inner_s: float
     compress_s: float
+    stale_steps: int = 0
     data: DataUsage = DataUsage()
 
 
 @dataclass(frozen=True)
 class Trained:
-    """A window trained and compressed: the parts of a contribution and the state that goes with it.
+    """A window trained to the end; nothing of it has reached e yet.
 
-    ``encoded``: Δ̂ by tensor name (only this trainer's parameters). ``metadata``: the contribution's
-    metadata. ``feedback_after``: e after the compress step that produced ``encoded``.
-    ``optimizer_after``: the inner optimizer's state_dict after the window; it may share tensors
-    with the live optimizer, so it is committed before the trainer trains again.
+    ``fold(e, stand_in)``: fold the window's Δ = (θ − α·stand_in) − θ_local into the peer's ``e`` in
+    place (error feedback + codec on this trainer's parameters), with θ as the peer holds it now and
+    ``stand_in`` what is still in the working model of it, and return Δ̂ by tensor name; called at
+    most once, before θ changes again and before the trainer trains again, and only if the peer
+    still sends the window. ``metadata``:
+    the contribution's metadata. ``optimizer_after``: the inner optimizer's state_dict after the
+    window; it shares tensors with the live optimizer, so it is written before the trainer trains
+    again (or not at all).
     """
 
-    encoded: Mapping[str, Encoded]
+    fold: Callable[[FeedbackBuffers, SparseDict], Mapping[str, Encoded]]
     metadata: Metadata
     stats: WindowStats
-    feedback_after: FeedbackState
     optimizer_after: Mapping[str, Any]
 
 
@@ -112,6 +136,12 @@ class WindowTrainer(Protocol):
     @property
     def step(self) -> int:
         """Global inner step after the last trained one."""
+        ...
+
+    @property
+    def shifts(self) -> bool:
+        """Whether the trainer moves its working model by the aggregates ``between_steps`` returns
+        (see :class:`WindowJob`); one that cannot is given a window only once θ opens it."""
         ...
 
     def train(self, job: WindowJob) -> Trained | Skipped:

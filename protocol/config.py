@@ -164,6 +164,21 @@ class OuterConfig:
     The defaults are the best measured point (BENCHMARKS.md): at k = 64 and 128 every decay > 0
     tried ended at a higher loss than none (what the buffer sends late, the peers have partly
     learned again by then), so by default what Top-k leaves out is dropped and no buffer is kept.
+
+    ``delay``: 0 is the synchronous schedule (a peer waits for aggregate t−1 before it trains
+    window t). 1 overlaps a peer's training of window t with the gathering, scoring and publishing
+    of window t−1: the peer starts from the newest θ it holds (θ_t−1) and, when aggregate t−1
+    arrives, applies it to θ and to its working model alike and trains on; its Δ is then taken
+    against θ_t. ``overlap`` bounds how much of a window is trained before that aggregate has
+    arrived: a peer that has taken ``overlap``·H inner steps without it waits for it there (0.0 is
+    the synchronous schedule again). With ``overlap = 1.0`` a window may end before the aggregate
+    arrives; its Δ is then taken against θ_t−1 and the validator applies it to θ_t one window late
+    (a one-window-delayed outer step: it accepts a ``base`` one aggregate old whenever ``delay`` is
+    1). θ itself changes only by signed aggregates, so every participant stays bit-identical.
+    ``eager`` (delay 1; nothing with delay 0): until the aggregate arrives, the peer trains from θ_t−1 − α·Δ̄′, where Δ̄′
+    is the aggregate forecast from the window's contributions already in the store (its own
+    included, by the validator's aggregation rule: :mod:`client.forecast`); when the validator
+    accepts those, Δ̄′ is Δ̄ and the working model is exactly where a synchronous peer's would be.
     """
 
     alpha: float = 1.0
@@ -174,12 +189,22 @@ class OuterConfig:
     recompress: bool = False
     recompress_k: int = 128  # values kept per 4096 by the validator's Top-k (when ``recompress``)
     recompress_beta: float = 0.0  # decay of the validator's error-feedback buffer (0: none kept)
+    delay: int = 1  # 0: synchronous; 1: train window t while aggregate t−1 is in flight
+    overlap: float = 0.5  # delay 1: share of a window's inner steps trained before aggregate t−1 must be in
+    eager: bool = True  # delay 1: train from θ − α·(forecast of that aggregate) until it arrives
 
     def __post_init__(self) -> None:
         _require(self.aggregation in ("contributors", "all"), "outer.aggregation must be contributors|all")
         _require(self.clip in ("median", "none"), "outer.clip must be median|none")
         _require(0 < self.recompress_k <= 4096, "outer.recompress_k must be in 1..4096")
         _require(0.0 <= self.recompress_beta <= 1.0, "outer.recompress_beta must be in [0, 1]")
+        _require(self.delay in (0, 1), "outer.delay must be 0 (synchronous) or 1 (overlapped)")
+        _require(0.0 <= self.overlap <= 1.0, "outer.overlap must be in [0, 1]")
+
+    def overlap_steps(self, steps: int) -> int:
+        """Inner steps of a window a peer may train before the aggregate in flight has arrived
+        (0 with the synchronous schedule)."""
+        return int(self.overlap * steps) if self.delay else 0
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,7 @@ class Joined(Event):
     replayed_from: int
     resumed: bool
     resumed_window: int | None = None
+    staged_window: int | None = None  # the contribution staged with the restored e, if any
     feedback_norm: float = 0.0
     inner_step: int = 0
     join_s: float = 0.0
@@ -156,6 +157,9 @@ class PeerWindow(Event):
     upload_bytes: int = 0
     upload_s: float = 0.0
     feedback_norm: float | None = None
+    trained_from: int | None = None  # the window θ opened when training started (window − 1: overlapped)
+    stale_steps: int = 0  # inner steps trained before θ held the aggregate that opens the window
+    download_bytes: int = 0  # read from the store since the previous window report: aggregates, checkpoints, data_bytes
     data_bytes: int = 0  # fetched from the store since the last trained window (shards, prefetch)
     data_hits: int = 0  # shards the window read that were already local (cached or prefetched)
     data_misses: int = 0  # shards it had to wait for

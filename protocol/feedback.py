@@ -18,13 +18,22 @@ it in the same commit that stages the contribution it belongs to, see :mod:`clie
     state = after
     state = after.returned(encoded)          # the bytes never reached the store: e keeps Δ̂
 
+A peer holds e in place instead (:class:`FeedbackBuffers`): one float32 buffer per tensor and
+never a second copy of it, because e is as large as θ. Its :meth:`FeedbackBuffers.compress` folds
+a window's Δ into e tensor by tensor, with the same arithmetic as :func:`compress_step` (the same
+bytes and the same e), and takes Δ lazily, so that at most one Δ tensor exists at a time::
+
+    e = FeedbackBuffers()
+    encoded = e.compress(((name, delta_of(name)) for name in names), beta=spec.outer.beta, cfg=spec.codec)
+    e.give_back(encoded)                     # the bytes never reached the store: e keeps Δ̂
+
 Persisting the buffers is the peer's business (its state directory, :mod:`client.state`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -75,6 +84,75 @@ class FeedbackState:
                 raise ConfigError(f"error-feedback buffer {name!r} is missing: it was never compressed")
             new[name] = buf + decode(enc).to(buf.device, torch.float32)
         return FeedbackState(new)
+
+
+class FeedbackBuffers:
+    """e held in place, by tensor name (float32): what a peer carries between windows.
+
+    Unlike :class:`FeedbackState` it changes: only through :meth:`compress` (a window's Δ folded
+    in), :meth:`give_back` (bytes that never reached anyone) and :meth:`adopt`. Missing names
+    start at zero. :meth:`view` is a read-only :class:`FeedbackState` sharing the tensors.
+    """
+
+    def __init__(self, buffers: Mapping[str, Tensor] | None = None) -> None:
+        self.buffers: dict[str, Tensor] = dict(buffers or {})
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Tensor]) -> FeedbackBuffers:
+        """The buffers :meth:`state_dict` described; ConfigError for one that is not floating point."""
+        return cls(FeedbackState.from_state_dict(state).buffers)
+
+    def view(self) -> FeedbackState:
+        """The current e as a :class:`FeedbackState` (no copy: valid until e next changes)."""
+        return FeedbackState(self.buffers)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The buffers on the CPU, contiguous (no copy for the CPU buffers a peer holds)."""
+        return self.view().state_dict()
+
+    def norm(self) -> float:
+        return self.view().norm()
+
+    def compress(self, deltas: Iterable[tuple[str, Tensor]], beta: float, cfg: CodecConfig) -> dict[str, Encoded]:
+        """``e ← β·e + Δ; Δ̂ = Q(TopK(e)); e ← e − decode(Δ̂)`` in place, one tensor at a time.
+
+        ``deltas`` yields (name, Δ) pairs; each Δ must be a float32 tensor the caller gives away
+        (it is the scratch space of the step, so no other tensor of its size is allocated). The
+        result and e equal :func:`compress_step`'s bit for bit. A tensor that is not finite raises
+        ``NonFiniteValues`` with every earlier tensor already folded in: check Δ first.
+        """
+        out: dict[str, Encoded] = {}
+        for name, d in deltas:
+            old = self.buffers.get(name)
+            if old is not None and old.shape != d.shape:
+                raise ConfigError(
+                    f"error-feedback buffer {name!r} has shape {tuple(old.shape)}, delta {tuple(d.shape)}"
+                )
+            if d.dtype != torch.float32:
+                raise ConfigError(f"delta {name!r} must be float32 (it is folded into e in place)")
+            acc = d.detach() if old is None else d.detach().add_(old.to(d.device), alpha=beta)
+            enc = encode(acc, cfg)
+            acc.sub_(decode(enc))
+            if old is None or old.device != acc.device:
+                self.buffers[name] = acc
+            else:
+                old.copy_(acc)
+            out[name] = enc
+        return out
+
+    def give_back(self, sent: Mapping[str, Encoded]) -> None:
+        """``e += decode(Δ̂)`` in place: ``sent`` was subtracted, but it never reached anyone
+        (see :meth:`FeedbackState.returned`)."""
+        for name in sent:
+            if name not in self.buffers:
+                raise ConfigError(f"error-feedback buffer {name!r} is missing: it was never compressed")
+        for name, enc in sent.items():
+            buf = self.buffers[name]
+            buf.add_(decode(enc).to(buf.device, torch.float32))
+
+    def adopt(self, state: FeedbackState) -> None:
+        """Take over ``state``'s buffers (a trainer that computed e′ as a value, e.g. a pipeline stage)."""
+        self.buffers.update(state.buffers)
 
 
 def compress_step(

@@ -4,15 +4,21 @@
     atomic_write(path, payload, mode=0o600)                          # a secret key
     atomic_write(path, payload, exclusive=True)                      # create; never replace
 
+    with atomic_stream(path) as f:                                    # written piece by piece
+        f.write(header); f.write(memoryview(array))
+
 Every local file that a restart reads (peer and validator state, keys, prepared data, the local
-directory store) goes through this one function.
+directory store) goes through one of these two functions.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 
 def atomic_write(
@@ -52,5 +58,24 @@ def atomic_write(
             os.link(tmp, target)
         else:
             os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_stream(path: str | os.PathLike[str], *, durable: bool = True) -> Iterator[BinaryIO]:
+    """:func:`atomic_write` for content written piece by piece (a file larger than what one wants
+    to hold in memory twice): the pieces go to the temporary file, which replaces ``path`` (flushed
+    and, with ``durable``, fsynced) only when the block ends without an exception."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name[:64]}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)

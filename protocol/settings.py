@@ -136,10 +136,11 @@ class DataSettings:
 class ComputeSettings:
     """``device``: ``cuda``, ``cpu``, ``cuda:1`` … ("": a peer uses CUDA when torch sees it, the
     validator the CPU). ``threads``: torch CPU threads (0: torch's default).
-    ``micro_batch_size``: gradient accumulation on a small GPU (0: none; the batch itself is
-    ``data.batch_size`` of the RunSpec). ``rank_timeout_s``: a peer on several GPUs (torchrun):
-    how long one collective between its processes may take before the peer stops (a rank died or
-    hangs)."""
+    ``micro_batch_size``: sequences per forward/backward pass, gradients accumulated over the
+    ``data.batch_size`` sequences of an inner step (0: automatic — on a CPU the whole batch at
+    once, on CUDA the most that fit the free device memory, :mod:`client.memory`).
+    ``rank_timeout_s``: a peer on several GPUs (torchrun): how long one collective between its
+    processes may take before the peer stops (a rank died or hangs)."""
 
     device: str = ""
     threads: int = 0
@@ -156,14 +157,19 @@ class ComputeSettings:
 class PeerSettings:
     """``join_timeout_s``: how long ``join`` waits for the run's genesis checkpoint before it
     fails with the run hash it looked for. ``max_upload_failures``: consecutive windows whose
-    contribution the store refused (AccessDenied, persistent errors) before the peer stops."""
+    contribution the store refused (AccessDenied, persistent errors) before the peer stops.
+    ``moments_every``: windows between two writes of the inner optimizer's moments to the state
+    directory (8 bytes per parameter; e is written with every contribution, the moments also when
+    the peer stops); a restart resumes the moments of the last write (client/state.py)."""
 
     join_timeout_s: float = 300.0
     max_upload_failures: int = 3
+    moments_every: int = 10
 
     def __post_init__(self) -> None:
         _require(self.join_timeout_s > 0, "peer.join_timeout_s must be > 0")
         _require(self.max_upload_failures >= 1, "peer.max_upload_failures must be >= 1")
+        _require(self.moments_every >= 1, "peer.moments_every must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,30 @@ step). Learning rates are tuned per method over a grid; the best of each is repo
         --lr-grid 1e-3,2e-3 --outer-lr-grid 0.3,0.5,0.7,1.0 --seeds 0,1
 
 Methods: ``ddp``, ``diloco``, ``sparseloco`` (mean over contributors, median-norm clip, the
-production rule, Δ̄ published with bfloat16 values), ``sparseloco-all`` (mean over all R) and
-``sparseloco-recompress`` (the production rule with ``outer.recompress``: the validator publishes
-Top-k (``--recompress-k``) + 2-bit codes of its own error-feedback buffer, decay
-``--recompress-beta``). ``--k`` changes the codec of every SparseLoCo variant.
+production rule, synchronous schedule, Δ̄ published with bfloat16 values), ``sparseloco-all``
+(mean over all R) and ``sparseloco-recompress`` (the production rule with ``outer.recompress``: the
+validator publishes Top-k (``--recompress-k``) + 2-bit codes of its own error-feedback buffer,
+decay ``--recompress-beta``). The overlapped schedule (``outer.delay = 1``: a window starts from
+θ_{t−1} while aggregate t−1 is in flight, see client/simulator.py), at the same tokens and H as
+``sparseloco``:
+
+* ``sparseloco-overlap``: the aggregate reaches the peer after ``--arrival`` of the window's inner
+  steps (the validator's time per window over the peer's) and the peer moves its working model by
+  it — what peers do without ``outer.eager``;
+* ``sparseloco-overlap-eager``: the same with ``outer.eager``, the peers' default: until it
+  arrives the peer trains from θ_{t−1} less the forecast of the aggregate from the contributions in
+  the store (its own only until ``--forecast-at`` of the window, every peer's after that);
+* ``sparseloco-delayed``: the aggregate arrives only after the window (the outer step applied one
+  window late); ``sparseloco-delayed-own``: the same with a forecast that never sees more than the
+  peer's own contribution (the eager update of arXiv 2502.12996).
+
+``--k`` changes the codec of every SparseLoCo variant.
 
 Bytes per replica and round: ``upload`` is what one replica sends, ``download`` what it receives —
 the signed aggregate for SparseLoCo (``protocol.wire.encode_aggregate``), the dense float32 mean for
 DiLoCo, one float32 gradient per inner step for DDP.
+
+    python scripts/bench_quality.py --preset delay               # synchronous vs the overlapped variants
 """
 
 from __future__ import annotations
@@ -50,7 +66,17 @@ BENCH_MODELS: dict[str, dict[str, Any]] = {
     "1m": dict(dim=128, n_layers=4, n_heads=4, ffn_dim=384, max_seq_len=256),
     "300k": dict(dim=64, n_layers=4, n_heads=4, ffn_dim=192, max_seq_len=256),
 }
-VARIANTS = ("ddp", "diloco", "sparseloco", "sparseloco-all", "sparseloco-recompress")
+# SparseLoCo variants: (aggregation, outer.delay, outer.eager, arrival, forecast_at); None: the flag's value
+SPARSE_VARIANTS: dict[str, tuple[str, int, bool, float | None, float | None]] = {
+    "sparseloco": ("contributors", 0, False, 0.0, 0.0),
+    "sparseloco-all": ("all", 0, False, 0.0, 0.0),
+    "sparseloco-recompress": ("contributors", 0, False, 0.0, 0.0),
+    "sparseloco-overlap": ("contributors", 1, False, None, 0.0),
+    "sparseloco-overlap-eager": ("contributors", 1, True, None, None),
+    "sparseloco-delayed": ("contributors", 1, False, 1.0, 0.0),
+    "sparseloco-delayed-own": ("contributors", 1, True, 1.0, 1.0),
+}
+VARIANTS = ("ddp", "diloco", *SPARSE_VARIANTS)
 PRESETS: dict[str, dict[str, Any]] = {
     # The best learning rates of the grid recorded in BENCHMARKS.md (H = 15, 2 seeds); one seed, no grid.
     # ~35 CPU-seconds per method on one idle core of machine A (measured); about 3 min for the five methods.
@@ -68,6 +94,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         lr_sparseloco="4e-3",
         outer_lr_grid="0.3",
     ),
+    # The cost of overlapping: the synchronous schedule against the one-window-delayed outer step,
+    # without and with the eager start, at the quick preset's point (same tokens, same H), 2 seeds.
+    "delay": dict(
+        model="300k",
+        replicas=4,
+        inner_steps=15,
+        rounds=24,
+        batch_size=8,
+        seq_len=64,
+        methods="sparseloco,sparseloco-overlap,sparseloco-overlap-eager,sparseloco-delayed,sparseloco-delayed-own",
+        seeds="0,1",
+        lr_sparseloco="4e-3",
+        arrival=0.2,
+        forecast_at=0.1,
+    ),
 }
 
 
@@ -83,17 +124,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--seeds", default="0", help="comma-separated; results are averaged over seeds")
     p.add_argument("--seed", type=int, help="a single seed (same as --seeds N)")
-    p.add_argument("--methods", default=",".join(VARIANTS))
+    p.add_argument("--methods", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--lr-grid", default="2e-3", help="inner lr grid for every method (comma-separated)")
     p.add_argument("--lr-ddp", help="inner lr grid for ddp only (overrides --lr-grid)")
     p.add_argument("--lr-diloco", help="inner lr grid for diloco only")
-    p.add_argument("--lr-sparseloco", help="inner lr grid for both sparseloco variants")
+    p.add_argument("--lr-sparseloco", help="inner lr grid for every sparseloco variant")
     p.add_argument("--outer-lr-grid", default="0.3,0.5,0.7,1.0", help="DiLoCo outer lr grid")
     p.add_argument("--alpha", type=float, default=1.0, help="SparseLoCo outer lr α")
     p.add_argument("--beta", type=float, default=0.95, help="SparseLoCo error-feedback decay")
     p.add_argument("--k", type=int, default=64, help="Top-k per 4096 values")
     p.add_argument("--recompress-k", type=int, default=128, help="sparseloco-recompress: the validator's Top-k")
     p.add_argument("--recompress-beta", type=float, default=0.0, help="sparseloco-recompress: its feedback decay")
+    p.add_argument(
+        "--arrival",
+        type=float,
+        default=0.2,
+        help="overlap variants: fraction of a window's inner steps trained before the aggregate in flight arrives",
+    )
+    p.add_argument(
+        "--forecast-at",
+        type=float,
+        default=0.1,
+        help="eager variants: fraction of a window after which every peer's contribution is in the forecast",
+    )
     p.add_argument("--aggregate", choices=("contributors", "all"), help="only this SparseLoCo aggregation")
     p.add_argument("--warmup", type=int, default=0, help="warm-up inner steps (0 = 10%% of the run)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a busy box)")
@@ -112,8 +165,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.seed is not None:
         args.seeds = str(args.seed)
     if args.aggregate:
-        drop = "sparseloco-all" if args.aggregate == "contributors" else "sparseloco"
-        args.methods = ",".join(m for m in args.methods.split(",") if m != drop)
+        keep = {m for m, (agg, *_) in SPARSE_VARIANTS.items() if agg == args.aggregate}
+        args.methods = ",".join(m for m in args.methods.split(",") if m not in SPARSE_VARIANTS or m in keep)
+    unknown = sorted(set(args.methods.split(",")) - set(VARIANTS) - {""})
+    if unknown:
+        p.error(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     return args
 
 
@@ -135,14 +191,18 @@ def sim_config(method: str, inner_lr: float, outer_lr: float, seed: int, args: a
         steps=args.inner_steps, lr=inner_lr, warmup_steps=args.warmup or max(1, total // 10), total_steps=total
     )
     if method == "diloco":
-        outer = OuterConfig(alpha=outer_lr, momentum=0.9)
+        outer = OuterConfig(alpha=outer_lr, momentum=0.9, delay=0)
+    elif method == "ddp":
+        outer = OuterConfig(delay=0)
     else:
-        agg = "all" if method == "sparseloco-all" else "contributors"
+        agg, delay, eager, _, _ = SPARSE_VARIANTS[method]
         outer = OuterConfig(
             alpha=outer_lr,
             beta=args.beta,
             aggregation=agg,
             clip="median",
+            delay=delay,
+            eager=eager,
             recompress=method == "sparseloco-recompress",
             recompress_k=args.recompress_k,
             recompress_beta=args.recompress_beta,
@@ -157,6 +217,19 @@ def sim_config(method: str, inner_lr: float, outer_lr: float, seed: int, args: a
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         seed=seed,
+        arrival=_timing(method, args)[0],
+        forecast_at=_timing(method, args)[1],
+    )
+
+
+def _timing(method: str, args: argparse.Namespace) -> tuple[float, float]:
+    """(arrival, forecast_at) of an overlapped variant (client/simulator.py); zeros otherwise."""
+    if method not in SPARSE_VARIANTS:
+        return 0.0, 0.0
+    _, _, _, arrival, forecast_at = SPARSE_VARIANTS[method]
+    return (
+        float(args.arrival) if arrival is None else arrival,
+        float(args.forecast_at) if forecast_at is None else forecast_at,
     )
 
 
@@ -183,6 +256,8 @@ def run_grid(method: str, args: argparse.Namespace, dataset: Any, mcfg: Any, log
                                 "method": method,
                                 "inner_lr": inner_lr,
                                 "outer_lr": outer_lr,
+                                "arrival": _timing(method, args)[0],
+                                "forecast_at": _timing(method, args)[1],
                                 "seed": seed,
                                 "final_val_loss": res.final_val_loss,
                                 "loss_curve": [r.val_loss for r in res.rounds],

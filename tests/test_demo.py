@@ -27,6 +27,7 @@ REQUIRED = {
     "fingerprints_equal",
     "upload_bytes_per_peer_per_window",
     "data_bytes_per_peer_per_window",
+    "download_bytes_per_peer_per_window",
     "data_cache_hit_rate",
     "compute_fraction",
     "seconds",
@@ -84,8 +85,9 @@ def test_demo_json_last_line(tmp_path: Path) -> None:
     assert summary["windows_completed"] == 2 and summary["fingerprints_equal"] is True
     assert summary["accepted_per_window"] == [2, 2] and summary["rejected_per_window"] == [0, 0]
     assert 0 < summary["upload_bytes_per_peer_per_window"] < summary["dense_fp32_bytes"] / 50
-    assert 0.0 < summary["compute_fraction"] < 1.0
+    assert 0.0 < summary["compute_fraction"] <= summary["compute_fraction_running"] < 1.0
     assert summary["data_bytes_per_peer_per_window"] > 0 and 0.0 <= summary["data_cache_hit_rate"] <= 1.0
+    assert summary["download_bytes_per_peer_per_window"] >= summary["data_bytes_per_peer_per_window"]
     assert Path(summary["contribution_log"]).is_file()
     pids = json.loads((tmp_path / "run" / "logs" / "pids.json").read_text())
     assert len(pids) == 4 and not still_alive(pids.values())  # init, the validator, 2 peers

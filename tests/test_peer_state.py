@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
-from client.peer import Peer, RunNotFound, UploadsRefused
+from client.peer import Peer, RunNotFound, Staged, UploadsRefused
 from client.progress import PeerDisplay
 from client.replica import FullReplica
 from client.state import LocalState, Snapshot, flatten, tensors_equal, unflatten
@@ -48,7 +49,7 @@ from protocol.events import (
     SyncFailed,
     WaitingForGenesis,
 )
-from protocol.feedback import FeedbackState
+from protocol.feedback import FeedbackBuffers, FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model, fingerprint
 from protocol.settings import LocalSettings, PeerSettings, local_table_toml
@@ -97,6 +98,7 @@ class MiniValidator:
             published_at=time.time(),
         ).digest
         self.base = self.launch  # window 0 builds on the genesis manifest
+        self.previous = self.launch  # accepted too with outer.delay = 1 (the base of window − 1)
 
     def close_window(self, expect: int, timeout: float = 60.0) -> list[str]:
         prefix = layout.contrib_prefix(self.run, self.window)
@@ -104,14 +106,13 @@ class MiniValidator:
         while len(self.store.list(prefix)) < expect and time.time() < deadline:
             time.sleep(0.02)
         contribs = []
+        accepted = {self.base, self.previous} if self.spec.outer.delay else {self.base}
         for key in self.store.list(prefix):
             c = decode_contribution(
-                self.store.get(key, max_bytes=1 << 26),
-                run_hash=self.spec.hash(),
-                max_bytes=1 << 26,
-                window=self.window,
-                base=self.base,
+                self.store.get(key, max_bytes=1 << 26), run_hash=self.spec.hash(), max_bytes=1 << 26, window=self.window
             )
+            if c.value.base not in accepted:
+                raise StaleBase(f"window {self.window}: trained from {c.value.base[:16]}")
             contribs.append(c)
         contribs.sort(key=lambda c: c.sender)
         delta = aggregate([sparse_of(c.value.tensors) for c in contribs]) if contribs else {}
@@ -132,7 +133,7 @@ class MiniValidator:
             identity=self.ident,
         )
         self.store.put(layout.aggregate_key(self.run, self.window), blob, if_absent=True)
-        self.base = __import__("hashlib").sha256(blob).hexdigest()
+        self.previous, self.base = self.base, __import__("hashlib").sha256(blob).hexdigest()
         self.window += 1
         self.fingerprints.append(fp)
         if self.window % self.spec.windows.checkpoint_every == 0:
@@ -163,6 +164,11 @@ class Recorder(PeerDisplay):
         with self._changed:
             self.events.append(event)
             self._changed.notify_all()
+
+    def update(self, **fields: object) -> None:
+        with self._changed:
+            super().update(**fields)
+            self._changed.notify_all()  # progress fields count as news for wait_for
 
     def of(self, kind: type[E]) -> list[E]:
         return [e for e in self.events if isinstance(e, kind)]
@@ -234,7 +240,7 @@ def test_state_keeps_tensor_files_when_unchanged(tmp_path: Path) -> None:
     state = LocalState(tmp_path)
     state.save(Snapshot("a" * 64, 1, "b" * 64, "c" * 64, feedback={"w": torch.ones(2)}))
     before = sorted(p.name for p in tmp_path.glob("feedback-*"))
-    state.save(Snapshot("a" * 64, 2, "d" * 64, "e" * 64, feedback={"w": torch.ones(2)}), tensors_unchanged=True)
+    state.save(Snapshot("a" * 64, 2, "d" * 64, "e" * 64, feedback={"w": torch.ones(2)}), feedback=False, moments=False)
     assert sorted(p.name for p in tmp_path.glob("feedback-*")) == before
     back = state.load("a" * 64)
     assert back is not None and back.window == 2 and tensors_equal(back.feedback, {"w": torch.ones(2)})
@@ -332,26 +338,39 @@ def test_late_joiner_catches_up_from_checkpoint(swarm) -> None:
 
 
 def committed_feedback(peer: Peer) -> dict[str, torch.Tensor]:
+    """e as the state directory holds it, once the peer's lane has written what it was given
+    (the peer may be running on another thread: it is not asked to flush)."""
+    deadline = time.monotonic() + 30
+    while peer.lane.busy():
+        assert time.monotonic() < deadline, "the peer's lane did not finish its commits"
+        time.sleep(0.01)  # a background thread's queue: no event announces that it drained
     snap = peer.state.load(peer.spec.hash())
     assert snap is not None
     return snap.feedback
+
+
+def copy_of(e: FeedbackBuffers) -> FeedbackState:
+    """A frozen copy of a peer's e (its buffers change in place)."""
+    return FeedbackState({n: t.clone() for n, t in e.buffers.items()})
 
 
 def test_restart_resumes_feedback_and_reuploads_staged_bytes(swarm) -> None:
     spec, store, val, root = swarm
     (p1, _) = make_peer(spec, store, root, "a")
     run_peers(val, [p1], windows=2)
-    fb = p1.feedback
+    fb = copy_of(p1.feedback)
     # Train window 2 and stage it, then "crash" before the put reaches the store.
     staged = p1.train(2)
     assert not isinstance(staged, Skipped)
-    assert p1.feedback is fb  # training alone adopts nothing
+    assert tensors_equal(committed_feedback(p1), fb.state_dict())  # folded in memory, not committed
     p1._adopt(staged)
+    p1.flush()
     again, rec = make_peer(spec, store, root, "a")
     again.join()
     assert rec.of(Joined)[0].resumed and rec.of(ResumedUpload)[0].outcome == "uploaded"
+    assert rec.of(Joined)[0].staged_window == 2
     assert not tensors_equal(again.feedback.state_dict(), fb.state_dict())  # e includes the staged window
-    assert tensors_equal(again.feedback.state_dict(), staged.feedback_after.state_dict())
+    assert tensors_equal(again.feedback.state_dict(), p1.feedback.state_dict())
     assert store.get(layout.contrib_key(val.run, 2, again.identity.peer_id)) == staged.blob
     assert again.trainer.step == p1.trainer.step
 
@@ -379,7 +398,7 @@ def test_window_closing_during_training_leaves_feedback_as_before(swarm) -> None
     spec, store, val, root = swarm
     (peer, rec) = make_peer(spec, store, root, "a")
     run_peers(val, [peer], windows=1)
-    before, on_disk = peer.feedback, committed_feedback(peer)
+    before, on_disk = copy_of(peer.feedback), committed_feedback(peer)
     assert before.buffers and tensors_equal(on_disk, before.state_dict())
 
     def close_at_first_step(**fields: object) -> None:
@@ -387,11 +406,11 @@ def test_window_closing_during_training_leaves_feedback_as_before(swarm) -> None
             val.close_window(0, timeout=0)  # aggregate 1 is published: the window is over
 
     peer.display.update = close_at_first_step  # type: ignore[method-assign]
-    staged = peer.train(1)
-    assert not isinstance(staged, Skipped) and val.window == 2  # trained to the end, then too late
-    peer.upload(staged)
+    work = peer.train(1)
+    assert isinstance(work, Skipped) and "deadline" in work.reason and val.window == 2  # trained, then too late
+    peer._skip(1, work)
     assert rec.of(PeerWindow)[-1].outcome == "skipped" and rec.of(PeerWindow)[-1].window == 1
-    assert peer.feedback is before and peer.pending is None
+    assert tensors_equal(peer.feedback.state_dict(), before.state_dict()) and peer.pending is None
     assert tensors_equal(committed_feedback(peer), on_disk)
     assert not store.list(layout.contrib_prefix(val.run, 1))
 
@@ -425,7 +444,8 @@ class FlakyStore(ObjectStore):
 def assert_window_kept(peer: Peer, e_before: FeedbackState, trained: Peer) -> None:
     """e == β·e_before + Δ (the whole window, nothing subtracted), in memory and in the state dir.
 
-    Δ = θ_t − θ_local, with θ_local still in the model of ``trained`` (the peer that trained it).
+    Δ = θ_t − θ_local, with θ_t the peer's θ and θ_local still in the model of ``trained`` (the
+    peer that trained it).
     """
     replica = trained.trainer
     assert isinstance(replica, FullReplica)
@@ -438,17 +458,25 @@ def assert_window_kept(peer: Peer, e_before: FeedbackState, trained: Peer) -> No
     assert tensors_equal(committed_feedback(peer), peer.feedback.state_dict())
 
 
-def test_failed_upload_is_an_outcome_and_gives_delta_back(swarm) -> None:
-    spec, store, val, root = swarm
+@pytest.fixture
+def sync_swarm(tmp_path: Path):
+    """A run on the synchronous schedule (outer.delay = 0): a peer waits for each aggregate."""
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident).replace(outer={"delay": 0})
+    store = open_store(f"memory://peer-sync-{time.time_ns()}")
+    return spec, store, MiniValidator(spec, store, vident), tmp_path
+
+
+def test_failed_upload_is_an_outcome_and_gives_delta_back(sync_swarm) -> None:
+    spec, store, val, root = sync_swarm
     flaky = FlakyStore(store, window=1)
     peer, rec = make_peer(spec, flaky, root, "flaky")
     t = threading.Thread(target=peer.run, kwargs={"until_window": 3}, daemon=True)
     t.start()
     val.close_window(1)
-    fb_after_0 = peer.feedback
-    deadline = time.time() + 60
-    while not [e for e in rec.of(PeerWindow) if e.window == 1] and time.time() < deadline:
-        time.sleep(0.05)
+    rec.wait_for(lambda: bool(rec.of(Applied)))
+    fb_after_0 = copy_of(peer.feedback)  # the synchronous peer is at window 1 now; e is window 0's
+    rec.wait_for(lambda: any(e.window == 1 for e in rec.of(PeerWindow)))
     # The peer now waits for window 1 to close: θ_1 and its model (θ_local) are what it trained.
     assert_window_kept(peer, fb_after_0, peer)
     assert peer.pending is None and peer.state.load(spec.hash()).pending is None  # type: ignore[union-attr]
@@ -462,15 +490,49 @@ def test_failed_upload_is_an_outcome_and_gives_delta_back(swarm) -> None:
     assert fingerprint(peer.params) == val.fingerprints[-1]
 
 
+def test_failed_upload_of_an_overlapped_window_gives_delta_back(tmp_path: Path) -> None:
+    """outer.delay = 1 with overlap 1.0: window 1 trains from θ_0 to the end while aggregate 0 is
+    in flight; its put fails for good, so e is β·e + Δ again, with Δ formed against θ_0; the next
+    window is sent as usual."""
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident).replace(outer={"overlap": 1.0, "eager": False})
+    store = open_store(f"memory://peer-delayed-{time.time_ns()}")
+    val, root = MiniValidator(spec, store, vident), tmp_path
+    flaky = FlakyStore(store, window=1)
+    peer, rec = make_peer(spec, flaky, root, "flaky")
+    peer.join()
+    staged = peer.train(0)
+    assert isinstance(staged, Staged)
+    peer.upload(staged)
+    peer.flush()
+    e_0 = copy_of(peer.feedback)
+    staged = peer.train(1)  # aggregate 0 is not published: θ_0, one aggregate behind window 1
+    assert isinstance(staged, Staged) and staged.trained_from == 0 and peer.pos.window == 0
+    assert staged.stats.stale_steps == spec.inner.steps  # the whole window: Δ against θ_0
+    peer.upload(staged)
+    peer.flush()
+    assert rec.of(PeerWindow)[-1].outcome == "failed" and rec.of(PeerWindow)[-1].trained_from == 0
+    assert_window_kept(peer, e_0, peer)
+    assert peer.pending is None and flaky.refused == 3
+    val.close_window(1)
+    peer.catch_up(need=1)
+    staged = peer.train(2)
+    assert isinstance(staged, Staged) and staged.trained_from == 1
+    peer.upload(staged)
+    peer.flush()
+    assert rec.of(PeerWindow)[-1].outcome == "uploaded"
+
+
 def test_resumed_upload_that_fails_gives_delta_back(swarm) -> None:
     """The rule for a failed upload needs only the commit: it holds after a restart too."""
     spec, store, val, root = swarm
     (p1, _) = make_peer(spec, store, root, "a")
     run_peers(val, [p1], windows=2)
-    e_before = p1.feedback
+    e_before = copy_of(p1.feedback)
     staged = p1.train(2)
     assert not isinstance(staged, Skipped)
     p1._adopt(staged)  # staged and committed, then the process dies before the put
+    p1.flush()
     again, rec = make_peer(spec, FlakyStore(store, window=2), root, "a")
     again.join()
     assert rec.of(ResumedUpload)[0].outcome == "failed"
@@ -634,3 +696,145 @@ def test_forged_aggregate_is_recorded_and_never_applied(swarm, caplog) -> None:
     val.close_window(1)
     t.join(timeout=60)
     assert not t.is_alive() and fingerprint(peer.params) == val.fingerprints[-1]
+
+
+# ---------------------------------------------------------------------- the overlapped schedule
+def contribution_of(store: ObjectStore, val: MiniValidator, peer: Peer, window: int):
+    blob = store.get(layout.contrib_key(val.run, window, peer.identity.peer_id))
+    return decode_contribution(blob, run_hash=val.spec.hash(), max_bytes=len(blob)).value
+
+
+def test_a_fresh_peer_trains_window_0_while_genesis_is_not_out(tmp_path: Path) -> None:
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident)
+    store = open_store(f"memory://early-{time.time_ns()}")
+    peer, rec = make_peer(spec, store, tmp_path, "early")
+    t = threading.Thread(target=peer.run, kwargs={"until_window": 1}, daemon=True)
+    t.start()
+    rec.wait_for(lambda: peer.trainer.step == spec.inner.steps)  # window 0 trained, no genesis yet
+    assert rec.of(WaitingForGenesis) and not rec.of(Joined) and not rec.of(PeerWindow)
+    val = MiniValidator(spec, store, vident)  # the validator comes up: genesis
+    val.close_window(1)
+    t.join(timeout=60)
+    assert not t.is_alive()
+    [window] = rec.of(PeerWindow)
+    assert (window.window, window.outcome, window.inner_s > 0) == (0, "uploaded", True)
+    assert contribution_of(store, val, peer, 0).base == val.launch  # signed once genesis was known
+    assert peer.trainer.step == spec.inner.steps  # trained once, before genesis
+    assert fingerprint(peer.params) == val.fingerprints[-1]
+
+
+def test_an_aggregate_that_arrives_mid_window_moves_the_working_model(tmp_path: Path) -> None:
+    """Window 1 starts from θ_0 while aggregate 0 is in flight; it is published after the first
+    inner step: the peer applies it to θ and to its working model, and window 1 is sent against θ_1
+    (base = aggregate 0), exactly like a synchronous contribution."""
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident).replace(outer={"eager": False})
+    store = open_store(f"memory://mid-window-{time.time_ns()}")
+    val, root = MiniValidator(spec, store, vident), tmp_path
+    peer, rec = make_peer(spec, store, root, "a")
+    peer.join()
+    staged = peer.train(0)
+    assert isinstance(staged, Staged)
+    peer.upload(staged)
+    peer.flush()
+
+    def publish_after_first_step(**fields: object) -> None:
+        if fields.get("step") == 1 and fields.get("window") == 1 and val.window == 0:
+            val.close_window(1)
+
+    peer.display.update = publish_after_first_step  # type: ignore[method-assign]
+    staged = peer.train(1)
+    assert isinstance(staged, Staged) and staged.trained_from == 0 and staged.stats.stale_steps == 1
+    assert peer.pos.window == 1 and peer.pos.fingerprint == val.fingerprints[0]
+    peer.upload(staged)
+    peer.flush()
+    assert contribution_of(store, val, peer, 1).base == val.base  # aggregate 0's digest: not stale
+    assert rec.of(PeerWindow)[-1].stale_steps == 1 and [e.window for e in rec.of(Applied)] == [0]
+
+
+def test_the_eager_forecast_is_the_aggregate_when_the_validator_takes_the_same_contributions(swarm) -> None:
+    """Two peers; peer a trains window 1 from θ_0 less the forecast of aggregate 0 from both
+    window-0 contributions in the store, and aggregate 0 arrives after its first inner step. The
+    validator took both: the forecast was aggregate 0 bit for bit, so a's contribution is exactly
+    the one its twin (same key, e and optimizer state) trains from θ_1 on the synchronous schedule."""
+    spec, store, val, root = swarm
+    (a, _), (b, _) = make_peer(spec, store, root, "a"), make_peer(spec, store, root, "b")
+    for p in (a, b):
+        p.join()
+        staged = p.train(0)
+        assert isinstance(staged, Staged)
+        p.upload(staged)
+        p.flush()
+    shutil.copytree(root / "a", root / "twin")  # a's key, e, moments and step after window 0
+    forecast: list[int] = []
+
+    def publish_after_first_step(**fields: object) -> None:
+        if fields.get("window") == 1 and fields.get("step") == 1 and val.window == 0:
+            assert a._forecast is not None
+            forecast.append(a._forecast.contributors)
+            val.close_window(2)
+
+    a.display.update = publish_after_first_step  # type: ignore[method-assign]
+    staged = a.train(1)
+    assert isinstance(staged, Staged) and staged.trained_from == 0 and staged.stats.stale_steps == 1
+    assert forecast == [2] and a.pos.fingerprint == val.fingerprints[0] and a._stand_in == {}
+
+    twin, _ = make_peer(spec, store, root, "twin")
+    twin.join()  # θ_1: aggregate 0 is published
+    assert twin.pos.window == 1 and twin.identity.peer_id == a.identity.peer_id
+    synchronous = twin.train(1)
+    assert isinstance(synchronous, Staged) and synchronous.stats.stale_steps == 0
+    for name, enc in staged.sent.items():
+        other = synchronous.sent[name]
+        assert torch.equal(enc.indices, other.indices) and torch.equal(enc.codes, other.codes), name
+        assert torch.equal(enc.scale_codes, other.scale_codes) and enc.base == other.base, name
+    assert tensors_equal(a.feedback.state_dict(), twin.feedback.state_dict())
+
+
+# ---------------------------------------------------------------------- the moments rule
+def moments_of(optimizer_state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The AdamW moment tensors of a trainer state_dict, cloned, by parameter index."""
+    return {
+        f"{i}.{k}": v.detach().clone()
+        for i, s in optimizer_state["optimizer"]["state"].items()
+        for k, v in s.items()
+        if isinstance(v, torch.Tensor) and v.numel() > 1
+    }
+
+
+def test_a_restart_resumes_e_and_the_schedule_exactly_and_moments_at_most_moments_every_old(swarm) -> None:
+    """``peer.moments_every = 3``: the moments are written with window 0's commit and next with
+    window 3's. A peer killed after window 1 restarts with e and the inner step of window 1 and
+    the moments of window 0; it trains on, stays on the swarm's θ, and window 3 writes them again."""
+    spec, store, val, root = swarm
+    local = LocalSettings(poll_interval_s=0.02, peer=PeerSettings(moments_every=3))
+    peer, _ = make_peer(spec, store, root, "a", local)
+    peer.join()
+    after: list[dict[str, torch.Tensor]] = []
+    for window in (0, 1):
+        staged = peer.train(window)
+        assert isinstance(staged, Staged)
+        peer.upload(staged)
+        peer.flush()
+        after.append(moments_of(peer.trainer.state_dict()))
+        val.close_window(1)
+    assert not tensors_equal(after[0], after[1])
+    assert peer.state.moments_window() == 0
+    e, step = copy_of(peer.feedback), peer.trainer.step  # "killed" here: no stop, no final commit
+
+    again, rec = make_peer(spec, store, root, "a", local)
+    again.join()
+    assert rec.of(Joined)[0].resumed
+    assert tensors_equal(again.feedback.state_dict(), e.state_dict())  # e: exactly the last commit's
+    assert again.trainer.step == step  # the learning-rate schedule: exactly
+    assert tensors_equal(moments_of(again.trainer.state_dict()), after[0])  # moments: window 0's
+    for window in (2, 3):
+        staged = again.train(window)
+        assert isinstance(staged, Staged)
+        again.upload(staged)
+        again.flush()
+        val.close_window(1)
+    assert again.state.moments_window() == 3
+    again.catch_up(4)
+    assert fingerprint(again.params) == val.fingerprints[-1]

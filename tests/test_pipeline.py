@@ -355,15 +355,17 @@ def test_pipeline_replica_trains_in_the_swarm_beside_full_replicas(tmp_path: Pat
 
 # ---------------------------------------------------------------------- a stage as a peer
 def test_stage_that_skips_after_training_keeps_feedback(tmp_path: Path) -> None:
-    """Both stages of a replica train window 1 (in threads, gloo), then the window closes before
-    they stage: nothing is sent and e is exactly what it was before the window, also on disk."""
+    """Both stages of a replica train window 1 (in threads, gloo), and the window closes while
+    they train: nothing is sent and e is exactly what it was before the window, also on disk."""
     import threading
+    from collections.abc import Callable
 
     from test_peer_state import LOCAL, MiniValidator, Recorder, committed_feedback, tiny_spec
 
     from client.peer import Peer, Staged
     from client.pipeline.trainer import StageTrainer
     from client.state import LocalState
+    from client.window import Skipped
     from protocol import layout
     from protocol.events import PeerWindow
     from protocol.identity import Identity
@@ -390,35 +392,51 @@ def test_stage_that_skips_after_training_keeps_feedback(tmp_path: Path) -> None:
         ident = Identity.load_or_create(state.key_path)
         peers.append(Peer(spec, store, ident, state, trainer, local=LOCAL, display=displays[-1]))
 
-    def train_both(window: int) -> list[Staged]:
-        out: dict[int, object] = {}
+    def train_both(window: int) -> list[Staged | Skipped]:
+        out: dict[int, Staged | Skipped] = {}
         threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, peers[i].train(window))) for i in (0, 1)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=120)
-        staged = [r for _, r in sorted(out.items()) if isinstance(r, Staged)]
-        assert len(staged) == 2, out
-        return staged
+        assert len(out) == 2, out
+        return [r for _, r in sorted(out.items())]
 
     for p in peers:
         p.join()
     for p, staged in zip(peers, train_both(0)):  # window 0 goes through: e is no longer zero
+        assert isinstance(staged, Staged)
         p.upload(staged)
+        p.flush()
     val.close_window(2)
     for p in peers:
-        p.catch_up()
+        p.catch_up(need=1)
     assert [p.pos.window for p in peers] == [1, 1] and all(p.feedback.buffers for p in peers)
-    before = [p.feedback for p in peers]
+    before = [{n: t.clone() for n, t in p.feedback.buffers.items()} for p in peers]
     on_disk = [committed_feedback(p) for p in peers]
 
-    staged = train_both(1)
-    val.close_window(0, timeout=0)  # window 1 closes while the stages were training
-    for p, st in zip(peers, staged):
-        p.upload(st)
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def closing(update: Callable[..., None]) -> Callable[..., None]:
+        def report(**fields: object) -> None:  # both stages past their start: close window 1
+            update(**fields)
+            if fields.get("window") == 1 and str(fields.get("phase", "")).startswith("pipeline"):
+                with lock:
+                    started.append(1)
+                    if len(started) == 2:
+                        val.close_window(0, timeout=0)  # window 1 closes while the stages train
+
+        return report
+
+    for p in peers:
+        p.display.update = closing(p.display.update)  # type: ignore[method-assign]
+    for p, work in zip(peers, train_both(1)):
+        assert isinstance(work, Skipped) and "deadline" in work.reason, work
+        p._skip(1, work)
     for p, display, e, disk in zip(peers, displays, before, on_disk):
         last = display.of(PeerWindow)[-1]
         assert (last.window, last.outcome) == (1, "skipped")
-        assert p.feedback is e and p.pending is None
+        assert all(torch.equal(p.feedback.buffers[n], e[n]) for n in e) and p.pending is None
         assert all(torch.equal(committed_feedback(p)[n], disk[n]) for n in disk)
     assert not store.list(layout.contrib_prefix(val.run, 1))

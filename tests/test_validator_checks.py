@@ -154,6 +154,20 @@ def test_screen_rejects_with_the_named_reason(peer: Identity, make, context, rea
         assert s.checks[-1] == CheckRow(check, False, reason) and s.detail
 
 
+def test_a_delayed_run_accepts_a_base_one_aggregate_old_and_no_older(peer: Identity) -> None:
+    """outer.delay = 1: a peer may train window t from θ_t−1 (base: the aggregate before the
+    expected one); outer.delay = 0 (no ``previous_base``) accepts the expected base only."""
+    previous, older = "cd" * 32, GENESIS
+    assert checks.check_sync(previous, "ab" * 32, previous).passed
+    assert checks.check_sync("ab" * 32, "ab" * 32, previous).passed
+    assert checks.check_sync(older, "ab" * 32, previous).reason == "stale_base"
+    assert checks.check_sync(previous, "ab" * 32, None).reason == "stale_base"
+    delayed = ctx(peer, previous_base=previous)
+    assert checks.screen(peer.peer_id, blob(peer, base=previous), delayed).reason is None
+    assert checks.screen(peer.peer_id, blob(peer, base=older), delayed).reason == "stale_base"
+    assert checks.screen(peer.peer_id, blob(peer, base=previous), ctx(peer)).reason == "stale_base"
+
+
 def test_screen_never_raises_on_garbage(peer: Identity) -> None:
     good = blob(peer)
     rng = np.random.default_rng(0)

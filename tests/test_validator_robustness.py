@@ -347,10 +347,12 @@ def test_a_row_cap_bounds_what_one_contributor_does_to_one_row() -> None:
 def test_the_reference_survives_a_restart(tmp_path: object, vkey: Identity) -> None:
     ref = NormReference({"w": TensorNorms(1.5, 0.25)})
     launch = "cd" * 32
-    state = ValidatorState("ab" * 32, 3, GENESIS, 1.0, {"w": torch.zeros(2)}, launch, 0.5, reference=ref)
+    state = ValidatorState(
+        "ab" * 32, 3, GENESIS, 1.0, {"w": torch.zeros(2)}, launch, 0.5, previous_base="ef" * 32, reference=ref
+    )
     save_state(str(tmp_path), state)
     loaded = load_state(str(tmp_path), "ab" * 32)
-    assert loaded is not None and loaded.reference == ref
+    assert loaded is not None and loaded.reference == ref and loaded.previous_base == "ef" * 32
 
 
 def test_genesis_window_accepts_only_scored_newcomers(vkey: Identity, tmp_path: object) -> None:

@@ -166,9 +166,11 @@ def check_finite(sparse: SparseDict) -> CheckRow:
     return ok("finite")
 
 
-def check_sync(base: str, expected_base: str) -> CheckRow:
-    """The contribution must have trained from the current aggregate (or genesis at window 0)."""
-    return ok("sync") if base == expected_base else fail("sync", "stale_base")
+def check_sync(base: str, expected_base: str, previous_base: str | None = None) -> CheckRow:
+    """The contribution must have trained from the current aggregate (or genesis at window 0), or,
+    in a run with ``outer.delay = 1``, from the one before it (``previous_base``): a peer trains
+    window t while aggregate t−1 is still being published."""
+    return ok("sync") if base in (expected_base, previous_base) else fail("sync", "stale_base")
 
 
 def check_excluded(excluded: bool) -> CheckRow:
@@ -183,6 +185,7 @@ class Context:
     run_hash: str
     window: int
     expected_base: str
+    previous_base: str | None = None  # also accepted (outer.delay = 1): the base of window − 1
     codec: CodecConfig
     schema: Mapping[str, tuple[int, ...]]
     max_bytes: int
@@ -233,7 +236,7 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
         lambda: check_codec(c.codec, ctx.codec),
         lambda: check_schema({n: tuple(e.shape) for n, e in c.tensors.items()}, ctx.schema),
         lambda: check_finite(sparse),
-        lambda: check_sync(c.base, ctx.expected_base),
+        lambda: check_sync(c.base, ctx.expected_base, ctx.previous_base),
         lambda: check_excluded(peer in ctx.excluded),
     ):
         row = check()
@@ -282,7 +285,8 @@ def _detail(row: CheckRow, c: Contribution, ctx: Context) -> str:
     if row.name == "window":
         return f"signed for window {c.window}, expected {ctx.window}"
     if row.name == "sync":
-        return f"trained from {c.base[:16]}, current is {ctx.expected_base[:16]}"
+        also = f" (or {ctx.previous_base[:16]})" if ctx.previous_base not in (None, ctx.expected_base) else ""
+        return f"trained from {c.base[:16]}, current is {ctx.expected_base[:16]}{also}"
     if row.name == "schema":
         return "tensors not a subset of the model or shapes differ"
     return row.reason or row.name

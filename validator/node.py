@@ -275,7 +275,7 @@ class Validator:
             standing=standing,
             established=frozenset(p for p, s in standing.items() if is_established(s, cfg)),
         )
-        ctx = self._context(t, st.base, standing)  # registered keys, exclusions, expected base
+        ctx = self._context(t, st, standing)  # registered keys, exclusions, accepted bases
         gathered = self._gather(w, st.opened_at, ctx)  # announced peers only, within budgets
         if self.stop.is_set():
             return None
@@ -364,7 +364,16 @@ class Validator:
         if launch is None:
             launch = self._publish_genesis(params, self.clock())
         at = launch.value.published_at
-        state = ValidatorState(self.run_hash, 0, launch.digest, at, params, launch=launch.digest, launched_at=at)
+        state = ValidatorState(
+            self.run_hash,
+            0,
+            launch.digest,
+            at,
+            params,
+            launch=launch.digest,
+            launched_at=at,
+            previous_base=launch.digest,
+        )
         state = self._from_checkpoint(state) or state
         save_state(self.state_dir, state)
         return state
@@ -384,7 +393,10 @@ class Validator:
             except (ProtocolError, StoreError) as exc:
                 log.warning("checkpoint %d cannot restart the validator: %s", window, exc)
                 continue
-            return replace(genesis, window=window, base=base, opened_at=verified.value.published_at, params=params)
+            # The aggregate before ``base`` is not known from a checkpoint: a delayed run accepts only
+            # contributions on ``base`` in this first window.
+            at = verified.value.published_at
+            return replace(genesis, window=window, base=base, previous_base=base, opened_at=at, params=params)
         return None
 
     def _same_launch(self, state: ValidatorState) -> ValidatorState:
@@ -475,13 +487,16 @@ class Validator:
         self.log.mark_published(agg.window, digest=verified.digest, published_at=agg.published_at)
 
     # ------------------------------------------------------------------ phases
-    def _context(self, t: int, base: str, standing: Mapping[str, Standing]) -> checks.Context:
+    def _context(self, t: int, st: ValidatorState, standing: Mapping[str, Standing]) -> checks.Context:
         registered = self.registry.refresh()
         excluded = frozenset(p for p, s in standing.items() if is_excluded(s, t))
         return checks.Context(
             run_hash=self.run_hash,
             window=t,
-            expected_base=base,
+            expected_base=st.base,
+            # One-window-delayed outer step: a peer trains window t from θ_{t−1} while aggregate
+            # t−1 is published; its update is scored and applied against θ_t like any other.
+            previous_base=st.previous_base if self.spec.outer.delay else None,
             codec=self.spec.codec,
             schema=self.schema,
             max_bytes=self.caps.contribution,
@@ -873,6 +888,7 @@ class Validator:
             params,
             launch=st.launch,
             launched_at=st.launched_at,
+            previous_base=st.base,
             reference=ref,
         )
         if is_checkpoint_window(nxt.window, self.spec.windows, self.local.max_windows):

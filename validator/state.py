@@ -1,9 +1,9 @@
 """The validator's durable state: θ_t and where window t stands, and its error-feedback buffer.
 
 ``state.safetensors`` holds the parameters that open the current window plus metadata
-(window, the digest of the aggregate it trained from, when the window opened, the run hash, the
-launch: the digest and time of the genesis manifest this chain grows from, and the norm reference
-learned from accepted updates, :mod:`validator.reference`). It is
+(window, the digest of the aggregate it trained from and of the one before it, when the window
+opened, the run hash, the launch: the digest and time of the genesis manifest this chain grows
+from, and the norm reference learned from accepted updates, :mod:`validator.reference`). It is
 replaced atomically (temp file, fsync, rename) after every published aggregate, so a validator
 killed at any instant restarts either before or after a window, never in between; the store tells
 which (an aggregate already published for the saved window is adopted, not recomputed).
@@ -49,11 +49,12 @@ STATE_FILE = "state.safetensors"
 class ValidatorState:
     run_hash: str
     window: int  # the window now open; ``params`` = θ_window
-    base: str  # digest of aggregate window − 1, or GENESIS
+    base: str  # digest of aggregate window − 1, or the launch (window 0)
     opened_at: float  # published_at of aggregate window − 1 (or of genesis)
     params: dict[str, torch.Tensor]
     launch: str  # digest of the genesis manifest: the base of window 0 and the root of the chain
     launched_at: float  # its published_at, so that the same genesis can be written again
+    previous_base: str  # the base of window − 1 (window 0: the launch); accepted with outer.delay = 1
     reference: NormReference = field(default_factory=NormReference)  # empty: none learned yet
 
 
@@ -67,6 +68,7 @@ def save_state(directory: str | Path, state: ValidatorState) -> None:
         "opened_at": repr(state.opened_at),
         "launch": state.launch,
         "launched_at": repr(state.launched_at),
+        "previous_base": state.previous_base,
         "reference": state.reference.to_json(),
     }
     blob = st_save({n: t.detach().to("cpu").contiguous() for n, t in state.params.items()}, metadata=meta)
@@ -91,6 +93,7 @@ def load_state(directory: str | Path, run_hash: str) -> ValidatorState | None:
             params=dict(params),
             launch=meta["launch"],
             launched_at=float(meta["launched_at"]),
+            previous_base=meta["previous_base"],
             reference=NormReference.from_json(meta.get("reference", "{}")),
         )
     except (SafetensorError, KeyError, ValueError, OSError) as exc:

@@ -25,6 +25,7 @@ the peer (it withdraws); torchrun then ends the other ranks.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -34,11 +35,11 @@ from torch import Tensor
 
 from client.data_feed import DataFeed, skip_reason
 from client.ddp.ranks import ABORT, LOAD, STEP, STOP, TRAIN, Command, RankGroup
-from client.trainer import InnerTrainer, load_params, pseudo_gradient
+from client.replica import fold_window
+from client.trainer import InnerTrainer, load_params
 from client.window import Skipped, Trained, WindowJob, WindowStats, hardware_of
 from protocol.config import RunSpec
 from protocol.errors import ProtocolError, StoreError
-from protocol.feedback import compress_step
 from protocol.model import build_model, parameters_of
 from protocol.tokens import TokenDataset
 from protocol.wire import PipelineRole
@@ -105,6 +106,13 @@ class DataParallelReplica:
     def step(self) -> int:
         return self.local.trainer.step
 
+    @property
+    def shifts(self) -> bool:
+        """No: θ is broadcast to every rank when a window starts, and moving every rank's working
+        model mid-window (the overlapped schedule) is not done; the peer gives this trainer a window
+        only once θ opens it, as it does a pipeline stage."""
+        return False
+
     def train(self, job: WindowJob) -> Trained | Skipped:
         """H inner steps over all ranks from θ_t on this peer's batches, then error feedback + codec."""
         try:
@@ -135,12 +143,10 @@ class DataParallelReplica:
                     return Skipped("stopped", inner_s=time.perf_counter() - t0)
             self.ranks.send(Command(ABORT))  # the window's steps are done
         inner_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        delta = pseudo_gradient(job.theta, self.local.model)
-        encoded, feedback_after = compress_step(job.feedback, delta, beta=self.spec.outer.beta, cfg=self.spec.codec)
         meta = {"loss_first": losses[0], "loss_last": losses[-1], "tokens": tokens, "inner_s": round(inner_s, 3)}
-        stats = WindowStats(losses[0], losses[-1], tokens, inner_s, time.perf_counter() - t1, self.data.take_usage())
-        return Trained(encoded, meta, stats, feedback_after, self.local.trainer.state_dict())
+        stats = WindowStats(losses[0], losses[-1], tokens, inner_s, 0.0, data=self.data.take_usage())
+        fold = functools.partial(fold_window, self.spec, self.local.model, job.theta, job.alpha)
+        return Trained(fold, meta, stats, self.local.trainer.state_dict())
 
     def _send_batch(self, batch: Tensor) -> Tensor:
         """Send the inner step's batch [B, T+1] to every rank; rank 0's copy of it, as they hold it."""

@@ -77,9 +77,13 @@ def demo(
       contributions_accounted  every upload a peer reported has a row in the contribution log
       upload_bytes_per_peer_per_window, dense_fp32_bytes   (mean compressed vs dense size)
       data_bytes_per_peer_per_window  mean bytes of the dataset a peer fetched per trained window
+      download_bytes_per_peer_per_window  mean bytes a peer fetched from the store per window
+                               (aggregates, checkpoints, data, contributions it forecast from)
       data_cache_hit_rate      of the shards the peers' windows read, the share already local
                                (cached or prefetched in time)
-      compute_fraction         peers' inner-loop time / their wall time
+      compute_fraction         peers' inner-loop time / their processes' wall time (start-up included)
+      compute_fraction_running the same over the time each peer ran (first event to last: without
+                               the interpreter's start-up and exit)
       contribution_log         the validator's log (sparseloco-validator logs --db PATH)
 
     Exit status: 0 done, 1 a process failed or the run timed out, 2 the run cannot start
@@ -168,6 +172,7 @@ def summary_table(s: dict[str, Any]) -> Table:
         f"fingerprints equal: {s['fingerprints_equal']} · contributions accounted: {s['contributions_accounted']} · "
         f"upload {s['upload_bytes_per_peer_per_window']:,} B/peer/window ({ratio:.0f}× below dense fp32) · "
         f"compute fraction {s['compute_fraction']:.2f} at H = {s['inner_steps']} · "
-        f"data {s['data_bytes_per_peer_per_window']:,} B/peer/window, {s['data_cache_hit_rate']:.0%} cache hits"
+        f"data {s['data_bytes_per_peer_per_window']:,} B/peer/window, {s['data_cache_hit_rate']:.0%} cache hits · "
+        f"download {s['download_bytes_per_peer_per_window']:,} B/peer/window"
     )
     return t

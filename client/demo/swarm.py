@@ -51,6 +51,7 @@ from protocol.events import (
     Applied,
     Event,
     Joined,
+    PeerStarted,
     PeerWindow,
     ValidatorStarted,
     WindowOpened,
@@ -81,6 +82,18 @@ class PeerView:
     inner_s: float = 0.0
     wall_s: float = 0.0
     announced: bool = False
+
+    def running_s(self) -> float:
+        """Seconds between each incarnation's ``peer_started`` and its last event: the process's
+        wall time less the interpreter's start-up and exit."""
+        total, started = 0.0, None
+        for event in self.events:
+            if isinstance(event, PeerStarted):
+                started = event.time
+            elif started is not None:
+                total += event.time - started
+                started = event.time
+        return total
 
 
 class LocalSwarm:
@@ -454,7 +467,10 @@ class LocalSwarm:
         uploads = [e.upload_bytes for v in self.peers.values() for e in v.windows.values() if e.outcome == "uploaded"]
         trained = [e for v in self.peers.values() for e in v.events if isinstance(e, PeerWindow) and e.tokens > 0]
         looked_up = sum(e.data_hits + e.data_misses for e in trained)
+        reported = [e for v in self.peers.values() for e in v.events if isinstance(e, PeerWindow)]
         wall = sum(v.wall_s for v in self.peers.values())
+        running = sum(v.running_s() for v in self.peers.values())
+        inner = sum(v.inner_s for v in self.peers.values())
         n_params = sum(_numel(s) for s in param_schema(self.spec.model).values())
         return {
             "store": self.store_kind,
@@ -470,10 +486,14 @@ class LocalSwarm:
             if trained
             else 0,
             "data_cache_hit_rate": round(sum(e.data_hits for e in trained) / looked_up, 4) if looked_up else 0.0,
+            "download_bytes_per_peer_per_window": round(sum(e.download_bytes for e in reported) / len(reported))
+            if reported
+            else 0,
             "dense_fp32_bytes": 4 * n_params,
             "parameters": n_params,
             "inner_steps": self.spec.inner.steps,
-            "compute_fraction": round(sum(v.inner_s for v in self.peers.values()) / wall, 4) if wall else 0.0,
+            "compute_fraction": round(inner / wall, 4) if wall else 0.0,
+            "compute_fraction_running": round(inner / running, 4) if running else 0.0,
             "seconds": round(time.time() - self.started_at, 1),
             "contribution_log": str(self.log_db),
             "run_dir": str(self.run_dir),

@@ -22,8 +22,11 @@ import torch
 from client.data_feed import DataFeed, skip_reason
 from client.pipeline.replica import PipelineStage, pipeline_peer_key, run_stage_window
 from client.window import Skipped, Trained, WindowJob, WindowStats, hardware_of
+from protocol.aggregate import SparseDict
+from protocol.codec import Encoded
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, ProtocolError, StoreError
+from protocol.feedback import FeedbackBuffers
 from protocol.tokens import TokenDataset
 from protocol.wire import PipelineRole
 
@@ -64,8 +67,18 @@ class StageTrainer:
     def step(self) -> int:
         return self.pipeline.step
 
+    @property
+    def shifts(self) -> bool:
+        """No: the stages of a replica agree on θ's base when the window starts and cannot move
+        together mid-window, so a stage trains a window only once θ opens it."""
+        return False
+
     def train(self, job: WindowJob) -> Trained | Skipped:
-        """This stage's share of the replica's H steps, then error feedback + codec on its slice."""
+        """This stage's share of the replica's H steps, then error feedback + codec on its slice.
+
+        The stages compute e′ as a value (from ``job.feedback``, a view of the peer's e): the fold
+        hands it to the peer's e. A stage holds a slice of θ, so the copies this costs are the
+        slice's size."""
         role = self._role
         job.report(phase=f"pipeline stage {role.stage}/{role.stages}", window=job.window)
         try:
@@ -75,12 +88,19 @@ class StageTrainer:
         result = run_stage_window(
             self.pipeline, job.theta, job.window, job.base, batches, rendezvous=self.rendezvous, feedback=job.feedback
         )
-        if not result.ok or result.feedback_after is None:
+        after = result.feedback_after
+        if not result.ok or after is None:
             return Skipped(f"pipeline {result.reason}: {result.detail}", inner_s=result.seconds)
         stats = WindowStats(
-            result.mean_loss, result.mean_loss, result.tokens, result.seconds, 0.0, self.data.take_usage()
+            result.mean_loss, result.mean_loss, result.tokens, result.seconds, 0.0, data=self.data.take_usage()
         )
-        return Trained(result.encoded, result.metadata, stats, result.feedback_after, self.pipeline.state_dict())
+        encoded = dict(result.encoded)
+
+        def fold(e: FeedbackBuffers, stand_in: SparseDict) -> dict[str, Encoded]:
+            e.adopt(after)  # a stage trains from θ itself: there is never a stand-in
+            return encoded
+
+        return Trained(fold, result.metadata, stats, self.pipeline.state_dict())
 
     def state_dict(self) -> dict[str, Any]:
         return self.pipeline.state_dict()

@@ -1,0 +1,56 @@
+"""A store that counts what a participant downloads through it.
+
+    store = MeteredStore(open_from_settings(settings.store))
+    ...
+    store.bytes_read            # bytes of every object fetched so far (aggregates, checkpoints, data)
+
+The peer reads everything it needs from the run through one of these (its reports carry the bytes
+fetched per window, ``sparseloco demo`` the mean per peer and window). Writes, listings and size
+queries pass through uncounted; so does everything else the wrapped store does.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore
+
+__all__ = ["MeteredStore"]
+
+
+class MeteredStore(ObjectStore):
+    """Delegates to ``inner``; :attr:`bytes_read` sums the sizes of the objects ``get`` returned."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.atomic_create = inner.atomic_create
+        self._lock = threading.Lock()  # the peer reads from its main thread and its lane at once
+        self._read = 0
+
+    @property
+    def bytes_read(self) -> int:
+        return self._read
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        self.inner.put(key, data, if_absent=if_absent)
+
+    def get(self, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+        data = self.inner.get(key, max_bytes=max_bytes)
+        with self._lock:
+            self._read += len(data)
+        return data
+
+    def list(self, prefix: str) -> list[str]:
+        return self.inner.list(prefix)
+
+    def size(self, key: str) -> int:
+        return self.inner.size(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def close(self) -> None:
+        self.inner.close()
