@@ -41,6 +41,7 @@ never adopted: they are overwritten when the validator publishes.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -67,7 +68,7 @@ from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
 from protocol.tokens import TokenDataset
 from protocol.windows import gather_close, is_checkpoint_window
-from protocol.wire import GENESIS, Aggregate, CheckpointManifest, Verified, decode_aggregate
+from protocol.wire import GENESIS, Aggregate, CheckpointManifest, Verified
 from validator import checks, publish, randomness, reference, window_checks
 from validator.budgets import Budgets
 from validator.consensus import agreement
@@ -115,6 +116,9 @@ WAITING_REPORT_S = 5.0
 # An announcement tracked this long (in upload deadlines) by an identity with no record may make
 # room for others when the registry is full.
 IDLE_WINDOWS = 4
+# θ is written to the state directory at checkpoint windows, and at least this often (a run without
+# checkpoints still restarts by replaying a bounded number of aggregates).
+THETA_EVERY = 64
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +213,7 @@ class Validator:
         )
         self.signers = sorted(set(spec.validator.public_keys))
         self.state: ValidatorState | None = None
-        self._standing_cache: tuple[int, dict[str, Standing]] | None = None
+        self._theta_window = 0  # the window whose θ the state directory holds
 
     def close(self) -> None:
         self.log.close()
@@ -322,7 +326,9 @@ class Validator:
     # ------------------------------------------------------------------ start / resume
     def resume(self) -> ValidatorState:
         saved = load_state(self.state_dir, self.run_hash)
-        state = self._genesis() if saved is None else self._same_launch(saved)
+        state = self._genesis() if saved is None else self._replayed(self._same_launch(saved))
+        if state.standings is None:  # a state directory of an older version: folded from the log once
+            state = replace(state, standings=self._folded(state.window))
         self._load_params(state.params)
         self.state = state
         self._adopt_published()
@@ -340,8 +346,11 @@ class Validator:
         if launch is None:
             launch = self._publish_genesis(params, self.clock())
         at = launch.value.published_at
-        state = ValidatorState(self.run_hash, 0, launch.digest, at, params, launch=launch.digest, launched_at=at)
+        state = ValidatorState(
+            self.run_hash, 0, launch.digest, at, params, launch=launch.digest, launched_at=at, standings={}
+        )
         save_state(self.state_dir, state)
+        self._theta_window = 0
         return state
 
     def _same_launch(self, state: ValidatorState) -> ValidatorState:
@@ -358,6 +367,44 @@ class Validator:
                 "the state directory away to continue the store's launch"
             )
         return state
+
+    def _replayed(self, state: ValidatorState) -> ValidatorState:
+        """θ of the saved window: θ as last written (at a checkpoint window; θ₀ when none was) with
+        the aggregates published since applied, each checked against its signed fingerprint, and
+        the chain checked against the saved base (:mod:`validator.state`)."""
+        if state.current:
+            self._theta_window = state.window
+            return state
+        w = state.params_window or 0
+        params = state.params or {n: p.detach().clone() for n, p in parameters_of(build_model(self.spec.model)).items()}
+        base = state.params_base or state.launch
+        for window in range(w, state.window):
+            agg = self._next_aggregate(window, base)
+            if agg is None:
+                raise ConfigError(
+                    f"cannot rebuild θ of window {state.window} from θ of window {w} in {self.state_dir}: "
+                    f"aggregate {window} is not in the store"
+                )
+            apply_outer(params, delta_of(agg.value), agg.value.alpha)
+            if fingerprint(params) != agg.value.fingerprint:
+                raise ConfigError(f"aggregate {window} does not reproduce its fingerprint from the saved θ")
+            base = agg.digest
+        if base != state.base:
+            raise ConfigError(f"the store's chain up to window {state.window} is not the one saved in {self.state_dir}")
+        self._theta_window = w
+        return replace(state, params=params, params_window=None, params_base=None)
+
+    def _next_aggregate(self, window: int, base: str) -> Verified[Aggregate] | None:
+        return next_aggregate(
+            self.store,
+            self.run_id,
+            self.run_hash,
+            window,
+            base,
+            allowed_signers=self.signers,
+            max_bytes=self.spec.validator.max_aggregate_bytes,
+            schema=self.schema,
+        )
 
     def _stored_launch(self) -> Verified[CheckpointManifest] | None:
         """The store's genesis manifest; None when there is none or it does not verify."""
@@ -387,16 +434,7 @@ class Validator:
         verifying or chaining onto this state (junk, another launch's) is not published."""
         while True:
             st = self._state()
-            agg = next_aggregate(
-                self.store,
-                self.run_id,
-                self.run_hash,
-                st.window,
-                st.base,
-                allowed_signers=self.signers,
-                max_bytes=self.spec.validator.max_aggregate_bytes,
-                schema=self.schema,
-            )
+            agg = self._next_aggregate(st.window, st.base)
             if agg is None:
                 return
             params = {n: p.detach().clone() for n, p in st.params.items()}
@@ -404,7 +442,7 @@ class Validator:
             if fingerprint(params) != agg.value.fingerprint:
                 raise ConfigError(f"aggregate {st.window} does not reproduce its fingerprint from this state")
             self._adopt_rows(agg)
-            self._advance(st, agg, params)
+            self._advance(st, agg.digest, agg.value.published_at, params)
 
     def _adopt_rows(self, verified: Verified[Aggregate]) -> None:
         agg = verified.value
@@ -761,9 +799,9 @@ class Validator:
             allowed_signers=self.signers,
             max_bytes=self.spec.validator.max_aggregate_bytes,
         )
-        agg = decode_aggregate(blob, run_hash=self.run_hash, max_bytes=len(blob), allowed_signers=self.signers)
-        self.log.mark_published(t, digest=agg.digest, published_at=published_at)
-        self._advance(st, agg, result.params, ref)
+        digest = hashlib.sha256(blob).hexdigest()  # how the chain names it (its own bytes: nothing to verify)
+        self.log.mark_published(t, digest=digest, published_at=published_at)
+        self._advance(st, digest, published_at, result.params, ref)
         reasons: dict[str, int] = {}
         for r in rows:
             if r.reason:
@@ -776,7 +814,7 @@ class Validator:
             accepted=len(accepted),
             rejected=len(rows) - len(accepted),
             val_loss=result.val_loss if result.val_loss is not None else math.nan,
-            digest=agg.digest,
+            digest=digest,
             fingerprint=fp,
             published_at=published_at,
             reasons=reasons,
@@ -788,36 +826,46 @@ class Validator:
     def _advance(
         self,
         st: ValidatorState,
-        agg: Verified[Aggregate],
+        digest: str,
+        published_at: float,
         params: dict[str, torch.Tensor],
         ref: reference.NormReference | None = None,
     ) -> None:
-        """Move to window t + 1: checkpoint when due, then the state file (the commit point).
-        ``ref``: the norm reference after this window (None: unchanged, an adopted aggregate)."""
+        """Move to window t + 1 after aggregate ``digest`` of window t: the window's rows folded into
+        the standings, a checkpoint when due, then the state file (the commit point), with θ only at
+        checkpoint windows (:mod:`validator.state`). ``ref``: the norm reference after this window
+        (None: unchanged, an adopted aggregate)."""
         ref = st.reference if ref is None else ref
+        rows = self.log.rows(windows=(st.window, st.window))
+        folded = standings(map(_outcome, rows), self.spec.validator, start=st.standings)
         nxt = ValidatorState(
             self.run_hash,
             st.window + 1,
-            agg.digest,
-            agg.value.published_at,
+            digest,
+            published_at,
             params,
             launch=st.launch,
             launched_at=st.launched_at,
             reference=ref,
+            standings=folded,
         )
-        if is_checkpoint_window(nxt.window, self.spec.windows, self.local.max_windows):
+        checkpoint = is_checkpoint_window(nxt.window, self.spec.windows, self.local.max_windows)
+        if checkpoint:
             publish.publish_checkpoint(
                 self.store,
                 self.run_id,
                 self.run_hash,
                 nxt.window,
-                aggregate=agg.digest,
+                aggregate=digest,
                 params=params,
                 identity=self.identity,
                 published_at=nxt.opened_at,
                 launch=st.launch,
             )
-        save_state(self.state_dir, nxt)
+        theta = checkpoint or nxt.window - self._theta_window >= THETA_EVERY
+        save_state(self.state_dir, nxt, params=theta)
+        if theta:
+            self._theta_window = nxt.window
         self.state = nxt
         self._load_params(params)
 
@@ -852,19 +900,17 @@ class Validator:
         return self.state
 
     def _standings(self, t: int) -> dict[str, Standing]:
-        """Every peer's standing before window ``t``: the previous window's rows folded into the
-        standings before it (the whole log only after a restart), so a window's cost does not
-        grow with history."""
-        cached = self._standing_cache
-        if cached is not None and cached[0] == t:
-            return cached[1]
-        if cached is not None and cached[0] == t - 1:
-            rows = self.log.rows(windows=(t - 1, t - 1))
-            out = standings(map(_outcome, rows), self.spec.validator, start=cached[1])
-        else:
-            out = standings(map(_outcome, self.log.rows(windows=(None, t - 1))), self.spec.validator, before=t)
-        self._standing_cache = (t, out)
-        return out
+        """Every peer's standing before window ``t``: for the open window the standings saved with
+        the state (folded one window at a time, :meth:`_advance`), so that a window's cost does not
+        grow with history; for any other window, folded from the log."""
+        st = self._state()
+        if t == st.window and st.standings is not None:
+            return st.standings
+        return self._folded(t)
+
+    def _folded(self, t: int) -> dict[str, Standing]:
+        """The standings before window ``t`` from the whole log (older state directories, diagnostics)."""
+        return standings(map(_outcome, self.log.rows(windows=(None, t - 1))), self.spec.validator, before=t)
 
     def _load_params(self, params: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
