@@ -155,16 +155,19 @@ class PeerSettings:
 
 @dataclass(frozen=True)
 class ValidatorSettings:
-    """``gather_concurrency``: contributions fetched at once while gathering a window.
-    ``eval_every``: evaluate θ on held-out data every N windows (0: never), on ``eval_sequences``
-    sequences, recorded beside the contribution log."""
+    """``gather_concurrency``: contributions fetched (and checked) at once while gathering a window.
+    ``workers``: threads that decode, clip and sum contributions once a window is gathered (0: one
+    per CPU core). ``eval_every``: evaluate θ on held-out data every N windows (0: never), on
+    ``eval_sequences`` sequences, recorded beside the contribution log."""
 
     gather_concurrency: int = 16
+    workers: int = 0
     eval_every: int = 0
     eval_sequences: int = 256
 
     def __post_init__(self) -> None:
         _require(self.gather_concurrency >= 1, "validator.gather_concurrency must be >= 1")
+        _require(self.workers >= 0, "validator.workers must be >= 0")
         _require(self.eval_every >= 0, "validator.eval_every must be >= 0")
         _require(self.eval_sequences >= 1, "validator.eval_sequences must be >= 1")
 

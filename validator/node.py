@@ -44,9 +44,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -55,7 +57,7 @@ import numpy as np
 import torch
 
 from protocol import layout
-from protocol.aggregate import NormLimit, SparseDict, aggregate, apply_outer, clip_to_limits
+from protocol.aggregate import NormLimit, SparseDict, SparseSum, apply_outer, clip_to_limits
 from protocol.chain import delta_of, next_aggregate, read_launch
 from protocol.config import RunSpec
 from protocol.data import assigned_batches, validation_batches
@@ -84,6 +86,8 @@ from validator.gather import (
     gather,
     list_contributions,
 )
+from validator.held import Held, clipped_entries, decoded
+from validator.held import decode as held_decode
 from validator.log import LOG_FILE, CheckRow, ContributionLog, ContributionRecord, WindowRecord
 from validator.reputation import (
     LATE,
@@ -105,6 +109,7 @@ from validator.scoring import (
     suspicion_order,
     take_sequences,
 )
+from validator.sketch import Sketcher, expected_nnz, offsets, sample_every
 from validator.state import ValidatorState, load_state, save_state
 
 __all__ = ["LOG_FILE", "Validator"]
@@ -121,6 +126,7 @@ IDLE_WINDOWS = 4
 THETA_EVERY = 64
 
 log = logging.getLogger(__name__)
+Limits = Mapping[str, NormLimit] | None  # one contribution's clip caps (None: not clipped)
 
 
 class _PhaseClock:
@@ -188,6 +194,10 @@ class Validator:
         self.log = ContributionLog(self.state_dir / LOG_FILE)
         self.device = torch.device(device)
         self.schema = param_schema(spec.model)
+        self.offsets = offsets(self.schema)  # one global index space for sampled entries
+        self.sample_every = sample_every(expected_nnz(self.schema, spec.codec))
+        self.workers = self.local.validator.workers or os.cpu_count() or 1
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="validator")  # decoding, clipping, summing
         self.model = build_model(spec.model).to(self.device)
         self.dataset = _open_dataset(spec, store, self.local)  # scoring reads the peers' dataset
         self.periodic = PeriodicEval(
@@ -216,6 +226,7 @@ class Validator:
         self._theta_window = 0  # the window whose θ the state directory holds
 
     def close(self) -> None:
+        self.pool.shutdown(wait=True)
         self.log.close()
         self.store.close()
 
@@ -256,39 +267,40 @@ class Validator:
             standing=standing,
             established=frozenset(p for p, s in standing.items() if is_established(s, cfg)),
         )
-        ctx = self._context(t, st.base, standing)  # registered keys, exclusions, expected base
+        ctx = self._context(w, st.base)  # registered keys, exclusions, expected base, the sample
         gathered = self._gather(w, st.opened_at, ctx)  # announced peers only, within budgets
         if self.stop.is_set():
             return None
         clock.lap("gather")
         received = gathered.received
-        screened, read_at, listed_at = self._screened(t, received)  # read and checked while gathering
+        screened, read_at, listed_at = self._screened(t, received)  # read, checked and summarised while gathering
         screened = window_checks.norms(
-            screened, st.reference, self.schema, max_ratio=cfg.norm_max_ratio, min_ratio=cfg.norm_min_ratio
+            screened, st.reference, max_ratio=cfg.norm_max_ratio, min_ratio=cfg.norm_min_ratio
         )
         rule = CopyRule(cfg.copy_overlap_threshold, cfg.copy_rare_threshold, cfg.copy_sign_agreement)
-        screened = window_checks.copies(screened, read_at, self.schema, rule, listed_at)
+        screened = window_checks.copies(screened, read_at, rule, listed_at)
         clock.lap("checks")
-        live = {s.peer: s for s in screened if s.reason is None and s.contribution is not None}
-        root = randomness.contributions_root({p: s.contribution.digest for p, s in live.items() if s.contribution})
+        live = {s.peer: s.held for s in screened if s.reason is None and s.held is not None}
+        root = randomness.contributions_root({p: h.digest for p, h in live.items()})
         seed = randomness.window_seed(w.secret, root)
-        limits = self._limits(st.reference, [s for p, s in live.items() if p in w.established])
+        limits = self._limits(st.reference, [h for p, h in live.items() if p in w.established])
         newcomer_limits = self._newcomer_limits(limits, st.reference)
-        clipped = {p: self._clip(s.sparse, limits if p in w.established else newcomer_limits) for p, s in live.items()}
-        scores = self._score(w, clipped, seed)  # budgeted, on the clipped form
+        caps = {p: limits if p in w.established else newcomer_limits for p in live}
+        scores = self._score(w, live, caps, ctx, seed)  # budgeted, on the clipped form
         screened = window_checks.scores(screened, scores, cfg.eval_harm_tolerance, self._min_gain(w, scores))
         screened = window_checks.probation(screened, w.established, scores)
         ref, bootstrapped = st.reference, False
         if ref.empty:  # no history yet: start one
             ref, first = self._bootstrap(screened, scores, live)
             if self.spec.outer.clip == "median":
-                clipped = {p: self._clip(s.sparse, first) for p, s in live.items()}
+                caps = {p: first for p in live}
             bootstrapped = not ref.empty
         screened = window_checks.capacity(screened, self._rank(w, scores, seed), cfg.max_contributors)
         clock.lap("scoring")
         accepted = sorted(s.peer for s in screened if s.reason is None)  # order-free Δ̄
-        result = self._aggregate(st, {p: clipped[p] for p in accepted})
+        result = self._aggregate(st, {p: live[p] for p in accepted}, caps)  # decoded again, clipped, summed
         screened = window_checks.stable(screened, result.dropped)
+        clock.lap("aggregate")
         rows = self._decide(screened, received, scores, w)  # reputation, weights
         self._record_late(t - 1)  # uploads that missed the previous window are accounted for too
         nxt_ref = ref if bootstrapped else self._advance_reference(ref, screened, w)
@@ -457,18 +469,19 @@ class Validator:
         self.log.mark_published(agg.window, digest=verified.digest, published_at=agg.published_at)
 
     # ------------------------------------------------------------------ phases
-    def _context(self, t: int, base: str, standing: Mapping[str, Standing]) -> checks.Context:
+    def _context(self, w: _Window, base: str) -> checks.Context:
         registered = self.registry.refresh()
-        excluded = frozenset(p for p, s in standing.items() if is_excluded(s, t))
+        excluded = frozenset(p for p, s in w.standing.items() if is_excluded(s, w.t))
         return checks.Context(
             run_hash=self.run_hash,
-            window=t,
+            window=w.t,
             expected_base=base,
             codec=self.spec.codec,
             schema=self.schema,
             max_bytes=self.spec.validator.max_contribution_bytes,
             registered=registered,
             excluded=excluded,
+            sketch=Sketcher(self.offsets, self.sample_every, key=w.secret),  # peers cannot know the sample
         )
 
     def _gather(self, w: _Window, opened_at: float, ctx: checks.Context) -> Gathered:
@@ -544,24 +557,22 @@ class Validator:
             if r.screened is None:
                 out.append(_unread(r))
                 continue
-            if r.screened.contribution is not None:  # signed by the peer: its bytes, its time
+            if r.screened.held is not None:  # signed by the peer: its bytes, its time
                 first, first_digest[peer] = self.log.note_received(
-                    t, peer, received_at=r.received_at, nbytes=r.nbytes, digest=r.screened.contribution.digest
+                    t, peer, received_at=r.received_at, nbytes=r.nbytes, digest=r.screened.held.digest
                 )
                 if first < r.received_at:  # read before a restart: when it was listed is unknown
                     read_at[peer], listed_at[peer] = first, -math.inf
             out.append(r.screened)
         return window_checks.immutable(out, first_digest), read_at, listed_at
 
-    def _limits(
-        self, ref: reference.NormReference, established: Sequence[checks.Screened]
-    ) -> dict[str, NormLimit] | None:
+    def _limits(self, ref: reference.NormReference, established: Sequence[Held]) -> dict[str, NormLimit] | None:
         """The clip caps of this window (None: no reference yet, or the run does not clip)."""
         cfg = self.spec.validator
         if ref.empty or self.spec.outer.clip != "median":
             return None
-        sparse = [s.sparse for s in established]
-        return reference.clip_limits(ref, sparse, self.schema, headroom=cfg.clip_headroom, rows=cfg.row_clip)
+        norms = [h.norms for h in established]
+        return reference.clip_limits(ref, norms, self.schema, headroom=cfg.clip_headroom, rows=cfg.row_clip)
 
     def _newcomer_limits(
         self, limits: Mapping[str, NormLimit] | None, ref: reference.NormReference
@@ -581,7 +592,7 @@ class Validator:
         return sparse if limits is None else clip_to_limits([sparse], limits)[0]
 
     def _bootstrap(
-        self, screened: Sequence[checks.Screened], scores: Mapping[str, LossScore], live: Mapping[str, checks.Screened]
+        self, screened: Sequence[checks.Screened], scores: Mapping[str, LossScore], live: Mapping[str, Held]
     ) -> tuple[reference.NormReference, dict[str, NormLimit] | None]:
         """The first window with no history: the reference starts at the scored, accepted update that
         lowered the loss on its own data most; without one, the accepted updates' lower median."""
@@ -590,23 +601,27 @@ class Validator:
         cfg = self.spec.validator
         if helped:
             best = max(helped, key=lambda p: (scores[p].own_gain, p))
-            ref = reference.bootstrap(reference.measure(live[best].sparse, self.schema))
-            limits = reference.clip_limits(ref, [live[best].sparse], self.schema, headroom=1.0, rows=cfg.row_clip)
+            ref = reference.bootstrap(live[best].norms.tensors)
+            limits = reference.clip_limits(ref, [live[best].norms], self.schema, headroom=1.0, rows=cfg.row_clip)
             return ref, limits
         if not standing:
             return reference.NormReference(), None
-        median = reference.window_value([reference.measure(live[p].sparse, self.schema) for p in standing])
+        median = reference.window_value([live[p].norms.tensors for p in standing])
         fallback = reference.NormReference(median)
         return reference.NormReference(), reference.clip_limits(fallback, [], self.schema, headroom=1.0, rows=False)
 
-    def _score(self, w: _Window, clipped: Mapping[str, SparseDict], seed: bytes) -> dict[str, LossScore]:
+    def _score(
+        self, w: _Window, live: Mapping[str, Held], caps: Mapping[str, Limits], ctx: checks.Context, seed: bytes
+    ) -> dict[str, LossScore]:
+        """Score a budgeted sample of units, ordered by agreement (on the clipped sampled entries);
+        only the sampled contributions are decoded again."""
         cfg, data = self.spec.validator, self.spec.data
-        roles = {p: a.role for p, a in self.registry.announcements.items() if p in clipped}
-        units = scoring_units(clipped, roles, pipelines=self.spec.pipeline.enabled)
+        roles = {p: a.role for p, a in self.registry.announcements.items() if p in live}
+        units = scoring_units(live, roles, pipelines=self.spec.pipeline.enabled)
         known = [u for u, ps in units.items() if all(p in w.established for p in ps)]
-        offs = window_checks.offsets(self.schema)
-        entries = {p: window_checks.global_entries(sp, offs) for p, sp in clipped.items()}
-        agree = agreement(entries, w.established, np.array(sorted(offs.values()), dtype=np.int64))
+        sk = ctx.sketch or Sketcher(self.offsets)
+        entries = {p: clipped_entries(h, caps[p], sk, self.schema) for p, h in live.items()}
+        agree = agreement(entries, w.established, np.array(sorted(self.offsets.values()), dtype=np.int64))
         unit_agree = {u: min(agree.get(p, 0.5) for p in ps) for u, ps in units.items()}
         sample = plan_sample(
             established=suspicion_order(known, unit_agree, seed),
@@ -622,7 +637,8 @@ class Validator:
         scale = cfg.eval_scale * self.spec.outer.alpha
         out: dict[str, LossScore] = {}
         for key in sample:  # a peer, or the stages of one pipeline replica (disjoint slices)
-            update = {name: v for peer in units[key] for name, v in clipped[peer].items()}
+            items = [(p, live[p]) for p in units[key]]
+            update = {name: v for _, sp in self._clipped(items, caps) for name, v in sp.items()}
             own = take_sequences(
                 assigned_batches(
                     self.dataset, self.spec.seed, key, w.t, self.spec.inner.steps, data.batch_size, data.seq_len
@@ -655,26 +671,39 @@ class Validator:
 
         return rank
 
-    def _aggregate(self, st: ValidatorState, contribs: Mapping[str, SparseDict]) -> _Result:
-        """Δ̄ of ``contribs`` (already clipped); if θ_{t+1} or its validation loss would not be
-        finite, the contributions responsible are found by bisection and left out (nothing
-        non-finite is ever signed)."""
-        full = self._try(st, contribs, sorted(contribs))
+    def _aggregate(self, st: ValidatorState, held: Mapping[str, Held], caps: Mapping[str, Limits]) -> _Result:
+        """Δ̄ of the ``held`` contributions, each clipped to its ``caps``; if θ_{t+1} or its
+        validation loss would not be finite, the contributions responsible are found by bisection
+        and left out (nothing non-finite is ever signed)."""
+        full = self._try(st, held, caps, sorted(held))
         if full is not None:
             return full
-        dropped = frozenset(_culprits(sorted(contribs), lambda ps: self._try(st, contribs, ps) is not None))
-        kept = sorted(set(contribs) - dropped)
-        result = self._try(st, contribs, kept)
+        dropped = frozenset(_culprits(sorted(held), lambda ps: self._try(st, held, caps, ps) is not None))
+        kept = sorted(set(held) - dropped)
+        result = self._try(st, held, caps, kept)
         if result is None:  # only together do they break it: publish nothing rather than guess
-            dropped, result = frozenset(contribs), self._try(st, contribs, [], require_loss=False)
+            dropped, result = frozenset(held), self._try(st, held, caps, [], require_loss=False)
         assert result is not None  # an empty Δ̄ leaves θ_t, which is finite
         return replace(result, dropped=dropped)
 
     def _try(
-        self, st: ValidatorState, contribs: Mapping[str, SparseDict], peers: Sequence[str], require_loss: bool = True
+        self,
+        st: ValidatorState,
+        held: Mapping[str, Held],
+        caps: Mapping[str, Limits],
+        peers: Sequence[str],
+        require_loss: bool = True,
     ) -> _Result | None:
         o = self.spec.outer
-        delta = aggregate([contribs[p] for p in peers], o.aggregation, "none")  # clipped already
+        total = SparseSum(self.schema)
+        batch: list[SparseDict] = []
+        for _, sparse in self._clipped([(p, held[p]) for p in peers], caps):  # decoded a few at a time
+            batch.append(sparse)
+            if len(batch) >= self.workers:
+                total.add(batch, self.pool)
+                batch = []
+        total.add(batch, self.pool)
+        delta = total.mean(o.aggregation)
         if not all(bool(torch.isfinite(v).all()) for _, v in delta.values()):
             return None
         nxt = {n: p.detach().clone() for n, p in st.params.items()}
@@ -689,6 +718,17 @@ class Validator:
             return _Result(delta, nxt, None)
         return _Result(delta, nxt, loss)
 
+    def _clipped(
+        self, items: Sequence[tuple[str, Held]], caps: Mapping[str, Limits]
+    ) -> Iterator[tuple[str, SparseDict]]:
+        """Every item decoded again and clipped to its caps, in order, on the worker pool
+        (:func:`validator.held.decoded`: a few in memory at a time)."""
+
+        def work(peer: str, h: Held) -> SparseDict:
+            return self._clip(held_decode(h, self.schema, self.spec.codec), caps[peer])
+
+        return decoded(items, work, self.pool, 2 * self.workers)
+
     def _advance_reference(
         self, ref: reference.NormReference, screened: Sequence[checks.Screened], w: _Window
     ) -> reference.NormReference:
@@ -698,7 +738,7 @@ class Validator:
         known = [s for s in accepted if s.peer in w.established] or accepted
         if not known or ref.empty:
             return ref
-        value = reference.window_value([reference.measure(s.sparse, self.schema) for s in known])
+        value = reference.window_value([s.held.norms.tensors for s in known if s.held is not None])
         return reference.advance(ref, value, self.spec.validator.reference_step)
 
     def _decide(
@@ -710,7 +750,7 @@ class Validator:
     ) -> list[ContributionRecord]:
         rows = []
         for s in sorted(screened, key=lambda s: s.peer):
-            r, sc, c = received[s.peer], scores.get(s.peer), s.contribution
+            r, sc, h = received[s.peer], scores.get(s.peer), s.held
             accepted = s.reason is None
             st = update(
                 w.standing.get(s.peer, Standing()),
@@ -723,11 +763,11 @@ class Validator:
                     peer=s.peer,
                     received_at=r.received_at,
                     bytes=r.nbytes,
-                    digest=c.digest if c else None,
+                    digest=h.digest if h else None,
                     accepted=accepted,
                     reason=s.reason,
                     detail=s.detail,
-                    norm=window_checks.total_norm(s.sparse) if s.sparse else None,
+                    norm=h.norms.total if h and h.nnz else None,
                     overlap=s.overlap,
                     loss_own_before=sc.loss_own_before if sc else None,
                     loss_own_after=sc.loss_own_after if sc else None,
