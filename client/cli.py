@@ -1,6 +1,8 @@
-"""``sparseloco-peer join``: take part in a run from this machine; ``sparseloco-peer id``: who it is.
+"""``sparseloco-peer join``: take part in a run from this machine; ``preflight``: whether it can;
+``sparseloco-peer id``: who it is.
 
-    sparseloco-peer join --run run.toml                              # store from run.toml's [local]
+    sparseloco-peer preflight --run run.toml [--json]                # ready to join? (exit 0 / 1)
+    sparseloco-peer join --run run.toml                              # store (or grant server) from run.toml's [local]
     sparseloco-peer join --run run.toml --store s3://bucket/run      # credentials: AWS_* env vars
     sparseloco-peer join --run run.toml --store dht:// --dht-peer /ip4/1.2.3.4/tcp/31337/p2p/Qm…
     sparseloco-peer id --state ~/.sparseloco/<run id>                # the peer id (the key is created)
@@ -18,6 +20,7 @@ the announcement withdraws it, so the validator does not wait for this peer.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -151,33 +154,20 @@ def _join(
     pipeline: dict[str, Any] | None = None,
 ) -> int:
     # Heavy imports after argument parsing: `--help` stays instant.
-    import torch
-
     from client.peer import Peer, RunNotFound, UploadsRefused
     from client.progress import PeerDisplay
     from client.state import LocalState
     from protocol.events import Failed, Stopped
-    from protocol.store import open_from_settings
+    from protocol.store import open_peer_store
 
-    spec = RunSpec.load(run_path)
-    if not spec.validator.public_keys:
-        raise ConfigError("the RunSpec lists no validator.public_keys: there is nobody whose aggregates to trust")
-    if not spec.data.dataset:
-        raise ConfigError(
-            f"{run_path} names no dataset (data.dataset): a run's data lies in its store, and its operator "
-            "creates the run.toml with `sparseloco-validator init`"
-        )
-    if local.compute.threads > 0:
-        torch.set_num_threads(local.compute.threads)
-    device = local.compute.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"compute.device is {device}, but torch sees no CUDA device")
+    spec = _load_spec(run_path)
+    device = _device(local)
     identity = Identity.load_or_create(_key_path(key_path, state_dir, spec))
     state = LocalState(_state_dir(state_dir, spec))
     until = until_window
     if local.max_windows > 0:
         until = min(until, local.max_windows) if until is not None else local.max_windows
-    store = open_from_settings(local.store, identity=identity, validator_keys=spec.validator.public_keys)
+    store = open_peer_store(local.store, identity, spec.hash(), validator_keys=spec.validator.public_keys)
     trainer = _window_trainer(spec, local, store, identity.peer_id, device, pipeline)
     display = PeerDisplay(json_lines=status_json)
     peer = Peer(spec, store, identity, state, trainer, local=local, display=display)
@@ -200,6 +190,123 @@ def _join(
         return EXIT_CANNOT_JOIN
     finally:
         store.close()
+
+
+def _load_spec(run_path: str) -> RunSpec:
+    spec = RunSpec.load(run_path)
+    if not spec.validator.public_keys:
+        raise ConfigError("the RunSpec lists no validator.public_keys: there is nobody whose aggregates to trust")
+    if not spec.data.dataset:
+        raise ConfigError(
+            f"{run_path} names no dataset (data.dataset): a run's data lies in its store, and its operator "
+            "creates the run.toml with `sparseloco-validator init`"
+        )
+    return spec
+
+
+def _device(local: LocalSettings) -> str:
+    """The torch device of ``compute.device`` (CUDA when torch sees it, else the CPU); threads set."""
+    import torch
+
+    if local.compute.threads > 0:
+        torch.set_num_threads(local.compute.threads)
+    device = local.compute.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"compute.device is {device}, but torch sees no CUDA device")
+    return device
+
+
+@main.command("preflight", epilog=settings_help())
+@click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False), help="RunSpec TOML.")
+@click.option(
+    "--settings",
+    "settings_path",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Local settings TOML (the keys of run.toml's [local] table).",
+)
+@click.option("--store", "store_url", default=None, help="Store URL (setting store.url).")
+@click.option(
+    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
+)
+@click.option(
+    "--key", "key_path", default=None, type=click.Path(dir_okay=False), help="Ed25519 key (created if missing)."
+)
+@click.option(
+    "--state",
+    "state_dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Local state directory (its key.pem) [default: ~/.sparseloco/<run id>].",
+)
+@click.option("--device", default=None, help="cuda, cpu, cuda:1 … (compute.device) [default: cuda if available]")
+@click.option("--threads", default=None, type=int, help="torch CPU threads (compute.threads; 0: torch's default).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the verdict, every check) on stdout.")
+def preflight(
+    run_path: str,
+    settings_path: str | None,
+    store_url: str | None,
+    dht_peers: tuple[str, ...],
+    key_path: str | None,
+    state_dir: str | None,
+    device: str | None,
+    threads: int | None,
+    as_json: bool,
+) -> None:
+    """Check whether this machine can join the run, without joining it.
+
+    \b
+    Checks: memory (suggests compute.micro_batch_size), compute (inner steps
+    timed on this device, the contribution's size), run (its genesis for
+    this run hash), reads (the chain), grant (the grant server would grant
+    this peer's upload), write (a probe object: up/down bandwidth), window
+    (one window's time against windows.upload_deadline_s).
+
+    Exit status: 0 ready, 1 not ready (the failed checks say why), 2 configuration error.
+    """
+    flags = {
+        "store.url": store_url,
+        "store.dht_bootstrap": list(dht_peers) or None,
+        "compute.device": device,
+        "compute.threads": threads,
+    }
+    try:
+        local = load_settings(run_path, settings_path=settings_path, flags=flags)
+        code = _preflight(run_path, local, key_path, state_dir, as_json)
+    except ConfigError as exc:
+        click.echo(f"sparseloco-peer: {exc}", err=True)
+        code = EXIT_CONFIG
+    sys.exit(code)
+
+
+def _preflight(run_path: str, local: LocalSettings, key_path: str | None, state_dir: str | None, as_json: bool) -> int:
+    from client.preflight import Preflight
+    from protocol.store import open_peer_store
+
+    spec = _load_spec(run_path)
+    device = _device(local)
+    identity = Identity.load_or_create(_key_path(key_path, state_dir, spec))
+    with open_peer_store(local.store, identity, spec.hash()) as store:
+        checks = Preflight(spec, local, identity, store, device=device)
+        if not as_json:
+            click.echo(f"peer {identity.peer_id}  run {run_id(spec.hash())} (hash {spec.hash()})")
+            click.echo(f"store {local.store.location()}  device {device}")
+        for check in checks.run():
+            if not as_json:
+                click.echo(f"{check.status:<8} {check.name:<8} {check.detail}")
+        report = checks.report()
+    if as_json:
+        click.echo(json.dumps(report.to_json(), sort_keys=True))
+    elif report.ok:
+        suggested = report.suggested.get("compute.micro_batch_size")
+        click.echo(
+            "ready to join: sparseloco-peer join --run "
+            + run_path
+            + (f"  (micro batch {suggested})" if suggested else "")
+        )
+    else:
+        click.echo("not ready: " + "; ".join(f"{c.name}: {c.reason}" for c in report.failed))
+    return 0 if report.ok else EXIT_CANNOT_JOIN
 
 
 def _run_hint(spec: RunSpec, local: LocalSettings) -> str:

@@ -131,16 +131,25 @@ def generation_config(eos_id: int | None) -> dict[str, Any]:
     return {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
 
 
-def export_hf(ckpt: Checkpoint, spec: RunSpec, out_dir: str | Path, *, dtype: str = "fp32") -> list[Path]:
+def export_hf(
+    ckpt: Checkpoint,
+    spec: RunSpec,
+    out_dir: str | Path,
+    *,
+    dtype: str = "fp32",
+    tokenizer: ByteTokenizer | HFTokenizer | None = None,
+) -> list[Path]:
     """Write the Hugging Face directory of ``ckpt`` (a checkpoint of run ``spec``) into ``out_dir``.
 
-    Files are replaced one by one, atomically; returns their paths."""
+    ``tokenizer``: the run's (:func:`protocol.run_data.run_tokenizer` fetches a Hugging Face one
+    from the run's store); None loads ``spec.data.tokenizer`` directly (``bytes``). Files are
+    replaced one by one, atomically; returns their paths."""
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     cfg = spec.model
-    tokenizer = load_tokenizer(spec.data.tokenizer)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec.data.tokenizer)
     _check_vocab(tokenizer, cfg)
-    tok_files = tokenizer_files(tokenizer, source=spec.data.tokenizer, max_length=cfg.max_seq_len)
+    tok_files = tokenizer_files(tokenizer, max_length=cfg.max_seq_len)
     provenance = {
         "run_hash": spec.hash(),
         "run_name": spec.name,

@@ -10,7 +10,7 @@ UTF-8 bytes. Token 0 is the character U+0000 itself, registered as the special e
 token: byte 0 is the document separator of the byte tokenizer, and a U+0000 in the text is that
 same byte, so the mapping stays exact. The decoder turns byte tokens back into text.
 
-    files = tokenizer_files(load_tokenizer(spec.data.tokenizer), max_length=spec.model.max_seq_len)
+    files = tokenizer_files(run_tokenizer(spec, store), max_length=spec.model.max_seq_len)
     for name, data in files.items(): (out_dir / name).write_bytes(data)
 """
 
@@ -43,29 +43,26 @@ def byte_tokenizer() -> Any:
     return tok
 
 
-def eos_token(tokenizer: ByteTokenizer | HFTokenizer, source: str) -> str | None:
-    """The text of the end-of-document token, or None when the tokenizer has none.
-
-    ``source`` is the RunSpec's ``data.tokenizer`` (``bytes`` or the path of its tokenizer.json)."""
+def eos_token(tokenizer: ByteTokenizer | HFTokenizer) -> str | None:
+    """The text of the end-of-document token, or None when the tokenizer has none."""
     if isinstance(tokenizer, ByteTokenizer):
         return BYTE_EOS
     if tokenizer.eos_id is None:
         return None
     from tokenizers import Tokenizer  # present: HFTokenizer loaded the file with it
 
-    token = Tokenizer.from_file(source).id_to_token(tokenizer.eos_id)
+    token = Tokenizer.from_file(str(tokenizer.path)).id_to_token(tokenizer.eos_id)
     return None if token is None else str(token)
 
 
-def tokenizer_files(tokenizer: ByteTokenizer | HFTokenizer, *, source: str, max_length: int) -> dict[str, bytes]:
-    """``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``, by file name.
-
-    ``source`` is the RunSpec's ``data.tokenizer`` (``bytes`` or the path of its tokenizer.json)."""
+def tokenizer_files(tokenizer: ByteTokenizer | HFTokenizer, *, max_length: int) -> dict[str, bytes]:
+    """``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``, by file name
+    (a run's Hugging Face tokenizer ships its own ``tokenizer.json``, byte for byte)."""
     if isinstance(tokenizer, ByteTokenizer):
         tokenizer_json = byte_tokenizer().to_str().encode()
     else:
-        tokenizer_json = Path(source).read_bytes()
-    eos = eos_token(tokenizer, source)
+        tokenizer_json = Path(tokenizer.path).read_bytes()
+    eos = eos_token(tokenizer)
     special = {"eos_token": eos, "pad_token": eos} if eos is not None else {}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

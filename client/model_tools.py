@@ -22,7 +22,7 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -37,6 +37,7 @@ from protocol.settings import load_settings
 
 if TYPE_CHECKING:
     from client.checkpoints import Checkpoint, Location
+    from protocol.tokenizer import ByteTokenizer, HFTokenizer
 
 EXIT_ERROR = 1
 EXIT_INVALID = 2
@@ -80,6 +81,16 @@ def _load(
     store = load_settings(run_path).store
     loc = locate(spec, checkpoint, store_url=store_url, window=window, dht_peers=dht_peers, settings=store)
     return spec, loc, load_checkpoint(spec, loc, store)
+
+
+def _run_tokenizer(run_path: str, spec: RunSpec, loc: Location) -> ByteTokenizer | HFTokenizer:
+    """The run's tokenizer (a Hugging Face one fetched from the checkpoint's store and verified)."""
+    from client.checkpoints import open_location
+    from protocol.run_data import run_tokenizer
+
+    local = load_settings(run_path)
+    with open_location(loc, local.store) as store:
+        return run_tokenizer(spec, store, local.data)
 
 
 def _device(device: str | None, threads: int) -> str:
@@ -173,8 +184,8 @@ def export_cmd(
 
     started = time.perf_counter()
     with _user_errors():
-        spec, _, ckpt = _load(run_path, checkpoint, store_url, window, dht_peers)
-        files = export_hf(ckpt, spec, out_dir, dtype=dtype)
+        spec, loc, ckpt = _load(run_path, checkpoint, store_url, window, dht_peers)
+        files = export_hf(ckpt, spec, out_dir, dtype=dtype, tokenizer=_run_tokenizer(run_path, spec, loc))
     n_params = sum(t.numel() for t in ckpt.params.values())
     for f in files:
         click.echo(f"wrote {f}")
@@ -249,7 +260,7 @@ def eval_cmd(
             held = heldout_data(spec, data, sequences=sequences, local=local.data, store=store)
         dev = _device(device, threads)
         score = score_lm(model_of(spec, ckpt, dev), held.batches, held.tokenizer, dev)
-        task_results = _zero_shot(spec, ckpt, task_list, dev, task_limit)
+        task_results = _zero_shot(spec, ckpt, task_list, dev, task_limit, lambda: _run_tokenizer(run_path, spec, loc))
     report: dict[str, Any] = {
         "checkpoint": {
             "window": ckpt.window,
@@ -273,7 +284,14 @@ def eval_cmd(
     _print_eval(report)
 
 
-def _zero_shot(spec: RunSpec, ckpt: Checkpoint, tasks: list[str], device: str, limit: int | None) -> list[Any]:
+def _zero_shot(
+    spec: RunSpec,
+    ckpt: Checkpoint,
+    tasks: list[str],
+    device: str,
+    limit: int | None,
+    tokenizer: Callable[[], ByteTokenizer | HFTokenizer],
+) -> list[Any]:
     """lm-eval on the exported model (exported into a temporary directory only when lm-eval is there)."""
     from client.export import export_hf
     from client.zero_shot import lm_eval_available, run_tasks
@@ -281,7 +299,7 @@ def _zero_shot(spec: RunSpec, ckpt: Checkpoint, tasks: list[str], device: str, l
     if not tasks or not lm_eval_available():
         return run_tasks("", tasks)  # empty, or each task skipped with the reason
     with tempfile.TemporaryDirectory(prefix="sparseloco-eval-") as tmp:
-        export_hf(ckpt, spec, tmp, dtype="fp32")
+        export_hf(ckpt, spec, tmp, dtype="fp32", tokenizer=tokenizer())
         return run_tasks(tmp, tasks, device=device, limit=limit)
 
 
@@ -345,11 +363,10 @@ def sample_cmd(
     """
     from client.checkpoints import model_of
     from client.sample import SampleSettings, generate
-    from protocol.tokenizer import load_tokenizer
 
     with _user_errors():
-        spec, _, ckpt = _load(run_path, checkpoint, store_url, window, dht_peers)
-        tok = load_tokenizer(spec.data.tokenizer)
+        spec, loc, ckpt = _load(run_path, checkpoint, store_url, window, dht_peers)
+        tok = _run_tokenizer(run_path, spec, loc)
         model = model_of(spec, ckpt, _device(device, threads))
     ids = ([tok.eos_id] if tok.eos_id is not None else []) + tok.encode(prompt)  # documents follow a separator
     if not ids:

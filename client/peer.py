@@ -42,9 +42,10 @@ Failures at a window boundary (store errors, bad aggregates, missed deadlines) b
 outcomes (a :class:`~protocol.events.PeerWindow` event with ``outcome`` and ``reason``). What stops
 the peer: configuration and identity errors; no genesis checkpoint of its run hash within
 ``peer.join_timeout_s`` (:class:`RunNotFound`: its run.toml differs from the operator's, or the
-validator is not up); and ``peer.max_upload_failures`` consecutive contributions the store refused
-while reads work (:class:`UploadsRefused`: a credential that may read but not write, so training
-on would only stall the run).
+validator is not up; a store that does not answer yet, such as a grant server whose validator is
+starting, is waited for within the same bound); and ``peer.max_upload_failures`` consecutive
+contributions the store refused while reads work (:class:`UploadsRefused`: a credential that may
+read but not write, so training on would only stall the run).
 
 Leaving. However :meth:`Peer.run` ends once the peer has announced (done, :meth:`stop`, Ctrl-C,
 one of the errors above), it replaces its announcement by a signed withdrawal: the validator stops
@@ -68,7 +69,7 @@ from client.window import Skipped, WindowJob, WindowStats, WindowTrainer
 from protocol import layout
 from protocol.codec import Encoded
 from protocol.config import RunSpec
-from protocol.errors import ConfigError, ObjectExists, ProtocolError, ReasonedError, StoreError
+from protocol.errors import ConfigError, ObjectExists, ProtocolError, ReasonedError, StoreError, StoreUnavailable
 from protocol.events import (
     Announced,
     Applied,
@@ -218,7 +219,7 @@ class Peer:
                 store=self.local.store.location(),
             )
         )
-        self.announce()
+        self._announce_when_reachable(t0)
         self.display.emit(Announced(peer_id=self.identity.peer_id))
         snap = self.state.load(self.spec.hash())
         if snap is not None:
@@ -250,6 +251,24 @@ class Peer:
             layout.peer_key(self.run_id, self.identity.peer_id), encode_announcement(ann, self.identity)
         )
         self.announced = True
+
+    def _announce_when_reachable(self, started: float) -> None:
+        """Announce; while the store is unreachable (a grant server whose validator has not
+        started yet) keep trying, as long as a peer waits for genesis (``peer.join_timeout_s``)."""
+        timeout = self.local.peer.join_timeout_s
+        reported: float | None = None
+        while True:
+            try:
+                self.announce()
+                return
+            except StoreUnavailable as exc:
+                waited = time.time() - started
+                if waited >= timeout or self._stop:
+                    raise RunNotFound(f"{self._not_found(timeout)}; the store stayed unreachable: {exc}") from exc
+                if reported is None or waited - reported >= GENESIS_REPORT_S:
+                    reported = waited
+                    self._report_waiting(waited, timeout)
+                time.sleep(self.sync.poll_s)
 
     def withdraw(self) -> bool:
         """Replace our announcement by a signed withdrawal (the key is ours): the validator stops
@@ -288,19 +307,22 @@ class Peer:
                 raise RunNotFound(self._not_found(timeout))
             if reported is None or waited - reported >= GENESIS_REPORT_S:
                 reported = waited
-                self.display.emit(
-                    WaitingForGenesis(
-                        run_id=self.run_id,
-                        run_hash=self.spec.hash(),
-                        store=self.local.store.location(),
-                        waited_s=round(waited, 1),
-                        timeout_s=timeout,
-                    )
-                )
+                self._report_waiting(waited, timeout)
             self.display.update(phase="waiting for genesis")
             time.sleep(self.sync.poll_s)
         self._checkpoint_window = pos.window
         return self.sync.advance(self.params, pos, on_apply=self._applied, on_resync=self._resynced)
+
+    def _report_waiting(self, waited: float, timeout: float) -> None:
+        self.display.emit(
+            WaitingForGenesis(
+                run_id=self.run_id,
+                run_hash=self.spec.hash(),
+                store=self.local.store.location(),
+                waited_s=round(waited, 1),
+                timeout_s=timeout,
+            )
+        )
 
     def _not_found(self, timeout: float) -> str:
         return (
@@ -452,8 +474,8 @@ class Peer:
         key = f"{self.run_id}/contrib/<window>/{self.identity.peer_id}"
         return (
             f"the store refused this peer's contribution in {self._refused} consecutive windows "
-            f"(last: {reason}) while reading from it works: the credential cannot write {key} in "
-            f"{self.local.store.location()}. Ask the operator for a credential that may write there; "
+            f"(last: {reason}) while reading from it works: this peer may not write {key} in "
+            f"{self.local.store.location()}. Ask the operator for a credential (or grants) that may write there; "
             "training on without uploading would only hold the run's windows open"
         )
 

@@ -139,6 +139,13 @@ class AccessDenied(StoreError):
     reason = "access_denied"
 
 
+class StoreUnavailable(StoreError):
+    """The store, or the grant server in front of it, cannot be reached now (connection refused,
+    timeouts, 5xx, rate limits that outlast the retries). Waiting may help; nothing was refused."""
+
+    reason = "unavailable"
+
+
 class InvalidKey(StoreError, ValueError):
     """An object key or prefix breaks the key rules (empty, absolute, ``..``, odd characters)."""
 

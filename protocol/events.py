@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -259,6 +260,45 @@ class ModelEvaluated(Event):
     seconds: float
 
 
+@_event("grants_served")
+@dataclass(frozen=True, kw_only=True)
+class GrantsServed(Event):
+    """The validator's grant server listens at ``url`` (``--grant-port``): peers whose
+    ``store.grant_url`` names it need no store credential."""
+
+    url: str
+
+
+@_event("granted")
+@dataclass(frozen=True, kw_only=True)
+class Granted(Event):
+    """A presigned request was handed out: ``op`` (put, get, head, list) of ``key`` (a prefix
+    for list) to ``peer_id`` at ``address``; ``size``: the exact bytes a put may send;
+    ``expires_at``: unix seconds."""
+
+    peer_id: str
+    address: str
+    op: str
+    key: str
+    size: int = 0
+    expires_at: float
+
+
+@_event("grant_denied")
+@dataclass(frozen=True, kw_only=True)
+class GrantDenied(Event):
+    """A grant request was refused with ``reason`` (protocol.grants.STATUS) and HTTP ``status``;
+    ``peer_id`` is "" when the request did not verify."""
+
+    peer_id: str
+    address: str
+    op: str
+    key: str
+    reason: str
+    status: int
+    detail: str = ""
+
+
 # ---------------------------------------------------------------------- reading and writing
 def to_json(event: Event) -> str:
     return json.dumps(event.to_dict(), sort_keys=True, allow_nan=True)
@@ -299,14 +339,18 @@ def read_events(lines: Iterable[str]) -> Iterator[Event]:
 
 
 class EventWriter:
-    """Writes events as JSON lines to ``stream`` (flushed per line, so a reader sees them at once)."""
+    """Writes events as JSON lines to ``stream`` (flushed per line, so a reader sees them at once).
+    Thread-safe: a validator's grant server reports from its own threads."""
 
     def __init__(self, stream: IO[str]) -> None:
         self.stream = stream
+        self._lock = threading.Lock()
 
     def __call__(self, event: Event) -> None:
-        self.stream.write(to_json(event) + "\n")
-        self.stream.flush()
+        line = to_json(event) + "\n"
+        with self._lock:
+            self.stream.write(line)
+            self.stream.flush()
 
 
 # ---------------------------------------------------------------------- human lines
@@ -348,6 +392,13 @@ def describe(event: Event) -> str:
             f"waiting for genesis of run {event.run_id} in {_plain(event.store)}: {event.waited_s:.0f} s"
             f" of {event.timeout_s:.0f} s (hash {event.run_hash})"
         )
+    if isinstance(event, Granted):
+        return f"granted {event.op} {event.key} to {event.peer_id[:12]} at {event.address}" + (
+            f" ({event.size:,} B)" if event.op == "put" else ""
+        )
+    if isinstance(event, GrantDenied):
+        who = event.peer_id[:12] or "an unverified request"
+        return f"grant denied: {event.op} {event.key} to {who} at {event.address}: {event.reason} ({event.detail})"
     if isinstance(event, WindowWaiting):
         ids = ", ".join(p[:12] for p in event.waiting_for)
         return (

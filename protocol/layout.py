@@ -9,6 +9,7 @@
     <run>/data/manifest                     signed dataset manifest (the RunSpec names its digest)
     <run>/data/shard/<sha256>               a token shard, named by the sha256 of its bytes
     <run>/data/tokenizer/<sha256>           the run's tokenizer.json, named likewise
+    <run>/probe/<peer_id>                   any bytes: a peer's write and bandwidth probe (preflight)
 
 ``<run>`` is :func:`run_id` of the RunSpec hash (its first 16 hex characters) unless an operator
 names it. Windows are zero-padded to 8 digits so that a lexicographic listing is in window order.
@@ -39,7 +40,7 @@ _RUN_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _WINDOW_RE = re.compile(rf"^[0-9]{{{WINDOW_DIGITS}}}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-KINDS = ("contrib", "aggregate", "checkpoint", "peers", "data")
+KINDS = ("contrib", "aggregate", "checkpoint", "peers", "data", "probe")
 
 
 def run_id(run_hash: str) -> str:
@@ -139,10 +140,16 @@ def _sha256(text: str) -> str:
     return text
 
 
+def probe_key(run: str, peer_id: str) -> str:
+    """Where ``sparseloco-peer preflight`` checks that this peer can write, and how fast: nobody
+    reads it as part of the run."""
+    return f"{_run(run)}/probe/{_peer(peer_id)}"
+
+
 # ------------------------------------------------------------------------------ parsing
 @dataclass(frozen=True)
 class ParsedKey:
-    """What a key names. ``window`` is None for peers and data; ``peer_id``/``file`` where
+    """What a key names. ``window`` is None for peers, probes and data; ``peer_id``/``file`` where
     applicable. Data keys: ``file`` is ``manifest``, ``shard`` or ``tokenizer``, ``sha256`` the
     content address of the latter two."""
 
@@ -173,7 +180,7 @@ def parse_key(key: str, *, run: str | None = None) -> ParsedKey:
         return ParsedKey(r, kind, parse_window(rest[0]))
     if kind == "checkpoint" and len(rest) == 2:
         return ParsedKey(r, kind, parse_window(rest[0]), file=check_file_name(rest[1]))
-    if kind == "peers" and len(rest) == 1:
+    if kind in ("peers", "probe") and len(rest) == 1:
         return ParsedKey(r, kind, peer_id=_peer(rest[0]))
     if kind == "data" and rest == [DATASET_MANIFEST]:
         return ParsedKey(r, kind, file=DATASET_MANIFEST)

@@ -85,9 +85,13 @@ class StoreSettings:
 
     ``url``: ``file:///path``, ``s3://bucket/prefix``, ``dht://`` or ``memory://``.
     ``s3_endpoint``/``s3_region``: for S3-compatible stores other than AWS (R2, MinIO, SeaweedFS).
-    ``dht_bootstrap``: multiaddrs of DHT nodes to join through (``dht://``). ``grant_url``: where a
-    validator hands out upload grants (reserved: not used yet). Credentials are never settings:
-    they come from the usual AWS environment and profile chain.
+    ``dht_bootstrap``: multiaddrs of DHT nodes to join through (``dht://``). ``grant_url``: the
+    run's grant server (``http(s)://host:port``, ``sparseloco-validator run --grant-port``): a peer
+    that has one needs no credential, every read and write is a request the validator presigned
+    (:mod:`protocol.store.granted`); the validator itself ignores it. ``public_reads``: with a
+    grant server, read the objects anonymously from ``url``/``s3_endpoint`` (a bucket whose run
+    prefix the operator made public-read) and ask only for write grants. Credentials are never
+    settings: they come from the usual AWS environment and profile chain.
     """
 
     url: str = "file://./.sparseloco/store"
@@ -95,6 +99,7 @@ class StoreSettings:
     s3_region: str = "auto"
     dht_bootstrap: tuple[str, ...] = ()
     grant_url: str = ""
+    public_reads: bool = False
 
     def __post_init__(self) -> None:
         url, endpoint, region = lift_url_settings(self.url, self.s3_endpoint, self.s3_region)
@@ -103,10 +108,14 @@ class StoreSettings:
         object.__setattr__(self, "s3_region", region)
 
     def location(self) -> str:
-        """The store as people read it in messages: the URL, and the endpoint of an S3 store."""
+        """The store as people read it in messages: the URL, and the endpoint of an S3 store (and
+        the grant server, for a peer that has one)."""
+        where = self.url
         if self.url.lower().startswith("s3://") and self.s3_endpoint:
-            return f"{self.url} (endpoint {self.s3_endpoint})"
-        return self.url
+            where = f"{self.url} (endpoint {self.s3_endpoint})"
+        if self.grant_url:
+            where += f" via grants from {self.grant_url}" + (" (public reads)" if self.public_reads else "")
+        return where
 
 
 @dataclass(frozen=True)
@@ -158,18 +167,26 @@ class ValidatorSettings:
     """``gather_concurrency``: contributions fetched (and checked) at once while gathering a window.
     ``workers``: threads that decode, clip and sum contributions once a window is gathered (0: one
     per CPU core). ``eval_every``: evaluate θ on held-out data every N windows (0: never), on
-    ``eval_sequences`` sequences, recorded beside the contribution log."""
+    ``eval_sequences`` sequences, recorded beside the contribution log. ``grant_port``: serve grants
+    to peers without credentials on this port (0: no grant server), bound to ``grant_host``, over
+    HTTPS with ``tls_cert``/``tls_key`` (PEM files; both or neither)."""
 
     gather_concurrency: int = 16
     workers: int = 0
     eval_every: int = 0
     eval_sequences: int = 256
+    grant_port: int = 0
+    grant_host: str = "0.0.0.0"
+    tls_cert: str = ""
+    tls_key: str = ""
 
     def __post_init__(self) -> None:
         _require(self.gather_concurrency >= 1, "validator.gather_concurrency must be >= 1")
         _require(self.workers >= 0, "validator.workers must be >= 0")
         _require(self.eval_every >= 0, "validator.eval_every must be >= 0")
         _require(self.eval_sequences >= 1, "validator.eval_sequences must be >= 1")
+        _require(0 <= self.grant_port <= 65535, "validator.grant_port must be in 0..65535")
+        _require(bool(self.tls_cert) == bool(self.tls_key), "validator.tls_cert and validator.tls_key go together")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from client.demo.seaweed import (
     peer_grants,
     seaweed_server,
     weed_available,
+    write_actions,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "peer_grants",
     "seaweed_server",
     "weed_available",
+    "write_actions",
 ]

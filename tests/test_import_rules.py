@@ -62,3 +62,14 @@ def test_wire_and_codec_load_without_store_libraries() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_command_line_entry_points_load_without_torch() -> None:
+    """``sparseloco-validator logs`` (what ``sparseloco demo`` runs while a swarm goes on) and the
+    commands' ``--help`` stay quick: torch loads only once a command that needs it runs."""
+    code = (
+        "import sys, validator.cli, client.cli, client.tools; "
+        "print(sorted(m for m in ('torch', 'boto3') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

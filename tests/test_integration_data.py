@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 from client.demo.swarm import VALIDATOR, LocalSwarm
+from client.tools import main
 from protocol import layout
 from protocol.corpus import stdlib_documents
 from protocol.data import assigned_shards
@@ -149,3 +151,8 @@ def test_a_run_made_from_a_trained_tokenizer_json(run_dir: Path, tmp_path: Path)
     assert summary["windows_completed"] == 2 and summary["fingerprints_equal"], summary
     assert all(n >= 1 for n in summary["accepted_per_window"])
     assert evaluated and evaluated[-1].window == 1 and 0 < evaluated[-1].bits_per_byte < 10
+    # the exported model ships the run's own tokenizer.json, fetched from the store and verified
+    out = tmp_path / "hf"
+    res = CliRunner().invoke(main, ["export", "--run", str(run_dir / "run.toml"), "--window", "latest", str(out)])
+    assert res.exit_code == 0, res.output
+    assert (out / "tokenizer.json").read_bytes() == tokenizer.read_bytes()

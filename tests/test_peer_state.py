@@ -27,7 +27,15 @@ from client.window import Skipped
 from protocol import layout
 from protocol.aggregate import aggregate, apply_outer, sparse_of
 from protocol.config import RunSpec
-from protocol.errors import AccessDenied, ConfigError, DigestMismatch, StaleBase, StoreError, UnknownSigner
+from protocol.errors import (
+    AccessDenied,
+    ConfigError,
+    DigestMismatch,
+    StaleBase,
+    StoreError,
+    StoreUnavailable,
+    UnknownSigner,
+)
 from protocol.events import (
     Applied,
     Event,
@@ -503,6 +511,37 @@ def test_join_gives_up_when_no_genesis_of_its_run_appears(tmp_path: Path) -> Non
     waiting = rec.of(WaitingForGenesis)
     assert waiting and waiting[0].run_hash == spec.hash() and waiting[0].timeout_s == 0.5
     assert announcement_of(peer).withdrawn  # it announced (under its own run), so it withdrew
+
+
+class UnreachableStore(FlakyStore):
+    """Nothing answers the first ``outages`` puts (a grant server whose validator is not up yet)."""
+
+    def __init__(self, inner: ObjectStore, outages: int) -> None:
+        super().__init__(inner, window=-1)
+        self.outages = outages
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        if self.outages > 0:
+            self.outages -= 1
+            raise StoreUnavailable(f"nothing answers for {key}")
+        self.inner.put(key, data, if_absent=if_absent)
+
+
+def test_a_peer_waits_to_announce_until_the_store_answers(swarm) -> None:
+    spec, store, val, root = swarm
+    peer, rec = make_peer(spec, UnreachableStore(store, outages=4), root, "early")  # 3 per announce attempt
+    peer.run(until_window=0)
+    assert rec.of(WaitingForGenesis) and rec.of(Joined)
+    assert announcement_of(peer).withdrawn  # it announced, then left
+
+
+def test_a_peer_whose_store_never_answers_gives_up_within_its_join_timeout(swarm) -> None:
+    spec, store, val, root = swarm
+    local = LocalSettings(poll_interval_s=0.02, peer=PeerSettings(join_timeout_s=0.5))
+    peer, rec = make_peer(spec, UnreachableStore(store, outages=10**6), root, "lost", local)
+    with pytest.raises(RunNotFound, match="unreachable"):
+        peer.run()
+    assert not peer.announced and not rec.of(Joined)
 
 
 class DenyingStore(FlakyStore):

@@ -140,7 +140,7 @@ def test_init_writes_a_run_whose_runspec_names_the_signed_dataset(run: Run) -> N
     assert all(hashlib.sha256(b).hexdigest() == sha for sha, b in run.shard_bytes().items())
     assert r.documents == 24 and r.shards == len(m.shards) > 8  # the binary file was skipped
     assert r.train_tokens + r.val_tokens == sum(len(p.read_bytes()) + 1 for p in (run.root / "corpus").glob("*.py"))
-    assert store.exists(layout.checkpoint_manifest_key(r.run_id, 0))  # genesis
+    assert not store.exists(layout.checkpoint_manifest_key(r.run_id, 0))  # genesis: the validator publishes it
 
 
 def test_the_manifest_is_checked_against_the_runspec_and_its_signers(run: Run) -> None:

@@ -15,9 +15,26 @@ from protocol.identity import Identity
 RUN = "0123456789abcdef"
 
 
-def test_peer_grants_cover_every_window_and_the_announcement() -> None:
+def test_peer_grants_cover_every_window_the_announcement_and_the_probe() -> None:
     peer = Identity.from_seed(b"a" * 32).peer_id
-    assert seaweed.peer_grants(RUN, peer) == (f"{RUN}/contrib/*/{peer}", f"{RUN}/peers/{peer}*")
+    assert seaweed.peer_grants(RUN, peer) == (
+        f"{RUN}/contrib/*/{peer}",
+        f"{RUN}/peers/{peer}*",
+        f"{RUN}/probe/{peer}*",
+    )
+
+
+def test_peer_grants_start_with_the_store_urls_prefix() -> None:
+    peer = Identity.from_seed(b"a" * 32).peer_id
+    grants = seaweed.peer_grants(RUN, peer, prefix="/runs/2025/")  # s3://bucket/runs/2025/
+    assert all(g.startswith(f"runs/2025/{RUN}/") for g in grants)
+    assert seaweed.write_actions("bucket", *grants) == [
+        "Read:bucket",
+        "List:bucket",
+        f"Write:bucket/runs/2025/{RUN}/contrib/*/{peer}",
+        f"Write:bucket/runs/2025/{RUN}/peers/{peer}*",
+        f"Write:bucket/runs/2025/{RUN}/probe/{peer}*",
+    ]
 
 
 @pytest.mark.parametrize(

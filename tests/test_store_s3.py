@@ -19,7 +19,7 @@ from servers import SeaweedS3, peer_grants
 
 from protocol.errors import AccessDenied, ConfigError, ObjectExists, PayloadTooLarge
 from protocol.identity import Identity
-from protocol.layout import aggregate_key, contrib_key, peer_key
+from protocol.layout import aggregate_key, contrib_key, peer_key, probe_key
 from protocol.store import open_store
 from protocol.store.s3 import MiB, S3Store
 
@@ -237,14 +237,30 @@ def test_credential_with_several_grants(s3: SeaweedS3, root: str) -> None:
                 store.put(forged, b"x")
 
 
-def test_peer_grants_allow_own_contributions_and_announcement_only(s3: SeaweedS3, root: str) -> None:
+def test_peer_grants_allow_own_contributions_announcement_and_probe_only(s3: SeaweedS3, root: str) -> None:
+    """The grants the docs give an operator for a store URL with a path (s3://bucket/<root>/runs):
+    they start with that path, as keys in the bucket do."""
     alice, bob = (Identity.from_seed(bytes([i]) * 32).peer_id for i in (1, 2))
-    run = root.lower()
-    creds = s3.issue_credentials(*peer_grants(run, alice), name="alice")
-    with s3.store(credentials=creds) as store:
-        for key in (contrib_key(run, 0, alice), contrib_key(run, 7, alice), peer_key(run, alice)):
+    run, prefix = "0123456789abcdef", f"{root}/runs"
+    creds = s3.issue_credentials(*peer_grants(run, alice, prefix=prefix), name="alice")
+    with s3.store(prefix, credentials=creds) as store:
+        for key in (
+            contrib_key(run, 0, alice),
+            contrib_key(run, 7, alice),
+            peer_key(run, alice),
+            probe_key(run, alice),
+        ):
             store.put(key, b"mine")
-        forged = (contrib_key(run, 0, bob), peer_key(run, bob), aggregate_key(run, 0), f"{run}/contrib/x/{alice}/y")
+        forged = (
+            contrib_key(run, 0, bob),
+            peer_key(run, bob),
+            probe_key(run, bob),
+            aggregate_key(run, 0),
+            f"{run}/contrib/x/{alice}/y",
+        )
         for key in forged:
             with pytest.raises(AccessDenied):
                 store.put(key, b"forged")
+    with s3.store(root, credentials=creds) as outside:  # the same keys without the store's path
+        with pytest.raises(AccessDenied):
+            outside.put(contrib_key(run, 0, alice), b"elsewhere")

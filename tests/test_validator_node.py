@@ -415,27 +415,33 @@ def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity,
     import signal
     import subprocess
     import sys
-    import time
 
+    from protocol.chain import read_launch
     from protocol.events import Stopped, ValidatorStarted, parse_line
-    from protocol.settings import local_table_toml
+    from protocol.run_data import dataset_of
+    from protocol.settings import StoreSettings
     from protocol.store.local import LocalStore
+    from validator.init import init_run
 
     store_dir = tmp_path / "store"
-    spec = tiny_spec(vkey, windows={"upload_deadline_s": 30.0})
     local = {"poll_interval_s": 0.02, "store": {"url": f"file://{store_dir}"}}
-    (tmp_path / "run.toml").write_text(spec.to_toml() + local_table_toml(local))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f_{i}(x):\n    return x * {i}  # line {i}\n" for i in range(20000)))
+    # the run as operators create it: its dataset in the store, run.toml written by init
+    spec = init_run(
+        [str(corpus)],
+        base=tiny_spec(vkey, windows={"upload_deadline_s": 30.0}, data={"val_fraction": 0.1}),
+        local=local,
+        store=StoreSettings(url=f"file://{store_dir}"),
+        identity=vkey,
+        out=tmp_path / "run.toml",
+    ).spec
     vkey.save(tmp_path / "v.pem")
     sw = Swarm(spec, 2)
     sw.store = LocalStore(store_dir)  # type: ignore[assignment]
+    sw.dataset = dataset_of(spec, sw.store)  # the peers train on the run's dataset, as real ones do
     sw.announce_all()
     params = theta0(sw)
-    # genesis first (the validator continues the launch the store holds), so peers know window 0's base
-    root = publish.publish_checkpoint(
-        sw.store, sw.run, sw.run_hash, 0, aggregate=GENESIS, params=params, identity=vkey, published_at=time.time()
-    )
-    for p in sw.peers:
-        sw.upload(p.peer_id, 0, sw.honest(p, params, 0, root.digest))
     cmd = [
         sys.executable,
         "-m",
@@ -451,10 +457,26 @@ def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity,
         "1",
     ]
 
-    done = subprocess.run([*cmd, "--windows", "1"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "window 0 published: accepted=2 rejected=0" in done.stdout
-    lines = done.stdout.splitlines()
+    # the first start publishes genesis and opens window 0; the peers upload once it is open
+    first = subprocess.Popen([*cmd, "--windows", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout is not None
+        lines = []
+        for line in first.stdout:
+            lines.append(line.rstrip("\n"))
+            if "window 0 open" in line:
+                break
+        root = read_launch(sw.store, sw.run, sw.run_hash, allowed_signers=[vkey.public_key])  # window 0's base
+        for p in sw.peers:
+            sw.upload(p.peer_id, 0, sw.honest(p, params, 0, root.digest))
+        out, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0, err
+    lines += out.splitlines()
+    assert any("window 0 published: accepted=2 rejected=0" in line for line in lines), lines
     assert lines and all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", line) for line in lines), lines
 
     # window 1 has no uploads and a 30 s deadline: SIGTERM must end it promptly, publishing nothing

@@ -8,11 +8,16 @@
                              [--store URL] [--dht-peer MULTIADDR ...] [--device cuda] [--threads N]
                              [--windows N] [--status-json]
                              [--eval-every N [--eval-sequences M]]
+                             [--grant-port PORT [--grant-host HOST] [--tls-cert PEM --tls-key PEM]]
+                             [--wait-for-peers N]
     sparseloco-validator logs --db vstate/contributions.sqlite [--peer ID] [--window A:B] [--rejected]
-                              [--windows | --evals] [--json | --csv] [--summary]
+                              [--windows | --evals] [--json | --csv] [--summary] [--plot PNG]
+    sparseloco-validator dashboard --db vstate/contributions.sqlite [--host 127.0.0.1] [--port 8080]
 
 Local settings (store, corpus, device, poll interval …; :mod:`protocol.settings`) come from the
 flags, then ``SPARSELOCO_*`` variables, then ``--settings FILE``, then run.toml's ``[local]`` table.
+With ``--grant-port`` the validator also serves grants (:mod:`validator.grant_server`): peers
+without a store credential get presigned requests for their own keys and for reading the run.
 
 ``run`` reports what happens as :mod:`protocol.events` records: one timestamped human line each
 (``2025-01-31 12:00:03 window 3 published: accepted=3 rejected=0 val_loss=4.5487 …``), or with
@@ -30,8 +35,10 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -43,13 +50,16 @@ from rich.table import Table
 
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, ProtocolError, StoreError
-from protocol.events import Event, EventWriter, Failed, Stopped, ValidatorStarted, describe
+from protocol.events import Event, EventWriter, Failed, GrantsServed, Stopped, ValidatorStarted, describe
 from protocol.identity import Identity
 from protocol.settings import LocalSettings, load_settings, resolve_settings, settings_help
 from protocol.store import open_from_settings
+from protocol.store.presign import Presigner
 from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
 
 if TYPE_CHECKING:
+    from validator.grant_server import GrantServer
+    from validator.grants import OpenWindows
     from validator.init import InitResult
     from validator.node import Validator
 
@@ -131,7 +141,7 @@ def init(
     as_json: bool,
 ) -> None:
     """Create a run from a corpus: tokenize it once into content-addressed shards, put them and a
-    signed dataset manifest into the run's store, publish genesis, and write run.toml.
+    signed dataset manifest into the run's store, and write run.toml (`run` publishes genesis).
 
     \b
     The RunSpec is the base (--preset or --spec) with data.dataset (the manifest's digest),
@@ -266,6 +276,22 @@ class _InitProgress:
     default=None,
     help="Validation sequences per periodic evaluation [validator.eval_sequences, default 256].",
 )
+@click.option(
+    "--grant-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve grants on this port: peers need no store credential, only store.grant_url "
+    "(validator.grant_port; 0: no grant server) [needs an s3:// store].",
+)
+@click.option("--grant-host", default=None, help="Address the grant server binds (validator.grant_host) [0.0.0.0].")
+@click.option("--tls-cert", default=None, help="PEM certificate: serve grants over HTTPS (validator.tls_cert).")
+@click.option("--tls-key", default=None, help="PEM private key of --tls-cert (validator.tls_key).")
+@click.option(
+    "--wait-for-peers",
+    type=click.IntRange(0),
+    default=0,
+    help="A new run: publish genesis (open window 0) only once N peers have announced.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def run(
     run_path: str,
@@ -280,6 +306,11 @@ def run(
     status_json: bool,
     eval_every: int | None,
     eval_sequences: int | None,
+    grant_port: int | None,
+    grant_host: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    wait_for_peers: int,
     verbose: bool,
 ) -> None:
     """Validate windows: gather, check, score, aggregate, publish.
@@ -296,6 +327,9 @@ def run(
       window_retry       window, reason, detail       (a store error; retried)
       model_evaluated    window, fingerprint, sequences, loss, perplexity,
                          bits_per_byte, seconds       (--eval-every N)
+      grants_served      url                          (--grant-port)
+      granted            peer_id, address, op, key, size, expires_at
+      grant_denied       peer_id, address, op, key, reason, status, detail
       stopped            role, reason (done | stopped | interrupted), window
       failed             role, reason, detail
 
@@ -313,18 +347,39 @@ def run(
         "compute.threads": threads,
         "validator.eval_every": eval_every,
         "validator.eval_sequences": eval_sequences,
+        "validator.grant_port": grant_port,
+        "validator.grant_host": grant_host,
+        "validator.tls_cert": tls_cert,
+        "validator.tls_key": tls_key,
     }
-    try:
-        local = load_settings(run_path, settings_path=settings_path, flags=flags)
-        validator = _open_validator(run_path, local, key_path, state_dir, emit)
-    except ConfigError as exc:
-        emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
-        sys.exit(EXIT_CONFIG)
-    except StoreError as exc:  # the run's dataset manifest could not be read
-        emit(Failed(role=ROLE, reason=exc.reason, detail=str(exc)))
-        sys.exit(EXIT_STORE)
-    _install_stop(validator)
-    sys.exit(_serve(validator, windows, emit))
+    # torch and the grant desk load here, not at import: `logs` (what sparseloco demo runs) stays quick.
+    from validator.grants import OpenWindows
+    from validator.state import STATE_FILE
+
+    windows_open = OpenWindows()  # the grant desk's view of the window clock, from our own events
+
+    def emit_all(event: Event) -> None:
+        windows_open.observe(event)
+        emit(event)
+
+    with ExitStack() as stack:
+        try:
+            local = load_settings(run_path, settings_path=settings_path, flags=flags)
+            validator = _open_validator(run_path, local, key_path, state_dir, emit_all)
+            stack.callback(validator.close)
+            if local.validator.grant_port:
+                stack.enter_context(_grant_server(validator, local, windows_open, emit_all))
+        except ConfigError as exc:
+            emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
+            sys.exit(EXIT_CONFIG)
+        except StoreError as exc:  # the run's dataset manifest could not be read
+            emit(Failed(role=ROLE, reason=exc.reason, detail=str(exc)))
+            sys.exit(EXIT_STORE)
+        _install_stop(validator)
+        if wait_for_peers and not (Path(state_dir) / STATE_FILE).exists():
+            _wait_for_peers(validator, wait_for_peers)
+        code = _serve(validator, windows, emit_all)
+    sys.exit(code)
 
 
 def _open_validator(run_path: str, local: LocalSettings, key_path: str, state_dir: str, emit: Emit) -> Validator:
@@ -344,6 +399,8 @@ def _open_validator(run_path: str, local: LocalSettings, key_path: str, state_di
         )
     ident = Identity.load(Path(key_path).expanduser())
     device = local.compute.device or "cpu"
+    # store.grant_url / public_reads are how peers reach the run; the validator holds the credential.
+    local = dataclasses.replace(local, store=dataclasses.replace(local.store, grant_url="", public_reads=False))
     store = open_from_settings(local.store, identity=ident, validator_keys=spec.validator.public_keys)
     validator = Validator(spec, store, ident, state_dir, device=device, local=local, emit=emit)
     started = ValidatorStarted(
@@ -357,6 +414,33 @@ def _open_validator(run_path: str, local: LocalSettings, key_path: str, state_di
     return validator
 
 
+def _grant_server(validator: Validator, local: LocalSettings, windows_open: OpenWindows, emit: Emit) -> GrantServer:
+    """The started grant server of ``validator`` (its store signs the grants); GrantsServed says where."""
+    from validator.grant_server import GrantServer
+    from validator.grants import GrantDesk
+
+    if not isinstance(validator.store, Presigner):
+        raise ConfigError(
+            f"--grant-port hands out presigned S3 requests: it needs an s3:// store, not {local.store.url}"
+        )
+    desk = GrantDesk(validator.spec, validator.store, windows_open.current, emit=emit)
+    settings = local.validator
+    server = GrantServer(
+        desk, settings.grant_host, settings.grant_port, tls_cert=settings.tls_cert, tls_key=settings.tls_key
+    ).start()
+    emit(GrantsServed(url=server.url))
+    return server
+
+
+def _wait_for_peers(validator: Validator, count: int) -> None:
+    """Until ``count`` peers have announced (and not withdrawn), or the validator is stopped."""
+    while not validator.stop.is_set():
+        registry = validator.registry
+        if len(registry.refresh() - registry.withdrawn) >= count:
+            return
+        validator.stop.wait(validator.local.poll_interval_s)
+
+
 def _serve(validator: Validator, windows: int | None, emit: Emit) -> int:
     """Run until done, stopped or failed; the exit status (the last event says why)."""
     try:
@@ -367,8 +451,6 @@ def _serve(validator: Validator, windows: int | None, emit: Emit) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C: the current window is redone on restart
         emit(Stopped(role=ROLE, reason="interrupted", window=_window(validator)))
         return EXIT_INTERRUPTED
-    finally:
-        validator.close()
     if validator.stop.is_set():  # Ctrl-C or SIGTERM: an unfinished window is redone on restart
         emit(Stopped(role=ROLE, reason="stopped", window=_window(validator)))
         return EXIT_INTERRUPTED
@@ -432,6 +514,14 @@ _COLUMNS = (
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (an array of rows).")
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV.")
 @click.option("--summary", is_flag=True, help="Leaderboard: windows, acceptance rate, mean score per peer.")
+@click.option(
+    "--plot",
+    "plot_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Write the dashboard's charts to this PNG (val loss, outcomes per window, rejections by reason; "
+    "--window picks windows; needs matplotlib: pip install 'sparseloco[plot]').",
+)
 def logs(
     db: str,
     peer: str | None,
@@ -442,6 +532,7 @@ def logs(
     as_json: bool,
     as_csv: bool,
     summary: bool,
+    plot_path: str | None,
 ) -> None:
     """Show the contribution log: who sent what, how it scored, why it was rejected.
 
@@ -497,6 +588,9 @@ def logs(
     if not Path(db).exists():
         raise click.ClickException(f"no contribution log at {db}")
     windows = _parse_range(window_range)
+    if plot_path is not None:
+        _plot(db, plot_path, windows, others=(peer, rejected, per_window, evaluations, as_json, as_csv, summary))
+        return
     with ContributionLog(db) as log:
         if per_window:
             lo, hi = windows
@@ -517,6 +611,20 @@ def logs(
             return
         rows = log.rows(peer=peer, windows=windows, rejected_only=rejected)
         _emit([_flat(r) for r in rows], as_json, as_csv, _rows_table)
+
+
+def _plot(db: str, path: str, windows: tuple[int | None, int | None], others: tuple[object, ...]) -> None:
+    """``logs --plot``: the charts of the whole log (or of ``--window``) as one PNG."""
+    from validator.plots import write_plots  # matplotlib loads only for a plot
+
+    if any(others):
+        raise click.UsageError("--plot draws whole windows: only --window applies")
+    try:
+        with ContributionLog(db, readonly=True) as log:
+            write_plots(log, path, windows=windows)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote {path}")
 
 
 def _parse_range(text: str | None) -> tuple[int | None, int | None]:
@@ -647,6 +755,45 @@ def _evals_table(rows: list[dict[str, object]]) -> Table:
             _fmt(r["seconds"], 1),
         )
     return t
+
+
+# ------------------------------------------------------------------------------ dashboard
+@cli.command()
+@click.option(
+    "--db", default=str(Path(DEFAULT_STATE) / LOG_FILE), show_default=True, help="Contribution log (read only)."
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="Port (0: a free one).")
+def dashboard(db: str, host: str, port: int) -> None:
+    """Serve the contribution log as web pages: leaderboard (first and last seen, windows, acceptance,
+    mean score, reputation), one page per peer, validation loss and outcomes per window (SVG charts),
+    rejections by reason, and the window the validator has open.
+
+    \b
+    The same data as JSON, for other tools:
+      /api/overview  /api/leaderboard?page=N&per_page=M  /api/peers/<id>?page=N
+      /api/windows?from=A&to=B&points=N  /api/rejections?from=A&to=B  /api/current
+    The log is opened read-only on every request, so it can run beside a running
+    validator. Prints "dashboard at URL" once it listens; Ctrl-C or SIGTERM stops it.
+    """
+    from validator.dashboard import Dashboard
+
+    try:
+        server = Dashboard(db, host=host, port=port)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    click.echo(f"dashboard at {server.start()}  (log {db}, read-only; Ctrl-C stops)")
+    sys.stdout.flush()  # whoever started it reads the URL from a pipe
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
 
 
 def main() -> None:

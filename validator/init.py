@@ -11,18 +11,19 @@ One command takes an operator from text to a run peers can join::
    the tokenizer's. The dataset digest is the hash of the manifest's body, so it exists before the
    run hash, which covers it;
 3. put the tokenizer file, the shards and the manifest, signed for that run hash, under
-   ``<run>/data/`` of the store, and publish the genesis checkpoint (θ₀, which opens window 0);
+   ``<run>/data/`` of the store;
 4. write ``run.toml``: the RunSpec, and a ``[local]`` table with the store (and the base's own
    ``[local]`` table).
 
-Every step can be repeated: objects are content-addressed or created once, and a genesis already
-in the store for the same θ₀ is kept. ``run.toml`` itself is never overwritten.
+The validator publishes the genesis checkpoint (θ₀, which opens window 0) when it first starts
+(``sparseloco-validator run``, after ``--wait-for-peers`` if given): a window opens when its
+validator is there to gather it. Every step can be repeated: objects are content-addressed or
+created once. ``run.toml`` itself is never overwritten.
 """
 
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +36,9 @@ from protocol.data import assigned_starts, random_batches, validation_batches
 from protocol.errors import ConfigError
 from protocol.files import atomic_write
 from protocol.identity import Identity
-from protocol.model import build_model, parameters_of
 from protocol.settings import StoreSettings, local_table, local_table_toml
 from protocol.store import open_from_settings
 from protocol.tokenizer import HFTokenizer, load_tokenizer
-from protocol.wire import GENESIS
-from validator import publish
 from validator.dataset import (
     DEFAULT_SHARD_TOKENS,
     BuiltDataset,
@@ -144,10 +142,6 @@ def init_run(
         run = layout.run_id(run_hash)
         with open_from_settings(store, identity=identity, validator_keys=spec.validator.public_keys) as objects:
             publish_dataset(objects, run, run_hash, built, identity, progress=steps.uploading(built.total_bytes()))
-            params = {n: p.detach().clone() for n, p in parameters_of(build_model(spec.model)).items()}
-            publish.publish_checkpoint(
-                objects, run, run_hash, 0, aggregate=GENESIS, params=params, identity=identity, published_at=time.time()
-            )
     atomic_write(out, (spec.to_toml() + local_table_toml(local)).encode(), exclusive=True)
     m = built.manifest
     return InitResult(

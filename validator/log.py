@@ -14,6 +14,16 @@ counted per window (``windows.unannounced``), never stored one by one.
     log.mark_published(3, digest="…", published_at=time.time())
     log.rows(peer=peer, windows=(0, 10), rejected_only=True)
 
+Reads for the dashboard (``sparseloco-validator dashboard``) are bounded: a page of peers, one
+peer's rows a page at a time, windows summed into at most a few hundred chart points, counts per
+rejection reason. Open the log with ``readonly=True`` where nothing may be written:
+
+    log = ContributionLog("state/contributions.sqlite", readonly=True)
+    log.peer_summaries(limit=50, offset=0)      # the leaderboard, best first, with first/last seen
+    log.window_buckets(points=300)              # val loss and outcomes per window (or per bucket)
+    log.rejection_reasons()                     # [ReasonCount(reason, rejections, peers, last_window)]
+    log.pending(after=7)                        # uploads read after window 7, not decided yet
+
 Tables: ``contributions`` (one narrow row per contribution: its checks are a bit mask over
 :data:`CHECK_BITS` and the name of the one that failed, whose reason is the row's), ``checks``
 (window, peer, check, passed, reason: only rows whose checks are not in that form, and rows written
@@ -41,6 +51,10 @@ __all__ = [
     "ContributionRecord",
     "EvaluationRecord",
     "LeaderRow",
+    "PeerSummary",
+    "ReasonCount",
+    "Received",
+    "WindowBucket",
     "WindowRecord",
     "pack_checks",
     "unpack_checks",
@@ -95,6 +109,11 @@ CREATE TABLE IF NOT EXISTS windows (
     unannounced INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS contributions_by_peer ON contributions (peer, window);
+-- covers the leaderboard: standings of every peer are read from this index alone, not the table
+CREATE INDEX IF NOT EXISTS contributions_standing
+    ON contributions (peer, decided, window, accepted, score, received_at, reputation);
+CREATE INDEX IF NOT EXISTS contributions_rejected
+    ON contributions (reason, peer, window) WHERE decided = 1 AND accepted = 0;
 CREATE TABLE IF NOT EXISTS evaluations (
     window INTEGER PRIMARY KEY,
     fingerprint TEXT NOT NULL,
@@ -195,6 +214,68 @@ class LeaderRow:
     last_window: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class PeerSummary:
+    """A peer's standing and when it was seen: a leaderboard row of the dashboard. Times are unix
+    seconds of the first read of its earliest and latest uploads (None for rows without one)."""
+
+    peer: str
+    windows: int
+    accepted: int
+    acceptance_rate: float
+    mean_score: float | None
+    reputation: float | None  # of its latest decided row, whatever the window range
+    first_window: int
+    last_window: int
+    first_seen: float | None
+    last_seen: float | None
+
+    def leader_row(self) -> LeaderRow:
+        return LeaderRow(
+            peer=self.peer,
+            windows=self.windows,
+            accepted=self.accepted,
+            acceptance_rate=self.acceptance_rate,
+            mean_score=self.mean_score,
+            reputation=self.reputation,
+            last_window=self.last_window,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowBucket:
+    """Windows ``first``..``last`` taken together for a chart (one window each while they fit):
+    their mean validation loss and their summed outcomes."""
+
+    first: int
+    last: int
+    windows: int  # window rows in the bucket
+    val_loss: float | None  # mean over those that have one
+    accepted: int
+    rejected: int
+    unannounced: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReasonCount:
+    """How often one rejection reason was given, to how many peers, and last when."""
+
+    reason: str
+    rejections: int
+    peers: int
+    last_window: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Received:
+    """An upload read in a window that is not decided yet (what gathering has seen so far)."""
+
+    window: int
+    peer: str
+    received_at: float | None
+    bytes: int | None
+
+
 # Every check a row can name, in the order the validator runs them; a row's checks are kept as a
 # bit mask over this tuple, so names are only ever appended.
 CHECK_BITS = (
@@ -255,11 +336,18 @@ _EVAL_COLS = [f.name for f in fields(EvaluationRecord)]
 class ContributionLog:
     """The SQLite contribution log. Safe to share between threads (one connection, one lock)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, readonly: bool = False) -> None:
+        """Open (creating it if needed) the log at ``path``. ``readonly=True`` opens an existing
+        log through a read-only connection: no schema change, every write raises
+        :class:`sqlite3.OperationalError`, and a validator may keep writing meanwhile (WAL)."""
         self.path = str(path)
+        self._lock = threading.Lock()
+        if readonly:
+            uri = Path(self.path).resolve().as_uri() + "?mode=ro"
+            self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
+            return
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # a decided window must survive a power cut
@@ -443,39 +531,186 @@ class ContributionLog:
         return out
 
     def leaderboard(self, *, windows: tuple[int | None, int | None] = (None, None)) -> list[LeaderRow]:
-        """Per peer: windows contributed, accepted, acceptance rate, mean score, last reputation."""
-        where, args = self._filters(None, windows, False, True)
+        """Per peer: windows contributed, accepted, acceptance rate, mean score, last reputation;
+        highest reputation first, then most accepted, then by peer id."""
+        return [s.leader_row() for s in self.peer_summaries(windows=windows)]
+
+    def peer_summaries(
+        self,
+        *,
+        windows: tuple[int | None, int | None] = (None, None),
+        peer: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> list[PeerSummary]:
+        """The leaderboard with first/last seen, ordered as :meth:`leaderboard`; ``peer`` picks one
+        peer by its exact id, ``limit``/``offset`` a page. Read from the ``contributions_standing``
+        index alone, so its cost grows with the rows but never touches the table."""
+        where, args = self._filters(peer, windows, False, True, exact_peer=True)
         with self._lock:
             raw = self._db.execute(
-                f"""SELECT peer, COUNT(*), SUM(accepted), AVG(score), MAX(window),
+                f"""SELECT peer, COUNT(*), SUM(accepted) AS acc, AVG(score), MIN(window), MAX(window),
+                    MIN(received_at), MAX(received_at),
                     (SELECT c2.reputation FROM contributions c2 WHERE c2.peer = c.peer AND c2.decided = 1
-                     ORDER BY c2.window DESC LIMIT 1)
-                    FROM contributions c {where} GROUP BY peer""",
-                args,
+                     ORDER BY c2.window DESC LIMIT 1) AS rep
+                    FROM contributions c {where} GROUP BY peer
+                    ORDER BY COALESCE(rep, 0.0) DESC, acc DESC, peer LIMIT ? OFFSET ?""",
+                [*args, -1 if limit is None else limit, offset],
             ).fetchall()
-        board = [
-            LeaderRow(
-                peer=peer,
+        return [
+            PeerSummary(
+                peer=p,
                 windows=n,
                 accepted=int(acc or 0),
                 acceptance_rate=(acc or 0) / n,
                 mean_score=score,
                 reputation=rep,
+                first_window=first,
                 last_window=last,
+                first_seen=seen0,
+                last_seen=seen1,
             )
-            for peer, n, acc, score, last, rep in raw
+            for p, n, acc, score, first, last, seen0, seen1, rep in raw
         ]
-        return sorted(board, key=lambda r: (-(r.reputation or 0.0), -r.accepted, r.peer))
+
+    def peer_count(self, *, windows: tuple[int | None, int | None] = (None, None)) -> int:
+        """How many peers have a decided row in ``windows`` (the leaderboard's length)."""
+        where, args = self._filters(None, windows, False, True)
+        with self._lock:
+            (n,) = self._db.execute(f"SELECT COUNT(DISTINCT peer) FROM contributions {where}", args).fetchone()
+        return int(n)
+
+    def history(self, peer: str, *, limit: int, offset: int = 0) -> list[ContributionRecord]:
+        """One peer's decided rows (exact id), newest window first, a page at a time."""
+        with self._lock:
+            raw = self._db.execute(
+                f"SELECT {', '.join(_CONTRIB_COLS)}, passed, failed FROM contributions WHERE peer = ? AND decided = 1 "
+                "ORDER BY window DESC LIMIT ? OFFSET ?",
+                (peer, limit, offset),
+            ).fetchall()
+            n = len(_CONTRIB_COLS)
+            # rows packed as a bit mask need no read of the checks table
+            checks = [
+                self._db.execute(
+                    "SELECT name, passed, reason FROM checks WHERE window = ? AND peer = ? ORDER BY rowid",
+                    (r[0], r[1]),
+                ).fetchall()
+                if r[n] is None
+                else []
+                for r in raw
+            ]
+        out = []
+        for r, rows in zip(raw, checks):
+            values = dict(zip(_CONTRIB_COLS, r[:n]))
+            values["accepted"] = bool(values["accepted"])
+            passed, failed = r[n], r[n + 1]
+            found = (
+                tuple(CheckRow(name, bool(ok), reason) for name, ok, reason in rows)
+                if passed is None
+                else unpack_checks(passed, failed, values["reason"])
+            )
+            out.append(ContributionRecord(**values, checks=found))
+        return out
+
+    def rejection_reasons(
+        self, *, windows: tuple[int | None, int | None] = (None, None), peer: str | None = None
+    ) -> list[ReasonCount]:
+        """Rejections per reason (most frequent first) over ``windows``, of one peer (exact id) or
+        of all; from the ``contributions_rejected`` index."""
+        where, args = self._filters(peer, windows, True, True, exact_peer=True)
+        with self._lock:
+            raw = self._db.execute(
+                f"SELECT COALESCE(reason, ''), COUNT(*), COUNT(DISTINCT peer), MAX(window) FROM contributions {where} "
+                "GROUP BY reason ORDER BY COUNT(*) DESC, reason",
+                args,
+            ).fetchall()
+        return [ReasonCount(reason=r, rejections=n, peers=p, last_window=w) for r, n, p, w in raw]
+
+    def window_span(self) -> tuple[int, int | None, int | None]:
+        """(window rows, first window, last window) of the log."""
+        with self._lock:
+            n, lo, hi = self._db.execute("SELECT COUNT(*), MIN(window), MAX(window) FROM windows").fetchone()
+        return int(n), lo, hi
+
+    def latest_window(self) -> WindowRecord | None:
+        """The newest window row (decided or published), or None before the first."""
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT {', '.join(_WINDOW_COLS)} FROM windows ORDER BY window DESC LIMIT 1"
+            ).fetchone()
+        return WindowRecord(**dict(zip(_WINDOW_COLS, row))) if row else None
+
+    def recent_windows(self, limit: int) -> list[WindowRecord]:
+        """The newest ``limit`` window rows, newest first."""
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {', '.join(_WINDOW_COLS)} FROM windows ORDER BY window DESC LIMIT ?", (limit,)
+            ).fetchall()
+        return [WindowRecord(**dict(zip(_WINDOW_COLS, r))) for r in rows]
+
+    def window_buckets(
+        self, *, windows: tuple[int | None, int | None] = (None, None), points: int = 300
+    ) -> list[WindowBucket]:
+        """Window rows in ``windows`` as at most ``points`` buckets of equally many consecutive
+        windows (one window per bucket while they fit), oldest first: summed in SQL, so a chart of
+        10,000 windows reads a few hundred rows."""
+        lo, hi = windows
+        with self._lock:
+            first, last = self._db.execute(
+                "SELECT MIN(window), MAX(window) FROM windows WHERE (? IS NULL OR window >= ?) AND (? IS NULL OR window <= ?)",
+                (lo, lo, hi, hi),
+            ).fetchone()
+            if first is None:
+                return []
+            size = -(-(last - first + 1) // max(1, points))  # windows per bucket, rounded up
+            raw = self._db.execute(
+                "SELECT MIN(window), MAX(window), COUNT(*), AVG(val_loss), SUM(accepted), SUM(rejected), "
+                "SUM(unannounced) FROM windows WHERE window >= ? AND window <= ? GROUP BY (window - ?) / ? ORDER BY 1",
+                (first, last, first, size),
+            ).fetchall()
+        return [
+            WindowBucket(first=a, last=b, windows=n, val_loss=loss, accepted=acc, rejected=rej, unannounced=un)
+            for a, b, n, loss, acc, rej, un in raw
+        ]
+
+    def pending(self, *, after: int | None) -> list[Received]:
+        """Uploads read but not decided yet in windows after ``after`` (every window when None):
+        what the validator has gathered so far in the window it has open."""
+        # a plain range on the primary key: "(? IS NULL OR window > ?)" would scan the whole table
+        since = "window > ? AND " if after is not None else ""
+        with self._lock:
+            raw = self._db.execute(
+                f"SELECT window, peer, received_at, bytes FROM contributions WHERE {since}decided = 0 "
+                "ORDER BY window, received_at, peer",
+                [after] if after is not None else [],
+            ).fetchall()
+        return [Received(window=w, peer=p, received_at=t, bytes=b) for w, p, t, b in raw]
+
+    def peers_in(self, window: int) -> list[str]:
+        """Peers with a decided row in ``window``."""
+        with self._lock:
+            raw = self._db.execute(
+                "SELECT peer FROM contributions WHERE window = ? AND decided = 1 ORDER BY peer", (window,)
+            ).fetchall()
+        return [p for (p,) in raw]
 
     @staticmethod
     def _filters(
-        peer: str | None, windows: tuple[int | None, int | None], rejected_only: bool, decided_only: bool
+        peer: str | None,
+        windows: tuple[int | None, int | None],
+        rejected_only: bool,
+        decided_only: bool,
+        *,
+        exact_peer: bool = False,
     ) -> tuple[str, list[Any]]:
         clauses: list[str] = []
         args: list[Any] = []
         if decided_only:
             clauses.append("decided = 1")
-        if peer is not None:
+        if peer is not None and exact_peer:
+            clauses.append("peer = ?")
+            args.append(peer)
+        elif peer is not None:
             clauses.append("peer LIKE ?")  # a prefix of a peer id is enough on the command line
             args.append(peer + "%")
         lo, hi = windows

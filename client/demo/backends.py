@@ -1,14 +1,16 @@
 """Where a local swarm keeps its objects: a directory, a SeaweedFS S3 server or hivemind DHT nodes.
 
 Each backend gives the URL every participant opens, the extra arguments and environment of the
-validator and of each peer (a peer's S3 credential may write only its own keys), and cleans up
-after itself::
+validator and of each peer, and cleans up after itself. Over S3 the peers hold no credential: the
+validator serves grants (``--grant-port``) and run.toml's ``[local.store] grant_url`` names it::
 
     with open_backend("s3", run_dir, processes) as backend:
         backend.url                          # s3://sparseloco
-        backend.store_settings               # run.toml [local.store] suggestions (endpoint, bootstrap nodes)
-        backend.validator_env()              # admin credential
-        backend.peer_env(run_hash, peer_id)  # a credential scoped to that peer's keys
+        backend.store_settings               # run.toml [local.store] suggestions (endpoint, grant URL, bootstrap nodes)
+        backend.validator_env()              # the bucket's write credential
+        backend.validator_args()             # --grant-port PORT --grant-host 127.0.0.1 (s3), --dht-peer … (dht)
+        backend.peer_env(run_hash, peer_id)  # nothing: peers of an S3 swarm ask for grants
+        backend.credential_env(run_hash, peer_id)   # or a credential scoped to that peer's keys instead
         backend.args()                       # ["--dht-peer", maddr, ...] for dht
 """
 
@@ -24,16 +26,18 @@ from typing import Any
 
 from client.demo.errors import DemoError
 from client.demo.processes import ProcessGroup
-from client.demo.seaweed import INSTALL_HINT, SeaweedS3, peer_grants, weed_available
+from client.demo.seaweed import INSTALL_HINT, SeaweedS3, free_ports, peer_grants, weed_available
 from protocol import layout
 from protocol.errors import ConfigError
+from protocol.settings import env_name
 
 KINDS = ("file", "s3", "dht")
 
 
 @dataclass
 class Backend:
-    """A started store for a local swarm (see the module docstring)."""
+    """A started store for a local swarm (see the module docstring). ``grant_port``: the port of
+    the validator's grant server (S3), 0 for none."""
 
     kind: str
     url: str
@@ -41,23 +45,32 @@ class Backend:
     _args: list[str] = field(default_factory=list)
     _validator_env: dict[str, str] = field(default_factory=dict)
     _server: SeaweedS3 | None = None
+    grant_port: int = 0
 
     def args(self) -> list[str]:
         return list(self._args)
 
+    def validator_args(self) -> list[str]:
+        grants = ["--grant-port", str(self.grant_port), "--grant-host", "127.0.0.1"] if self.grant_port else []
+        return self.args() + grants
+
     def validator_env(self) -> dict[str, str]:
         return dict(self._validator_env)
 
-    def peer_env(self, run_hash: str, peer_id: str, *, may_contribute: bool = True) -> dict[str, str]:
-        """Environment of one peer: for S3 a credential that may write only that peer's objects
-        (``may_contribute=False``: its announcement only, a credential that cannot upload)."""
-        if self.kind != "s3":
-            return {}
-        assert self._server is not None
-        contributions, announcement = peer_grants(layout.run_id(run_hash), peer_id)
-        grants = (contributions, announcement) if may_contribute else (announcement,)
+    def peer_env(self, run_hash: str, peer_id: str) -> dict[str, str]:
+        """Environment of one peer: nothing (an S3 peer asks the validator for grants)."""
+        return {}
+
+    def credential_env(self, run_hash: str, peer_id: str, *, may_contribute: bool = True) -> dict[str, str]:
+        """Environment of an S3 peer that uses a credential of its own instead of grants: one that
+        may write only that peer's objects (``may_contribute=False``: its announcement only, a
+        credential that cannot upload)."""
+        if self._server is None:
+            raise ConfigError(f"a {self.kind} store has no credentials to issue")
+        contributions, announcement, probe = peer_grants(layout.run_id(run_hash), peer_id)
+        grants = (contributions, announcement, probe) if may_contribute else (announcement,)
         creds = self._server.issue_credentials(*grants, name=peer_id[:8])
-        return creds.env(self._server.endpoint_url)
+        return {**creds.env(self._server.endpoint_url), env_name("store.grant_url"): ""}
 
 
 @contextmanager
@@ -71,8 +84,13 @@ def open_backend(
     elif kind == "s3":
         with _seaweed() as server:
             env = server.admin.env(server.endpoint_url)
-            store = {"s3_endpoint": server.endpoint_url, "s3_region": "us-east-1"}
-            yield Backend("s3", server.url(), store, _validator_env=env, _server=server)
+            (grant_port,) = free_ports(1)
+            store = {
+                "s3_endpoint": server.endpoint_url,
+                "s3_region": "us-east-1",
+                "grant_url": f"http://127.0.0.1:{grant_port}",
+            }
+            yield Backend("s3", server.url(), store, _validator_env=env, _server=server, grant_port=grant_port)
     elif kind == "dht":
         maddrs = _dht_bootstrap(group, validator_keys)
         yield Backend("dht", "dht://", {"dht_bootstrap": maddrs}, [a for m in maddrs for a in ("--dht-peer", m)])

@@ -1,7 +1,7 @@
 """``sparseloco demo``: the whole system on this machine, with progress and a summary.
 
     sparseloco demo                          # validator + 3 peers, file store, 6 windows
-    sparseloco demo --peers 4 --store s3     # SeaweedFS on 127.0.0.1, one credential per peer
+    sparseloco demo --peers 4 --store s3     # SeaweedFS on 127.0.0.1; peers hold no credential (grants)
     sparseloco demo --store dht --json       # hivemind DHT on 127.0.0.1; last line is JSON
 
 Thin command: :func:`client.demo.swarm.run_demo` does the work; this module renders the processes'

@@ -4,6 +4,7 @@
         admin = s3.store()                                # S3Store with the admin credential
         alice = s3.issue_credentials(*peer_grants(run, alice_id), name="alice")
         store = s3.store(credentials=alice)               # Write to alice's keys, Read/List the bucket
+        s3.allow_anonymous_reads()                        # a public-read bucket
         env = alice.env(s3.endpoint_url)                  # AWS_* for a peer subprocess
         s3.restart()                                      # an outage: same ports, same data
 
@@ -51,6 +52,7 @@ __all__ = [
     "peer_grants",
     "seaweed_server",
     "weed_available",
+    "write_actions",
 ]
 
 PORT_FLAGS = (
@@ -87,16 +89,34 @@ def weed_available() -> bool:
     return weed_binary() is not None
 
 
-def peer_grants(run: str, peer_id: str) -> tuple[str, str]:
-    """The write grants of one peer: its contributions ``<run>/contrib/*/<peer_id>`` (any window)
-    and its announcement ``<run>/peers/<peer_id>`` — for :meth:`SeaweedS3.issue_credentials`.
+def peer_grants(run: str, peer_id: str, prefix: str = "") -> tuple[str, str, str]:
+    """The write grants of one peer, as paths in the bucket: its contributions
+    ``<prefix>/<run>/contrib/*/<peer_id>`` (any window), its announcement
+    ``<prefix>/<run>/peers/<peer_id>*`` and its preflight probe ``<prefix>/<run>/probe/<peer_id>*``
+    — ``prefix`` is the path of the store URL (``s3://bucket/<prefix>``), for
+    :meth:`SeaweedS3.issue_credentials` and :func:`write_actions`.
 
     SeaweedFS matches grants as globs and does not honour a grant naming one bare key, so the
-    announcement grant ends in ``*`` (peer ids all have the same length, so it cannot reach
-    another peer's announcement).
+    single-key grants end in ``*`` (peer ids all have the same length, so it cannot reach another
+    peer's key).
     """
     layout.contrib_key(run, 0, peer_id)  # validates both names: no glob characters can slip in
-    return f"{run}/contrib/*/{peer_id}", layout.peer_key(run, peer_id) + "*"
+    root = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+    return (
+        f"{root}{run}/contrib/*/{peer_id}",
+        root + layout.peer_key(run, peer_id) + "*",
+        root + layout.probe_key(run, peer_id) + "*",
+    )
+
+
+def write_actions(bucket: str, *paths: str) -> list[str]:
+    """SeaweedFS identity actions that may read and list ``bucket`` and write only ``paths``
+    (a path with a ``*`` is a glob, any other one grants everything below it)."""
+    actions = [f"Read:{bucket}", f"List:{bucket}"]
+    for path in paths:
+        grant = path.strip("/") if "*" in path else path.strip("/") + "/*"
+        actions.append(f"Write:{bucket}/{grant}")
+    return actions
 
 
 @dataclass(frozen=True)
@@ -154,10 +174,12 @@ def free_port_pair(offset: int, exclude: set[int]) -> tuple[int, int]:
 @dataclass
 class _Identity:
     name: str
-    credentials: Credentials
+    credentials: Credentials | None  # None: "anonymous", requests without a signature
     actions: list[str]
 
     def to_json(self) -> dict[str, Any]:
+        if self.credentials is None:
+            return {"name": self.name, "actions": self.actions}
         creds = {"accessKey": self.credentials.access_key, "secretKey": self.credentials.secret_key}
         return {"name": self.name, "credentials": [creds], "actions": self.actions}
 
@@ -365,15 +387,27 @@ class SeaweedS3:
         if not prefixes:
             raise ValueError("issue_credentials needs at least one prefix")
         creds = _new_credentials(name or "peer")
-        actions = [f"Read:{self.bucket}", f"List:{self.bucket}"]
-        for prefix in prefixes:
-            grant = prefix.strip("/") if "*" in prefix else prefix.strip("/") + "/*"
-            actions.append(f"Write:{self.bucket}/{grant}")
-        self._identities.append(_Identity(name or creds.access_key, creds, actions))
+        self._identities.append(_Identity(name or creds.access_key, creds, write_actions(self.bucket, *prefixes)))
         self._write_identities()
         self._publish_identities()
         self._wait_for(creds)
         return creds
+
+    def allow_anonymous_reads(self) -> None:
+        """Let anyone read and list the bucket without a credential (SeaweedFS's ``anonymous``
+        identity): what an operator who makes the run public-read configures."""
+        self._identities.append(_Identity("anonymous", None, [f"Read:{self.bucket}", f"List:{self.bucket}"]))
+        self._write_identities()
+        self._publish_identities()
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.endpoint_url}/{self.bucket}?list-type=2&max-keys=1", timeout=5).close()
+                return
+            except urllib.error.HTTPError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def _write_identities(self) -> None:
         assert self._dir is not None

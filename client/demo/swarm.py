@@ -231,7 +231,9 @@ class LocalSwarm:
         assert self.backend is not None
         return self.backend.url
 
-    def start_validator(self) -> None:
+    def start_validator(self, *, wait_for_peers: int = 0) -> None:
+        """Start (or restart) the validator; ``wait_for_peers``: a new run opens window 0 only
+        once that many peers have announced."""
         assert self.group is not None and self.backend is not None
         argv = python_console("sparseloco-validator") + [
             "run",
@@ -242,7 +244,9 @@ class LocalSwarm:
             "--state",
             str(self.run_dir / VALIDATOR),
             "--status-json",
-            *self.backend.args(),
+            "--wait-for-peers",
+            str(wait_for_peers),
+            *self.backend.validator_args(),
         ]
         # One thread, like each peer: OpenMP threads spinning on an oversubscribed machine made
         # the validator's evaluation ~8x slower than its single-threaded speed.
@@ -255,17 +259,23 @@ class LocalSwarm:
         self.group.start(VALIDATOR, argv, env=env)
 
     def start_peers_then_validator(self, timeout_s: float = 300.0) -> None:
-        """Start every peer, wait until each has announced itself, then start the validator.
+        """Start every peer and the validator so that window 0 opens once every peer has announced.
 
         A window closes early once every peer the validator expects has uploaded, and it expects
         the peers announced so far (it re-reads the announcements while gathering, so a later one
-        is still accepted). Started after every announcement, window 0 waits for all the peers
-        instead of closing as soon as those announced so far have uploaded.
+        is still accepted). Opened after every announcement, window 0 waits for all the peers
+        instead of closing as soon as those announced so far have uploaded. Peers that announce
+        through the validator's grants need it first: then it starts first and waits for them
+        (``--wait-for-peers``) before it publishes genesis.
         """
+        assert self.backend is not None
+        if self.backend.grant_port:
+            self.start_validator(wait_for_peers=self.n_peers)
         for i in range(self.n_peers):
             self.start_peer(i)
         self.follow(lambda: all(v.announced for v in self.peers.values()), timeout_s=timeout_s)
-        self.start_validator()
+        if not self.backend.grant_port:
+            self.start_validator()
 
     def wait_validator_ready(self, timeout_s: float = 300.0) -> None:
         """Until the validator has published genesis (or resumed) and opened its window."""
@@ -273,7 +283,8 @@ class LocalSwarm:
         self.follow(lambda: self.validator_ready, timeout_s=timeout_s)
 
     def start_peer(self, i: int, *extra: str) -> str:
-        """Start peer ``i`` (its key is created first so an S3 credential can be scoped to it)."""
+        """Start peer ``i`` (its key is created first so that a credential can be scoped to it);
+        ``peer_envs[name]``, when set before, is its environment (settings, a credential)."""
         assert self.group is not None and self.backend is not None and self.spec is not None
         state = self.peer_dir(i)
         ident = Identity.load_or_create(state / "key.pem")

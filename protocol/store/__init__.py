@@ -10,13 +10,13 @@
                identity=ident, validator_keys=spec.validator.public_keys)
 
 Options go to the backend's constructor (:class:`LocalStore`, :class:`S3Store`, ``DHTStore``).
-Peers and the validator open the store their local settings name (``[local.store]``, the
-environment and ``--store`` / ``--dht-peer``: :mod:`protocol.settings`) with
-:func:`open_from_settings`. They take the participant's
-``identity`` and the run's ``validator_keys``: a DHT has no permissions of its own, so its records
-are signed with the identity and checked against the validator keys (see
-:mod:`protocol.store.dht.policy`); the other backends do not use them (their own credentials decide
-who may write).
+The validator opens the store its local settings name (``[local.store]``, the environment and
+``--store`` / ``--dht-peer``: :mod:`protocol.settings`) with :func:`open_from_settings`; a peer
+with :func:`open_peer_store`, which goes through the run's grant server when the settings name one
+(``store.grant_url``: :class:`~protocol.store.granted.GrantedStore`, no credential needed). Both take the participant's ``identity``
+and the run's ``validator_keys``: a DHT has no permissions of its own, so its records are signed
+with the identity and checked against the validator keys (see :mod:`protocol.store.dht.policy`);
+the other backends do not use them (their own credentials decide who may write).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ __all__ = [
     "check_key",
     "check_prefix",
     "open_from_settings",
+    "open_peer_store",
     "open_store",
     "put_once",
 ]
@@ -147,3 +148,30 @@ def open_from_settings(
         )
     merged.update(options)
     return open_store(settings.url, **merged)
+
+
+def open_peer_store(
+    settings: StoreSettings,
+    identity: Identity,
+    run_hash: str,
+    *,
+    validator_keys: Sequence[bytes | str] = (),
+    **options: Any,
+) -> ObjectStore:
+    """The store a peer of run ``run_hash`` opens: with ``settings.grant_url`` a
+    :class:`~protocol.store.granted.GrantedStore` that signs its grant requests with ``identity``
+    (reading anonymously from ``settings.url`` when ``settings.public_reads``); otherwise
+    :func:`open_from_settings` (a credential from the AWS chain, a directory, the DHT: its records
+    signed with ``identity`` and checked against ``validator_keys``)."""
+    if not settings.grant_url:
+        if settings.public_reads:
+            raise ConfigError("store.public_reads needs store.grant_url (writes go through its grants)")
+        return open_from_settings(settings, identity=identity, validator_keys=validator_keys, **options)
+    from protocol.store.granted import GrantedStore
+
+    reads = None
+    if settings.public_reads:
+        if settings.url.partition("://")[0].lower() != "s3":
+            raise ConfigError(f"store.public_reads reads an s3:// bucket anonymously, not {settings.url!r}")
+        reads = open_from_settings(settings, anonymous=True)
+    return GrantedStore(settings.grant_url, identity, run_hash, reads=reads, **options)

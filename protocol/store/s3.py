@@ -17,6 +17,9 @@ Why each setting:
   multipart upload, AWS's 409 on a conditional write racing another one. Both are bounded.
 - reads check ``ContentLength`` before touching the body and count while streaming, so an
   oversized object is refused without being downloaded.
+- presigned requests (:meth:`S3Store.presign_put` and friends, what a validator hands out as upload
+  grants) are always SigV4: it signs the headers in (``Content-Length``, ``If-None-Match``), where
+  the older query signing some botocore versions pick for presigning would not.
 """
 
 from __future__ import annotations
@@ -46,12 +49,14 @@ from protocol.errors import (
     StoreError,
 )
 from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
+from protocol.store.presign import Presigned
 
 T = TypeVar("T")
 
 MiB = 1 << 20
 _MAX_PARTS = 10_000
 _MAX_SINGLE_PUT = 5 << 30
+_MAX_PRESIGN_S = 7 * 24 * 3600  # SigV4's limit
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412"}
@@ -221,6 +226,17 @@ class S3Store(ObjectStore):
         )
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="s3-part")
         self._closed = False
+        self._anonymous = anonymous
+        self._signing: tuple[Any, dict[str, Any]] = (
+            session,
+            {
+                "endpoint_url": endpoint_url,
+                "region_name": session.region_name or "us-east-1",
+                "config": Config(signature_version="s3v4", s3=config.s3),
+            },
+        )
+        self._presign_client: Any = None
+        self._presign_lock = threading.Lock()
 
     # ------------------------------------------------------------------ plumbing
     def _full(self, key: str) -> str:
@@ -382,12 +398,62 @@ class S3Store(ObjectStore):
                 if not key.endswith("/"):  # folder markers some tools create are not objects
                     yield key[len(self.prefix) :]
 
+    # ------------------------------------------------------------------ presigned requests
+    def presign_put(self, key: str, size: int, *, if_absent: bool, expires_s: int) -> Presigned:
+        """A PUT of exactly ``size`` bytes to ``key`` that needs no credential (see
+        :mod:`protocol.store.presign`); create-only when ``if_absent``."""
+        if size < 0 or size > _MAX_SINGLE_PUT:
+            raise PayloadTooLarge(f"{key!r}: a presigned PUT takes 0..5 GiB, not {size} bytes")
+        params: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key), "ContentLength": size}
+        headers = {"Content-Length": str(size)}
+        if if_absent:
+            params["IfNoneMatch"] = "*"
+            headers["If-None-Match"] = "*"
+        return self._presign("put_object", params, expires_s, "PUT", headers)
+
+    def presign_get(self, key: str, *, expires_s: int) -> Presigned:
+        return self._presign("get_object", {"Bucket": self.bucket, "Key": self._full(key)}, expires_s, "GET")
+
+    def presign_head(self, key: str, *, expires_s: int) -> Presigned:
+        return self._presign("head_object", {"Bucket": self.bucket, "Key": self._full(key)}, expires_s, "HEAD")
+
+    def presign_list(self, prefix: str, *, token: str, expires_s: int) -> Presigned:
+        params: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Prefix": self.prefix + check_prefix(prefix),
+            "MaxKeys": self.page_size,
+        }
+        if token:
+            params["ContinuationToken"] = token
+        grant = self._presign("list_objects_v2", params, expires_s, "GET")
+        return Presigned(grant.method, grant.url, grant.expires_at, grant.headers, key_prefix=self.prefix)
+
+    def _presign(
+        self, operation: str, params: dict[str, Any], expires_s: int, method: str, headers: dict[str, str] | None = None
+    ) -> Presigned:
+        if self._anonymous:
+            raise ConfigError("an anonymous S3 store cannot sign requests for others")
+        if not 1 <= expires_s <= _MAX_PRESIGN_S:
+            raise ConfigError(f"a presigned request lives 1..{_MAX_PRESIGN_S} s, not {expires_s}")
+        issued = time.time()
+        url = self._signing_client().generate_presigned_url(operation, Params=params, ExpiresIn=expires_s)
+        return Presigned(method, str(url), issued + expires_s, dict(headers or {}))
+
+    def _signing_client(self) -> Any:
+        with self._presign_lock:  # grant servers sign from many threads; the client is built once
+            if self._presign_client is None:
+                session, options = self._signing
+                self._presign_client = session.client("s3", **options)
+            return self._presign_client
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
         self._client.close()
+        if self._presign_client is not None:
+            self._presign_client.close()
 
     def __repr__(self) -> str:
         return f"S3Store(s3://{self.bucket}/{self.prefix})"

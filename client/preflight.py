@@ -1,0 +1,389 @@
+"""``sparseloco-peer preflight``: whether this machine can join a run, and if not, why.
+
+    checks = Preflight(spec, local, identity, store, device="cuda")
+    for check in checks.run():            # each Check as soon as it is done
+        print(check.name, check.status, check.detail)
+    checks.report().ok                    # no check failed
+
+The checks, in order (each :class:`Check` is ``ok``, ``failed`` or ``skipped``, with a stable
+``reason`` and the figures it measured):
+
+``memory``   the model's training footprint (:mod:`client.footprint`) against this device's free
+             memory; suggests ``compute.micro_batch_size``
+``compute``  a few inner steps of the real model on this device (synthetic tokens), the
+             compression of their pseudo-gradient, and the size of the signed contribution
+``run``      the run's signed genesis checkpoint, for this run hash, in the store
+``reads``    reading the chain: a listing of the checkpoints, the newest manifest, the size of its
+             files and of the newest aggregate
+``grant``    (with ``store.grant_url``) the grant server serves this run and would grant this
+             peer's contribution to the open window
+``write``    this peer writes its probe key (``<run>/probe/<peer id>``, nobody reads it) and reads
+             it back: upload and download bandwidth to the store
+``window``   one window's time (download the aggregate, H inner steps, compress, upload) against
+             ``windows.upload_deadline_s``
+
+Nothing here joins the run: no announcement, no contribution.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from client.footprint import USABLE, available_memory, footprint, suggest_micro_batch
+from client.trainer import InnerTrainer, pseudo_gradient, snapshot
+from protocol import layout
+from protocol.chain import read_manifest
+from protocol.config import RunSpec
+from protocol.errors import ObjectNotFound, ProtocolError, ReasonedError, StoreError
+from protocol.feedback import FeedbackState, compress_step
+from protocol.grants import PROBE_MAX_BYTES, GrantRequest
+from protocol.identity import Identity
+from protocol.model import build_model
+from protocol.settings import LocalSettings
+from protocol.store.base import ObjectStore
+from protocol.store.granted import GrantedStore, GrantNotGiven
+from protocol.wire import GENESIS, Contribution, encode_contribution
+
+__all__ = ["Check", "Preflight", "Report"]
+
+GiB = 1 << 30
+TIMED_STEPS = 2
+PROBE_MIN_BYTES = 256 << 10  # smaller probes measure latency, not bandwidth
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check's outcome: ``status`` ok | failed | skipped, ``reason`` a stable snake_case name
+    ("ok" when it passed), ``detail`` for people, ``figures`` what it measured."""
+
+    name: str
+    status: str
+    reason: str
+    detail: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "reason": self.reason, "detail": self.detail, **self.figures}
+
+
+@dataclass(frozen=True)
+class Report:
+    """Every check, the settings preflight suggests, and the verdict."""
+
+    peer_id: str
+    run_id: str
+    run_hash: str
+    store: str
+    device: str
+    checks: tuple[Check, ...]
+    suggested: dict[str, Any]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if c.status == "failed"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "peer_id": self.peer_id,
+            "run_id": self.run_id,
+            "run_hash": self.run_hash,
+            "store": self.store,
+            "device": self.device,
+            "suggested": self.suggested,
+            "reasons": [c.reason for c in self.failed],
+            "checks": [c.to_json() for c in self.checks],
+        }
+
+
+def _ok(name: str, detail: str, **figures: Any) -> Check:
+    return Check(name, "ok", "ok", detail, figures)
+
+
+def _failed(name: str, reason: str, detail: str, **figures: Any) -> Check:
+    return Check(name, "failed", reason, detail, figures)
+
+
+def _skipped(name: str, reason: str, detail: str) -> Check:
+    return Check(name, "skipped", reason, detail)
+
+
+def _reason(exc: Exception) -> str:
+    """The stable reason of a failure: the grant server's own when it refused."""
+    if isinstance(exc, GrantNotGiven):
+        return exc.refusal
+    return exc.reason if isinstance(exc, ReasonedError | StoreError) else type(exc).__name__
+
+
+class Preflight:
+    """The checks of one machine against one run; see the module docstring."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        local: LocalSettings,
+        identity: Identity,
+        store: ObjectStore,
+        *,
+        device: str,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.spec, self.local, self.identity, self.store, self.device = spec, local, identity, store, device
+        self.run_hash = spec.hash()
+        self.run_id = layout.run_id(self.run_hash)
+        self.clock = clock
+        self.checks: list[Check] = []
+        self.suggested: dict[str, Any] = {}
+        self._micro_batch: int | None = None
+        self._step_s: float | None = None
+        self._compress_s = 0.0
+        self._contribution_bytes: int | None = None
+        self._aggregate_bytes = 0
+        self._up_bps: float | None = None
+        self._down_bps: float | None = None
+
+    def run(self) -> Iterator[Check]:
+        """Run every check in order, yielding each as it completes."""
+        for step in (
+            self._memory,
+            self._compute,
+            self._run,
+            self._reads,
+            self._grant,
+            self._write,
+            self._window,
+        ):
+            check = step()
+            self.checks.append(check)
+            yield check
+
+    def report(self) -> Report:
+        return Report(
+            peer_id=self.identity.peer_id,
+            run_id=self.run_id,
+            run_hash=self.run_hash,
+            store=self.local.store.location(),
+            device=self.device,
+            checks=tuple(self.checks),
+            suggested=dict(self.suggested),
+        )
+
+    # ------------------------------------------------------------------ this machine
+    def _memory(self) -> Check:
+        fp = footprint(self.spec, torch.device(self.device).type)
+        free = available_memory(self.device)
+        batch = self.spec.data.batch_size
+        suggested = suggest_micro_batch(fp, batch, free)
+        figures = {"free_bytes": free, **fp.to_json()}
+        if suggested is None:
+            return _failed(
+                "memory",
+                "does_not_fit",
+                f"one sequence needs {fp.device_bytes(1) / GiB:.2f} GiB on {self.device}, "
+                f"{free / GiB:.2f} GiB are free",
+                **figures,
+            )
+        self.suggested["compute.micro_batch_size"] = suggested
+        configured = self.local.compute.micro_batch_size
+        use = configured or batch
+        if fp.device_bytes(use) > free * USABLE:
+            self._micro_batch = suggested
+            what = f"compute.micro_batch_size {configured}" if configured else f"the whole batch ({batch} sequences)"
+            return _failed(
+                "memory",
+                "micro_batch_too_large",
+                f"{what} needs {fp.device_bytes(use) / GiB:.2f} GiB, {free / GiB:.2f} GiB are free: "
+                f"set compute.micro_batch_size = {suggested}",
+                **figures,
+            )
+        self._micro_batch = configured
+        need = fp.device_bytes(configured or suggested or batch)
+        return _ok(
+            "memory",
+            f"needs about {need / GiB:.2f} GiB of {free / GiB:.2f} GiB free on {self.device}"
+            + (f"; suggested compute.micro_batch_size = {suggested}" if suggested else ""),
+            needed_bytes=need,
+            **figures,
+        )
+
+    def _compute(self) -> Check:
+        if self._micro_batch is None:
+            return _skipped("compute", "does_not_fit", "the model does not fit this device")
+        try:
+            figures = self._time_training(self._micro_batch or self.suggested.get("compute.micro_batch_size", 0))
+        except torch.cuda.OutOfMemoryError as exc:
+            return _failed("compute", "out_of_memory", f"{self.device} ran out of memory: {exc}")
+        return _ok(
+            "compute",
+            f"{figures['step_s']:.3f} s per inner step, compression {figures['compress_s']:.2f} s, "
+            f"contribution {figures['contribution_bytes']:,} B",
+            **figures,
+        )
+
+    def _time_training(self, micro_batch: int) -> dict[str, Any]:
+        spec, device = self.spec, torch.device(self.device)
+        model = build_model(spec.model).to(device)
+        trainer = InnerTrainer(model, spec.inner, device, micro_batch_size=micro_batch)
+        theta = snapshot(model)
+        tokens = torch.Generator().manual_seed(0)
+        batch = torch.randint(0, spec.model.vocab_size, (spec.data.batch_size, spec.data.seq_len + 1), generator=tokens)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        trainer.train_window([batch])  # warm-up: kernels, allocator, first-touch
+        _synchronize(device)
+        t0 = self.clock()
+        trainer.train_window([batch] * TIMED_STEPS)
+        _synchronize(device)
+        self._step_s = (self.clock() - t0) / TIMED_STEPS
+        t1 = self.clock()
+        encoded, _ = compress_step(FeedbackState(), pseudo_gradient(theta, model), beta=spec.outer.beta, cfg=spec.codec)
+        self._compress_s = self.clock() - t1
+        blob = encode_contribution(Contribution(self.run_hash, 0, GENESIS, spec.codec, encoded, {}), self.identity)
+        self._contribution_bytes = len(blob)
+        figures: dict[str, Any] = {
+            "step_s": round(self._step_s, 4),
+            "compress_s": round(self._compress_s, 3),
+            "contribution_bytes": len(blob),
+            "micro_batch_size": micro_batch,
+        }
+        if device.type == "cuda":
+            figures["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(device))
+        return figures
+
+    # ------------------------------------------------------------------ the store
+    def _run(self) -> Check:
+        signers = self.spec.validator.public_keys
+        try:
+            genesis = read_manifest(self.store, self.run_id, self.run_hash, 0, allowed_signers=signers).value
+        except ObjectNotFound:
+            return _failed(
+                "run",
+                "run_not_found",
+                f"no genesis checkpoint of run {self.run_id} (hash {self.run_hash}) in {self.local.store.location()}: "
+                "the validator has not started, or this run.toml differs from the operator's "
+                "(compare `sparseloco run-id run.toml`)",
+            )
+        except (ProtocolError, StoreError) as exc:
+            return _failed("run", _reason(exc), f"cannot read the run's genesis: {exc}")
+        return _ok("run", f"run {self.run_id} started at {time.ctime(genesis.published_at)}")
+
+    def _reads(self) -> Check:
+        signers = self.spec.validator.public_keys
+        try:
+            windows = self._checkpoint_windows()
+            if not windows:
+                return _failed("reads", "not_found", "the store lists no checkpoint of this run")
+            newest = read_manifest(self.store, self.run_id, self.run_hash, windows[-1], allowed_signers=signers).value
+            sizes = [self.store.size(f.key) for f in newest.files]
+            try:
+                self._aggregate_bytes = self.store.size(layout.aggregate_key(self.run_id, newest.window))
+            except ObjectNotFound:
+                self._aggregate_bytes = 0  # no window was published after it yet
+        except (ProtocolError, StoreError) as exc:
+            return _failed("reads", _reason(exc), f"cannot read the chain: {exc}")
+        return _ok(
+            "reads",
+            f"newest checkpoint: window {newest.window} ({sum(sizes):,} B)",
+            checkpoint_window=newest.window,
+            checkpoint_bytes=sum(sizes),
+            aggregate_bytes=self._aggregate_bytes,
+        )
+
+    def _checkpoint_windows(self) -> list[int]:
+        """Windows with a checkpoint manifest, ascending (keys that do not parse are not ours)."""
+        windows = []
+        for key in self.store.list(layout.checkpoints_prefix(self.run_id)):
+            try:
+                parsed = layout.parse_key(key, run=self.run_id)
+            except ProtocolError:
+                continue
+            if parsed.file == layout.CHECKPOINT_MANIFEST and parsed.window is not None:
+                windows.append(parsed.window)
+        return sorted(windows)
+
+    def _grant(self) -> Check:
+        store = self.store
+        if not isinstance(store, GrantedStore):
+            return _skipped("grant", "no_grant_server", "no store.grant_url: writes use this machine's credential")
+        try:
+            info = store.info()
+        except (ProtocolError, StoreError) as exc:
+            return _failed("grant", _reason(exc), f"the grant server {store.grant_url} does not answer: {exc}")
+        if info.get("run_hash") != self.run_hash:
+            return _failed(
+                "grant",
+                "wrong_run",
+                f"the grant server serves run hash {info.get('run_hash')}, this run.toml is {self.run_hash}",
+            )
+        window = info.get("window")
+        if not isinstance(window, int):
+            return _skipped("grant", "no_open_window", "no window is open now: nothing to grant an upload for")
+        key = layout.contrib_key(self.run_id, window, self.identity.peer_id)
+        size = self._contribution_bytes or 1
+        try:
+            store.ask(GrantRequest.put(self.run_hash, key, size, if_absent=True))
+        except (ProtocolError, StoreError) as exc:
+            return _failed("grant", _reason(exc), f"no upload grant for {key}: {exc}")
+        return _ok("grant", f"{store.grant_url} grants this peer's contribution to window {window}", window=window)
+
+    def _write(self) -> Check:
+        key = layout.probe_key(self.run_id, self.identity.peer_id)
+        size = min(PROBE_MAX_BYTES, max(PROBE_MIN_BYTES, self._contribution_bytes or 0))
+        payload = os.urandom(size)
+        try:
+            t0 = self.clock()
+            self.store.put(key, payload)
+            t1 = self.clock()
+            back = self.store.get(key, max_bytes=size)
+            t2 = self.clock()
+        except (ProtocolError, StoreError) as exc:
+            return _failed("write", _reason(exc), f"cannot write and read back {key}: {exc}")
+        if back != payload:
+            return _failed("write", "corrupted", f"{key} read back different bytes")
+        self._up_bps, self._down_bps = size / max(t1 - t0, 1e-6), size / max(t2 - t1, 1e-6)
+        return _ok(
+            "write",
+            f"wrote {key}: up {self._up_bps * 8 / 1e6:.1f} Mbit/s, down {self._down_bps * 8 / 1e6:.1f} Mbit/s",
+            probe_bytes=size,
+            up_bytes_per_s=round(self._up_bps),
+            down_bytes_per_s=round(self._down_bps),
+        )
+
+    def _window(self) -> Check:
+        if self._step_s is None or self._contribution_bytes is None:
+            return _skipped("window", "not_measured", "the compute check did not run")
+        deadline = self.spec.windows.upload_deadline_s
+        train_s = self.spec.inner.steps * self._step_s
+        upload_s = self._contribution_bytes / self._up_bps if self._up_bps else 0.0
+        download_s = self._aggregate_bytes / self._down_bps if self._down_bps else 0.0
+        total = download_s + train_s + self._compress_s + upload_s
+        figures = {
+            "estimate_s": round(total, 2),
+            "deadline_s": deadline,
+            "train_s": round(train_s, 2),
+            "compress_s": round(self._compress_s, 2),
+            "upload_s": round(upload_s, 2),
+            "download_s": round(download_s, 2),
+        }
+        parts = (
+            f"{total:.1f} s of {deadline:.0f} s: download {download_s:.1f} s, {self.spec.inner.steps} inner steps "
+            f"{train_s:.1f} s, compress {self._compress_s:.1f} s, upload {upload_s:.1f} s"
+        )
+        if total > deadline:
+            return _failed("window", "too_slow", f"one window takes about {parts}", **figures)
+        return _ok("window", f"one window takes about {parts}", **figures)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

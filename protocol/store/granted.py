@@ -1,0 +1,385 @@
+"""A store for peers without a credential: every operation is a presigned request a grant server signed.
+
+The run's validator serves grants (:mod:`protocol.grants`, ``sparseloco-validator run
+--grant-port``); a peer whose local settings name it (``store.grant_url``) opens this store and
+needs only its own Ed25519 key::
+
+    store = GrantedStore("https://validator.example.org:8710", identity, spec.hash())
+    store.put(contrib_key(run, 3, identity.peer_id), blob, if_absent=True)   # granted PUT, create-only
+    store.get(aggregate_key(run, 2), max_bytes=cap)                          # granted GET
+    store.list(checkpoints_prefix(run))                                      # granted listing
+
+``put`` asks for a PUT of exactly that key and size (create-only with ``if_absent``, which the S3
+server enforces) and sends the bytes with plain HTTP. Reads ask for presigned GETs, HEADs and
+listings, which are cached until shortly before they expire, so polling for the next aggregate
+costs the grant server nothing; or, with ``reads`` (an anonymous store of a public-read bucket,
+``store.public_reads``), they go to the bucket directly. Nothing can be deleted.
+
+Failures: a refusal raises :class:`~protocol.errors.AccessDenied` (or ``PayloadTooLarge``) with the
+reason the grant server gave; an unreachable grant server, 5xx answers and rate limits are retried
+(``retries`` times, exponential backoff from ``backoff_s``, at least what ``Retry-After`` asks) and
+then raise :class:`~protocol.errors.StoreUnavailable`. A cached read grant the store refuses (it
+expired, the validator restarted with new credentials) is replaced once.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
+
+from protocol.errors import (
+    AccessDenied,
+    ConfigError,
+    ObjectExists,
+    ObjectNotFound,
+    PayloadTooLarge,
+    StoreError,
+    StoreUnavailable,
+)
+from protocol.grants import (
+    GRANT_PATH,
+    INFO_PATH,
+    GrantRefused,
+    GrantRequest,
+    decode_grant,
+    decode_refusal,
+    encode_request,
+)
+from protocol.identity import Identity
+from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
+from protocol.store.presign import Presigned
+
+__all__ = ["GrantNotGiven", "GrantStats", "GrantedStore", "parse_listing"]
+
+T = TypeVar("T")
+CHUNK = 1 << 20
+MAX_LISTING_PAGE_BYTES = 8 << 20  # 1000 keys of 1 KiB and their XML
+_STALE_MARGIN_S = 10.0  # a cached grant this close to expiry is asked for again
+Page = tuple[list[str], str]  # one listing page: keys, and the continuation token ("" on the last)
+
+
+@dataclass
+class GrantStats:
+    """Counters for preflight, benchmarks and tests."""
+
+    grants: int = 0
+    cached: int = 0
+    bytes_uploaded: int = 0
+    bytes_downloaded: int = 0
+    retries: int = 0
+
+
+class GrantNotGiven(AccessDenied):
+    """The grant server refused; ``refusal`` is its reason (a key of :data:`protocol.grants.STATUS`:
+    ``wrong_run``, ``window_closed``, ``forbidden`` ...)."""
+
+    def __init__(self, message: str, refusal: str) -> None:
+        super().__init__(message)
+        self.refusal = refusal
+
+
+class _Retry(Exception):
+    """A transient failure of one attempt (the grant server or the store); ``wait_s`` at least."""
+
+    def __init__(self, message: str, wait_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.wait_s = wait_s
+
+
+class _Regrant(Exception):
+    """The store refused a cached grant (``denied``): ask for a new one and try again, once."""
+
+    def __init__(self, denied: AccessDenied) -> None:
+        super().__init__(str(denied))
+        self.denied = denied
+
+
+class GrantedStore(ObjectStore):
+    """Objects of one run through a grant server; see the module docstring."""
+
+    atomic_create = True
+
+    def __init__(
+        self,
+        grant_url: str,
+        identity: Identity,
+        run_hash: str,
+        *,
+        reads: ObjectStore | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        parts = urlsplit(grant_url.strip())
+        if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+            raise ConfigError(f"store.grant_url must be http(s)://host[:port][/path], got {grant_url!r}")
+        self.grant_url = grant_url.strip().rstrip("/")
+        self.identity, self.run_hash = identity, run_hash
+        self.reads = reads
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.stats = GrantStats()
+        self._sleep = sleep
+        self._cache: dict[tuple[str, str, str], Presigned] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"GrantedStore({self.grant_url})"
+
+    # ------------------------------------------------------------------ grants
+    def ask(self, request: GrantRequest) -> Presigned:
+        """One grant, fresh from the server (retried while it is unreachable); a refusal raises
+        :class:`GrantNotGiven` (``PayloadTooLarge`` for ``too_large``). What ``sparseloco-peer
+        preflight`` uses to check a grant without using it."""
+        return self._attempts(f"grant {request.op} {request.key!r}", lambda: self._ask_once(request), regrant=False)
+
+    def info(self) -> dict[str, Any]:
+        """The grant server's ``/v1/info`` (run id and hash, the open window): whether it is up and
+        serves this run."""
+
+        def once() -> dict[str, Any]:
+            try:
+                with urllib.request.urlopen(self.grant_url + INFO_PATH, timeout=self.timeout_s) as resp:
+                    raw = json.loads(resp.read(64 << 10))
+            except urllib.error.HTTPError as exc:
+                raise self._refusal(exc) from None
+            except (OSError, http.client.HTTPException) as exc:
+                raise _Retry(f"grant server {self.grant_url} unreachable: {exc}") from None
+            except ValueError:
+                raise GrantRefused("malformed", f"{self.grant_url}{INFO_PATH} did not answer JSON") from None
+            if not isinstance(raw, dict):
+                raise GrantRefused("malformed", f"{self.grant_url}{INFO_PATH} did not answer a JSON object")
+            return raw
+
+        return self._attempts("grant server info", once, regrant=False)
+
+    def _ask_once(self, request: GrantRequest) -> Presigned:
+        body, headers = encode_request(request, self.identity)
+        http_request = urllib.request.Request(self.grant_url + GRANT_PATH, data=body, method="POST", headers=headers)
+        try:
+            with urllib.request.urlopen(http_request, timeout=self.timeout_s) as resp:
+                answer = resp.read(1 << 20)
+        except urllib.error.HTTPError as exc:
+            raise self._refusal(exc) from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise _Retry(f"grant server {self.grant_url} unreachable: {exc}") from None
+        self.stats.grants += 1
+        return decode_grant(answer)
+
+    def _refusal(self, exc: urllib.error.HTTPError) -> Exception:
+        refusal = decode_refusal(exc.code, exc.read(1 << 16), retry_after=exc.headers.get("Retry-After"))
+        exc.close()
+        if refusal.reason in ("rate_limited", "unavailable"):
+            return _Retry(f"grant server {self.grant_url}: {refusal}", refusal.retry_after_s)
+        return refusal
+
+    def _granted(self, op: str, key: str, token: str = "") -> Presigned:
+        """A read grant, from the cache while it is fresh."""
+        with self._lock:
+            cached = self._cache.get((op, key, token))
+        if cached is not None and cached.expires_at - _STALE_MARGIN_S > time.time():
+            self.stats.cached += 1
+            return cached
+        if op == "list":
+            request = GrantRequest.listing(self.run_hash, key, token)
+        else:
+            request = GrantRequest.read(self.run_hash, op, key)
+        grant = self._ask_once(request)
+        with self._lock:
+            self._cache[(op, key, token)] = grant
+        return grant
+
+    def _forget(self, op: str, key: str, token: str = "") -> None:
+        with self._lock:
+            self._cache.pop((op, key, token), None)
+
+    # ------------------------------------------------------------------ retries
+    def _attempts(self, what: str, once: Callable[[], T], *, regrant: bool = True) -> T:
+        """``once()`` with transient failures retried; store errors and refusals mapped."""
+        regranted = False
+        attempt = 0
+        while True:
+            try:
+                return once()
+            except _Regrant as exc:
+                if regranted or not regrant:
+                    raise exc.denied from None  # a fresh grant refused too: not an expiry
+                regranted = True
+            except GrantRefused as exc:
+                raise _store_error(what, self.grant_url, exc) from None
+            except _Retry as exc:
+                if attempt >= self.retries:
+                    raise StoreUnavailable(f"{what}: {exc} (after {attempt + 1} attempts)") from None
+                self.stats.retries += 1
+                self._sleep(max(exc.wait_s, self.backoff_s * 2**attempt))
+                attempt += 1
+
+    # ------------------------------------------------------------------ HTTP to the store
+    def _send(self, grant: Presigned, key: str, *, body: bytes | None = None) -> http.client.HTTPResponse:
+        """Send one presigned request; an open response on 2xx, named errors otherwise."""
+        headers = dict(grant.headers)
+        if body is not None:
+            # urllib would label a body as a form (x-www-form-urlencoded), which some servers parse.
+            headers.setdefault("Content-Type", "application/octet-stream")
+        request = urllib.request.Request(grant.url, data=body, method=grant.method, headers=headers)
+        try:
+            resp: http.client.HTTPResponse = urllib.request.urlopen(request, timeout=self.timeout_s)
+        except urllib.error.HTTPError as exc:
+            status, text = exc.code, exc.read(1 << 16).decode("utf-8", "replace")
+            exc.close()
+            raise _store_status(status, text, key) from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise _Retry(f"{key!r}: the store did not answer: {exc}") from None
+        return resp
+
+    # ------------------------------------------------------------------ ObjectStore
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        check_key(key)
+        body = bytes(data)
+
+        def once() -> None:
+            grant = self._ask_once(GrantRequest.put(self.run_hash, key, len(body), if_absent=if_absent))
+            self._send(grant, key, body=body).close()
+
+        self._attempts(f"put {key!r}", once, regrant=False)
+        self.stats.bytes_uploaded += len(body)
+
+    def get(self, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+        if self.reads is not None:
+            return self.reads.get(key, max_bytes=max_bytes)
+        check_key(key)
+        return self._attempts(f"get {key!r}", lambda: self._read_once("get", key, max_bytes))
+
+    def size(self, key: str) -> int:
+        if self.reads is not None:
+            return self.reads.size(key)
+        check_key(key)
+
+        def once() -> int:
+            with self._read_response("head", key)[1] as resp:
+                return _content_length(resp, key)
+
+        return self._attempts(f"size {key!r}", once)
+
+    def list(self, prefix: str) -> list[str]:
+        if self.reads is not None:
+            return self.reads.list(prefix)
+        check_prefix(prefix)
+        keys: list[str] = []
+        token = ""
+        while True:
+            page, token = self._attempts(f"list {prefix!r}", lambda: self._list_once(prefix, token))
+            keys += page
+            if not token:
+                return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        raise AccessDenied(f"{key!r}: a granted store cannot delete (only the validator's credential can)")
+
+    def close(self) -> None:
+        if self.reads is not None:
+            self.reads.close()
+
+    # ------------------------------------------------------------------ reads
+    def _read_response(self, op: str, key: str, token: str = "") -> tuple[Presigned, http.client.HTTPResponse]:
+        grant = self._granted(op, key, token)
+        try:
+            return grant, self._send(grant, key)
+        except AccessDenied as exc:
+            self._forget(op, key, token)  # expired, or signed by a credential that is gone
+            raise _Regrant(exc) from None
+
+    def _read_once(self, op: str, key: str, max_bytes: int) -> bytes:
+        with self._read_response(op, key)[1] as resp:
+            length = _content_length(resp, key)
+            if length > max_bytes:
+                raise PayloadTooLarge(f"{key!r} is {length} bytes, cap is {max_bytes}")
+            chunks: list[bytes] = []
+            received = 0
+            while chunk := resp.read(CHUNK):
+                received += len(chunk)
+                if received > max_bytes:  # a server that lied about the length
+                    raise PayloadTooLarge(f"{key!r} exceeds the cap of {max_bytes} bytes")
+                chunks.append(chunk)
+        if received != length:
+            raise _Retry(f"{key!r}: body cut off at {received} of {length} bytes")
+        self.stats.bytes_downloaded += received
+        return b"".join(chunks)
+
+    def _list_once(self, prefix: str, token: str) -> Page:
+        grant, resp = self._read_response("list", prefix, token)
+        with resp:
+            body = resp.read(MAX_LISTING_PAGE_BYTES + 1)
+        if len(body) > MAX_LISTING_PAGE_BYTES:
+            raise StoreError(f"list {prefix!r}: a listing page over {MAX_LISTING_PAGE_BYTES} bytes")
+        return parse_listing(body, grant.key_prefix)
+
+
+def parse_listing(body: bytes, key_prefix: str) -> Page:
+    """(keys without ``key_prefix``, continuation token or "") of one ``ListObjectsV2`` page."""
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError as exc:
+        raise StoreError(f"the store's listing is not XML: {exc}") from None
+    if not root.tag.endswith("ListBucketResult"):
+        raise StoreError(f"the store answered a listing with <{root.tag}>")
+    url_encoded = (root.findtext("{*}EncodingType") or "").lower() == "url"
+    keys = []
+    for item in root.iterfind("{*}Contents"):
+        key = item.findtext("{*}Key") or ""
+        key = unquote(key) if url_encoded else key
+        if key.startswith(key_prefix) and not key.endswith("/"):  # folder markers are not objects
+            keys.append(key[len(key_prefix) :])
+    truncated = (root.findtext("{*}IsTruncated") or "").lower() == "true"
+    token = (root.findtext("{*}NextContinuationToken") or "") if truncated else ""
+    if truncated and not token:
+        raise StoreError("the store's listing is truncated but names no continuation token")
+    return keys, token
+
+
+def _content_length(resp: http.client.HTTPResponse, key: str) -> int:
+    text = resp.headers.get("Content-Length")
+    if text is None or not text.isdigit():
+        raise StoreError(f"{key!r}: the store's answer has no Content-Length")
+    return int(text)
+
+
+def _store_status(status: int, text: str, key: str) -> Exception:
+    """The store error for an S3 answer ``status`` (its XML error body ``text``)."""
+    code = _xml_code(text)
+    if status == 404:
+        return ObjectNotFound(f"{key!r} not found")
+    if status == 412:
+        return ObjectExists(f"{key!r} already exists")
+    if status == 403:
+        return AccessDenied(f"{key!r}: the store refused the grant: {code or status}")
+    if code == "EntityTooLarge" or status == 413:
+        return PayloadTooLarge(f"{key!r}: {code or status}")
+    if status >= 500 or status in (408, 409, 429):
+        return _Retry(f"{key!r}: the store answered {status} {code}")
+    return StoreError(f"{key!r}: the store answered {status} {code}")
+
+
+def _xml_code(text: str) -> str:
+    """The ``<Code>`` of an S3 error body ("" when there is none)."""
+    try:
+        return ET.fromstring(text).findtext("{*}Code") or ""
+    except ET.ParseError:
+        return ""
+
+
+def _store_error(what: str, grant_url: str, refusal: GrantRefused) -> GrantNotGiven | PayloadTooLarge:
+    """A grant server's refusal as the ObjectStore error a caller handles."""
+    message = f"{what}: the grant server {grant_url} refused ({refusal.status} {refusal})"
+    if refusal.reason == "too_large":
+        return PayloadTooLarge(message)
+    return GrantNotGiven(message, refusal.reason)

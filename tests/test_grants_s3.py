@@ -1,0 +1,160 @@
+"""Grants against a real S3 server (SeaweedFS ``weed mini`` on 127.0.0.1): what the server enforces.
+
+A presigned PUT carries its size and create-only condition in its signature, so a peer cannot send
+more or other bytes than it was granted, nor overwrite; a presigned URL dies at its expiry; a
+private bucket refuses anonymous reads while granted reads work; with a public-read bucket a peer
+reads directly, with its own spelling of the endpoint, and asks only for write grants.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from servers import SeaweedS3
+
+from protocol import layout
+from protocol.config import RunSpec
+from protocol.errors import AccessDenied, ObjectExists
+from protocol.events import Event, WindowOpened
+from protocol.grants import GrantRequest
+from protocol.identity import Identity
+from protocol.settings import StoreSettings
+from protocol.store import open_peer_store, put_once
+from protocol.store.granted import GrantedStore, GrantNotGiven
+from protocol.store.presign import Presigned
+from protocol.store.s3 import S3Store
+from validator.grant_server import GrantServer
+from validator.grants import GrantDesk, OpenWindows
+
+pytestmark = pytest.mark.integration
+
+VALIDATOR = Identity.from_seed(b"v" * 32)
+ALICE = Identity.from_seed(b"a" * 32)
+BOB = Identity.from_seed(b"b" * 32)
+SPEC = RunSpec().replace(
+    windows={"upload_deadline_s": 600.0},
+    validator={"public_keys": [VALIDATOR.public_key_hex], "max_contribution_bytes": 100_000},
+)
+RUN_HASH = SPEC.hash()
+RUN = layout.run_id(RUN_HASH)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[SeaweedS3]:
+    with SeaweedS3() as server:
+        yield server
+
+
+class Served:
+    """A grant server in this process over the admin credential, under its own store prefix."""
+
+    def __init__(self, s3: SeaweedS3) -> None:
+        self.prefix = f"t{uuid.uuid4().hex[:12]}"
+        self.events: list[Event] = []
+        self.windows = OpenWindows()
+        self.windows.observe(WindowOpened(window=3, base="genesis", opened_at=time.time()))
+        self.admin = s3.store(self.prefix)
+        self.server = GrantServer(
+            GrantDesk(SPEC, self.admin, self.windows.current, emit=self.events.append), "127.0.0.1"
+        )
+
+    def store(self, who: Identity = ALICE) -> GrantedStore:
+        return GrantedStore(self.server.url, who, RUN_HASH)
+
+
+@pytest.fixture
+def served(s3: SeaweedS3) -> Iterator[Served]:
+    served = Served(s3)
+    with served.server, served.admin:
+        yield served
+
+
+def _send(grant: Presigned, body: bytes | None, headers: dict[str, str]) -> int:
+    request = urllib.request.Request(grant.url, data=body, method=grant.method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        return exc.code
+
+
+def test_a_granted_put_carries_exactly_its_size_and_create_only_condition(served: Served) -> None:
+    alice = served.store()
+    key = layout.contrib_key(RUN, 3, ALICE.peer_id)
+    grant = alice.ask(contribution(key, 100))
+    assert _send(grant, b"x" * 101, {"If-None-Match": "*"}) == 403  # one byte more: the signature breaks
+    assert _send(grant, b"x" * 99, {"If-None-Match": "*"}) == 403
+    assert _send(grant, b"x" * 100, {}) == 403  # without the create-only condition it was signed with
+    assert _send(grant, b"x" * 100, {"If-None-Match": "*"}) == 200
+    assert _send(grant, b"y" * 100, {"If-None-Match": "*"}) == 412  # the same grant cannot overwrite
+    assert served.admin.get(key) == b"x" * 100
+    # Through the store: put_once finds its own bytes, another contribution is refused.
+    assert not put_once(alice, key, b"x" * 100)
+    with pytest.raises(ObjectExists):
+        put_once(alice, key, b"z" * 100)
+
+
+def test_a_grant_for_one_key_writes_no_other(served: Served) -> None:
+    grant = served.store().ask(contribution(layout.contrib_key(RUN, 3, ALICE.peer_id), 5))
+    elsewhere = Presigned(grant.method, grant.url.replace(ALICE.peer_id, BOB.peer_id), grant.expires_at)
+    assert _send(elsewhere, b"12345", {"If-None-Match": "*"}) == 403
+    assert not served.admin.exists(layout.contrib_key(RUN, 3, BOB.peer_id))
+
+
+def test_a_presigned_url_dies_at_its_expiry(served: Served) -> None:
+    key = layout.peer_key(RUN, ALICE.peer_id)
+    served.admin.put(key, b"announcement")
+    grant = served.admin.presign_get(key, expires_s=1)
+    assert _send(grant, None, {}) == 200
+    deadline = time.monotonic() + 30
+    while _send(grant, None, {}) == 200:  # S3 checks the expiry against its own clock
+        assert time.monotonic() < deadline, "the presigned GET outlived its expiry"
+        time.sleep(0.2)
+    assert _send(grant, None, {}) == 403
+
+
+def test_a_private_bucket_is_read_through_grants_only(served: Served, s3: SeaweedS3) -> None:
+    alice = served.store()
+    key = layout.peer_key(RUN, ALICE.peer_id)
+    alice.put(key, b"announcement")
+    anonymous = Presigned("GET", f"{s3.endpoint_url}/{s3.bucket}/{served.prefix}/{key}", 0.0)
+    assert _send(anonymous, None, {}) == 403
+    bob = served.store(BOB)
+    assert bob.get(key) == b"announcement" and bob.list(layout.peers_prefix(RUN)) == [key]
+    with pytest.raises(GrantNotGiven, match="forbidden"):
+        bob.put(key, b"bob overwrites alice")
+    with pytest.raises(AccessDenied):
+        bob.delete(key)
+    assert served.admin.get(key) == b"announcement"
+
+
+def test_public_reads_go_to_the_bucket_with_the_peers_own_endpoint(served: Served, s3: SeaweedS3) -> None:
+    s3.allow_anonymous_reads()
+    served.admin.put(layout.aggregate_key(RUN, 2), b"aggregate 2")
+    settings = StoreSettings(
+        url=f"s3://{s3.bucket}/{served.prefix}/",  # a trailing slash
+        s3_endpoint=s3.endpoint_url.replace("127.0.0.1", "localhost") + "/",
+        s3_region="us-east-1",
+        grant_url=served.server.url.replace("127.0.0.1", "localhost"),
+        public_reads=True,
+    )
+    with open_peer_store(settings, ALICE, RUN_HASH) as alice:
+        assert isinstance(alice, GrantedStore) and isinstance(alice.reads, S3Store)
+        assert alice.get(layout.aggregate_key(RUN, 2)) == b"aggregate 2"
+        assert alice.list(layout.aggregate_prefix(RUN)) == [layout.aggregate_key(RUN, 2)]
+        assert alice.stats.grants == 0  # no read went through the grant server
+        alice.put(layout.contrib_key(RUN, 3, ALICE.peer_id), b"contribution", if_absent=True)
+        assert alice.stats.grants == 1
+        with pytest.raises(GrantNotGiven, match="forbidden"):
+            alice.put(layout.aggregate_key(RUN, 3), b"forged")
+    assert served.admin.get(layout.contrib_key(RUN, 3, ALICE.peer_id)) == b"contribution"
+
+
+def contribution(key: str, size: int) -> GrantRequest:
+    return GrantRequest.put(RUN_HASH, key, size, if_absent=True)
