@@ -1,7 +1,8 @@
 """The self-hosting recipe of docs/JOINING.md, step by step, and ``sparseloco-peer preflight`` on it.
 
 The steps are the documented ones (so the recipe cannot rot): ``scripts/seaweed-selfhost.sh``
-starts SeaweedFS with a private bucket and writes the validator's credential, the validator runs
+starts SeaweedFS with a private bucket and writes the validator's credential, ``init`` puts a
+corpus into the store and writes run.toml, the validator runs
 with that credential and ``--grant-port``, and a volunteer who holds only run.toml runs
 ``sparseloco-peer preflight``: it passes. Then the setups that must fail, with their reason: a
 run.toml that differs from the operator's in one hashed field, and a grant server that is not
@@ -10,6 +11,7 @@ there. The per-peer grant paths the docs give are the ones the S3 tests use.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -25,6 +27,7 @@ import pytest
 from client.demo.processes import ProcessGroup, python_console
 from client.demo.seaweed import free_port_pair, free_ports, peer_grants, weed_binary, write_actions
 from protocol.config import RunSpec
+from protocol.corpus import stdlib_documents
 from protocol.events import GrantsServed, WindowOpened, parse_line
 from protocol.identity import Identity
 from protocol.layout import run_id
@@ -154,9 +157,17 @@ def operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
             "s3_region": "us-east-1",
             "grant_url": grant_url,
         }
+        base = work / "base.toml"
+        base.write_text(spec.to_toml() + local_table_toml({"poll_interval_s": 0.5, "store": store}))
+        # 3. sparseloco-validator init: the corpus into the run's store, and the run.toml to publish
+        corpus = work / "corpus.txt"
+        corpus.write_bytes(b"".join(data for _, data in itertools.islice(stdlib_documents(), 20)))
         run_toml = work / "run.toml"
-        run_toml.write_text(spec.to_toml() + local_table_toml({"poll_interval_s": 0.5, "store": store}))
-        # 3. set -a; . $SEAWEED_DIR/validator.env; set +a; sparseloco-validator run ... --grant-port
+        init = python_console("sparseloco-validator") + ["init", "--corpus", str(corpus), "--store", store["url"]]
+        init += ["--key", str(vkey), "--spec", str(base), "--out", str(run_toml)]
+        subprocess.run(init, env={**os.environ, **credential}, capture_output=True, check=True, timeout=TIMEOUT_S)
+        spec = RunSpec.load(run_toml)
+        # 4. set -a; . $SEAWEED_DIR/validator.env; set +a; sparseloco-validator run ... --grant-port
         argv = python_console("sparseloco-validator") + [
             "run",
             "--run",
