@@ -46,6 +46,7 @@ import json
 import math
 import os
 import shutil
+import sqlite3
 import sys
 import tempfile
 import threading
@@ -88,7 +89,7 @@ from validator.held import clipped_entries, decode
 from validator.log import CheckRow, ContributionLog, ContributionRecord, WindowRecord
 from validator.node import Validator, _outcome
 from validator.publish import encode_window_aggregate
-from validator.reputation import Standing, standings
+from validator.reputation import Outcome, Standing, standings
 from validator.sketch import Sketcher, expected_nnz, global_entries, offsets, sample_every
 from validator.state import ValidatorState, load_state, save_state
 
@@ -99,6 +100,7 @@ ONE_B = {"preset": "1b", "dim": 2048, "n_layers": 16, "n_heads": 16, "ffn_dim": 
 PEERS = (4, 16, 64, 256)
 HISTORY = (10, 1_000, 10_000)
 HISTORY_PEERS = 256
+TEMPLATE_WINDOWS = 32  # windows of synthetic rows; the longer logs repeat them
 CORES = 16  # CPU cores of the projected validator (one H100-class GPU beside them)
 GPU_TOKENS_PER_S = 40_000.0  # forward tokens/s of a 1B model on that GPU (fp32/TF32 evaluation)
 SEQ_LEN_1B = 2048
@@ -358,6 +360,28 @@ def synthetic_rows(window: int, peers: list[str], rng: np.random.Generator) -> l
     return out
 
 
+def _failed(r: ContributionRecord) -> str | None:
+    return next((c.name for c in r.checks if not c.passed), None)
+
+
+def replicate_windows(path: Path, have: int, want: int) -> None:
+    """Fill windows ``have`` … ``want − 1`` of the log at ``path`` with copies of the rows of
+    windows ``0 … have − 1`` (doubling, in SQL: millions of rows in seconds)."""
+    db = sqlite3.connect(path)
+    cols = [c[1] for c in db.execute("PRAGMA table_info(contributions)") if c[1] != "window"]
+    names = ", ".join(cols)
+    n = have
+    while n < want:
+        k = min(n, want - n)
+        db.execute(
+            f"INSERT INTO contributions (window, {names}) SELECT window + ?, {names} FROM contributions WHERE window < ?",
+            (n, k),
+        )
+        db.commit()
+        n += k
+    db.close()
+
+
 def history_costs(windows: int, vkey: Identity) -> dict[str, Any]:
     d = Path(tempfile.mkdtemp(prefix="bench-history-"))
     try:
@@ -365,20 +389,26 @@ def history_costs(windows: int, vkey: Identity) -> dict[str, Any]:
         cfg = spec.validator
         rng = np.random.default_rng(windows)
         peers = sorted(Identity.generate().peer_id for _ in range(HISTORY_PEERS))
-        log = ContributionLog(d / "contributions.sqlite")
-        batch: list[ContributionRecord] = []
-        for w in range(windows - 1):
-            batch += synthetic_rows(w, peers, rng)
-            if len(batch) >= 25_000:
-                log.record_rows(batch)
-                batch = []
-        log.record_rows(batch)
         t = windows - 1
-        log.record_window(WindowRecord(window=t, status="published", opened_at=1.0), synthetic_rows(t, peers, rng))
+        path = d / "contributions.sqlite"
+        templates = [synthetic_rows(w, peers, rng) for w in range(min(t, TEMPLATE_WINDOWS))]
+        log = ContributionLog(path)
+        log.record_rows([r for rows in templates for r in rows])
+        log.close()
+        replicate_windows(path, len(templates), t)  # window w repeats the rows of w mod TEMPLATE_WINDOWS
+        # the state a validator at window t + 1 saved: standings folded window by window
+        folded: dict[str, Standing] = {}
+        for w in range(t):
+            rows = templates[w % len(templates)]
+            folded = standings(
+                (Outcome(w, r.peer, r.accepted, r.reason, r.score, _failed(r)) for r in rows), cfg, start=folded
+            )
+        last = synthetic_rows(t, peers, rng)
+        folded = standings(map(_outcome, last), cfg, start=folded)
+        log = ContributionLog(path)
+        log.record_window(WindowRecord(window=t, status="published", opened_at=1.0), last)
         rows_now = log.rows(windows=(t, t))
         n_rows = windows * HISTORY_PEERS
-        # the state a validator at window t + 1 saved: standings folded window by window
-        folded = standings(map(_outcome, log.rows(windows=(None, t))), cfg)
         params = {"w": torch.zeros(4)}
         state = ValidatorState(spec.hash(), t + 1, "ab" * 32, 1.0, params, "cd" * 32, 0.5, standings=folded)
         save_state(d, state)
