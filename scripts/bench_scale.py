@@ -7,7 +7,7 @@ Everything runs in one process on the CPU, through the real code:
   aggregates and publishes window 1 of N ∈ {4, 16, 64, 256} signed contributions of the ``tiny``
   model (P = 3.3 M parameters, the run's codec: 1.56 % of the values kept). The peers are
   established (their standings are in the validator's state) and their updates are synthetic: a
-  direction they share plus their own, so that two honest uploads overlap on ~20 % of their
+  direction they share plus their own, so that two honest uploads overlap on ~12 % of their
   positions. Window 0 (not timed) sets the norm reference. ``validator_growth_exponent`` is x
   fitted to seconds ∝ N^x.
 * **Copies, baseline.** The same window's contributions through the one-pass copy scan and through
