@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "NormLimit",
     "Sparse",
     "SparseDict",
+    "SparseSum",
     "aggregate",
     "apply_outer",
     "check_sparse",
@@ -188,6 +190,67 @@ def aggregate(
     if clip == "median":
         contribs = clip_to_median_norm(contribs) if limits is None else clip_to_limits(contribs, limits)
     return mean_over_contributors(contribs) if mode == "contributors" else mean_over_all(contribs)
+
+
+class SparseSum:
+    """The mean of :func:`aggregate` (``clip="none"``) built one batch of contributions at a time,
+    so that they need not all be held: per tensor a float64 sum and a contributor count per
+    coordinate, to which contributions are added in the order given — the same additions, in the
+    same order, as :func:`mean_over_contributors` / :func:`mean_over_all` make, hence the same
+    bytes::
+
+        total = SparseSum(shapes)
+        for batch in batches:                   # canonical order, e.g. by peer id
+            total.add(batch, pool)              # tensors summed in parallel on ``pool``
+        delta = total.mean("contributors")      # == aggregate(all_contribs, "contributors", "none")
+
+    Memory: a dense float64 sum and an int32 count for every tensor any contribution touched
+    (12 bytes per parameter), whatever the number of contributions."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.shapes = shapes
+        self.n = 0
+        self._sums: dict[str, Tensor] = {}
+        self._counts: dict[str, Tensor] = {}
+
+    def add(self, contribs: Sequence[SparseDict], pool: Executor | None = None) -> None:
+        """Add ``contribs`` in order; with ``pool`` every tensor is summed on its own thread."""
+        names = sorted({n for c in contribs for n in c})
+        for name in names:  # allocated here, so that the threads only add
+            if name not in self._sums:
+                numel = math.prod(self.shapes[name])
+                self._sums[name] = torch.zeros(numel, dtype=torch.float64)
+                self._counts[name] = torch.zeros(numel, dtype=torch.int32)
+
+        def one(name: str) -> None:
+            sums, counts = self._sums[name], self._counts[name]
+            for c in contribs:
+                if name in c:
+                    idx, vals = c[name]
+                    idx = idx.to("cpu", torch.int64)
+                    sums.index_add_(0, idx, vals.to("cpu", torch.float64))
+                    counts.index_add_(0, idx, torch.ones(len(idx), dtype=torch.int32))
+
+        if pool is None:
+            for name in names:
+                one(name)
+        else:
+            list(pool.map(one, names))
+        self.n += len(contribs)
+
+    def mean(self, mode: str = "contributors") -> SparseDict:
+        """Δ̄ so far: per coordinate the sum over the contributions that selected it divided by
+        their number (``contributors``) or by all contributions added (``all``)."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        out: SparseDict = {}
+        for name in sorted(self._sums):
+            counts = self._counts[name]
+            idx = torch.nonzero(counts).squeeze(1)
+            sums = self._sums[name][idx]
+            div = counts[idx].double() if mode == "contributors" else float(self.n)
+            out[name] = (idx, (sums / div).float())
+        return out
 
 
 def check_sparse(delta: Mapping[str, Sparse], shapes: Mapping[str, tuple[int, ...]]) -> None:

@@ -174,16 +174,18 @@ class PeerSettings:
 
 @dataclass(frozen=True)
 class ValidatorSettings:
-    """``gather_concurrency``: contributions fetched at once while gathering a window.
-    ``eval_every``: evaluate θ on held-out data every N windows (0: never), on ``eval_sequences``
-    sequences, recorded beside the contribution log. ``grant_port``: serve grants to peers
-    without credentials on this port (0: no grant server), bound to ``grant_host``, over HTTPS
-    with ``tls_cert``/``tls_key`` (PEM files; both or neither). ``retain_windows``: delete
+    """``gather_concurrency``: contributions fetched (and checked) at once while gathering a window.
+    ``workers``: threads that decode, clip and sum contributions once a window is gathered (0: one
+    per CPU core). ``eval_every``: evaluate θ on held-out data every N windows (0: never), on
+    ``eval_sequences`` sequences, recorded beside the contribution log. ``grant_port``: serve grants
+    to peers without credentials on this port (0: no grant server), bound to ``grant_host``, over
+    HTTPS with ``tls_cert``/``tls_key`` (PEM files; both or neither). ``retain_windows``: delete
     contributions and aggregates older than the last N windows after each publish (0: keep
     everything), keeping what a joiner needs; ``retain_checkpoint_every``: keep every M-th
     checkpoint besides (0: only those catch-up needs) (:mod:`validator.retention`)."""
 
     gather_concurrency: int = 16
+    workers: int = 0
     eval_every: int = 0
     eval_sequences: int = 256
     grant_port: int = 0
@@ -195,6 +197,7 @@ class ValidatorSettings:
 
     def __post_init__(self) -> None:
         _require(self.gather_concurrency >= 1, "validator.gather_concurrency must be >= 1")
+        _require(self.workers >= 0, "validator.workers must be >= 0")
         _require(self.eval_every >= 0, "validator.eval_every must be >= 0")
         _require(self.eval_sequences >= 1, "validator.eval_sequences must be >= 1")
         _require(0 <= self.grant_port <= 65535, "validator.grant_port must be in 0..65535")

@@ -58,7 +58,7 @@ from protocol.store.memory import MemoryStore
 from protocol.wire import Announcement, Contribution, encode_announcement, encode_contribution
 from validator.budgets import Budgets
 from validator.node import Validator
-from validator.reference import clip_limits
+from validator.reference import clip_limits, measured
 
 torch.set_num_threads(1)
 
@@ -304,7 +304,7 @@ class TargetedRow(Established):
         if st is None or st.reference.empty or self.last is None:
             return
         schema = {n: tuple(p.shape) for n, p in st.params.items()}
-        others = [sparse_of(enc) for enc in honest.values()]
+        others = [measured(sparse_of(enc), schema) for enc in honest.values()]
         out = []
         for rows in (True, False):
             limits = clip_limits(st.reference, others, schema, headroom=cfg.clip_headroom, rows=rows)

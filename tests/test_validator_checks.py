@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 import torch
@@ -13,8 +15,10 @@ from protocol.windows import gather_close, is_checkpoint_window, should_close, u
 from protocol.wire import GENESIS, Contribution, encode_contribution
 from validator import checks
 from validator.copies import CopyRule, scan, similarity
+from validator.held import decode, hold
 from validator.log import CheckRow
 from validator.reputation import EXCLUDED, Outcome, Standing, is_excluded, standings, update
+from validator.sketch import Sketcher
 
 SCHEMA = {"w": (64, 64), "b": (64,)}
 CFG = CodecConfig()
@@ -95,7 +99,7 @@ def test_norm_check_compares_with_the_reference_not_the_window() -> None:
 
 
 def test_reference_moves_at_a_bounded_rate_and_round_trips() -> None:
-    from validator.reference import NormReference, TensorNorms, advance, clip_limits
+    from validator.reference import NormReference, TensorNorms, advance, clip_limits, measured
 
     ref = NormReference({"w": TensorNorms(1.0, 0.2)})
     assert advance(ref, {"w": TensorNorms(100.0, 0.0)}, 2.0).tensors["w"] == TensorNorms(2.0, 0.1)
@@ -105,12 +109,12 @@ def test_reference_moves_at_a_bounded_rate_and_round_trips() -> None:
         NormReference.from_json('{"w": [NaN, 0]}')
     # caps: the established median, kept within [reference, headroom x reference]
     big = {"w": (torch.tensor([0, 8]), torch.tensor([5.0, 0.3]))}  # norm ~5, rows 5.0 and 0.3
-    caps = clip_limits(ref, [big], {"w": (4, 8)}, headroom=2.0, rows=True)
+    caps = clip_limits(ref, [measured(big, {"w": (4, 8)})], {"w": (4, 8)}, headroom=2.0, rows=True)
     assert caps["w"].norm == 2.0 and caps["w"].row == pytest.approx(0.4) and caps["w"].row_len == 8
     # each row: headroom x max(what established peers did to that row, the RMS row = 1 / 2)
     assert caps["w"].rows is not None and caps["w"].rows.tolist() == pytest.approx([10.0, 1.0, 1.0, 1.0])
     small = {"w": (torch.tensor([0]), torch.tensor([0.01]))}
-    caps = clip_limits(ref, [small], {"w": (4, 8)}, headroom=2.0, rows=False)
+    caps = clip_limits(ref, [measured(small, {"w": (4, 8)})], {"w": (4, 8)}, headroom=2.0, rows=False)
     assert caps["w"].norm == 1.0 and caps["w"].row == 0.0 and caps["w"].rows is None
 
 
@@ -125,7 +129,11 @@ def test_rows_for_error_name_the_failing_check() -> None:
 # ------------------------------------------------------------------ screen(): one contribution
 def test_screen_accepts_a_good_contribution(peer: Identity) -> None:
     s = checks.screen(peer.peer_id, blob(peer), ctx(peer))
-    assert s.reason is None and s.contribution is not None and set(s.sparse) == set(SCHEMA)
+    assert s.reason is None and s.held is not None and set(s.held.norms.tensors) == set(SCHEMA)
+    assert s.held.data == blob(peer) and s.held.digest == hashlib.sha256(s.held.data).hexdigest()
+    again = decode(s.held, SCHEMA, CFG)  # what is held decodes to the values that were checked
+    assert set(again) == set(SCHEMA) and s.held.nnz == sum(len(i) for i, _ in again.values())
+    assert len(s.held.sketch[0]) == s.held.nnz  # a small contribution is not sampled
     assert [c.name for c in s.checks] == list(checks.CHECK_ORDER[: checks.CHECK_ORDER.index("excluded") + 1])
 
 
@@ -286,7 +294,8 @@ def test_window_clock() -> None:
 # ------------------------------------------------------------------ window-level checks
 def _screened(peer: str, idx: list[int], vals: list[float]) -> checks.Screened:
     sparse = {"w": (torch.tensor(idx, dtype=torch.int64), torch.tensor(vals, dtype=torch.float32))}
-    return checks.Screened(peer=peer, checks=(CheckRow("size", True),), reason=None, sparse=sparse)
+    held = hold(b"", peer, sparse, {"w": (64, 64)}, Sketcher({"w": 0}))
+    return checks.Screened(peer=peer, checks=(CheckRow("size", True),), reason=None, held=held)
 
 
 def test_window_checks_norm_copy_score_capacity() -> None:
@@ -301,10 +310,10 @@ def test_window_checks_norm_copy_score_capacity() -> None:
     tiny = _screened("t", [30, 31, 32, 33], [0.01, 0.01, 0.01, 0.01])
     rejected = checks.Screened(peer="r", checks=(CheckRow("size", False, "too_large"),), reason="too_large")
     ref = NormReference({"w": TensorNorms(2.0, 1.0)})
-    out = wc.norms([a, b, copy, huge, tiny, rejected], ref, {"w": (64, 64)}, max_ratio=10.0, min_ratio=0.1)
+    out = wc.norms([a, b, copy, huge, tiny, rejected], ref, max_ratio=10.0, min_ratio=0.1)
     assert [s.reason for s in out] == [None, None, None, "norm_outlier", "norm_tiny", "too_large"]
     assert out[5] is rejected  # rejected ones pass through untouched
-    out = wc.copies(out, {"a": 1.0, "b": 2.0, "c": 3.0, "h": 0.0}, {"w": (64, 64)}, CopyRule())
+    out = wc.copies(out, {"a": 1.0, "b": 2.0, "c": 3.0, "h": 0.0}, CopyRule())
     assert [s.reason for s in out[:4]] == [None, None, "copied", "norm_outlier"]
     assert "overlap 1.00" in (out[2].detail or "") and "with a" in (out[2].detail or "")
     out = wc.scores(out, {"a": LossScore(5.0, 4.0, 5.0, 4.5), "b": LossScore(5.0, 5.1, 5.0, 4.9)}, 0.0)
@@ -314,7 +323,7 @@ def test_window_checks_norm_copy_score_capacity() -> None:
     rank = {"x": -0.1, "y": -0.5, "z": 1.0}
     kept = wc.capacity(three, rank.__getitem__, 2)
     assert [s.reason for s in kept] == [None, None, "over_capacity"]
-    assert wc.total_norm(a.sparse) == pytest.approx(2.0)
+    assert a.held is not None and a.held.norms.total == pytest.approx(2.0)
     assert wc.offsets({"b": (2,), "a": (3, 2)}) == {"a": 0, "b": 6}
 
 
@@ -323,7 +332,7 @@ def test_window_checks_ties_probation_harm_and_effect() -> None:
     from validator.scoring import LossScore
 
     x, y, n = (_screened(p, [0, 1, 2, 3], [1.0] * 4) for p in "xyn")
-    out = wc.copies([x, y], {"x": 1.01, "y": 1.02}, {"w": (64, 64)}, CopyRule(), {"x": 1.0, "y": 1.0})
+    out = wc.copies([x, y], {"x": 1.01, "y": 1.02}, CopyRule(), {"x": 1.0, "y": 1.0})
     assert [s.reason for s in out] == [None, None] and "order unknown" in (out[1].detail or "")  # a tie
     good = LossScore(5.0, 4.0, 5.0, 4.9)
     out = wc.probation([x, n], established={"x"}, loss_scores={})
@@ -394,7 +403,7 @@ def test_huge_undeclared_shape_is_schema_mismatch_before_the_codec_runs(
     monkeypatch.setattr(codec, "unpack", unpack_must_not_run)
     data = _crafted(peer, table, bytes(range(256)) * 256)  # 64 KiB standing in for a 64 MB upload
     s = checks.screen(peer.peer_id, data, ctx(peer))
-    assert s.reason == "schema_mismatch" and s.contribution is None and not s.sparse
+    assert s.reason == "schema_mismatch" and s.held is None
     assert [c.name for c in s.checks] == [
         "size",
         "format",

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from protocol.aggregate import NormLimit, clip_to_limits, sparse_of
+from protocol.aggregate import NormLimit, clip_to_limits
 from protocol.chain import read_aggregate
 from protocol.identity import Identity
 from protocol.model import build_model, parameters_of
@@ -108,11 +108,13 @@ def test_contributions_that_make_the_aggregate_non_finite_are_bisected_away(
     sw, v, peers = established
     st = v.state
     assert st is not None
-    good = {p.peer_id: sparse_of(sw.encode(sw.delta(p, st.params, st.window))) for p in peers}
+    good = {p.peer_id: sw.held(p, st.window, st.base, sw.encode(sw.delta(p, st.params, st.window))) for p in peers}
     out = "head.output.weight"
-    poison = {out: (torch.arange(64, dtype=torch.int64), torch.full((64,), -3e38))}  # logits overflow
+    dense = torch.zeros(sw.schema[out])
+    dense.view(-1)[:64] = -3e38  # logits overflow
+    poison = sw.held(Identity.generate(), st.window, st.base, sw.encode({out: dense}))
     contribs = {**good, "zz-poison": poison}
-    result = v._aggregate(st, contribs)
+    result = v._aggregate(st, contribs, {p: None for p in contribs})
     assert result.dropped == {"zz-poison"} and result.val_loss is not None
     assert all(bool(torch.isfinite(p).all()) for p in result.params.values())
     assert _culprits(["a", "b", "c", "d"], lambda ps: "c" not in ps) == ["c"]

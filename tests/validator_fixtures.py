@@ -20,6 +20,8 @@ from protocol.model import build_model, lm_loss, parameters_of
 from protocol.settings import LocalSettings
 from protocol.store.memory import MemoryStore
 from protocol.wire import Announcement, Contribution, encode_announcement, encode_contribution
+from validator import checks
+from validator.held import Held
 
 # Two cores shared by many processes: one intra-op thread is ~30x faster than oversubscribed two.
 torch.set_num_threads(1)
@@ -107,6 +109,21 @@ class Swarm:
 
     def upload(self, peer_id: str, window: int, blob: bytes) -> None:
         self.store.put(layout.contrib_key(self.run, window, peer_id), blob)
+
+    def held(self, signer: Identity, window: int, base: str, tensors: Mapping[str, codec.Encoded]) -> Held:
+        """What the validator keeps of this contribution once it passed the per-contribution checks."""
+        ctx = checks.Context(
+            run_hash=self.run_hash,
+            window=window,
+            expected_base=base,
+            codec=self.spec.codec,
+            schema=self.schema,
+            max_bytes=self.spec.validator.max_contribution_bytes,
+            registered=frozenset({signer.peer_id}),
+        )
+        s = checks.screen(signer.peer_id, self.blob(signer, window, base, tensors), ctx)
+        assert s.reason is None and s.held is not None, s
+        return s.held
 
 
 def with_nan_scale(enc: codec.Encoded) -> codec.Encoded:

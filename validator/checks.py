@@ -27,7 +27,7 @@ aggregate and live in :mod:`validator.window_checks`.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,11 +35,14 @@ from protocol.aggregate import SparseDict, sparse_of
 from protocol.config import CodecConfig
 from protocol.errors import ProtocolError
 from protocol.identity import peer_id_of
-from protocol.wire import Contribution, Kind, Verified
+from protocol.wire import Contribution, Kind
 from protocol.wire.contribution import parse_contribution
 from protocol.wire.frame import Envelope, open_envelope
+from validator.held import Held, hold
 from validator.log import CheckRow
+from validator.reference import Measured
 from validator.reputation import FOREIGN
+from validator.sketch import Sketcher, offsets
 
 __all__ = [
     "CHECK_ORDER",
@@ -180,7 +183,8 @@ def check_excluded(excluded: bool) -> CheckRow:
 # ---------------------------------------------------------------------------- one contribution
 @dataclass(frozen=True, kw_only=True)
 class Context:
-    """What the per-contribution checks compare against in this window."""
+    """What the per-contribution checks compare against in this window, and how a contribution
+    that passes them is sampled (``sketch``; None: every position, :mod:`validator.sketch`)."""
 
     run_hash: str
     window: int
@@ -191,25 +195,28 @@ class Context:
     max_bytes: int
     registered: frozenset[str] = frozenset()
     excluded: frozenset[str] = frozenset()
+    sketch: Sketcher | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class Screened:
-    """A contribution after the per-contribution checks; ``reason`` None when all passed."""
+    """A contribution after the per-contribution checks; ``reason`` None when all passed.
+    ``held``: what the validator keeps of a contribution the peer signed for this run and window
+    (:mod:`validator.held`; its digest goes into the aggregate's manifest), None otherwise."""
 
     peer: str
     checks: tuple[CheckRow, ...]
     reason: str | None
     detail: str | None = None
-    contribution: Verified[Contribution] | None = None  # its digest goes into the aggregate's manifest
-    sparse: SparseDict = field(default_factory=dict)
+    held: Held | None = None
     overlap: float | None = None  # largest Top-k index overlap with an earlier upload
 
 
 def screen(peer: str, data: bytes, ctx: Context) -> Screened:
     """Run ``size`` … ``excluded`` on the bytes found at ``contrib/<window>/<peer>``. Pure.
 
-    The result holds the decoded sparse form, not ``data``: the caller can drop the bytes."""
+    A contribution the peer signed is decoded once here and kept as a :class:`~validator.held.Held`
+    (its bytes, norms and sampled entries), whatever the verdict."""
     size = check_size(len(data), ctx.max_bytes)
     if not size.passed:
         return foreign(peer, "size", f"{size.reason}: {len(data)} bytes, cap {ctx.max_bytes}")
@@ -229,6 +236,7 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
     c = verified.value
     rows = [ok("size"), ok("format"), ok("signature"), ok("run")]
     sparse: SparseDict = {}
+    sk = ctx.sketch or Sketcher(offsets(ctx.schema))
     check: Callable[[], CheckRow]
     for check in (
         lambda: check_window(c.window, ctx.window),
@@ -242,12 +250,13 @@ def screen(peer: str, data: bytes, ctx: Context) -> Screened:
         row = check()
         rows.append(row)
         if not row.passed:
-            return Screened(
-                peer=peer, checks=tuple(rows), reason=row.reason, detail=_detail(row, c, ctx), contribution=verified
-            )
+            held = Held(verified.digest, b"", 0, Measured({}, {}), sk.entries({}))  # its digest is logged
+            return Screened(peer=peer, checks=tuple(rows), reason=row.reason, detail=_detail(row, c, ctx), held=held)
         if row.name == "schema":
             sparse = sparse_of(c.tensors)  # decoded once, after the shapes are known to be sane
-    return Screened(peer=peer, checks=tuple(rows), reason=None, contribution=verified, sparse=sparse)
+    return Screened(
+        peer=peer, checks=tuple(rows), reason=None, held=hold(data, verified.digest, sparse, ctx.schema, sk)
+    )
 
 
 def foreign(peer: str, check: str, detail: str) -> Screened:

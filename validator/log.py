@@ -24,7 +24,10 @@ rejection reason. Open the log with ``readonly=True`` where nothing may be writt
     log.rejection_reasons()                     # [ReasonCount(reason, rejections, peers, last_window)]
     log.pending(after=7)                        # uploads read after window 7, not decided yet
 
-Tables: ``contributions``, ``checks`` (window, peer, check, passed, reason), ``windows``, and
+Tables: ``contributions`` (one narrow row per contribution: its checks are a bit mask over
+:data:`CHECK_BITS` and the name of the one that failed, whose reason is the row's), ``checks``
+(window, peer, check, passed, reason: only rows whose checks are not in that form, and rows written
+by older versions), ``windows``, and
 ``evaluations`` (the periodic evaluation of θ, ``sparseloco-validator run --eval-every N``):
 
     log.record_evaluation(EvaluationRecord(window=9, loss=1.9, perplexity=6.7, bits_per_byte=2.7, ...))
@@ -41,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CHECK_BITS",
     "LOG_FILE",
     "CheckRow",
     "ContributionLog",
@@ -52,6 +56,8 @@ __all__ = [
     "Received",
     "WindowBucket",
     "WindowRecord",
+    "pack_checks",
+    "unpack_checks",
 ]
 
 LOG_FILE = "contributions.sqlite"  # its name in a validator's state directory
@@ -76,8 +82,10 @@ CREATE TABLE IF NOT EXISTS contributions (
     reputation REAL,
     weight REAL NOT NULL DEFAULT 0,
     decided INTEGER NOT NULL DEFAULT 0,
+    passed INTEGER,
+    failed TEXT,
     PRIMARY KEY (window, peer)
-);
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS checks (
     window INTEGER NOT NULL,
     peer TEXT NOT NULL,
@@ -268,6 +276,58 @@ class Received:
     bytes: int | None
 
 
+# Every check a row can name, in the order the validator runs them; a row's checks are kept as a
+# bit mask over this tuple, so names are only ever appended.
+CHECK_BITS = (
+    "size",
+    "format",
+    "signature",
+    "run",
+    "window",
+    "registered",
+    "codec",
+    "schema",
+    "finite",
+    "sync",
+    "excluded",
+    "immutable",
+    "norm",
+    "copy",
+    "score",
+    "probation",
+    "capacity",
+    "stable",
+    "fetch",
+    "deadline",
+)
+_BIT = {name: i for i, name in enumerate(CHECK_BITS)}
+
+
+def pack_checks(rows: Iterable[CheckRow], reason: str | None) -> tuple[int, str | None] | None:
+    """(mask of the passed checks, the failed one) when ``rows`` are in the usual form — known
+    checks in :data:`CHECK_BITS` order, at most one failing, last, with the row's ``reason`` —
+    else None (such rows are kept one by one). One narrow column instead of a row per check."""
+    mask, last, failed = 0, -1, None
+    for c in rows:
+        bit = _BIT.get(c.name)
+        if failed is not None or bit is None or bit <= last:
+            return None
+        if c.passed and c.reason is None:
+            mask |= 1 << bit
+        elif not c.passed and c.reason == reason:
+            failed = c.name
+        else:
+            return None
+        last = bit
+    return mask, failed
+
+
+def unpack_checks(mask: int, failed: str | None, reason: str | None) -> tuple[CheckRow, ...]:
+    """The check rows :func:`pack_checks` packed."""
+    rows = [CheckRow(name, True) for i, name in enumerate(CHECK_BITS) if mask >> i & 1]
+    return (*rows, CheckRow(failed, False, reason)) if failed is not None else tuple(rows)
+
+
 _CONTRIB_COLS = [f.name for f in fields(ContributionRecord) if f.name != "checks"]
 _WINDOW_COLS = [f.name for f in fields(WindowRecord)]
 _EVAL_COLS = [f.name for f in fields(EvaluationRecord)]
@@ -295,10 +355,15 @@ class ContributionLog:
         self._migrate()
 
     def _migrate(self) -> None:
-        """Add the columns a log written by an older version lacks."""
+        """Add the columns a log written by an older version lacks (its rows keep their checks in
+        the ``checks`` table, where they are read from)."""
         have = {row[1] for row in self._db.execute("PRAGMA table_info(windows)")}
         if "unannounced" not in have:
             self._db.execute("ALTER TABLE windows ADD COLUMN unannounced INTEGER NOT NULL DEFAULT 0")
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(contributions)")}
+        for column in ("passed INTEGER", "failed TEXT"):
+            if column.split()[0] not in have:
+                self._db.execute(f"ALTER TABLE contributions ADD COLUMN {column}")
 
     def close(self) -> None:
         with self._lock:
@@ -387,16 +452,19 @@ class ContributionLog:
         ).fetchone()
         if old and old[0] is not None:
             values["received_at"] = old[0]
-        cols = [*values, "decided"]
+        packed = pack_checks(rec.checks, rec.reason)
+        passed, failed = packed if packed is not None else (None, None)
+        cols = [*values, "decided", "passed", "failed"]
         self._db.execute(
             f"INSERT OR REPLACE INTO contributions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
-            [*values.values(), 1],
+            [*values.values(), 1, passed, failed],
         )
         self._db.execute("DELETE FROM checks WHERE window = ? AND peer = ?", (rec.window, rec.peer))
-        self._db.executemany(
-            "INSERT INTO checks (window, peer, name, passed, reason) VALUES (?, ?, ?, ?, ?)",
-            [(rec.window, rec.peer, c.name, int(c.passed), c.reason) for c in rec.checks],
-        )
+        if packed is None:  # not in the usual form: kept row by row
+            self._db.executemany(
+                "INSERT INTO checks (window, peer, name, passed, reason) VALUES (?, ?, ?, ?, ?)",
+                [(rec.window, rec.peer, c.name, int(c.passed), c.reason) for c in rec.checks],
+            )
 
     # ------------------------------------------------------------------ reads
     def window(self, window: int) -> WindowRecord | None:
@@ -434,23 +502,32 @@ class ContributionLog:
         """Decided contributions ordered by (window, peer); filters combine with AND.
         ``windows`` is an inclusive range, either end open (None)."""
         where, args = self._filters(peer, windows, rejected_only, decided_only)
+        unpacked = f"{where} AND passed IS NULL" if where else "WHERE passed IS NULL"
         with self._lock:
             raw = self._db.execute(
-                f"SELECT {', '.join(_CONTRIB_COLS)} FROM contributions {where} ORDER BY window, peer", args
+                f"SELECT {', '.join(_CONTRIB_COLS)}, passed, failed FROM contributions {where} ORDER BY window, peer",
+                args,
             ).fetchall()
             checks = self._db.execute(
                 f"SELECT window, peer, name, passed, reason FROM checks WHERE (window, peer) IN "
-                f"(SELECT window, peer FROM contributions {where}) ORDER BY rowid",
+                f"(SELECT window, peer FROM contributions {unpacked}) ORDER BY rowid",
                 args,
             ).fetchall()
         by_key: dict[tuple[int, str], list[CheckRow]] = {}
         for w, p, name, passed, reason in checks:
             by_key.setdefault((w, p), []).append(CheckRow(name, bool(passed), reason))
         out = []
+        n = len(_CONTRIB_COLS)
         for r in raw:
-            values = dict(zip(_CONTRIB_COLS, r))
+            values = dict(zip(_CONTRIB_COLS, r[:n]))
             values["accepted"] = bool(values["accepted"])
-            out.append(ContributionRecord(**values, checks=tuple(by_key.get((values["window"], values["peer"]), ()))))
+            passed, failed = r[n], r[n + 1]
+            rows = (
+                tuple(by_key.get((values["window"], values["peer"]), ()))
+                if passed is None
+                else unpack_checks(passed, failed, values["reason"])
+            )
+            out.append(ContributionRecord(**values, checks=rows))
         return out
 
     def leaderboard(self, *, windows: tuple[int | None, int | None] = (None, None)) -> list[LeaderRow]:
@@ -507,22 +584,31 @@ class ContributionLog:
         """One peer's decided rows (exact id), newest window first, a page at a time."""
         with self._lock:
             raw = self._db.execute(
-                f"SELECT {', '.join(_CONTRIB_COLS)} FROM contributions WHERE peer = ? AND decided = 1 "
+                f"SELECT {', '.join(_CONTRIB_COLS)}, passed, failed FROM contributions WHERE peer = ? AND decided = 1 "
                 "ORDER BY window DESC LIMIT ? OFFSET ?",
                 (peer, limit, offset),
             ).fetchall()
-            keys = [(r[0], r[1]) for r in raw]
+            n = len(_CONTRIB_COLS)
+            # rows packed as a bit mask need no read of the checks table
             checks = [
                 self._db.execute(
-                    "SELECT name, passed, reason FROM checks WHERE window = ? AND peer = ? ORDER BY rowid", key
+                    "SELECT name, passed, reason FROM checks WHERE window = ? AND peer = ? ORDER BY rowid",
+                    (r[0], r[1]),
                 ).fetchall()
-                for key in keys
+                if r[n] is None
+                else []
+                for r in raw
             ]
         out = []
         for r, rows in zip(raw, checks):
-            values = dict(zip(_CONTRIB_COLS, r))
+            values = dict(zip(_CONTRIB_COLS, r[:n]))
             values["accepted"] = bool(values["accepted"])
-            found = tuple(CheckRow(name, bool(passed), reason) for name, passed, reason in rows)
+            passed, failed = r[n], r[n + 1]
+            found = (
+                tuple(CheckRow(name, bool(ok), reason) for name, ok, reason in rows)
+                if passed is None
+                else unpack_checks(passed, failed, values["reason"])
+            )
             out.append(ContributionRecord(**values, checks=found))
         return out
 

@@ -47,9 +47,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -58,7 +60,7 @@ import numpy as np
 import torch
 
 from protocol import broadcast, layout
-from protocol.aggregate import NormLimit, SparseDict, aggregate, apply_outer, clip_to_limits
+from protocol.aggregate import NormLimit, SparseDict, SparseSum, apply_outer, clip_to_limits
 from protocol.caps import object_caps
 from protocol.chain import checkpoint_base, delta_of, next_aggregate, read_launch, read_manifest, read_weights
 from protocol.config import RunSpec
@@ -74,7 +76,7 @@ from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
 from protocol.tokens import TokenDataset
 from protocol.windows import gather_close, is_checkpoint_window
-from protocol.wire import GENESIS, Aggregate, AggregateTensor, CheckpointManifest, Verified, decode_aggregate
+from protocol.wire import GENESIS, Aggregate, AggregateTensor, CheckpointManifest, Verified
 from validator import checks, publish, randomness, reference, retention, window_checks
 from validator.budgets import Budgets
 from validator.consensus import agreement
@@ -90,6 +92,8 @@ from validator.gather import (
     gather,
     list_contributions,
 )
+from validator.held import Held, clipped_entries, decoded
+from validator.held import decode as held_decode
 from validator.log import LOG_FILE, CheckRow, ContributionLog, ContributionRecord, WindowRecord
 from validator.reputation import (
     LATE,
@@ -111,6 +115,7 @@ from validator.scoring import (
     suspicion_order,
     take_sequences,
 )
+from validator.sketch import Sketcher, expected_nnz, offsets, sample_every
 from validator.state import (
     ValidatorState,
     load_feedback,
@@ -132,8 +137,12 @@ IDLE_WINDOWS = 4
 # Keys the retention policy deletes after one publish at most: a long run that turns retention on
 # spreads its backlog over the next windows (`sparseloco-validator gc` collects it at once).
 MAX_DELETES_PER_WINDOW = 1000
+# θ is written to the state directory at checkpoint windows, and at least this often (a run without
+# checkpoints still restarts by replaying a bounded number of aggregates).
+THETA_EVERY = 64
 
 log = logging.getLogger(__name__)
+Limits = Mapping[str, NormLimit] | None  # one contribution's clip caps (None: not clipped)
 
 
 class _PhaseClock:
@@ -203,6 +212,10 @@ class Validator:
         self.log = ContributionLog(self.state_dir / LOG_FILE)
         self.device = torch.device(device)
         self.schema = param_schema(spec.model)
+        self.offsets = offsets(self.schema)  # one global index space for sampled entries
+        self.sample_every = sample_every(expected_nnz(self.schema, spec.codec))
+        self.workers = self.local.validator.workers or os.cpu_count() or 1
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="validator")  # decoding, clipping, summing
         self.model = build_model(spec.model).to(self.device)
         self.dataset = _open_dataset(spec, store, self.local)  # scoring reads the peers' dataset
         self.periodic = PeriodicEval(
@@ -232,9 +245,10 @@ class Validator:
         self.caps = object_caps(spec)
         self.state: ValidatorState | None = None
         self.feedback = FeedbackState()  # the re-compression buffer that opens the current window
-        self._standing_cache: tuple[int, dict[str, Standing]] | None = None
+        self._theta_window = 0  # the window whose θ the state directory holds
 
     def close(self) -> None:
+        self.pool.shutdown(wait=True)
         self.log.close()
         self.store.close()
 
@@ -275,39 +289,40 @@ class Validator:
             standing=standing,
             established=frozenset(p for p, s in standing.items() if is_established(s, cfg)),
         )
-        ctx = self._context(t, st, standing)  # registered keys, exclusions, accepted bases
+        ctx = self._context(w, st)  # registered keys, exclusions, accepted bases, the sample
         gathered = self._gather(w, st.opened_at, ctx)  # announced peers only, within budgets
         if self.stop.is_set():
             return None
         clock.lap("gather")
         received = gathered.received
-        screened, read_at, listed_at = self._screened(t, received)  # read and checked while gathering
+        screened, read_at, listed_at = self._screened(t, received)  # read, checked and summarised while gathering
         screened = window_checks.norms(
-            screened, st.reference, self.schema, max_ratio=cfg.norm_max_ratio, min_ratio=cfg.norm_min_ratio
+            screened, st.reference, max_ratio=cfg.norm_max_ratio, min_ratio=cfg.norm_min_ratio
         )
         rule = CopyRule(cfg.copy_overlap_threshold, cfg.copy_rare_threshold, cfg.copy_sign_agreement)
-        screened = window_checks.copies(screened, read_at, self.schema, rule, listed_at)
+        screened = window_checks.copies(screened, read_at, rule, listed_at)
         clock.lap("checks")
-        live = {s.peer: s for s in screened if s.reason is None and s.contribution is not None}
-        root = randomness.contributions_root({p: s.contribution.digest for p, s in live.items() if s.contribution})
+        live = {s.peer: s.held for s in screened if s.reason is None and s.held is not None}
+        root = randomness.contributions_root({p: h.digest for p, h in live.items()})
         seed = randomness.window_seed(w.secret, root)
-        limits = self._limits(st.reference, [s for p, s in live.items() if p in w.established])
+        limits = self._limits(st.reference, [h for p, h in live.items() if p in w.established])
         newcomer_limits = self._newcomer_limits(limits, st.reference)
-        clipped = {p: self._clip(s.sparse, limits if p in w.established else newcomer_limits) for p, s in live.items()}
-        scores = self._score(w, clipped, seed)  # budgeted, on the clipped form
+        caps = {p: limits if p in w.established else newcomer_limits for p in live}
+        scores = self._score(w, live, caps, ctx, seed)  # budgeted, on the clipped form
         screened = window_checks.scores(screened, scores, cfg.eval_harm_tolerance, self._min_gain(w, scores))
         screened = window_checks.probation(screened, w.established, scores)
         ref, bootstrapped = st.reference, False
         if ref.empty:  # no history yet: start one
             ref, first = self._bootstrap(screened, scores, live)
             if self.spec.outer.clip == "median":
-                clipped = {p: self._clip(s.sparse, first) for p, s in live.items()}
+                caps = {p: first for p in live}
             bootstrapped = not ref.empty
         screened = window_checks.capacity(screened, self._rank(w, scores, seed), cfg.max_contributors)
         clock.lap("scoring")
         accepted = sorted(s.peer for s in screened if s.reason is None)  # order-free Δ̄
-        result = self._aggregate(st, {p: clipped[p] for p in accepted})
+        result = self._aggregate(st, {p: live[p] for p in accepted}, caps)  # decoded again, clipped, summed
         screened = window_checks.stable(screened, result.dropped)
+        clock.lap("aggregate")
         rows = self._decide(screened, received, scores, w)  # reputation, weights
         self._record_late(t - 1)  # uploads that missed the previous window are accounted for too
         nxt_ref = ref if bootstrapped else self._advance_reference(ref, screened, w)
@@ -345,7 +360,9 @@ class Validator:
     # ------------------------------------------------------------------ start / resume
     def resume(self) -> ValidatorState:
         saved = load_state(self.state_dir, self.run_hash)
-        state = self._genesis() if saved is None else self._same_launch(saved)
+        state = self._genesis() if saved is None else self._replayed(self._same_launch(saved))
+        if state.standings is None:  # a state directory of an older version: folded from the log once
+            state = replace(state, standings=self._folded(state.window))
         self._load_params(state.params)
         self.state = state
         self.feedback = self._saved_feedback(state.window, state.base)
@@ -373,9 +390,11 @@ class Validator:
             launch=launch.digest,
             launched_at=at,
             previous_base=launch.digest,
+            standings={},
         )
         state = self._from_checkpoint(state) or state
         save_state(self.state_dir, state)
+        self._theta_window = state.window
         return state
 
     def _from_checkpoint(self, genesis: ValidatorState) -> ValidatorState | None:
@@ -383,7 +402,7 @@ class Validator:
         continue the store's launch from its newest checkpoint that verifies (what a joining peer
         loads); None when aggregate 0 is still there (the whole chain is replayed) or no later
         checkpoint verifies."""
-        if self._next_published(genesis) is not None:
+        if self._next_aggregate(genesis.window, genesis.base) is not None:
             return None
         for window in reversed([w for w in retention.checkpoint_windows(self.store, self.run_id) if w > 0]):
             try:
@@ -414,6 +433,44 @@ class Validator:
             )
         return state
 
+    def _replayed(self, state: ValidatorState) -> ValidatorState:
+        """θ of the saved window: θ as last written (at a checkpoint window; θ₀ when none was) with
+        the aggregates published since applied, each checked against its signed fingerprint, and
+        the chain checked against the saved base (:mod:`validator.state`)."""
+        if state.current:
+            self._theta_window = state.window
+            return state
+        w = state.params_window or 0
+        params = state.params or {n: p.detach().clone() for n, p in parameters_of(build_model(self.spec.model)).items()}
+        base = state.params_base or state.launch
+        for window in range(w, state.window):
+            agg = self._next_aggregate(window, base)
+            if agg is None:
+                raise ConfigError(
+                    f"cannot rebuild θ of window {state.window} from θ of window {w} in {self.state_dir}: "
+                    f"aggregate {window} is not in the store"
+                )
+            apply_outer(params, delta_of(agg.value), agg.value.alpha)
+            if fingerprint(params) != agg.value.fingerprint:
+                raise ConfigError(f"aggregate {window} does not reproduce its fingerprint from the saved θ")
+            base = agg.digest
+        if base != state.base:
+            raise ConfigError(f"the store's chain up to window {state.window} is not the one saved in {self.state_dir}")
+        self._theta_window = w
+        return replace(state, params=params, params_window=None, params_base=None)
+
+    def _next_aggregate(self, window: int, base: str) -> Verified[Aggregate] | None:
+        return next_aggregate(
+            self.store,
+            self.run_id,
+            self.run_hash,
+            window,
+            base,
+            allowed_signers=self.signers,
+            max_bytes=self.caps.aggregate,
+            schema=self.schema,
+        )
+
     def _stored_launch(self) -> Verified[CheckpointManifest] | None:
         """The store's genesis manifest; None when there is none or it does not verify."""
         try:
@@ -436,26 +493,13 @@ class Validator:
             published_at=published_at,
         )
 
-    def _next_published(self, st: ValidatorState) -> Verified[Aggregate] | None:
-        """The published aggregate that continues ``st``, if any (junk at the key is absent)."""
-        return next_aggregate(
-            self.store,
-            self.run_id,
-            self.run_hash,
-            st.window,
-            st.base,
-            allowed_signers=self.signers,
-            max_bytes=self.caps.aggregate,
-            schema=self.schema,
-        )
-
     def _adopt_published(self) -> None:
         """Apply aggregates already published for the saved window (a crash after publishing, or a
         lost state directory): the chain in the store is the truth. What lies at the key without
         verifying or chaining onto this state (junk, another launch's) is not published."""
         while True:
             st = self._state()
-            agg = self._next_published(st)
+            agg = self._next_aggregate(st.window, st.base)
             if agg is None:
                 return
             params = {n: p.detach().clone() for n, p in st.params.items()}
@@ -463,7 +507,9 @@ class Validator:
             if fingerprint(params) != agg.value.fingerprint:
                 raise ConfigError(f"aggregate {st.window} does not reproduce its fingerprint from this state")
             self._adopt_rows(agg)
-            self._advance(st, agg, params, self._saved_feedback(st.window + 1, agg.digest))
+            self._advance(
+                st, agg.digest, agg.value.published_at, params, self._saved_feedback(st.window + 1, agg.digest)
+            )
 
     def _saved_feedback(self, window: int, base: str) -> FeedbackState:
         """The re-compression buffer that opens ``window`` after ``base``, as written ahead of that
@@ -487,12 +533,12 @@ class Validator:
         self.log.mark_published(agg.window, digest=verified.digest, published_at=agg.published_at)
 
     # ------------------------------------------------------------------ phases
-    def _context(self, t: int, st: ValidatorState, standing: Mapping[str, Standing]) -> checks.Context:
+    def _context(self, w: _Window, st: ValidatorState) -> checks.Context:
         registered = self.registry.refresh()
-        excluded = frozenset(p for p, s in standing.items() if is_excluded(s, t))
+        excluded = frozenset(p for p, s in w.standing.items() if is_excluded(s, w.t))
         return checks.Context(
             run_hash=self.run_hash,
-            window=t,
+            window=w.t,
             expected_base=st.base,
             # One-window-delayed outer step: a peer trains window t from θ_{t−1} while aggregate
             # t−1 is published; its update is scored and applied against θ_t like any other.
@@ -502,6 +548,7 @@ class Validator:
             max_bytes=self.caps.contribution,
             registered=registered,
             excluded=excluded,
+            sketch=Sketcher(self.offsets, self.sample_every, key=w.secret),  # peers cannot know the sample
         )
 
     def _gather(self, w: _Window, opened_at: float, ctx: checks.Context) -> Gathered:
@@ -577,24 +624,22 @@ class Validator:
             if r.screened is None:
                 out.append(_unread(r))
                 continue
-            if r.screened.contribution is not None:  # signed by the peer: its bytes, its time
+            if r.screened.held is not None:  # signed by the peer: its bytes, its time
                 first, first_digest[peer] = self.log.note_received(
-                    t, peer, received_at=r.received_at, nbytes=r.nbytes, digest=r.screened.contribution.digest
+                    t, peer, received_at=r.received_at, nbytes=r.nbytes, digest=r.screened.held.digest
                 )
                 if first < r.received_at:  # read before a restart: when it was listed is unknown
                     read_at[peer], listed_at[peer] = first, -math.inf
             out.append(r.screened)
         return window_checks.immutable(out, first_digest), read_at, listed_at
 
-    def _limits(
-        self, ref: reference.NormReference, established: Sequence[checks.Screened]
-    ) -> dict[str, NormLimit] | None:
+    def _limits(self, ref: reference.NormReference, established: Sequence[Held]) -> dict[str, NormLimit] | None:
         """The clip caps of this window (None: no reference yet, or the run does not clip)."""
         cfg = self.spec.validator
         if ref.empty or self.spec.outer.clip != "median":
             return None
-        sparse = [s.sparse for s in established]
-        return reference.clip_limits(ref, sparse, self.schema, headroom=cfg.clip_headroom, rows=cfg.row_clip)
+        norms = [h.norms for h in established]
+        return reference.clip_limits(ref, norms, self.schema, headroom=cfg.clip_headroom, rows=cfg.row_clip)
 
     def _newcomer_limits(
         self, limits: Mapping[str, NormLimit] | None, ref: reference.NormReference
@@ -614,7 +659,7 @@ class Validator:
         return sparse if limits is None else clip_to_limits([sparse], limits)[0]
 
     def _bootstrap(
-        self, screened: Sequence[checks.Screened], scores: Mapping[str, LossScore], live: Mapping[str, checks.Screened]
+        self, screened: Sequence[checks.Screened], scores: Mapping[str, LossScore], live: Mapping[str, Held]
     ) -> tuple[reference.NormReference, dict[str, NormLimit] | None]:
         """The first window with no history: the reference starts at the scored, accepted update that
         lowered the loss on its own data most; without one, the accepted updates' lower median."""
@@ -623,23 +668,27 @@ class Validator:
         cfg = self.spec.validator
         if helped:
             best = max(helped, key=lambda p: (scores[p].own_gain, p))
-            ref = reference.bootstrap(reference.measure(live[best].sparse, self.schema))
-            limits = reference.clip_limits(ref, [live[best].sparse], self.schema, headroom=1.0, rows=cfg.row_clip)
+            ref = reference.bootstrap(live[best].norms.tensors)
+            limits = reference.clip_limits(ref, [live[best].norms], self.schema, headroom=1.0, rows=cfg.row_clip)
             return ref, limits
         if not standing:
             return reference.NormReference(), None
-        median = reference.window_value([reference.measure(live[p].sparse, self.schema) for p in standing])
+        median = reference.window_value([live[p].norms.tensors for p in standing])
         fallback = reference.NormReference(median)
         return reference.NormReference(), reference.clip_limits(fallback, [], self.schema, headroom=1.0, rows=False)
 
-    def _score(self, w: _Window, clipped: Mapping[str, SparseDict], seed: bytes) -> dict[str, LossScore]:
+    def _score(
+        self, w: _Window, live: Mapping[str, Held], caps: Mapping[str, Limits], ctx: checks.Context, seed: bytes
+    ) -> dict[str, LossScore]:
+        """Score a budgeted sample of units, ordered by agreement (on the clipped sampled entries);
+        only the sampled contributions are decoded again."""
         cfg, data = self.spec.validator, self.spec.data
-        roles = {p: a.role for p, a in self.registry.announcements.items() if p in clipped}
-        units = scoring_units(clipped, roles, pipelines=self.spec.pipeline.enabled)
+        roles = {p: a.role for p, a in self.registry.announcements.items() if p in live}
+        units = scoring_units(live, roles, pipelines=self.spec.pipeline.enabled)
         known = [u for u, ps in units.items() if all(p in w.established for p in ps)]
-        offs = window_checks.offsets(self.schema)
-        entries = {p: window_checks.global_entries(sp, offs) for p, sp in clipped.items()}
-        agree = agreement(entries, w.established, np.array(sorted(offs.values()), dtype=np.int64))
+        sk = ctx.sketch or Sketcher(self.offsets)
+        entries = {p: clipped_entries(h, caps[p], sk, self.schema) for p, h in live.items()}
+        agree = agreement(entries, w.established, np.array(sorted(self.offsets.values()), dtype=np.int64))
         unit_agree = {u: min(agree.get(p, 0.5) for p in ps) for u, ps in units.items()}
         sample = plan_sample(
             established=suspicion_order(known, unit_agree, seed),
@@ -655,7 +704,8 @@ class Validator:
         scale = cfg.eval_scale * self.spec.outer.alpha
         out: dict[str, LossScore] = {}
         for key in sample:  # a peer, or the stages of one pipeline replica (disjoint slices)
-            update = {name: v for peer in units[key] for name, v in clipped[peer].items()}
+            items = [(p, live[p]) for p in units[key]]
+            update = {name: v for _, sp in self._clipped(items, caps) for name, v in sp.items()}
             own = take_sequences(
                 assigned_batches(
                     self.dataset, self.spec.seed, key, w.t, self.spec.inner.steps, data.batch_size, data.seq_len
@@ -688,26 +738,39 @@ class Validator:
 
         return rank
 
-    def _aggregate(self, st: ValidatorState, contribs: Mapping[str, SparseDict]) -> _Result:
-        """Δ̄ of ``contribs`` (already clipped); if θ_{t+1} or its validation loss would not be
-        finite, the contributions responsible are found by bisection and left out (nothing
-        non-finite is ever signed)."""
-        full = self._try(st, contribs, sorted(contribs))
+    def _aggregate(self, st: ValidatorState, held: Mapping[str, Held], caps: Mapping[str, Limits]) -> _Result:
+        """Δ̄ of the ``held`` contributions, each clipped to its ``caps``; if θ_{t+1} or its
+        validation loss would not be finite, the contributions responsible are found by bisection
+        and left out (nothing non-finite is ever signed)."""
+        full = self._try(st, held, caps, sorted(held))
         if full is not None:
             return full
-        dropped = frozenset(_culprits(sorted(contribs), lambda ps: self._try(st, contribs, ps) is not None))
-        kept = sorted(set(contribs) - dropped)
-        result = self._try(st, contribs, kept)
+        dropped = frozenset(_culprits(sorted(held), lambda ps: self._try(st, held, caps, ps) is not None))
+        kept = sorted(set(held) - dropped)
+        result = self._try(st, held, caps, kept)
         if result is None:  # only together do they break it: publish nothing rather than guess
-            dropped, result = frozenset(contribs), self._try(st, contribs, [], require_loss=False)
+            dropped, result = frozenset(held), self._try(st, held, caps, [], require_loss=False)
         assert result is not None  # an empty Δ̄ leaves θ_t, which is finite
         return replace(result, dropped=dropped)
 
     def _try(
-        self, st: ValidatorState, contribs: Mapping[str, SparseDict], peers: Sequence[str], require_loss: bool = True
+        self,
+        st: ValidatorState,
+        held: Mapping[str, Held],
+        caps: Mapping[str, Limits],
+        peers: Sequence[str],
+        require_loss: bool = True,
     ) -> _Result | None:
         o = self.spec.outer
-        delta = aggregate([contribs[p] for p in peers], o.aggregation, "none")  # clipped already
+        total = SparseSum(self.schema)
+        batch: list[SparseDict] = []
+        for _, sparse in self._clipped([(p, held[p]) for p in peers], caps):  # decoded a few at a time
+            batch.append(sparse)
+            if len(batch) >= self.workers:
+                total.add(batch, self.pool)
+                batch = []
+        total.add(batch, self.pool)
+        delta = total.mean(o.aggregation)
         if not all(bool(torch.isfinite(v).all()) for _, v in delta.values()):
             return None
         tensors, feedback = broadcast.publishable(delta, self.schema, o, self.spec.codec, self.feedback)
@@ -726,6 +789,17 @@ class Validator:
             return _Result(tensors, feedback, nxt, None)
         return _Result(tensors, feedback, nxt, loss)
 
+    def _clipped(
+        self, items: Sequence[tuple[str, Held]], caps: Mapping[str, Limits]
+    ) -> Iterator[tuple[str, SparseDict]]:
+        """Every item decoded again and clipped to its caps, in order, on the worker pool
+        (:func:`validator.held.decoded`: a few in memory at a time)."""
+
+        def work(peer: str, h: Held) -> SparseDict:
+            return self._clip(held_decode(h, self.schema, self.spec.codec), caps[peer])
+
+        return decoded(items, work, self.pool, 2 * self.workers)
+
     def _advance_reference(
         self, ref: reference.NormReference, screened: Sequence[checks.Screened], w: _Window
     ) -> reference.NormReference:
@@ -735,7 +809,7 @@ class Validator:
         known = [s for s in accepted if s.peer in w.established] or accepted
         if not known or ref.empty:
             return ref
-        value = reference.window_value([reference.measure(s.sparse, self.schema) for s in known])
+        value = reference.window_value([s.held.norms.tensors for s in known if s.held is not None])
         return reference.advance(ref, value, self.spec.validator.reference_step)
 
     def _decide(
@@ -747,7 +821,7 @@ class Validator:
     ) -> list[ContributionRecord]:
         rows = []
         for s in sorted(screened, key=lambda s: s.peer):
-            r, sc, c = received[s.peer], scores.get(s.peer), s.contribution
+            r, sc, h = received[s.peer], scores.get(s.peer), s.held
             accepted = s.reason is None
             st = update(
                 w.standing.get(s.peer, Standing()),
@@ -760,11 +834,11 @@ class Validator:
                     peer=s.peer,
                     received_at=r.received_at,
                     bytes=r.nbytes,
-                    digest=c.digest if c else None,
+                    digest=h.digest if h else None,
                     accepted=accepted,
                     reason=s.reason,
                     detail=s.detail,
-                    norm=window_checks.total_norm(s.sparse) if s.sparse else None,
+                    norm=h.norms.total if h and h.nnz else None,
                     overlap=s.overlap,
                     loss_own_before=sc.loss_own_before if sc else None,
                     loss_own_after=sc.loss_own_after if sc else None,
@@ -842,9 +916,9 @@ class Validator:
             allowed_signers=self.signers,
             max_bytes=self.caps.aggregate,
         )
-        agg = decode_aggregate(blob, run_hash=self.run_hash, max_bytes=len(blob), allowed_signers=self.signers)
-        self.log.mark_published(t, digest=agg.digest, published_at=published_at)
-        self._advance(st, agg, result.params, result.feedback, ref)
+        digest = hashlib.sha256(blob).hexdigest()  # how the chain names it (its own bytes: nothing to verify)
+        self.log.mark_published(t, digest=digest, published_at=published_at)
+        self._advance(st, digest, published_at, result.params, result.feedback, ref)
         reasons: dict[str, int] = {}
         for r in rows:
             if r.reason:
@@ -857,7 +931,7 @@ class Validator:
             accepted=len(accepted),
             rejected=len(rows) - len(accepted),
             val_loss=result.val_loss if result.val_loss is not None else math.nan,
-            digest=agg.digest,
+            digest=digest,
             fingerprint=fp,
             published_at=published_at,
             reasons=reasons,
@@ -871,39 +945,49 @@ class Validator:
     def _advance(
         self,
         st: ValidatorState,
-        agg: Verified[Aggregate],
+        digest: str,
+        published_at: float,
         params: dict[str, torch.Tensor],
         feedback: FeedbackState,
         ref: reference.NormReference | None = None,
     ) -> None:
-        """Move to window t + 1: checkpoint when due, then the state file (the commit point), then
-        drop the error-feedback buffer of window t (``feedback`` opens window t + 1).
-        ``ref``: the norm reference after this window (None: unchanged, an adopted aggregate)."""
+        """Move to window t + 1 after aggregate ``digest`` of window t: the window's rows folded into
+        the standings, a checkpoint when due, then the state file (the commit point), with θ only at
+        checkpoint windows (:mod:`validator.state`), then drop the error-feedback buffer of window t
+        (``feedback`` opens window t + 1). ``ref``: the norm reference after this window (None:
+        unchanged, an adopted aggregate)."""
         ref = st.reference if ref is None else ref
+        rows = self.log.rows(windows=(st.window, st.window))
+        folded = standings(map(_outcome, rows), self.spec.validator, start=st.standings)
         nxt = ValidatorState(
             self.run_hash,
             st.window + 1,
-            agg.digest,
-            agg.value.published_at,
+            digest,
+            published_at,
             params,
             launch=st.launch,
             launched_at=st.launched_at,
             previous_base=st.base,
             reference=ref,
+            standings=folded,
         )
-        if is_checkpoint_window(nxt.window, self.spec.windows, self.local.max_windows):
+        checkpoint = is_checkpoint_window(nxt.window, self.spec.windows, self.local.max_windows)
+        if checkpoint:
             publish.publish_checkpoint(
                 self.store,
                 self.run_id,
                 self.run_hash,
                 nxt.window,
-                aggregate=agg.digest,
+                aggregate=digest,
                 params=params,
                 identity=self.identity,
                 published_at=nxt.opened_at,
                 launch=st.launch,
             )
-        save_state(self.state_dir, nxt)
+        theta = checkpoint or nxt.window - self._theta_window >= THETA_EVERY
+        save_state(self.state_dir, nxt, params=theta)
+        if theta:
+            self._theta_window = nxt.window
         self.state = nxt
         self.feedback = feedback
         prune_feedback(self.state_dir, before=nxt.window)
@@ -964,19 +1048,17 @@ class Validator:
         return self.state
 
     def _standings(self, t: int) -> dict[str, Standing]:
-        """Every peer's standing before window ``t``: the previous window's rows folded into the
-        standings before it (the whole log only after a restart), so a window's cost does not
-        grow with history."""
-        cached = self._standing_cache
-        if cached is not None and cached[0] == t:
-            return cached[1]
-        if cached is not None and cached[0] == t - 1:
-            rows = self.log.rows(windows=(t - 1, t - 1))
-            out = standings(map(_outcome, rows), self.spec.validator, start=cached[1])
-        else:
-            out = standings(map(_outcome, self.log.rows(windows=(None, t - 1))), self.spec.validator, before=t)
-        self._standing_cache = (t, out)
-        return out
+        """Every peer's standing before window ``t``: for the open window the standings saved with
+        the state (folded one window at a time, :meth:`_advance`), so that a window's cost does not
+        grow with history; for any other window, folded from the log."""
+        st = self._state()
+        if t == st.window and st.standings is not None:
+            return st.standings
+        return self._folded(t)
+
+    def _folded(self, t: int) -> dict[str, Standing]:
+        """The standings before window ``t`` from the whole log (older state directories, diagnostics)."""
+        return standings(map(_outcome, self.log.rows(windows=(None, t - 1))), self.spec.validator, before=t)
 
     def _load_params(self, params: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():

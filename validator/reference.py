@@ -38,6 +38,7 @@ from protocol.aggregate import NormLimit, SparseDict
 from validator.log import CheckRow
 
 __all__ = [
+    "Measured",
     "NormReference",
     "TensorNorms",
     "advance",
@@ -46,6 +47,7 @@ __all__ = [
     "clip_limits",
     "lower_median",
     "measure",
+    "measured",
     "row_length",
     "row_norms",
     "window_value",
@@ -88,6 +90,38 @@ class NormReference:
                 raise ValueError(f"norm reference of {name!r} is not finite and non-negative")
             tensors[str(name)] = TensorNorms(norm, row)
         return cls(tensors)
+
+
+@dataclass(frozen=True, eq=False)
+class Measured:
+    """What the norm check, the clip caps and the reference need of one contribution, measured
+    once when it is screened: per tensor its norms, and per matrix the L2 norm of every row
+    (float64, 0 where it kept nothing)."""
+
+    tensors: Mapping[str, TensorNorms]
+    rows: Mapping[str, torch.Tensor]
+
+    @property
+    def total(self) -> float:
+        """The L2 norm of the whole contribution."""
+        return math.sqrt(sum(t.norm**2 for t in self.tensors.values()))
+
+
+def measured(sparse: SparseDict, schema: Mapping[str, tuple[int, ...]]) -> Measured:
+    """:func:`measure` and :func:`row_norms` of one contribution in one pass over its values."""
+    tensors, rows = {}, {}
+    for name, (idx, vals) in sparse.items():
+        v = vals.double()
+        row = 0.0
+        row_len = row_length(schema[name])
+        if row_len:
+            norms = torch.zeros(schema[name][0], dtype=torch.float64)
+            if len(idx):
+                norms.index_add_(0, torch.div(idx, row_len, rounding_mode="floor"), v * v)
+                row = float(norms.max().sqrt())
+            rows[name] = norms.sqrt_()
+        tensors[name] = TensorNorms(float(torch.linalg.vector_norm(v)), row)
+    return Measured(tensors, rows)
 
 
 def row_length(shape: Sequence[int]) -> int:
@@ -167,7 +201,7 @@ def row_norms(sparse: SparseDict, schema: Mapping[str, tuple[int, ...]]) -> dict
 
 def clip_limits(
     ref: NormReference,
-    established: Sequence[SparseDict],
+    established: Sequence[Measured],
     schema: Mapping[str, tuple[int, ...]],
     *,
     headroom: float,
@@ -183,12 +217,13 @@ def clip_limits(
       established peers barely change this window (a rare token's) cannot be moved much by one
       contributor, however it spends the norm the tensor cap allows.
 
-    With no established contribution for a tensor, the reference alone decides."""
-    median = window_value([measure(s, schema) for s in established])
+    With no established contribution for a tensor, the reference alone decides. The
+    contributions come :func:`measured`."""
+    median = window_value([e.tensors for e in established])
     per_row: dict[str, list[torch.Tensor]] = {}
     if rows:
-        for s in established:
-            for name, norms in row_norms(s, schema).items():
+        for e in established:
+            for name, norms in e.rows.items():
                 per_row.setdefault(name, []).append(norms)
     out = {}
     for name, r in ref.tensors.items():

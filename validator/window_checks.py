@@ -7,19 +7,16 @@ row on every contribution still standing (rejected ones pass through untouched).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
-from protocol.aggregate import SparseDict
 from validator import checks
-from validator.copies import F32, I64, CopyRule, scan
+from validator.copies import CopyRule, scan
 from validator.log import CheckRow
-from validator.reference import NormReference, check_norms, measure
+from validator.reference import NormReference, check_norms
 from validator.scoring import LossScore
+from validator.sketch import global_entries, offsets
 
 __all__ = [
     "MUTATED",
@@ -35,7 +32,6 @@ __all__ = [
     "probation",
     "scores",
     "stable",
-    "total_norm",
 ]
 
 OVER_CAPACITY = "over_capacity"
@@ -51,10 +47,10 @@ def immutable(screened: Sequence[Screened], first_digest: Mapping[str, str | Non
     the log across restarts). Only objects the peer signed get here, so the change is its own."""
     out = []
     for s in screened:
-        if s.reason is None and s.contribution is not None:
+        if s.reason is None and s.held is not None:
             first = first_digest.get(s.peer)
-            if first is not None and first != s.contribution.digest:
-                detail = f"digest {s.contribution.digest[:16]}, first fetched {first[:16]}"
+            if first is not None and first != s.held.digest:
+                detail = f"digest {s.held.digest[:16]}, first fetched {first[:16]}"
                 s = with_row(s, checks.fail("immutable", MUTATED), detail)
             else:
                 s = with_row(s, checks.ok("immutable"))
@@ -65,7 +61,6 @@ def immutable(screened: Sequence[Screened], first_digest: Mapping[str, str | Non
 def norms(
     screened: Sequence[Screened],
     reference: NormReference,
-    schema: Mapping[str, tuple[int, ...]],
     *,
     max_ratio: float,
     min_ratio: float,
@@ -74,8 +69,8 @@ def norms(
     below ``min_ratio`` × it (``norm_tiny``); see :mod:`validator.reference`."""
     out = []
     for s in screened:
-        if s.reason is None:
-            row, detail = check_norms(measure(s.sparse, schema), reference, max_ratio=max_ratio, min_ratio=min_ratio)
+        if s.reason is None and s.held is not None:
+            row, detail = check_norms(s.held.norms.tensors, reference, max_ratio=max_ratio, min_ratio=min_ratio)
             s = with_row(s, row, detail)
         out.append(s)
     return out
@@ -84,15 +79,14 @@ def norms(
 def copies(
     screened: Sequence[Screened],
     read_at: Mapping[str, float],
-    schema: Mapping[str, tuple[int, ...]],
     rule: CopyRule,
     listed_at: Mapping[str, float] | None = None,
 ) -> list[Screened]:
     """Reject the later of two near-identical contributions as ``copied`` (see
-    :mod:`validator.copies`: ``read_at``, ``listed_at``). A pair whose order is unknown is a tie:
-    neither is rejected (the original must never lose one); the row says so."""
-    offs = offsets(schema)
-    entries = {s.peer: global_entries(s.sparse, offs) for s in screened if s.reason is None}
+    :mod:`validator.copies`: ``read_at``, ``listed_at``), compared on their sampled entries
+    (:mod:`validator.sketch`). A pair whose order is unknown is a tie: neither is rejected (the
+    original must never lose one); the row says so."""
+    entries = {s.peer: s.held.sketch for s in screened if s.reason is None and s.held is not None}
     verdicts, best = scan(entries, read_at, rule, listed_at)
     out = []
     for s in screened:
@@ -188,27 +182,3 @@ def with_row(s: Screened, row: CheckRow, detail: str | None = None) -> Screened:
     if row.passed:
         return replace(s, checks=(*s.checks, row))
     return replace(s, checks=(*s.checks, row), reason=row.reason, detail=detail)
-
-
-def offsets(schema: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
-    """Start of every tensor in one global index space (names sorted)."""
-    out, pos = {}, 0
-    for name in sorted(schema):
-        out[name] = pos
-        pos += math.prod(schema[name])
-    return out
-
-
-def total_norm(sparse: SparseDict) -> float:
-    return math.sqrt(sum(float((v.double() ** 2).sum()) for _, v in sparse.values()))
-
-
-def global_entries(sparse: SparseDict, offs: Mapping[str, int]) -> tuple[I64, F32]:
-    """(global indices, values), sorted: tensors are offset in name order and each tensor's
-    indices are strictly increasing, so concatenating in name order sorts them."""
-    names = sorted(n for n in sparse if n in offs)
-    if not names:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
-    idx = np.concatenate([sparse[n][0].numpy().astype(np.int64) + offs[n] for n in names])
-    vals = np.concatenate([sparse[n][1].numpy().astype(np.float32) for n in names])
-    return idx, vals

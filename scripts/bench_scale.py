@@ -1,0 +1,805 @@
+#!/usr/bin/env python
+"""Scale benchmark: what one validator window costs as peers and history grow, projected to a 1B model.
+
+Everything runs in one process on the CPU, through the real code:
+
+* **Peers.** The real :class:`validator.node.Validator` (memory store) gathers, checks, scores,
+  aggregates and publishes window 1 of N ∈ {4, 16, 64, 256} signed contributions of the ``tiny``
+  model (P = 3.3 M parameters, the run's codec: 1.56 % of the values kept). The peers are
+  established (their standings are in the validator's state) and their updates are synthetic: a
+  direction they share plus their own, so that two honest uploads overlap on ~12 % of their
+  positions. Window 0 (not timed) sets the norm reference. ``validator_growth_exponent`` is x
+  fitted to seconds ∝ N^x.
+* **Copies, baseline.** The same window's contributions through the one-pass copy scan and through
+  the pairwise comparison it replaced (every peer against every earlier one; at N = 256 the
+  pairwise time is extrapolated from a sample of pairs).
+* **History.** A contribution log of T ∈ {10, 1 000, 10 000} windows × 256 synthetic rows: the log
+  and state work of one window (previous window's rows, first-seen times, the window's rows,
+  standings folded and saved), against the full-history fold (the standings re-read from the whole
+  log, as every window did before and a restart still did).
+* **Peer.** A real peer (:class:`client.peer.Peer`, full replica) for two windows against the
+  validator: full-size θ copies it holds between windows (every tensor reachable from it, in units
+  of 4·P bytes) and the time of its state commit per parameter.
+* **Projection.** Per-unit costs measured on one layer of the 1B model (51 M parameters:
+  screening, decoding again, clipping, summing), the copy scan and agreement per sampled entry,
+  θ operations per parameter and the aggregate's encoding per value, scaled to 1B parameters ×
+  256 peers; the parallel phases divided by the stated CPU cores, loss scoring at a stated GPU
+  throughput.
+
+Times are CPU seconds: of the whole process (every thread, the worker pool's too) for a window,
+of the measuring thread (torch runs one intra-op thread) for everything else, the least of
+:data:`REPEATS` runs for the per-unit costs. The machine this runs on may be shared, and wall time
+there measures the other processes too; the wall seconds are reported beside them.
+
+    python scripts/bench_scale.py                # the table
+    python scripts/bench_scale.py --json         # one JSON object on stdout, the table on stderr
+    python scripts/bench_scale.py --quick        # N ≤ 64, history ≤ 1 000 windows (a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import sqlite3
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from client.peer import Peer
+from client.progress import PeerDisplay
+from client.replica import FullReplica
+from client.state import LocalState
+from protocol import codec, layout
+from protocol.aggregate import NormLimit, SparseDict, SparseSum, apply_outer, clip_to_limits, sparse_of
+from protocol.config import RunSpec
+from protocol.identity import Identity
+from protocol.model import build_model, fingerprint, param_schema, parameters_of
+from protocol.settings import LocalSettings
+from protocol.store.memory import MemoryStore
+from protocol.wire import (
+    Announcement,
+    Contribution,
+    decode_aggregate,
+    decode_contribution,
+    encode_announcement,
+    encode_contribution,
+)
+from validator import checks
+from validator.consensus import agreement
+from validator.copies import CopyRule, scan
+from validator.held import clipped_entries, decode
+from validator.log import CheckRow, ContributionLog, ContributionRecord, WindowRecord
+from validator.node import Validator, _outcome
+from validator.publish import encode_window_aggregate
+from validator.reputation import Outcome, Standing, standings
+from validator.sketch import Sketcher, expected_nnz, global_entries, offsets, sample_every
+from validator.state import ValidatorState, load_state, save_state
+
+torch.set_num_threads(1)
+
+MODEL = {"preset": "tiny", "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_dim": 688, "max_seq_len": 128}
+ONE_B = {"preset": "1b", "dim": 2048, "n_layers": 16, "n_heads": 16, "ffn_dim": 5632, "max_seq_len": 2048}
+PEERS = (4, 16, 64, 256)
+HISTORY = (10, 1_000, 10_000)
+HISTORY_PEERS = 256
+TEMPLATE_WINDOWS = 32  # windows of synthetic rows; the longer logs repeat them
+CORES = 16  # CPU cores of the projected validator (one H100-class GPU beside them)
+GPU_TOKENS_PER_S = 40_000.0  # forward tokens/s of a 1B model on that GPU (fp32/TF32 evaluation)
+SEQ_LEN_1B = 2048
+PAIR_SAMPLE = 300  # pairs timed to extrapolate the pairwise baseline at the largest N
+REPEATS = 3  # runs of each per-unit cost; the least is kept
+FOLD_SAMPLE = 1_000  # windows of log folded to extrapolate the full-history baseline beyond them
+
+
+def bench_spec(vkey: Identity, n: int) -> RunSpec:
+    return RunSpec().replace(
+        model=MODEL,
+        data={"seq_len": 64, "batch_size": 4},
+        inner={"steps": 2, "lr": 1e-3, "warmup_steps": 1},
+        windows={"upload_deadline_s": 600.0, "gather_grace_s": 0.05, "checkpoint_every": 1000},
+        validator={
+            "public_keys": [vkey.public_key_hex],
+            "eval_sequences": 8,
+            "max_contributors": max(n, 1),
+            "max_contribution_bytes": 1 << 24,
+        },
+    )
+
+
+class RssPeak:
+    """Largest growth of this process's resident memory while ``with`` runs."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self) -> RssPeak:
+        self.base = self.rss()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self.rss() - self.base)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss() - self.base)
+
+
+@contextmanager
+def timed(out: dict[str, float], key: str) -> Iterator[None]:
+    """Add the CPU seconds this thread spends in the block to ``out[key]``. CPU time, not wall
+    time: the machine this runs on may be shared, and its wall time then measures the other
+    processes as much as this one (torch runs one intra-op thread here, so the thread's time is
+    all the work)."""
+    t0 = time.thread_time()
+    yield
+    out[key] = out.get(key, 0.0) + time.thread_time() - t0
+
+
+def least(repeats: int, key: str, fn: Callable[[], object]) -> float:
+    """The smallest CPU time of ``repeats`` runs of ``fn`` (the run least disturbed)."""
+    best = math.inf
+    for _ in range(repeats):
+        out: dict[str, float] = {}
+        with timed(out, key):
+            fn()
+        best = min(best, out[key])
+    return best
+
+
+def fit_exponent(xs: list[float], ys: list[float]) -> float:
+    """x of y ∝ N^x, least squares in log-log."""
+    lx, ly = np.log(np.asarray(xs)), np.log(np.asarray(ys))
+    return float(np.polyfit(lx, ly, 1)[0])
+
+
+# ---------------------------------------------------------------------------- synthetic uploads
+def synthetic_updates(
+    schema: dict[str, tuple[int, ...]], n: int, cfg: Any, seed: int
+) -> Iterator[dict[str, codec.Encoded]]:
+    """N encoded updates sharing a direction (honest-like overlap of their positions)."""
+    g = torch.Generator().manual_seed(seed)
+    shared = {name: torch.randn(shape, generator=g) for name, shape in schema.items()}
+    for _ in range(n):
+        yield {name: codec.encode((s + torch.randn(s.shape, generator=g)) * 1e-3, cfg) for name, s in shared.items()}
+
+
+class Swarm:
+    def __init__(self, spec: RunSpec, n: int, seed: int) -> None:
+        self.spec, self.run_hash = spec, spec.hash()
+        self.run = layout.run_id(self.run_hash)
+        self.name = f"scale-{uuid.uuid4().hex[:8]}"
+        self.store = MemoryStore(self.name)
+        self.schema = param_schema(spec.model)
+        self.peers = [Identity.generate() for _ in range(n)]
+        self.updates = list(synthetic_updates(self.schema, n, spec.codec, seed))
+        for p in self.peers:
+            ann = encode_announcement(Announcement(self.run_hash, 0, "bench", "cpu"), p)
+            self.store.put(layout.peer_key(self.run, p.peer_id), ann)
+
+    def upload_all(self, window: int, base: str) -> dict[str, bytes]:
+        blobs = {}
+        for p, enc in zip(self.peers, self.updates):
+            blob = encode_contribution(Contribution(self.run_hash, window, base, self.spec.codec, enc, {}), p)
+            self.store.put(layout.contrib_key(self.run, window, p.peer_id), blob)
+            blobs[p.peer_id] = blob
+        return blobs
+
+    def close(self) -> None:
+        MemoryStore.forget(self.name)
+
+
+def established_validator(sw: Swarm, vkey: Identity, state_dir: str, local: LocalSettings) -> Validator:
+    """A validator whose state says every peer of ``sw`` is past probation."""
+    v = Validator(sw.spec, MemoryStore(sw.name), vkey, state_dir, local=local)
+    st = v.resume()
+    known = {p.peer_id: Standing(reputation=0.1, windows=1, passes=1) for p in sw.peers}
+    save_state(state_dir, replace(st, standings=known), params=False)
+    v.close()
+    v = Validator(sw.spec, MemoryStore(sw.name), vkey, state_dir, local=local)
+    v.resume()
+    return v
+
+
+# ---------------------------------------------------------------------------- peers: one window
+def window_costs(n: int, seed: int) -> dict[str, Any]:
+    vkey = Identity.generate()
+    spec = bench_spec(vkey, n)
+    sw = Swarm(spec, n, seed)
+    state_dir = tempfile.mkdtemp(prefix="bench-scale-")
+    local = LocalSettings(poll_interval_s=0.05)
+    try:
+        v = established_validator(sw, vkey, state_dir, local)
+        assert v.state is not None
+        sw.upload_all(0, v.state.base)
+        assert v.run_window() is not None  # window 0: the norm reference starts
+        blobs = sw.upload_all(1, v.state.base)
+        gc.collect()
+        with RssPeak() as rss:
+            t0, c0 = time.perf_counter(), time.process_time()
+            report = v.run_window()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0  # all threads: the pool's too
+        assert report is not None
+        agg_blob = sw.store.get(layout.aggregate_key(sw.run, 1), max_bytes=1 << 30)
+        agg = decode_aggregate(agg_blob, run_hash=sw.run_hash, max_bytes=len(agg_blob), allowed_signers=None)
+        rows = v.log.rows(windows=(1, 1))
+        overlaps = [r.overlap for r in rows if r.overlap is not None]
+        p_total = sum(math.prod(s) for s in sw.schema.values())
+        out = {
+            "n": n,
+            "seconds": cpu,
+            "wall_seconds": wall,
+            "phases": dict(report.seconds),
+            "accepted": report.accepted,
+            "rejected": report.rejected,
+            "reasons": dict(report.reasons),
+            "aggregate_bytes": len(agg_blob),
+            "aggregate_nnz": agg.value.nnz,
+            "params": p_total,
+            "mean_best_overlap": float(np.mean(overlaps)) if overlaps else 0.0,
+            "held_mb": rss.peak / 2**20,
+        }
+        out["copies"] = copy_baseline(sw, blobs, v)
+        v.close()
+        return out
+    finally:
+        sw.close()
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def copy_baseline(sw: Swarm, blobs: dict[str, bytes], v: Validator) -> dict[str, Any]:
+    """The one-pass scan and the pairwise comparison on the same window's index sets."""
+    offs = offsets(sw.schema)
+    entries = {p: global_entries(_sparse(b), offs) for p, b in blobs.items()}
+    read_at = {p: float(i) for i, p in enumerate(entries)}
+    t0 = time.thread_time()
+    scan(entries, read_at, CopyRule())
+    one_pass = time.thread_time() - t0
+    t0 = time.thread_time()
+    agreement(entries, set(entries), np.array(sorted(offs.values()), dtype=np.int64))
+    agree = time.thread_time() - t0
+    peers = list(entries)
+    pairs = len(peers) * (len(peers) - 1) // 2
+    if pairs <= PAIR_SAMPLE:
+        t0 = time.thread_time()
+        pairwise_scan(entries, read_at)
+        pairwise, estimated = time.thread_time() - t0, False
+    else:
+        rng = np.random.default_rng(0)
+        sample = [tuple(rng.choice(len(peers), 2, replace=False)) for _ in range(PAIR_SAMPLE)]
+        t0 = time.thread_time()
+        for i, j in sample:
+            _overlap(entries[peers[int(i)]][0], entries[peers[int(j)]][0])
+        pairwise, estimated = (time.thread_time() - t0) / PAIR_SAMPLE * pairs, True
+    values = sum(len(e[0]) for e in entries.values())
+    return {
+        "one_pass_s": one_pass,
+        "pairwise_s": pairwise,
+        "pairwise_estimated": estimated,
+        "agreement_s": agree,
+        "entries": values,
+    }
+
+
+def _sparse(blob: bytes) -> SparseDict:
+    return sparse_of(decode_contribution(blob, run_hash=None, max_bytes=len(blob)).value.tensors)
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> float:
+    if len(a) == 0 or len(b) == 0:
+        return 0.0
+    return np.intersect1d(a, b, assume_unique=True).size / min(len(a), len(b))
+
+
+def pairwise_scan(entries: dict[str, tuple[np.ndarray, np.ndarray]], read_at: dict[str, float]) -> None:
+    """The copy check this code had before the one-pass scan: each upload against every earlier one."""
+    originals: list[str] = []
+    for peer in sorted(entries, key=lambda p: read_at[p]):
+        if not any(_overlap(entries[peer][0], entries[o][0]) >= 0.6 for o in originals):
+            originals.append(peer)
+
+
+# ---------------------------------------------------------------------------- history
+def synthetic_rows(window: int, peers: list[str], rng: np.random.Generator) -> list[ContributionRecord]:
+    names = checks.CHECK_ORDER
+    out = []
+    for p in peers:
+        accepted = rng.random() > 0.1
+        passed = names[: names.index("stable") + 1] if accepted else names[: names.index("score")]
+        rows = tuple(CheckRow(c, True) for c in passed) + (() if accepted else (CheckRow("score", False, "harmful"),))
+        scored = rng.random() < 0.05
+        out.append(
+            ContributionRecord(
+                window=window,
+                peer=p,
+                received_at=1e9 + window,
+                bytes=int(rng.integers(1 << 20, 1 << 21)),
+                digest=hashlib.sha256(f"{window}{p}".encode()).hexdigest(),
+                accepted=accepted,
+                reason=None if accepted else "harmful",
+                detail=None if accepted else "own loss 3.1000 -> 3.1200",
+                norm=float(rng.random()),
+                overlap=float(rng.random() * 0.3),
+                loss_own_before=3.1 if scored else None,
+                loss_own_after=3.0 if scored else None,
+                loss_random_before=3.2 if scored else None,
+                loss_random_after=3.19 if scored else None,
+                score=0.09 if scored else None,
+                reputation=0.5,
+                weight=1.0 if accepted else 0.0,
+                checks=rows,
+            )
+        )
+    return out
+
+
+def _failed(r: ContributionRecord) -> str | None:
+    return next((c.name for c in r.checks if not c.passed), None)
+
+
+def replicate_windows(path: Path, have: int, want: int) -> None:
+    """Fill windows ``have`` … ``want − 1`` of the log at ``path`` with copies of the rows of
+    windows ``0 … have − 1`` (doubling, in SQL: millions of rows in seconds)."""
+    db = sqlite3.connect(path)
+    cols = [c[1] for c in db.execute("PRAGMA table_info(contributions)") if c[1] != "window"]
+    names = ", ".join(cols)
+    n = have
+    while n < want:
+        k = min(n, want - n)
+        db.execute(
+            f"INSERT INTO contributions (window, {names}) SELECT window + ?, {names} FROM contributions WHERE window < ?",
+            (n, k),
+        )
+        db.commit()
+        n += k
+    db.close()
+
+
+def history_costs(windows: int, vkey: Identity) -> dict[str, Any]:
+    d = Path(tempfile.mkdtemp(prefix="bench-history-"))
+    try:
+        spec = bench_spec(vkey, HISTORY_PEERS)
+        cfg = spec.validator
+        rng = np.random.default_rng(windows)
+        peers = sorted(Identity.generate().peer_id for _ in range(HISTORY_PEERS))
+        t = windows - 1
+        path = d / "contributions.sqlite"
+        templates = [synthetic_rows(w, peers, rng) for w in range(min(t, TEMPLATE_WINDOWS))]
+        log = ContributionLog(path)
+        log.record_rows([r for rows in templates for r in rows])
+        log.close()
+        replicate_windows(path, len(templates), t)  # window w repeats the rows of w mod TEMPLATE_WINDOWS
+        # the state a validator at window t + 1 saved: standings folded window by window
+        folded: dict[str, Standing] = {}
+        for w in range(t):
+            rows = templates[w % len(templates)]
+            folded = standings(
+                (Outcome(w, r.peer, r.accepted, r.reason, r.score, _failed(r)) for r in rows), cfg, start=folded
+            )
+        last = synthetic_rows(t, peers, rng)
+        folded = standings(map(_outcome, last), cfg, start=folded)
+        log = ContributionLog(path)
+        log.record_window(WindowRecord(window=t, status="published", opened_at=1.0), last)
+        rows_now = log.rows(windows=(t, t))
+        n_rows = windows * HISTORY_PEERS
+        params = {"w": torch.zeros(4)}
+        state = ValidatorState(spec.hash(), t + 1, "ab" * 32, 1.0, params, "cd" * 32, 0.5, standings=folded)
+        save_state(d, state)
+        log.close()
+        size = sum(f.stat().st_size for f in d.glob("contributions.sqlite*"))
+        out: dict[str, float] = {}
+        with timed(out, "restart_s"):  # what a restarted validator reads before its first window
+            log = ContributionLog(d / "contributions.sqlite")
+            loaded = load_state(d, spec.hash())
+        assert loaded is not None and loaded.standings == folded
+        w = t + 1
+        new_rows = synthetic_rows(w, peers, rng)
+        w0 = time.perf_counter()
+        with timed(out, "window_s"):  # the log and state work of one window
+            prev = log.rows(windows=(w - 1, w - 1))
+            log.window(w - 1)
+            for r in new_rows:
+                log.note_received(w, r.peer, received_at=2e9, nbytes=r.bytes, digest=r.digest)
+            log.record_window(WindowRecord(window=w), new_rows)
+            log.mark_published(w, digest="ef" * 32, published_at=2e9)
+            log.rows(windows=(w - 1, w - 1))  # late uploads of the previous window
+            decided = log.rows(windows=(w, w))
+            nxt = standings(map(_outcome, decided), cfg, start=loaded.standings)
+            save_state(d, replace(loaded, window=w + 1, standings=nxt), params=False)
+        out["window_wall_s"] = time.perf_counter() - w0  # with the log's fsyncs
+        # the baseline: the standings from the whole log (beyond FOLD_SAMPLE windows, the fold of
+        # the last FOLD_SAMPLE windows scaled to all: it reads and folds every row once)
+        folded_windows = min(w + 1, FOLD_SAMPLE)
+        with timed(out, "full_fold_s"):
+            base = standings(map(_outcome, log.rows(windows=(w + 1 - folded_windows, w))), cfg)
+        out["full_fold_s"] *= (w + 1) / folded_windows
+        out["full_fold_estimated"] = float(folded_windows < w + 1)
+        assert folded_windows < w + 1 or base == nxt
+        assert len(prev) == len(rows_now) == HISTORY_PEERS
+        log.close()
+        out["log_bytes_per_contribution"] = size / n_rows
+        out["rows"] = n_rows
+        return out
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- a peer
+def peer_costs() -> dict[str, Any]:
+    vkey = Identity.generate()
+    spec = bench_spec(vkey, 1)
+    name = f"scale-peer-{uuid.uuid4().hex[:8]}"
+    root = Path(tempfile.mkdtemp(prefix="bench-peer-"))
+    try:
+        v = Validator(spec, MemoryStore(name), vkey, root / "validator", local=LocalSettings(poll_interval_s=0.05))
+        v.resume()
+        state = LocalState(root / "peer")
+        identity = Identity.load_or_create(state.key_path)
+        replica = FullReplica(spec, data_key=identity.peer_id)
+        quiet = PeerDisplay(console=Console(file=io.StringIO()))
+        local = LocalSettings(poll_interval_s=0.05)
+        peer = Peer(spec, MemoryStore(name), identity, state, replica, local=local, display=quiet)
+        th = threading.Thread(target=peer.run, kwargs={"until_window": 2}, daemon=True)
+        th.start()
+        for _ in range(2):
+            assert v.run_window() is not None
+        th.join(timeout=300)
+        p_total = sum(p.numel() for p in parameters_of(build_model(spec.model)).values())
+        held = _tensor_bytes(peer)
+        t0 = time.perf_counter()
+        peer._commit(replica.state_dict())
+        commit = time.perf_counter() - t0
+        v.close()
+        return {"state_copies": held / (4 * p_total), "commit_s_per_param": commit / p_total, "params": p_total}
+    finally:
+        MemoryStore.forget(name)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _tensor_bytes(root: object) -> int:
+    """Bytes of every distinct tensor storage reachable from ``root``."""
+    seen: set[int] = set()
+    storages: dict[int, int] = {}
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, str, bytes, int, float)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+            if obj.grad is not None:
+                stack.append(obj.grad)
+            continue
+        stack.extend(gc.get_referents(obj))
+    return sum(storages.values())
+
+
+# ---------------------------------------------------------------------------- 1B unit costs
+def unit_costs(seed: int) -> dict[str, float]:
+    """Per-value costs of the phases that scale with N × nnz, on one layer of the 1B model."""
+    full = param_schema(RunSpec().replace(model=ONE_B).model)
+    layer = {n: s for n, s in full.items() if n.startswith("blocks.0.")}
+    cfg = RunSpec().codec
+    peer = Identity.generate()
+    (enc,) = synthetic_updates(layer, 1, cfg, seed)
+    blob = encode_contribution(Contribution("ab" * 32, 0, "cd" * 32, cfg, enc, {}), peer)
+    nnz = sum(e.nnz for e in enc.values())
+    every = sample_every(expected_nnz(full, cfg))
+    sk = Sketcher(offsets(full), every, key=b"bench")
+    ctx = checks.Context(
+        run_hash="ab" * 32,
+        window=0,
+        expected_base="cd" * 32,
+        codec=cfg,
+        schema=full,
+        max_bytes=1 << 30,
+        registered=frozenset({peer.peer_id}),
+        sketch=sk,
+    )
+    out: dict[str, float] = {}
+    s = checks.screen(peer.peer_id, blob, ctx)
+    assert s.reason is None and s.held is not None
+    h = s.held
+    out["screen"] = least(REPEATS, "screen", lambda: checks.screen(peer.peer_id, blob, ctx))
+    limits = {
+        n: NormLimit(norm=h.norms.tensors[n].norm * 0.5, row=h.norms.tensors[n].row * 0.5, row_len=shape[-1])
+        if len(shape) == 2
+        else NormLimit(norm=h.norms.tensors[n].norm * 0.5)
+        for n, shape in layer.items()
+    }
+    sparse = decode(h, full, cfg)
+    out["decode"] = least(REPEATS, "decode", lambda: decode(h, full, cfg))
+    (clipped,) = clip_to_limits([sparse], limits)
+    out["clip"] = least(REPEATS, "clip", lambda: clip_to_limits([sparse], limits))
+    total = SparseSum(full)
+    with timed(out, "sum_alloc"):  # the window's sum arrays, allocated once (counted per parameter)
+        total.add([clipped])
+    out["sum"] = least(REPEATS, "sum", lambda: total.add([clipped]))
+    out["clipped_sample"] = least(REPEATS, "clipped_sample", lambda: clipped_entries(h, limits, sk, full))
+    layer_params = sum(math.prod(s) for s in layer.values())
+    per = {k: v / nnz for k, v in out.items() if k != "sum_alloc"}
+    per["sum_alloc_per_param"] = max(0.0, out["sum_alloc"] - out["sum"]) / layer_params
+    per["sampled_share"] = len(h.sketch[0]) / nnz
+    per["bytes_per_value"] = len(blob) / nnz
+    # θ work per parameter (clone, finiteness, load, fingerprint), on 64 M parameters
+    theta = {"w": torch.randn(1 << 26)}
+    t: dict[str, float] = {}
+    with timed(t, "clone"):
+        nxt = {k: p.clone() for k, p in theta.items()}
+    with timed(t, "finite"):
+        all(bool(torch.isfinite(p).all()) for p in nxt.values())
+    with timed(t, "fingerprint"):
+        fingerprint(nxt)
+    idx = torch.arange(0, 1 << 26, 4, dtype=torch.int64)
+    with timed(t, "apply"):
+        apply_outer(nxt, {"w": (idx, torch.ones(len(idx)))}, 1.0)
+    per["theta_per_param"] = (t["clone"] + t["finite"] + t["fingerprint"]) / (1 << 26) + per["sum_alloc_per_param"]
+    per["apply_per_value"] = t["apply"] / len(idx)
+    return per
+
+
+def aggregate_encode_cost(vkey: Identity) -> dict[str, float]:
+    """Seconds and bytes per value of the signed aggregate, on a 4 M-value Δ̄."""
+    shapes = {"w": (4096, 4096)}
+    idx = torch.arange(0, 4096 * 4096, 4, dtype=torch.int64)
+    delta = {"w": (idx, torch.randn(len(idx)))}
+    t0 = time.thread_time()
+    blob = encode_window_aggregate(
+        run_hash="ab" * 32,
+        window=0,
+        base="cd" * 32,
+        alpha=1.0,
+        delta=delta,
+        shapes=shapes,
+        manifest=[],
+        fingerprint_next="ef" * 32,
+        published_at=1.0,
+        metadata={},
+        identity=vkey,
+    )
+    hashlib.sha256(blob).hexdigest()
+    return {"seconds_per_value": (time.thread_time() - t0) / len(idx), "bytes_per_value": len(blob) / len(idx)}
+
+
+# ---------------------------------------------------------------------------- projection
+def projection(
+    units: dict[str, float], window: dict[str, Any], history: dict[str, Any], agg: dict[str, float]
+) -> dict[str, Any]:
+    """Minutes of one window at 1B parameters × 256 peers, per phase."""
+    spec = RunSpec().replace(model=ONE_B)
+    schema = param_schema(spec.model)
+    p = sum(math.prod(s) for s in schema.values())
+    nnz = expected_nnz(schema, spec.codec)
+    n = 256
+    values = n * nnz
+    sampled = values * units["sampled_share"]
+    cp = window["copies"]
+    density = window["aggregate_nnz"] / window["params"]  # Δ̄'s share of θ at N = 256, measured
+    delta_values = density * p
+    v = spec.validator
+    tokens = (3 * v.eval_peers_per_window + 1) * v.eval_sequences * SEQ_LEN_1B  # own before/after, random
+    phases_s = {
+        "screen (decode, checks, norms, sample)": values * units["screen"] / CORES,
+        "copies (one-pass scan of the samples)": sampled * cp["one_pass_s"] / cp["entries"],
+        "agreement (clipped samples)": sampled * (units["clipped_sample"] / units["sampled_share"] / CORES)
+        + sampled * cp["agreement_s"] / cp["entries"],
+        "scoring (GPU forward + 8 decodes)": tokens / GPU_TOKENS_PER_S
+        + v.eval_peers_per_window * nnz * (units["decode"] + units["clip"]),
+        "aggregate (decode again, clip, sum)": values * (units["decode"] + units["clip"] + units["sum"]) / CORES,
+        "θ (clone, finite, fingerprint, apply, val loss)": p * units["theta_per_param"]
+        + delta_values * units["apply_per_value"]
+        + v.eval_sequences * SEQ_LEN_1B / GPU_TOKENS_PER_S,
+        "publish (encode + sign Δ̄)": delta_values * agg["seconds_per_value"],
+        "log + state": history["window_s"],
+    }
+    single = dict(phases_s)
+    single["screen (decode, checks, norms, sample)"] *= CORES
+    single["aggregate (decode again, clip, sum)"] *= CORES
+    minutes = {k: round(s / 60.0, 3) for k, s in phases_s.items()}
+    return {
+        **minutes,
+        "total": round(sum(phases_s.values()) / 60.0, 2),
+        "total_single_core": round(sum(single.values()) / 60.0, 2),
+        "assumptions": (
+            f"1B preset ({p / 1e9:.2f} G params), {n} peers × {nnz / 1e6:.1f} M values each; screening, "
+            f"decoding and clipping on {CORES} CPU cores (the worker pool), everything else from per-unit "
+            f"costs measured here on one core; loss scoring {v.eval_peers_per_window} units × 3 + 1 "
+            f"evaluations of {v.eval_sequences} × {SEQ_LEN_1B} tokens and the validation loss at "
+            f"{GPU_TOKENS_PER_S:,.0f} tokens/s forward on one H100-class GPU; Δ̄ density {density:.3f} "
+            "(measured at N = 256); downloads not counted (they overlap the upload deadline)"
+        ),
+        "aggregate_bytes": int(delta_values * agg["bytes_per_value"]),
+    }
+
+
+# ---------------------------------------------------------------------------- report
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
+    ap.add_argument("--quick", action="store_true", help="N ≤ 64 and history ≤ 1 000 windows")
+    args = ap.parse_args()
+    started = time.monotonic()
+    peers = [n for n in PEERS if not args.quick or n <= 64]
+    history_windows = [w for w in HISTORY if not args.quick or w <= 1_000]
+    windows = {}
+    for i, n in enumerate(peers):
+        windows[n] = window_costs(n, seed=i)
+        print(f"N = {n}: {windows[n]['seconds']:.2f} s", file=sys.stderr)
+    vkey = Identity.generate()
+    history = {}
+    for w in history_windows:
+        history[w] = history_costs(w, vkey)
+        print(f"history {w}: {history[w]['window_s']:.3f} s", file=sys.stderr)
+    peer = peer_costs()
+    units = unit_costs(seed=7)
+    agg = aggregate_encode_cost(vkey)
+    proj = projection(units, windows[max(peers)], history[max(history_windows)], agg)
+    result = report(peers, windows, history_windows, history, peer, units, proj)
+    result["seconds"] = round(time.monotonic() - started, 1)
+    console = Console(file=sys.stderr if args.json else sys.stdout, width=200)
+    for t in tables(result):
+        console.print(t)
+    if args.json:
+        print(json.dumps(result, indent=1))
+
+
+def report(
+    peers: list[int],
+    windows: dict[int, dict[str, Any]],
+    history_windows: list[int],
+    history: dict[int, dict[str, Any]],
+    peer: dict[str, Any],
+    units: dict[str, float],
+    proj: dict[str, Any],
+) -> dict[str, Any]:
+    secs = {str(n): round(windows[n]["seconds"], 3) for n in peers}
+    # the phases are timed on the wall clock: scoring's share of the wall time, taken off the CPU time
+    without_scoring = {
+        str(n): round(
+            windows[n]["seconds"] * (1.0 - windows[n]["phases"].get("scoring", 0.0) / windows[n]["wall_seconds"]), 3
+        )
+        for n in peers
+    }
+    p = windows[peers[0]]["params"]
+    return {
+        "params": p,
+        "timing": (
+            "seconds are CPU seconds (the process's for a window, all threads; the thread's for the "
+            "rest), wall seconds beside them: this machine is shared"
+        ),
+        "validator_seconds_per_window": secs,
+        "validator_growth_exponent": round(fit_exponent(peers, [windows[n]["seconds"] for n in peers]), 3),
+        "validator_wall_seconds_per_window": {str(n): round(windows[n]["wall_seconds"], 3) for n in peers},
+        "validator_wall_growth_exponent": round(fit_exponent(peers, [windows[n]["wall_seconds"] for n in peers]), 3),
+        "validator_seconds_without_scoring": without_scoring,
+        "validator_growth_exponent_without_scoring": round(
+            fit_exponent(peers, [max(1e-6, float(v)) for v in without_scoring.values()]), 3
+        ),
+        "validator_phases": {str(n): windows[n]["phases"] for n in peers},
+        "validator_held_mb": {str(n): round(windows[n]["held_mb"], 1) for n in peers},
+        "accepted": {str(n): windows[n]["accepted"] for n in peers},
+        "rejections": {str(n): windows[n]["reasons"] for n in peers},
+        "mean_best_overlap": {str(n): round(windows[n]["mean_best_overlap"], 3) for n in peers},
+        "copies_one_pass_seconds": {str(n): round(windows[n]["copies"]["one_pass_s"], 3) for n in peers},
+        "copies_pairwise_seconds_baseline": {str(n): round(windows[n]["copies"]["pairwise_s"], 3) for n in peers},
+        "copies_pairwise_estimated": [str(n) for n in peers if windows[n]["copies"]["pairwise_estimated"]],
+        "history_seconds": {str(w): round(history[w]["window_s"], 4) for w in history_windows},
+        "history_wall_seconds": {str(w): round(history[w]["window_wall_s"], 4) for w in history_windows},
+        "history_restart_seconds": {str(w): round(history[w]["restart_s"], 4) for w in history_windows},
+        "history_full_fold_seconds_baseline": {str(w): round(history[w]["full_fold_s"], 3) for w in history_windows},
+        "history_full_fold_estimated": [str(w) for w in history_windows if history[w]["full_fold_estimated"]],
+        "log_bytes_per_contribution": round(history[history_windows[-1]]["log_bytes_per_contribution"], 1),
+        "aggregate_bytes_per_param": {
+            str(n): {"plain": round(windows[n]["aggregate_bytes"] / p, 4), "recompressed": None}
+            for n in peers
+            if n >= 16
+        },
+        "peer_download_bytes_per_param": {
+            str(n): {"plain": round(windows[n]["aggregate_bytes"] / p, 4), "recompressed": None}
+            for n in peers
+            if n >= 16
+        },
+        "recompressed_note": "this code has no re-compressed aggregate encoding: plain only",
+        "peer_state_copies": round(peer["state_copies"], 2),
+        "peer_commit_seconds_per_param": peer["commit_s_per_param"],
+        "unit_costs_ns_per_value_1b_layer": {
+            k: round(v * 1e9, 2) for k, v in units.items() if k not in ("sampled_share", "bytes_per_value")
+        },
+        "sampled_share_1b": units["sampled_share"],
+        "projection_1b_256_minutes": proj,
+    }
+
+
+def tables(r: dict[str, Any]) -> list[Table]:
+    out = []
+    t = Table(title=f"validator window 1, P = {r['params'] / 1e6:.1f} M parameters, established peers")
+    for c in ("N", "CPU s", "without scoring", "wall s", "gather", "checks", "scoring", "aggregate", "publish"):
+        t.add_column(c, justify="right")
+    t.add_column("held MB", justify="right")
+    t.add_column("copies: one pass / pairwise (baseline) s", justify="right")
+    t.add_column("aggregate B/param", justify="right")
+    for n, s in r["validator_seconds_per_window"].items():
+        ph = r["validator_phases"][n]
+        pair = r["copies_pairwise_seconds_baseline"][n]
+        est = " (est.)" if n in r["copies_pairwise_estimated"] else ""
+        agg = r["aggregate_bytes_per_param"].get(n, {}).get("plain")
+        t.add_row(
+            n,
+            f"{s:.2f}",
+            f"{r['validator_seconds_without_scoring'][n]:.2f}",
+            f"{r['validator_wall_seconds_per_window'][n]:.2f}",
+            *(f"{ph.get(k, 0.0):.2f}" for k in ("gather", "checks", "scoring", "aggregate", "publish")),
+            f"{r['validator_held_mb'][n]:.0f}",
+            f"{r['copies_one_pass_seconds'][n]:.3f} / {pair:.2f}{est}",
+            "–" if agg is None else f"{agg:.3f}",
+        )
+    t.caption = (
+        f"growth exponent {r['validator_growth_exponent']} (without scoring "
+        f"{r['validator_growth_exponent_without_scoring']}; wall {r['validator_wall_growth_exponent']}); "
+        "phases in wall seconds; copies in CPU seconds"
+    )
+    out.append(t)
+    h = Table(title="history: the log and state work of one window (256 peers per window)")
+    for c in ("windows of log", "one window CPU s", "wall s", "restart s", "full-history fold s (baseline)"):
+        h.add_column(c, justify="right")
+    for w, s in r["history_seconds"].items():
+        est = " (est.)" if w in r["history_full_fold_estimated"] else ""
+        h.add_row(
+            w,
+            f"{s:.4f}",
+            f"{r['history_wall_seconds'][w]:.4f}",
+            f"{r['history_restart_seconds'][w]:.4f}",
+            f"{r['history_full_fold_seconds_baseline'][w]:.3f}{est}",
+        )
+    h.caption = f"log: {r['log_bytes_per_contribution']:.0f} bytes per contribution"
+    out.append(h)
+    proj = r["projection_1b_256_minutes"]
+    pt = Table(title="projection: one window at 1B parameters × 256 peers")
+    pt.add_column("phase")
+    pt.add_column("minutes", justify="right")
+    for k, v in proj.items():
+        if k not in ("assumptions", "aggregate_bytes", "total", "total_single_core"):
+            pt.add_row(k, f"{v:.3f}")
+    pt.add_row("total", f"{proj['total']:.2f}")
+    pt.add_row("total, screening and aggregation on one core", f"{proj['total_single_core']:.2f}")
+    pt.caption = proj["assumptions"]
+    out.append(pt)
+    peer = Table(title="peer")
+    peer.add_column("θ-size copies held")
+    peer.add_column("commit s / param")
+    peer.add_row(f"{r['peer_state_copies']:.2f}", f"{r['peer_commit_seconds_per_param']:.3g}")
+    out.append(peer)
+    return out
+
+
+if __name__ == "__main__":
+    main()
