@@ -31,6 +31,7 @@ import torch
 from protocol import layout
 from protocol.aggregate import SparseDict, aggregate, sparse_of
 from protocol.broadcast import applied, publishable
+from protocol.caps import object_caps
 from protocol.codec import Encoded
 from protocol.config import RunSpec
 from protocol.errors import ProtocolError, StoreError
@@ -114,7 +115,7 @@ class Forecast:
     def _fetch(self, key: str, peer: str) -> SparseDict | None:
         """The contribution at ``key`` in sparse form, or None when it does not pass (then it is
         never looked at again) or cannot be read now (then it is)."""
-        cap = self.spec.validator.max_contribution_bytes
+        cap = object_caps(self.spec).contribution  # what the validator reads with
         try:
             data = self.store.get(key, max_bytes=cap)
         except StoreError:

@@ -69,7 +69,7 @@ from client.replica import FullReplica
 from client.state import LocalState
 from protocol import codec, layout
 from protocol.aggregate import NormLimit, SparseDict, SparseSum, apply_outer, clip_to_limits, sparse_of
-from protocol.config import RunSpec
+from protocol.config import OuterConfig, RunSpec
 from protocol.identity import Identity
 from protocol.model import build_model, fingerprint, param_schema, parameters_of
 from protocol.settings import LocalSettings
@@ -660,16 +660,33 @@ def main() -> None:
         history[w] = history_costs(w, vkey)
         print(f"history {w}: {history[w]['window_s']:.3f} s", file=sys.stderr)
     peer = peer_costs()
+    recompressed = recompressed_sizes([n for n in peers if n >= 16])
     units = unit_costs(seed=7)
     agg = aggregate_encode_cost(vkey)
     proj = projection(units, windows[max(peers)], history[max(history_windows)], agg)
     result = report(peers, windows, history_windows, history, peer, units, proj)
+    for key in ("aggregate_bytes_per_param", "peer_download_bytes_per_param"):
+        for n, size in recompressed.items():
+            result[key][str(n)]["recompressed"] = round(size, 4)
     result["seconds"] = round(time.monotonic() - started, 1)
     console = Console(file=sys.stderr if args.json else sys.stdout, width=200)
     for t in tables(result):
         console.print(t)
     if args.json:
         print(json.dumps(result, indent=1))
+
+
+def recompressed_sizes(peers: list[int]) -> dict[int, float]:
+    """Bytes per parameter of the re-compressed aggregate (``outer.recompress`` at its default k)
+    of N contributions of the same model, from ``scripts/bench_aggregate.py``'s synthetic
+    contributions with the measured honest Top-k overlap; what a peer then downloads per window."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_aggregate
+
+    k = OuterConfig().recompress_k
+    argv = ["--model", "tiny", "--n", ",".join(map(str, peers)), "--recompress-k", str(k)]
+    out = bench_aggregate.measure(bench_aggregate.parse_args(argv), Console(stderr=True))
+    return {int(row["n"]): float(row["recompressed"][str(k)]["aggregate_bytes_per_param"]) for row in out["rows"]}
 
 
 def report(
@@ -728,7 +745,10 @@ def report(
             for n in peers
             if n >= 16
         },
-        "recompressed_note": "this code has no re-compressed aggregate encoding: plain only",
+        "recompressed_note": (
+            "plain: the validator's own aggregates in this run; recompressed: outer.recompress at its default k "
+            "on scripts/bench_aggregate.py's synthetic contributions of the same model"
+        ),
         "peer_state_copies": round(peer["state_copies"], 2),
         "peer_commit_seconds_per_param": peer["commit_s_per_param"],
         "unit_costs_ns_per_value_1b_layer": {
@@ -746,12 +766,13 @@ def tables(r: dict[str, Any]) -> list[Table]:
         t.add_column(c, justify="right")
     t.add_column("held MB", justify="right")
     t.add_column("copies: one pass / pairwise (baseline) s", justify="right")
-    t.add_column("aggregate B/param", justify="right")
+    t.add_column("aggregate B/param: plain / re-compressed", justify="right")
     for n, s in r["validator_seconds_per_window"].items():
         ph = r["validator_phases"][n]
         pair = r["copies_pairwise_seconds_baseline"][n]
         est = " (est.)" if n in r["copies_pairwise_estimated"] else ""
-        agg = r["aggregate_bytes_per_param"].get(n, {}).get("plain")
+        sizes = r["aggregate_bytes_per_param"].get(n, {})
+        agg, small = sizes.get("plain"), sizes.get("recompressed")
         t.add_row(
             n,
             f"{s:.2f}",
@@ -760,7 +781,7 @@ def tables(r: dict[str, Any]) -> list[Table]:
             *(f"{ph.get(k, 0.0):.2f}" for k in ("gather", "checks", "scoring", "aggregate", "publish")),
             f"{r['validator_held_mb'][n]:.0f}",
             f"{r['copies_one_pass_seconds'][n]:.3f} / {pair:.2f}{est}",
-            "–" if agg is None else f"{agg:.3f}",
+            "–" if agg is None else f"{agg:.3f} / " + ("–" if small is None else f"{small:.4f}"),
         )
     t.caption = (
         f"growth exponent {r['validator_growth_exponent']} (without scoring "

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from protocol import codec, layout
+from protocol.caps import object_caps
 from protocol.config import RunSpec
 from protocol.data import assigned_batches, open_dataset
 from protocol.identity import Identity
@@ -118,7 +119,7 @@ class Swarm:
             expected_base=base,
             codec=self.spec.codec,
             schema=self.schema,
-            max_bytes=self.spec.validator.max_contribution_bytes,
+            max_bytes=object_caps(self.spec).contribution,
             registered=frozenset({signer.peer_id}),
         )
         s = checks.screen(signer.peer_id, self.blob(signer, window, base, tensors), ctx)
