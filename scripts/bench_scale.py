@@ -410,7 +410,7 @@ def history_costs(windows: int, vkey: Identity) -> dict[str, Any]:
         rows_now = log.rows(windows=(t, t))
         n_rows = windows * HISTORY_PEERS
         params = {"w": torch.zeros(4)}
-        state = ValidatorState(spec.hash(), t + 1, "ab" * 32, 1.0, params, "cd" * 32, 0.5, standings=folded)
+        state = ValidatorState(spec.hash(), t + 1, "ab" * 32, 1.0, params, "cd" * 32, 0.5, "ef" * 32, standings=folded)
         save_state(d, state)
         log.close()
         size = sum(f.stat().st_size for f in d.glob("contributions.sqlite*"))
