@@ -26,11 +26,11 @@ from client.demo.swarm import LocalSwarm
 from client.pipeline.link import free_port
 from client.replica import FullReplica
 from client.window import Trained, WindowJob
-from protocol.codec import decode
+from protocol.codec import Encoded, decode
 from protocol.config import RunSpec
 from protocol.devices import resolve_device
 from protocol.errors import ConfigError
-from protocol.feedback import FeedbackState
+from protocol.feedback import FeedbackBuffers, FeedbackState
 from protocol.layout import peer_key, run_id
 from protocol.model import build_model, parameters_of
 from protocol.store import open_store
@@ -57,14 +57,14 @@ def _job(window: int, theta: dict[str, torch.Tensor], feedback: FeedbackState) -
     return WindowJob(window, theta, "genesis", feedback, report=lambda **_: None, should_stop=lambda: False)
 
 
-def _windows(trainer: FullReplica | DataParallelReplica, spec: RunSpec) -> list[Trained]:
-    """``WINDOWS`` windows from the same θ, e chained (what the peer adopts)."""
-    theta, feedback, out = _theta(spec), FeedbackState(), []
+def _windows(trainer: FullReplica | DataParallelReplica, spec: RunSpec) -> list[tuple[Trained, dict[str, Encoded]]]:
+    """``WINDOWS`` windows from the same θ, each folded into e before the next (what the peer does):
+    every window's result and its Δ̂."""
+    theta, e, out = _theta(spec), FeedbackBuffers(), []
     for window in range(WINDOWS):
-        result = trainer.train(_job(window, theta, feedback))
+        result = trainer.train(_job(window, theta, e.view()))
         assert isinstance(result, Trained)
-        feedback = result.feedback_after
-        out.append(result)
+        out.append((result, dict(result.fold(e, {}))))
     return out
 
 
@@ -97,9 +97,9 @@ def _rank(rank: int, port: int, out: str, dying: int, timeout_s: float) -> None:
             Path(f"{out}/lost_0.txt").write_text(str(exc))
             os._exit(0)  # the group is broken: nothing left to close
         ranks.close()
-        decoded = {f"{w}/{n}": decode(e) for w, r in enumerate(results) for n, e in r.encoded.items()}
+        decoded = {f"{w}/{n}": decode(e) for w, (_, sent) in enumerate(results) for n, e in sent.items()}
         save_file(decoded, f"{out}/delta_0.safetensors")
-        meta = [dict(r.metadata) for r in results]
+        meta = [dict(r.metadata) for r, _ in results]
         Path(f"{out}/meta_0.json").write_text(json.dumps({"meta": meta, "step": replica.step}))
         local = replica.local
     else:
@@ -202,13 +202,13 @@ def test_two_ranks_match_one_process(tmp_path: Path) -> None:
         torch.testing.assert_close(p0[name], p.detach(), rtol=1e-4, atol=1e-5)
     meta = json.loads((tmp_path / "meta_0.json").read_text())
     assert meta["step"] == single.step == WINDOWS * spec.inner.steps
-    for got, want in zip(meta["meta"], expected, strict=True):
+    for got, (want, _) in zip(meta["meta"], expected, strict=True):
         assert got["tokens"] == want.metadata["tokens"]
         assert got["loss_first"] == pytest.approx(want.metadata["loss_first"], rel=1e-5)
         assert got["loss_last"] == pytest.approx(want.metadata["loss_last"], rel=1e-5)
     delta = load_file(str(tmp_path / "delta_0.safetensors"))
-    for window, result in enumerate(expected):
-        for name, enc in result.encoded.items():
+    for window, (_, sent) in enumerate(expected):
+        for name, enc in sent.items():
             torch.testing.assert_close(delta[f"{window}/{name}"], decode(enc), rtol=1e-3, atol=1e-6)
 
 
