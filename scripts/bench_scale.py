@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import io
 import json
 import math
 import os
@@ -63,15 +62,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from client.peer import Peer
-from client.progress import PeerDisplay
-from client.replica import FullReplica
-from client.state import LocalState
 from protocol import codec, layout
 from protocol.aggregate import NormLimit, SparseDict, SparseSum, apply_outer, clip_to_limits, sparse_of
 from protocol.config import OuterConfig, RunSpec
 from protocol.identity import Identity
-from protocol.model import build_model, fingerprint, param_schema, parameters_of
+from protocol.model import fingerprint, param_schema
 from protocol.settings import LocalSettings
 from protocol.store.memory import MemoryStore
 from protocol.wire import (
@@ -453,57 +448,21 @@ def history_costs(windows: int, vkey: Identity) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- a peer
 def peer_costs() -> dict[str, Any]:
-    vkey = Identity.generate()
-    spec = bench_spec(vkey, 1)
-    name = f"scale-peer-{uuid.uuid4().hex[:8]}"
-    root = Path(tempfile.mkdtemp(prefix="bench-peer-"))
-    try:
-        v = Validator(spec, MemoryStore(name), vkey, root / "validator", local=LocalSettings(poll_interval_s=0.05))
-        v.resume()
-        state = LocalState(root / "peer")
-        identity = Identity.load_or_create(state.key_path)
-        replica = FullReplica(spec, data_key=identity.peer_id)
-        quiet = PeerDisplay(console=Console(file=io.StringIO()))
-        local = LocalSettings(poll_interval_s=0.05)
-        peer = Peer(spec, MemoryStore(name), identity, state, replica, local=local, display=quiet)
-        th = threading.Thread(target=peer.run, kwargs={"until_window": 2}, daemon=True)
-        th.start()
-        for _ in range(2):
-            assert v.run_window() is not None
-        th.join(timeout=300)
-        p_total = sum(p.numel() for p in parameters_of(build_model(spec.model)).values())
-        held = _tensor_bytes(peer)
-        t0 = time.perf_counter()
-        peer._commit(replica.state_dict())
-        commit = time.perf_counter() - t0
-        v.close()
-        return {"state_copies": held / (4 * p_total), "commit_s_per_param": commit / p_total, "params": p_total}
-    finally:
-        MemoryStore.forget(name)
-        shutil.rmtree(root, ignore_errors=True)
+    """A peer's steady θ-size copies and commit cost per parameter, measured by
+    ``scripts/bench_peer.py`` on the peer's own end of a window (Δ folded into e in place, the
+    commit on its background lane), 13 M parameters."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_peer
+
+    args = argparse.Namespace(dim=512, layers=4, seq_len=64, batch_size=2, steps=2, windows=4, moments_every=3)
+    r = bench_peer.run("after", args)
+    return {
+        "state_copies": r.peer_state_copies,
+        "commit_s_per_param": r.peer_commit_seconds_per_param,
+        "params": r.params,
+    }
 
 
-def _tensor_bytes(root: object) -> int:
-    """Bytes of every distinct tensor storage reachable from ``root``."""
-    seen: set[int] = set()
-    storages: dict[int, int] = {}
-    stack = [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, (type, str, bytes, int, float)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            st = obj.untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
-            if obj.grad is not None:
-                stack.append(obj.grad)
-            continue
-        stack.extend(gc.get_referents(obj))
-    return sum(storages.values())
-
-
-# ---------------------------------------------------------------------------- 1B unit costs
 def unit_costs(seed: int) -> dict[str, float]:
     """Per-value costs of the phases that scale with N × nnz, on one layer of the 1B model."""
     full = param_schema(RunSpec().replace(model=ONE_B).model)

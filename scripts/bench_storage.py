@@ -10,7 +10,9 @@ Measured on the ``--measure`` model (its parameter shapes, Student-t (ν = 3) va
 * a contribution: the whole signed envelope of ``protocol.wire.encode_contribution`` with the
   RunSpec's default codec (chunk-wise Top-k, 2-bit values, Rice-coded indices);
 * an aggregate of n contributions: ``validator.publish.encode_window_aggregate`` of the mean over
-  contributors of n peers' decoded contributions (their Top-k picks are independent here, so the
+  contributors of n peers' decoded contributions in its plain published form
+  (``protocol.broadcast.plain``: coded index sets, bfloat16 values; ``outer.recompress`` makes it
+  contribution-sized, see ``scripts/bench_aggregate.py``) (their Top-k picks are independent here, so the
   union of their indices, and the aggregate, is as large as it gets; real peers overlap more);
 * a checkpoint: ``validator.publish.weights_bytes`` (fp32 safetensors) plus its signed manifest.
 
@@ -40,6 +42,7 @@ from rich.table import Table
 
 from protocol import codec, wire
 from protocol.aggregate import aggregate, sparse_of
+from protocol.broadcast import plain
 from protocol.config import CodecConfig, WindowConfig, model_config
 from protocol.identity import Identity
 from protocol.model import param_schema
@@ -85,8 +88,7 @@ def measure(preset: str, max_n: int) -> dict[str, Any]:
             window=7,
             base=HEX,
             alpha=1.0,
-            delta=delta,
-            shapes=shapes,
+            tensors=dict(plain(delta, shapes)),
             manifest=[(p.peer_id, HEX, 1.0) for p in peers[:n]],
             fingerprint_next=HEX,
             published_at=1.7e9,
