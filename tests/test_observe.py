@@ -174,13 +174,19 @@ def test_swarm_metrics_endpoints_and_real_scores(tmp_path: Path) -> None:
         verdict = next(e for e in p0.events if isinstance(e, Applied) and e.accepted is not None)
         swarm.follow(swarm.finished, timeout_s=TIMEOUT_S)
         swarm.wait_exit(timeout_s=60.0)
-    assert verdict.accepted and verdict.score is not None and verdict.reputation is not None
+    # the validator's own verdict (a tiny model's honest update may be judged ineffective: either way
+    # the peer sees it, with its score), not the manifest weight
+    assert verdict.accepted is not None and verdict.score is not None and verdict.reputation is not None
+    outcome = "accepted" if verdict.accepted else "rejected"
     assert peer[("sparseloco_window", ())] >= 1
     assert peer[("sparseloco_upload_bytes_total", ())] > 0
     assert peer[("sparseloco_tokens_per_second", ())] > 0
-    assert peer[("sparseloco_contributions_total", (("outcome", "accepted"),))] >= 1
+    assert peer[("sparseloco_contributions_total", (("outcome", outcome),))] >= 1
     assert ("sparseloco_score", ()) in peer and ("sparseloco_reputation", ()) in peer
-    assert validator[("sparseloco_contributions_total", (("outcome", "accepted"),))] >= max(accepted_in_0, 1)
+    decided = {
+        o: validator.get(("sparseloco_contributions_total", (("outcome", o),)), 0.0) for o in ("accepted", "rejected")
+    }
+    assert decided["accepted"] >= accepted_in_0 and sum(decided.values()) >= 1
     assert validator[("sparseloco_peers_uploaded", ())] >= 1
     assert validator[("sparseloco_download_bytes_total", ())] > 0
     assert ("sparseloco_phase_seconds", (("phase", "gather"),)) in validator
