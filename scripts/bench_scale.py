@@ -64,6 +64,7 @@ from rich.table import Table
 
 from protocol import codec, layout
 from protocol.aggregate import NormLimit, SparseDict, SparseSum, apply_outer, clip_to_limits, sparse_of
+from protocol.broadcast import plain
 from protocol.config import OuterConfig, RunSpec
 from protocol.identity import Identity
 from protocol.model import fingerprint, param_schema
@@ -527,7 +528,8 @@ def unit_costs(seed: int) -> dict[str, float]:
 
 
 def aggregate_encode_cost(vkey: Identity) -> dict[str, float]:
-    """Seconds and bytes per value of the signed aggregate, on a 4 M-value Δ̄."""
+    """Seconds and bytes per value of the signed aggregate (its plain published form: coded index
+    sets, bfloat16 values), on a 4 M-value Δ̄."""
     shapes = {"w": (4096, 4096)}
     idx = torch.arange(0, 4096 * 4096, 4, dtype=torch.int64)
     delta = {"w": (idx, torch.randn(len(idx)))}
@@ -537,8 +539,7 @@ def aggregate_encode_cost(vkey: Identity) -> dict[str, float]:
         window=0,
         base="cd" * 32,
         alpha=1.0,
-        delta=delta,
-        shapes=shapes,
+        tensors=dict(plain(delta, shapes)),
         manifest=[],
         fingerprint_next="ef" * 32,
         published_at=1.0,
