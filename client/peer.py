@@ -509,6 +509,8 @@ class Peer:
                 self.pos = self.sync.advance(self.params, self.pos, on_apply=self._applied, on_resync=self._resynced)
         except (ProtocolError, StoreError) as exc:
             self._sync_failed(exc)
+            if not self._diverged:
+                self._moved(before)  # what was applied before the store failed stands
             time.sleep(max(self.sync.poll_s, 1.0))  # a persistent fault must not spin
             return
         self._moved(before)
@@ -521,10 +523,13 @@ class Peer:
         self.sync.wait_until_published(self.pos.window, base=self.pos.base, should_stop=lambda: self._stop)
 
     def _sync_failed(self, exc: ProtocolError | StoreError) -> None:
-        """A bad object or a failing store: record it, and rebuild θ from the newest checkpoint
-        on the next try (θ may be half-updated, so it cannot be trusted any more)."""
+        """A bad object or a failing store: record it. After a bad object θ may be half-updated,
+        so it is rebuilt from the newest checkpoint on the next try. A store that fails between
+        aggregates (unreachable, a grant server down) leaves θ at the last aggregate applied, and
+        :meth:`_applied` moved the position with it: the next try goes on from there."""
         self.display.emit(SyncFailed(window=self.pos.window, reason=exc.reason, detail=str(exc)))
-        self._diverged = True
+        if isinstance(exc, ProtocolError):
+            self._diverged = True
 
     def _moved(self, before: int) -> None:
         """θ moved from window ``before``: drop a staged contribution that is aggregated now, and
@@ -600,7 +605,9 @@ class Peer:
         return [] if self._abandoned else applied
 
     def _applied(self, agg: Verified[Aggregate], pos: Position) -> None:
-        """Report aggregate ``agg`` (the fingerprint of θ after it, whether our contribution is in it)."""
+        """θ holds aggregate ``agg`` now: keep the position with it (a failure after it does not
+        undo it) and report it (the fingerprint of θ after it, whether our contribution is in it)."""
+        self.pos = pos
         mine = [m for m in agg.value.manifest if m.peer_id == self.identity.peer_id]
         weight = mine[0].weight if mine else None
         contributed = bool(mine) or (self.pending is not None and self.pending.window == agg.value.window)

@@ -441,6 +441,39 @@ class FlakyStore(ObjectStore):
         self.inner.delete(key)
 
 
+class UnreadableKey(FlakyStore):
+    """Delegates to ``inner`` but cannot read ``key`` (a grant server or store that is down)."""
+
+    def __init__(self, inner: ObjectStore, key: str) -> None:
+        super().__init__(inner, window=-1)
+        self.key = key
+
+    def get(self, key: str, *, max_bytes: int = 1 << 26) -> bytes:
+        if key == self.key:
+            raise StoreError(f"injected: {key} unreachable")
+        return self.inner.get(key, max_bytes=max_bytes)
+
+
+def test_a_store_failing_between_aggregates_keeps_what_was_applied(swarm) -> None:
+    """Aggregates 2 and 3 are published while the peer is away; reading 3 fails (the store is
+    down): θ stays at aggregate 2 with the position, nothing is rebuilt from a checkpoint, and the
+    peer goes on from there once the store answers."""
+    spec, store, val, root = swarm
+    (peer, rec) = make_peer(spec, store, root, "a")
+    run_peers(val, [peer], windows=2)
+    val.close_window(0, timeout=0)
+    val.close_window(0, timeout=0)
+    peer.sync.store = UnreadableKey(store, layout.aggregate_key(val.run, 3))
+    applied_before = len(rec.of(Applied))
+    peer.catch_up(need=0)
+    assert peer.pos.window == 3 and fingerprint(peer.params) == val.fingerprints[2]
+    assert rec.of(SyncFailed)[-1].reason == "store_error" and not peer._diverged
+    peer.sync.store = store
+    peer.catch_up(need=0)
+    assert peer.pos.window == 4 and fingerprint(peer.params) == val.fingerprints[3]
+    assert [e.window for e in rec.of(Applied)[applied_before:]] == [2, 3]  # no replay from a checkpoint
+
+
 def assert_window_kept(peer: Peer, e_before: FeedbackState, trained: Peer) -> None:
     """e == β·e_before + Δ (the whole window, nothing subtracted), in memory and in the state dir.
 
