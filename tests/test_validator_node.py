@@ -442,7 +442,11 @@ def test_peers_that_left_stop_holding_windows_open(vkey: Identity, tmp_path) -> 
         if w == 1:
             sw.announce(quitter, withdrawn=True)  # a clean stop after window 0
         report = v.run_window()
-        assert report is not None and report.accepted == len(uploaders), v.log.rows(windows=(w, w))
+        rows = v.log.rows(windows=(w, w))
+        # Every upload is decided on its merits, none turned away for when it came (an update
+        # trained from θ₀ may be scored ineffective a few windows on: the scoring sample is random).
+        assert report is not None and {r.peer for r in rows} == {p.peer_id for p in uploaders}, rows
+        assert all(r.reason in (None, "ineffective", "harmful", "harmful_general") for r in rows), rows
         gathered.append(report.seconds["gather"])
     # w0: everyone uploads; w1: ``quitter`` withdrew, so it is not waited for; w2: ``crashed``
     # uploaded in w1, so it is waited for until the deadline, and the validator says so; w3: it
