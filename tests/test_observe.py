@@ -150,10 +150,10 @@ def test_swarm_metrics_endpoints_and_real_scores(tmp_path: Path) -> None:
         windows=3,
         store="file",
         overrides=small(),
-        validator_args=["--metrics-port", str(vport), "--metrics-host", "127.0.0.1"],
+        # both peers in from window 0: a slow start of the scraped peer must not find the run over
+        validator_args=["--metrics-port", str(vport), "--metrics-host", "127.0.0.1", "--wait-for-peers", "2"],
     ) as swarm:
-        swarm.start_validator()
-        swarm.wait_validator_ready(TIMEOUT_S)
+        swarm.start_validator()  # genesis once both peers have announced
         swarm.start_peer(0, "--metrics-port", str(pport), "--metrics-host", "127.0.0.1")
         swarm.start_peer(1)
         p0 = swarm.peers["peer-0"]
