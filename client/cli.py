@@ -493,11 +493,13 @@ def _pipeline_options(
 
 
 def _sigterm_is_interrupt() -> None:
-    """SIGTERM/SIGHUP unwind like Ctrl-C (the swarm launcher stops peers with SIGTERM)."""
+    """SIGTERM/SIGHUP unwind like Ctrl-C (the swarm launcher stops peers with SIGTERM), and so does
+    SIGINT even when the launching shell ignored it (a background job inherits it ignored)."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
+    signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGHUP, handler)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -211,11 +211,14 @@ class ProcessGroup:
 
 
 def install_signal_handlers() -> None:
-    """Make SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread, like Ctrl-C does."""
+    """Make SIGINT, SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread. SIGINT too: a
+    process started in the background by a shell inherits SIGINT ignored, and Ctrl-C (or a
+    supervisor's SIGINT) must still stop the demo and everything it started."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
+    signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
     if hasattr(signal, "SIGHUP"):
         signal.signal(signal.SIGHUP, handler)
