@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.table import Table
+from rss_peak import RssPeak
 
 from protocol import codec, layout
 from protocol.aggregate import apply_outer, clip_to_limits, sparse_of
@@ -477,34 +478,6 @@ def public_sample(spec: RunSpec, t: int) -> Callable[[list[str]], set[str]]:
 
 
 # ---------------------------------------------------------------------------- running one
-class RssPeak:
-    """Largest growth of this process's resident memory while ``with`` runs (sampled every 5 ms)."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def __enter__(self) -> RssPeak:
-        self.base = self.rss()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self.rss() - self.base)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.rss() - self.base)
-
-
 class LaunchClock:
     """Wall time that starts at the same instant in every scenario: genesis, the first thing the
     validator stamps, gets exactly ``T0``, so the launch (and every window secret derived from it)

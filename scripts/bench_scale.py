@@ -43,12 +43,10 @@ import gc
 import hashlib
 import json
 import math
-import os
 import shutil
 import sqlite3
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -61,6 +59,7 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
+from rss_peak import RssPeak
 
 from protocol import codec, layout
 from protocol.aggregate import NormLimit, SparseDict, SparseSum, apply_outer, clip_to_limits, sparse_of
@@ -118,34 +117,6 @@ def bench_spec(vkey: Identity, n: int) -> RunSpec:
             "max_contribution_bytes": 1 << 24,
         },
     )
-
-
-class RssPeak:
-    """Largest growth of this process's resident memory while ``with`` runs."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def __enter__(self) -> RssPeak:
-        self.base = self.rss()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self.rss() - self.base)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.rss() - self.base)
 
 
 @contextmanager
