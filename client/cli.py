@@ -48,9 +48,9 @@ from protocol.settings import LocalSettings, load_settings, settings_help
 if TYPE_CHECKING:  # the torch-heavy modules load after argument parsing
     from client.ddp.ranks import RankGroup
     from client.window import WindowTrainer
+    from protocol.data.tokens import TokenDataset
     from protocol.events import Event
     from protocol.store.base import ObjectStore
-    from protocol.tokens import TokenDataset
 
 EXIT_CANNOT_JOIN = 1
 EXIT_CONFIG = 2
@@ -431,7 +431,7 @@ def _window_trainer(
     """How this peer trains a window: the whole model (on this device, or data parallel on the
     ranks of a torchrun launch), or its stage of a pipeline replica; each reads the run's dataset
     from ``store`` into this machine's data cache."""
-    from protocol.run_data import open_run_dataset
+    from protocol.data.run_data import open_run_dataset
 
     def dataset() -> TokenDataset:
         return open_run_dataset(spec, store, local.data)

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from torch import Tensor
 
 from protocol.config import RunSpec
-from protocol.data import assigned_batches, assigned_shards, open_dataset
+from protocol.data.assignment import assigned_batches, assigned_shards, open_dataset
+from protocol.data.tokens import DataUsage, TokenDataset
 from protocol.errors import ConfigError, ProtocolError, StoreError
-from protocol.tokens import DataUsage, TokenDataset
 
 __all__ = ["DataFeed", "skip_reason"]
 

@@ -8,7 +8,7 @@ What is held out:
 
 * no ``--data``: the validation split of the run's own dataset, read from the run's store (the
   shards it touches are fetched and verified into the data cache) — the same split, sequence
-  length and spacing the validator's ``val_loss`` uses (:func:`protocol.data.validation_batches`);
+  length and spacing the validator's ``val_loss`` uses (:func:`protocol.data.assignment.validation_batches`);
   with ``sequences`` equal to ``validator.eval_sequences`` the loss is the validator's;
 * ``builtin:stdlib`` or a shard directory: that dataset's validation split, tokenized on this machine;
 * any other text file or directory: all of its text, tokenized with the run's tokenizer, one
@@ -27,12 +27,12 @@ import torch
 from torch import Tensor
 
 from protocol.config import RunSpec
-from protocol.data import INDEX, open_dataset, text_documents, validation_batches
+from protocol.data.assignment import INDEX, open_dataset, text_documents, validation_batches
+from protocol.data.run_data import dataset_of, run_tokenizer
+from protocol.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from protocol.errors import ConfigError
-from protocol.run_data import dataset_of, run_tokenizer
 from protocol.settings import DataSettings
 from protocol.store.base import ObjectStore
-from protocol.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["HeldOut", "heldout_data"]
 

@@ -39,9 +39,9 @@ from torch import Tensor
 from client.checkpoints import Checkpoint
 from client.hf_tokenizer import tokenizer_files
 from protocol.config import ModelConfig, RunSpec
+from protocol.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from protocol.errors import ConfigError, SchemaMismatch
 from protocol.files import atomic_write
-from protocol.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["DTYPES", "export_hf", "hf_config", "hf_state_dict"]
 
@@ -141,7 +141,7 @@ def export_hf(
 ) -> list[Path]:
     """Write the Hugging Face directory of ``ckpt`` (a checkpoint of run ``spec``) into ``out_dir``.
 
-    ``tokenizer``: the run's (:func:`protocol.run_data.run_tokenizer` fetches a Hugging Face one
+    ``tokenizer``: the run's (:func:`protocol.data.run_data.run_tokenizer` fetches a Hugging Face one
     from the run's store); None loads ``spec.data.tokenizer`` directly (``bytes``). Files are
     replaced one by one, atomically; returns their paths."""
     if dtype not in DTYPES:

@@ -2,7 +2,7 @@
 
 A run on a Hugging Face ``tokenizer.json`` ships that file. A run on byte tokens gets a
 ``tokenizer.json`` built here with the ``tokenizers`` library that maps text exactly as
-:class:`protocol.tokenizer.ByteTokenizer` does: UTF-8 byte ``b`` is token ``b``, for all 256 bytes.
+:class:`protocol.data.tokenizer.ByteTokenizer` does: UTF-8 byte ``b`` is token ``b``, for all 256 bytes.
 
 It is a BPE model without merges whose vocabulary holds the byte tokens ``<0x01>`` … ``<0xFF>``
 with ``byte_fallback``: every character is missing from the vocabulary, so it falls back to its
@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from protocol.data.tokenizer import ByteTokenizer, HFTokenizer
 from protocol.errors import ConfigError
-from protocol.tokenizer import ByteTokenizer, HFTokenizer
 
 __all__ = ["byte_tokenizer", "eos_token", "tokenizer_files"]
 

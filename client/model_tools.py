@@ -37,7 +37,7 @@ from protocol.settings import load_settings
 
 if TYPE_CHECKING:
     from client.checkpoints import Checkpoint, Location
-    from protocol.tokenizer import ByteTokenizer, HFTokenizer
+    from protocol.data.tokenizer import ByteTokenizer, HFTokenizer
 
 EXIT_ERROR = 1
 EXIT_INVALID = 2
@@ -86,7 +86,7 @@ def _load(
 def _run_tokenizer(run_path: str, spec: RunSpec, loc: Location) -> ByteTokenizer | HFTokenizer:
     """The run's tokenizer (a Hugging Face one fetched from the checkpoint's store and verified)."""
     from client.checkpoints import open_location
-    from protocol.run_data import run_tokenizer
+    from protocol.data.run_data import run_tokenizer
 
     local = load_settings(run_path)
     with open_location(loc, local.store) as store:

@@ -42,12 +42,12 @@ from protocol.chain import read_manifest
 from protocol.config import RunSpec
 from protocol.errors import ObjectNotFound, ProtocolError, ReasonedError, StoreError
 from protocol.feedback import FeedbackState, compress_step
-from protocol.grants import PROBE_MAX_BYTES, GrantRequest
 from protocol.identity import Identity
 from protocol.model import build_model
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
 from protocol.store.granted import GrantedStore, GrantNotGiven
+from protocol.store.grants import PROBE_MAX_BYTES, GrantRequest
 from protocol.wire import GENESIS, Contribution, encode_contribution
 
 __all__ = ["Check", "Preflight", "Report"]

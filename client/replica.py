@@ -33,10 +33,10 @@ from client.window import Skipped, Trained, WindowJob, WindowStats, hardware_of
 from protocol.aggregate import Sparse, SparseDict, apply_outer
 from protocol.codec import Encoded
 from protocol.config import RunSpec
+from protocol.data.tokens import TokenDataset
 from protocol.errors import NonFiniteValues, ProtocolError, StoreError
 from protocol.feedback import FeedbackBuffers
 from protocol.model import build_model, parameters_of
-from protocol.tokens import TokenDataset
 from protocol.wire import PipelineRole
 
 __all__ = ["FullReplica", "fold_window"]

@@ -47,7 +47,7 @@ from protocol.broadcast import publishable
 from protocol.chain import delta_of
 from protocol.codec import pack, unpack
 from protocol.config import CodecConfig, InnerConfig, ModelConfig, OuterConfig
-from protocol.data import TokenDataset, assigned_batches, validation_batches
+from protocol.data.assignment import TokenDataset, assigned_batches, validation_batches
 from protocol.errors import ConfigError
 from protocol.feedback import FeedbackState, compress_step
 from protocol.identity import Identity

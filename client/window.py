@@ -35,8 +35,8 @@ from torch import Tensor
 
 from protocol.aggregate import SparseDict
 from protocol.codec import Encoded
+from protocol.data.tokens import DataUsage
 from protocol.feedback import FeedbackBuffers, FeedbackState
-from protocol.tokens import DataUsage
 from protocol.wire import PipelineRole
 
 __all__ = ["Skipped", "Trained", "WindowJob", "WindowStats", "WindowTrainer", "hardware_of"]

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from protocol.data.tokenizer import ByteTokenizer, HFTokenizer
 from protocol.model import autocast_for
-from protocol.tokenizer import ByteTokenizer, HFTokenizer
 
 __all__ = ["LMScore", "score_lm", "text_bytes"]
 

@@ -302,7 +302,7 @@ class Granted(Event):
 @_event("grant_denied")
 @dataclass(frozen=True, kw_only=True)
 class GrantDenied(Event):
-    """A grant request was refused with ``reason`` (protocol.grants.STATUS) and HTTP ``status``;
+    """A grant request was refused with ``reason`` (protocol.store.grants.STATUS) and HTTP ``status``;
     ``peer_id`` is "" when the request did not verify."""
 
     peer_id: str

@@ -32,7 +32,7 @@ URL was given in, so ``--store s3://…?endpoint=…`` overrides an endpoint in 
 
 Each component receives only its own subtree: the store opener ``settings.store``
 (:func:`protocol.store.open_from_settings`), the data cache ``settings.data``
-(:func:`protocol.run_data.open_run_dataset`), and so on.
+(:func:`protocol.data.run_data.open_run_dataset`), and so on.
 """
 
 from __future__ import annotations

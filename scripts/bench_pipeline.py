@@ -48,7 +48,7 @@ from client.simulator import compress_and_pack, unpack_sparse
 from client.trainer import InnerTrainer, load_params, pseudo_gradient, snapshot
 from protocol.aggregate import aggregate, apply_outer
 from protocol.config import CodecConfig, DataConfig, InnerConfig, ModelConfig, OuterConfig, model_config
-from protocol.data import TokenDataset, assigned_batches, open_dataset, validation_batches
+from protocol.data.assignment import TokenDataset, assigned_batches, open_dataset, validation_batches
 from protocol.feedback import FeedbackState
 from protocol.model import Transformer, build_model, eval_loss, parameters_of
 

@@ -57,7 +57,7 @@ from rich.table import Table
 
 from client.simulator import SimConfig, SimResult, Simulator
 from protocol.config import MODEL_PRESETS, CodecConfig, DataConfig, InnerConfig, OuterConfig, model_config
-from protocol.data import open_dataset
+from protocol.data.assignment import open_dataset
 from protocol.model import param_schema
 
 # "1m" ≈ 0.9 M parameters, "300k" ≈ 0.25 M: small enough for a grid of runs on a 2-core CPU

@@ -50,7 +50,7 @@ from rss_peak import RssPeak
 from protocol import codec, layout
 from protocol.aggregate import apply_outer, clip_to_limits, sparse_of
 from protocol.config import RunSpec
-from protocol.data import assigned_batches, open_dataset, random_batches, validation_batches
+from protocol.data.assignment import assigned_batches, open_dataset, random_batches, validation_batches
 from protocol.feedback import FeedbackState, compress_step
 from protocol.identity import Identity
 from protocol.model import build_model, lm_loss, parameters_of

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from protocol.config import DataConfig
-from protocol.data import (
+from protocol.data.assignment import (
     PAGES_PER_WINDOW,
     TokenDataset,
     TokenSplit,
@@ -24,9 +24,9 @@ from protocol.data import (
     validation_batches,
     write_shards,
 )
+from protocol.data.tokenizer import ByteTokenizer, load_tokenizer
 from protocol.errors import ConfigError
 from protocol.settings import DataSettings
-from protocol.tokenizer import ByteTokenizer, load_tokenizer
 
 N_TRAIN, N_VAL = 60_000, 2_000
 

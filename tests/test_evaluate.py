@@ -22,13 +22,13 @@ from client.checkpoints import load_checkpoint, locate, model_of
 from client.evaluate import heldout_data
 from client.tools import main
 from protocol.config import RunSpec
-from protocol.data import open_dataset, validation_batches
+from protocol.data.assignment import open_dataset, validation_batches
+from protocol.data.tokenizer import ByteTokenizer
 from protocol.evaluation import LMScore, score_lm, text_bytes
 from protocol.events import Event, ModelEvaluated
 from protocol.identity import Identity
 from protocol.model import Transformer, eval_loss
 from protocol.settings import LocalSettings
-from protocol.tokenizer import ByteTokenizer
 from validator.cli import cli as validator_cli
 from validator.log import LOG_FILE, ContributionLog
 from validator.node import Validator

@@ -17,9 +17,9 @@ from client.export import export_hf, hf_names
 from client.hf_tokenizer import byte_tokenizer
 from client.tools import main
 from protocol import layout
+from protocol.data.tokenizer import ByteTokenizer
 from protocol.errors import DigestMismatch, UnknownSigner
 from protocol.identity import Identity
-from protocol.tokenizer import ByteTokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,7 +23,11 @@ from protocol import layout
 from protocol.config import RunSpec
 from protocol.errors import AccessDenied, ObjectNotFound, PayloadTooLarge, StoreUnavailable
 from protocol.events import Event, GrantDenied, Granted, WindowOpened, WindowPublished
-from protocol.grants import (
+from protocol.identity import Identity
+from protocol.settings import StoreSettings
+from protocol.store import open_peer_store
+from protocol.store.granted import GrantedStore, GrantNotGiven, parse_listing
+from protocol.store.grants import (
     GRANT_PATH,
     SIGNATURE_HEADER,
     GrantRefused,
@@ -35,10 +39,6 @@ from protocol.grants import (
     read_request,
     write_scope,
 )
-from protocol.identity import Identity
-from protocol.settings import StoreSettings
-from protocol.store import open_peer_store
-from protocol.store.granted import GrantedStore, GrantNotGiven, parse_listing
 from protocol.store.presign import Presigned
 from validator.grant_server import GrantServer
 from validator.grants import GrantDesk, GrantPolicy, OpenWindow, OpenWindows, TokenBuckets

@@ -21,11 +21,11 @@ from protocol import layout
 from protocol.config import RunSpec
 from protocol.errors import AccessDenied, ObjectExists
 from protocol.events import Event, WindowOpened
-from protocol.grants import GrantRequest
 from protocol.identity import Identity
 from protocol.settings import StoreSettings
 from protocol.store import open_peer_store, put_once
 from protocol.store.granted import GrantedStore, GrantNotGiven
+from protocol.store.grants import GrantRequest
 from protocol.store.presign import Presigned
 from protocol.store.s3 import S3Store
 from validator.grant_server import GrantServer

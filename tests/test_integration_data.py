@@ -19,11 +19,11 @@ from click.testing import CliRunner
 from client.demo.swarm import VALIDATOR, LocalSwarm
 from client.tools import main
 from protocol import layout
-from protocol.corpus import stdlib_documents
-from protocol.data import assigned_shards
+from protocol.data.assignment import assigned_shards
+from protocol.data.corpus import stdlib_documents
+from protocol.data.run_data import open_run_dataset, read_dataset_manifest
 from protocol.events import Event, ModelEvaluated
 from protocol.identity import Identity
-from protocol.run_data import open_run_dataset, read_dataset_manifest
 from protocol.settings import DataSettings
 from protocol.store import open_store
 

@@ -38,12 +38,12 @@ from protocol.events import (
     WindowOpened,
     read_events,
 )
-from protocol.grants import GRANT_PATH, GrantRequest, encode_request
 from protocol.identity import Identity
 from protocol.layout import aggregate_key, contrib_key, peer_key, run_id
 from protocol.settings import env_name, local_table, local_table_toml
 from protocol.store import open_store
 from protocol.store.granted import GrantedStore
+from protocol.store.grants import GRANT_PATH, GrantRequest, encode_request
 from protocol.wire import decode_announcement
 
 pytestmark = pytest.mark.integration

@@ -19,14 +19,14 @@ from client.replica import FullReplica
 from client.window import Skipped, Trained, WindowJob
 from protocol import layout
 from protocol.config import RunSpec
-from protocol.data import PAGES_PER_WINDOW, assigned_batches, assigned_shards, assigned_starts
+from protocol.data.assignment import PAGES_PER_WINDOW, assigned_batches, assigned_shards, assigned_starts
+from protocol.data.cache import ShardCache
+from protocol.data.run_data import MAX_MANIFEST_BYTES, StoreShards, open_run_dataset, read_dataset_manifest
 from protocol.errors import DataUnavailable, DigestMismatch, MalformedPayload, UnknownSigner
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model, parameters_of
-from protocol.run_data import MAX_MANIFEST_BYTES, StoreShards, open_run_dataset, read_dataset_manifest
 from protocol.settings import DataSettings, StoreSettings, local_table
-from protocol.shard_cache import ShardCache
 from protocol.store.base import ObjectStore
 from protocol.store.memory import MemoryStore
 from protocol.wire import GENESIS, DatasetManifest, DatasetShard, dataset_body, dataset_digest, decode_dataset
@@ -287,10 +287,10 @@ def test_a_peer_keeps_its_cache_under_the_cap_window_after_window(run: Run, tmp_
 
 # ---------------------------------------------------------------------- inputs and the command
 def test_init_reads_jsonl_text_and_shard_directories(tmp_path: Path) -> None:
-    from protocol.corpus import documents
+    from protocol.data.corpus import documents
+    from protocol.data.shards import write_shards
+    from protocol.data.tokenizer import ByteTokenizer
     from protocol.errors import ConfigError
-    from protocol.shards import write_shards
-    from protocol.tokenizer import ByteTokenizer
     from validator.dataset import build_dataset
 
     rows = tmp_path / "rows.jsonl"

@@ -27,7 +27,7 @@ import pytest
 from client.demo.processes import ProcessGroup, python_console
 from client.demo.seaweed import free_port_pair, free_ports, peer_grants, weed_binary, write_actions
 from protocol.config import RunSpec
-from protocol.corpus import stdlib_documents
+from protocol.data.corpus import stdlib_documents
 from protocol.events import GrantsServed, WindowOpened, parse_line
 from protocol.identity import Identity
 from protocol.layout import run_id

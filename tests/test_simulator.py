@@ -13,11 +13,11 @@ from client.trainer import InnerTrainer, pseudo_gradient, snapshot
 from protocol.aggregate import sparse_of
 from protocol.codec import pack
 from protocol.config import CodecConfig, InnerConfig, OuterConfig, model_config
-from protocol.data import TokenDataset, assigned_batches, write_shards
+from protocol.data.assignment import TokenDataset, assigned_batches, write_shards
+from protocol.data.tokenizer import ByteTokenizer
 from protocol.feedback import FeedbackState, compress_step
 from protocol.identity import Identity
 from protocol.model import build_model
-from protocol.tokenizer import ByteTokenizer
 from protocol.wire import Contribution, decode_contribution, encode_contribution
 
 MCFG = model_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_seq_len=32)

@@ -496,8 +496,8 @@ def test_cli_runs_windows_against_a_file_store_and_stops_cleanly(vkey: Identity,
     import sys
 
     from protocol.chain import read_launch
+    from protocol.data.run_data import dataset_of
     from protocol.events import Stopped, ValidatorStarted, parse_line
-    from protocol.run_data import dataset_of
     from protocol.settings import StoreSettings
     from protocol.store.local import LocalStore
     from validator.init import init_run

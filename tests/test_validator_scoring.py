@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from protocol.aggregate import sparse_of
-from protocol.data import assigned_batches, random_batches
+from protocol.data.assignment import assigned_batches, random_batches
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, parameters_of
 from protocol.wire import PipelineRole
@@ -71,7 +71,7 @@ def test_data_key_follows_announced_pipeline_roles() -> None:
 
 def test_validator_and_pipeline_replicas_share_one_data_key() -> None:
     from client.pipeline.replica import pipeline_peer_key
-    from protocol.data import pipeline_data_key
+    from protocol.data.assignment import pipeline_data_key
     from validator.scoring import data_key
 
     assert data_key("p", PipelineRole("g1", 0, 2)) == pipeline_data_key("g1") == pipeline_peer_key("g1")

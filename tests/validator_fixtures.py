@@ -15,7 +15,7 @@ import torch
 from protocol import codec, layout
 from protocol.caps import object_caps
 from protocol.config import RunSpec
-from protocol.data import assigned_batches, open_dataset
+from protocol.data.assignment import assigned_batches, open_dataset
 from protocol.identity import Identity
 from protocol.model import build_model, lm_loss, parameters_of
 from protocol.settings import LocalSettings

@@ -3,13 +3,13 @@
 The first half of ``sparseloco-validator init`` (:mod:`validator.init`): the corpus is tokenized
 once, here, into content-addressed shards and described by a :class:`~protocol.wire.DatasetManifest`
 whose digest goes into the RunSpec; once the run hash exists, shards, tokenizer file and signed
-manifest go to ``<run>/data/`` (:mod:`protocol.run_data` reads them back)::
+manifest go to ``<run>/data/`` (:mod:`protocol.data.run_data` reads them back)::
 
     built = build_dataset(["corpus/", "builtin:stdlib"], tokenizer, val_fraction=0.02, work=tmp)
     spec = spec.replace(data={"dataset": built.digest, "tokenizer": tokenizer.name})
     publish_dataset(store, run_id(spec.hash()), spec.hash(), built, validator_identity)
 
-Inputs (:mod:`protocol.corpus`): ``builtin:stdlib``, text files and directories, JSONL files (the
+Inputs (:mod:`protocol.data.corpus`): ``builtin:stdlib``, text files and directories, JSONL files (the
 string under ``text_field`` of every line), and shard directories written before (their tokens are
 taken as they are, split as they were; their tokenizer must be this one).
 """
@@ -24,13 +24,13 @@ from pathlib import Path
 import numpy as np
 
 from protocol import layout
-from protocol.corpus import Document, documents, source_bytes, token_stream
+from protocol.data.corpus import Document, documents, source_bytes, token_stream
+from protocol.data.shards import INDEX, shard_index, write_token_shards
+from protocol.data.tokenizer import ByteTokenizer, HFTokenizer
+from protocol.data.tokens import TokenDataset
 from protocol.errors import ConfigError
 from protocol.identity import Identity
-from protocol.shards import INDEX, shard_index, write_token_shards
 from protocol.store.base import ObjectStore, put_once
-from protocol.tokenizer import ByteTokenizer, HFTokenizer
-from protocol.tokens import TokenDataset
 from protocol.wire import DatasetManifest, DatasetShard, dataset_digest, encode_dataset
 
 __all__ = ["DEFAULT_SHARD_TOKENS", "BuiltDataset", "build_dataset", "corpus_bytes", "publish_dataset"]

@@ -3,7 +3,7 @@
 A local setting of one validator (``sparseloco-validator run --eval-every N``), never part of the
 RunSpec: it changes nothing anyone signs or verifies, only what the operator can read. After the
 aggregate of window ``t`` is published, with ``(t + 1) % N == 0``, θ_{t+1} is scored on a fixed
-set of ``sequences`` sequences of the validation split (:func:`protocol.data.validation_batches`,
+set of ``sequences`` sequences of the validation split (:func:`protocol.data.assignment.validation_batches`,
 more than the per-window ``val_loss`` uses) by :func:`protocol.evaluation.score_lm` — the
 numbers ``sparseloco eval`` prints for the same θ and sequence count. The result is a row of the
 contribution log's ``evaluations`` table (``sparseloco-validator logs --evals``, ``--summary``)::
@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from protocol.config import DataConfig
-from protocol.data import TokenDataset, validation_batches
+from protocol.data.assignment import TokenDataset, validation_batches
+from protocol.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from protocol.evaluation import score_lm
-from protocol.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from validator.log import EvaluationRecord
 
 __all__ = ["DEFAULT_EVAL_SEQUENCES", "PeriodicEval"]

@@ -10,7 +10,7 @@ the decisions are :class:`validator.grants.GrantDesk`'s::
 
 Answers are JSON: a grant (200), the run's info (200), or ``{"error": reason, "detail": text}``
 with the refusal's status (``Retry-After`` on 429). Requests larger than
-:data:`protocol.grants.MAX_REQUEST_BYTES`, without a ``Content-Length``, or slower than
+:data:`protocol.store.grants.MAX_REQUEST_BYTES`, without a ``Content-Length``, or slower than
 ``timeout_s`` are dropped. Nothing is written to stderr: every decision is an event.
 """
 
@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from protocol.errors import ConfigError
-from protocol.grants import (
+from protocol.store.grants import (
     GRANT_PATH,
     INFO_PATH,
     MAX_REQUEST_BYTES,

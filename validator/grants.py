@@ -1,6 +1,6 @@
 """Who gets which presigned request: the validator's grant desk.
 
-A peer without a store credential asks for one presigned request at a time (:mod:`protocol.grants`);
+A peer without a store credential asks for one presigned request at a time (:mod:`protocol.store.grants`);
 :class:`GrantDesk` decides, presigns with the validator's own store (:class:`~protocol.store.presign.
 Presigner`, the S3 store that holds the write credential) and reports every decision as an event
 (:class:`~protocol.events.Granted`, :class:`~protocol.events.GrantDenied`)::
@@ -20,7 +20,7 @@ and ask for something this peer may have:
 * ``get``/``head`` of a key, or ``list`` of a prefix, under the run (``<run>/``) or one of
   ``read_prefixes``: valid ``read_expiry_s``, so peers poll with a cached URL.
 
-Everything else is refused with a reason and an HTTP status (:data:`protocol.grants.STATUS`). The
+Everything else is refused with a reason and an HTTP status (:data:`protocol.store.grants.STATUS`). The
 HTTP side is :mod:`validator.grant_server`.
 """
 
@@ -38,7 +38,7 @@ from protocol.caps import object_caps
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, StoreError
 from protocol.events import Event, GrantDenied, Granted, WindowOpened, WindowPublished
-from protocol.grants import (
+from protocol.store.grants import (
     MAX_SKEW_S,
     PROBE_MAX_BYTES,
     GrantRefused,

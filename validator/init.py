@@ -32,13 +32,13 @@ from typing import Any, Protocol
 import protocol
 from protocol import layout
 from protocol.config import MODEL_PRESETS, RunSpec
-from protocol.data import assigned_starts, random_batches, validation_batches
+from protocol.data.assignment import assigned_starts, random_batches, validation_batches
+from protocol.data.tokenizer import HFTokenizer, load_tokenizer
 from protocol.errors import ConfigError
 from protocol.files import atomic_write
 from protocol.identity import Identity
 from protocol.settings import StoreSettings, local_table, local_table_toml
 from protocol.store import open_from_settings
-from protocol.tokenizer import HFTokenizer, load_tokenizer
 from validator.dataset import (
     DEFAULT_SHARD_TOKENS,
     BuiltDataset,

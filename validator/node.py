@@ -64,17 +64,17 @@ from protocol.aggregate import NormLimit, SparseDict, SparseSum, apply_outer, cl
 from protocol.caps import object_caps
 from protocol.chain import checkpoint_base, delta_of, next_aggregate, read_launch, read_manifest, read_weights
 from protocol.config import RunSpec
-from protocol.data import assigned_batches, validation_batches
+from protocol.data.assignment import assigned_batches, validation_batches
+from protocol.data.run_data import dataset_of, run_tokenizer
+from protocol.data.tokens import TokenDataset
 from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
 from protocol.events import Event, ModelEvaluated, WindowOpened, WindowPublished, WindowRetry, WindowWaiting
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, param_schema, parameters_of
 from protocol.outcomes import OUTCOMES, PeerOutcome, encode_outcomes, outcomes_digest
-from protocol.run_data import dataset_of, run_tokenizer
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
-from protocol.tokens import TokenDataset
 from protocol.windows import gather_close, is_checkpoint_window
 from protocol.wire import GENESIS, Aggregate, AggregateTensor, CheckpointManifest, Verified
 from validator import checks, publish, randomness, reference, retention, window_checks

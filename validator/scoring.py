@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from protocol.aggregate import SparseDict, apply_outer
-from protocol.data import TokenDataset, pipeline_data_key, random_batches
+from protocol.data.assignment import TokenDataset, pipeline_data_key, random_batches
 from protocol.model import eval_loss, parameters_of
 from protocol.wire import PipelineRole
 
@@ -135,7 +135,7 @@ def suspicion_order(units: Collection[str], agreement: Mapping[str, float], seed
 
 def data_key(peer: str, role: PipelineRole | None) -> str:
     """Under which name the peer's batches were assigned: its peer id, or for a stage of a pipeline
-    replica the replica's shared key :func:`protocol.data.pipeline_data_key` (every stage trains
+    replica the replica's shared key :func:`protocol.data.assignment.pipeline_data_key` (every stage trains
     on the same batches)."""
     return pipeline_data_key(role.group) if role is not None and role.group else peer
 

@@ -39,9 +39,9 @@ from client.replica import fold_window
 from client.trainer import InnerTrainer, load_params
 from client.window import Skipped, Trained, WindowJob, WindowStats, hardware_of
 from protocol.config import RunSpec
+from protocol.data.tokens import TokenDataset
 from protocol.errors import ProtocolError, StoreError
 from protocol.model import build_model, parameters_of
-from protocol.tokens import TokenDataset
 from protocol.wire import PipelineRole
 
 __all__ = ["DataParallelReplica", "RankModel", "serve_rank", "share_of"]

@@ -39,7 +39,7 @@ from client.pipeline.subspace import Subspace, constrained_names, localize, proj
 from client.schedule import lr_at
 from protocol.codec import Encoded
 from protocol.config import RunSpec
-from protocol.data import TokenDataset, assigned_batches, pipeline_data_key
+from protocol.data.assignment import TokenDataset, assigned_batches, pipeline_data_key
 from protocol.errors import ConfigError, NonFiniteValues, PipelineFailure
 from protocol.feedback import FeedbackState, compress_step
 from protocol.model import build_model

@@ -25,9 +25,9 @@ from client.window import Skipped, Trained, WindowJob, WindowStats, hardware_of
 from protocol.aggregate import SparseDict
 from protocol.codec import Encoded
 from protocol.config import RunSpec
+from protocol.data.tokens import TokenDataset
 from protocol.errors import ConfigError, ProtocolError, StoreError
 from protocol.feedback import FeedbackBuffers
-from protocol.tokens import TokenDataset
 from protocol.wire import PipelineRole
 
 __all__ = ["StageTrainer"]

@@ -1,6 +1,6 @@
 """A store for peers without a credential: every operation is a presigned request a grant server signed.
 
-The run's validator serves grants (:mod:`protocol.grants`, ``sparseloco-validator run
+The run's validator serves grants (:mod:`protocol.store.grants`, ``sparseloco-validator run
 --grant-port``); a peer whose local settings name it (``store.grant_url``) opens this store and
 needs only its own Ed25519 key::
 
@@ -45,7 +45,9 @@ from protocol.errors import (
     StoreError,
     StoreUnavailable,
 )
-from protocol.grants import (
+from protocol.identity import Identity
+from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
+from protocol.store.grants import (
     GRANT_PATH,
     INFO_PATH,
     GrantRefused,
@@ -54,8 +56,6 @@ from protocol.grants import (
     decode_refusal,
     encode_request,
 )
-from protocol.identity import Identity
-from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
 from protocol.store.presign import Presigned
 
 __all__ = ["GrantNotGiven", "GrantStats", "GrantedStore", "parse_listing"]
@@ -79,7 +79,7 @@ class GrantStats:
 
 
 class GrantNotGiven(AccessDenied):
-    """The grant server refused; ``refusal`` is its reason (a key of :data:`protocol.grants.STATUS`:
+    """The grant server refused; ``refusal`` is its reason (a key of :data:`protocol.store.grants.STATUS`:
     ``wrong_run``, ``window_closed``, ``forbidden`` ...)."""
 
     def __init__(self, message: str, refusal: str) -> None:

@@ -1,7 +1,7 @@
 """Presigned requests: one store operation that anyone holding the URL may perform until it expires.
 
 A validator that holds the bucket's write credential hands peers presigned requests instead of
-credentials (:mod:`protocol.grants`): the peer sends ``method`` to ``url`` with exactly ``headers``
+credentials (:mod:`protocol.store.grants`): the peer sends ``method`` to ``url`` with exactly ``headers``
 and needs nothing else. With SigV4 every header named in ``headers`` is signed in, so a PUT signed
 for ``Content-Length: 1000`` and ``If-None-Match: *`` is refused by the server for any other body
 size, and without the create-only condition::

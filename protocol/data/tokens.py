@@ -4,8 +4,8 @@ A :class:`TokenDataset` has a ``train`` and a ``val`` :class:`TokenSplit`. A spl
 concatenation of its shards; it knows every shard's length up front (from a local ``index.json``
 or the run's signed dataset manifest) and reads a shard's tokens only when a read reaches it,
 through a loader. Where the tokens come from is the dataset's :class:`ShardAccess`: memory-mapped
-files for a local shard directory (:mod:`protocol.shards`), or the run's store with a verified
-local cache for a run's dataset (:mod:`protocol.run_data`)::
+files for a local shard directory (:mod:`protocol.data.shards`), or the run's store with a verified
+local cache for a run's dataset (:mod:`protocol.data.run_data`)::
 
     ds.train.shards_of(starts, span)      # which shards a set of sequences touches
     ds.need("train", shards)               # have them local before reading (hits and misses)

@@ -21,7 +21,7 @@ model. A shard is trusted only when its bytes hash to the sha256 the manifest gi
 is fetched again (``FETCH_ATTEMPTS`` times in all), and if it is still damaged the read raises
 :class:`~protocol.errors.DataUnavailable`. Nothing is ever trained or scored on unverified bytes,
 and since a damaged shard is never cached, the next read fetches it again: a repaired store is
-picked up by itself. Verified shards go to this machine's cache (:mod:`protocol.shard_cache`).
+picked up by itself. Verified shards go to this machine's cache (:mod:`protocol.data.cache`).
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ import numpy as np
 
 from protocol import layout
 from protocol.config import RunSpec
-from protocol.data import open_dataset
+from protocol.data.assignment import open_dataset
+from protocol.data.cache import SHARDS, TOKENIZERS, ShardCache, cache_dir
+from protocol.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_digest
+from protocol.data.tokens import DataUsage, TokenDataset, TokenSplit
 from protocol.errors import ConfigError, DataUnavailable, DigestMismatch, ObjectNotFound, ProtocolError, StoreError
 from protocol.files import atomic_write
 from protocol.settings import DataSettings
-from protocol.shard_cache import SHARDS, TOKENIZERS, ShardCache, cache_dir
 from protocol.store.base import ObjectStore
-from protocol.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_digest
-from protocol.tokens import DataUsage, TokenDataset, TokenSplit
 from protocol.wire import DatasetManifest, decode_dataset
 
 __all__ = [
@@ -131,7 +131,7 @@ def run_tokenizer(spec: RunSpec, store: ObjectStore, local: DataSettings | None 
 
 
 class StoreShards:
-    """A :class:`~protocol.tokens.ShardAccess` over the store: fetch, verify, cache, prefetch, count."""
+    """A :class:`~protocol.data.tokens.ShardAccess` over the store: fetch, verify, cache, prefetch, count."""
 
     def __init__(self, store: ObjectStore, run: str, manifest: DatasetManifest, cache: ShardCache) -> None:
         self.store, self.run, self.manifest, self.cache = store, run, manifest, cache
@@ -178,7 +178,7 @@ class StoreShards:
         return True
 
     def loader(self, split: str) -> Callable[[int], np.ndarray]:
-        """What a :class:`~protocol.tokens.TokenSplit` of ``split`` reads its shards with."""
+        """What a :class:`~protocol.data.tokens.TokenSplit` of ``split`` reads its shards with."""
         return lambda i: self.load(split, i)
 
     def load(self, split: str, i: int) -> np.ndarray:
@@ -282,7 +282,7 @@ class StoreShards:
 def dataset_of(spec: RunSpec, store: ObjectStore, local: DataSettings | None = None) -> TokenDataset:
     """The dataset a RunSpec trains on: its store's (:func:`open_run_dataset`) when it names one —
     every run the commands start, since they refuse a RunSpec without — else the local built-in
-    corpus of an in-process run (the simulator, tests: :func:`protocol.data.open_dataset`)."""
+    corpus of an in-process run (the simulator, tests: :func:`protocol.data.assignment.open_dataset`)."""
     if spec.data.dataset:
         return open_run_dataset(spec, store, local)
     return open_dataset(spec.data, local=local)

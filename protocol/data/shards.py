@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from protocol.corpus import Document, token_stream
+from protocol.data.corpus import Document, token_stream
+from protocol.data.tokenizer import ByteTokenizer, HFTokenizer
+from protocol.data.tokens import TokenDataset, TokenSplit
 from protocol.errors import ConfigError
 from protocol.files import atomic_write
-from protocol.tokenizer import ByteTokenizer, HFTokenizer
-from protocol.tokens import TokenDataset, TokenSplit
 
 __all__ = ["FORMAT", "INDEX", "SHARD_TOKENS", "VERSION", "open_shards", "write_shards", "write_token_shards"]
 
@@ -179,7 +179,7 @@ def write_shards(
     shard_tokens: int = SHARD_TOKENS,
 ) -> TokenDataset:
     """Tokenize ``(name, utf-8 bytes)`` documents into a shard directory (atomically) and open it
-    (see :func:`protocol.corpus.token_stream` for the train/validation split)."""
+    (see :func:`protocol.data.corpus.token_stream` for the train/validation split)."""
     return write_token_shards(
         out_dir,
         token_stream(documents, tokenizer, val_fraction),

@@ -6,7 +6,7 @@ only then, so the default install needs nothing beyond torch.
 
 A run names its tokenizer in the RunSpec (``data.tokenizer``) by content: ``bytes``, or
 ``hf:<sha256 of the tokenizer.json>``, the file itself lying in the run's store
-(:func:`protocol.run_data.run_tokenizer` fetches and verifies it into the data cache, where
+(:func:`protocol.data.run_data.run_tokenizer` fetches and verifies it into the data cache, where
 ``load_tokenizer("hf:<sha256>", cache=...)`` finds it). A tokenizer's :attr:`~Tokenizer.name` is
 exactly that string.
 """
@@ -94,7 +94,7 @@ def tokenizer_digest(spec: str) -> str | None:
 
 def load_tokenizer(spec: str, *, cache: Path | None = None) -> ByteTokenizer | HFTokenizer:
     """``"bytes"``, a path to a ``tokenizer.json``, or ``"hf:<sha256>"``: that file as
-    ``<cache>/<sha256>.json`` (where :func:`protocol.run_data.run_tokenizer` puts a run's)."""
+    ``<cache>/<sha256>.json`` (where :func:`protocol.data.run_data.run_tokenizer` puts a run's)."""
     if spec == "bytes":
         return ByteTokenizer()
     digest = tokenizer_digest(spec)
@@ -103,7 +103,7 @@ def load_tokenizer(spec: str, *, cache: Path | None = None) -> ByteTokenizer | H
         if cache is None or not path.is_file():
             raise ConfigError(
                 f"the tokenizer {spec[:19]}… is not on this machine: it lies in the run's store, "
-                "from where the run's data is opened (protocol.run_data.run_tokenizer)"
+                "from where the run's data is opened (protocol.data.run_data.run_tokenizer)"
             )
         tok = HFTokenizer(path)
         if tok.name != spec:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from protocol.data.tokenizer import ByteTokenizer, HFTokenizer
 from protocol.errors import ConfigError
-from protocol.tokenizer import ByteTokenizer, HFTokenizer
 
 __all__ = [
     "BUILTIN_STDLIB",

@@ -1,6 +1,6 @@
 """Which tokens each peer trains on in each window, and local datasets for in-process runs.
 
-**Assignment.** A run's dataset (:class:`~protocol.tokens.TokenDataset`) is a train and a val
+**Assignment.** A run's dataset (:class:`~protocol.data.tokens.TokenDataset`) is a train and a val
 stream of shards. Every train shard is cut into *slots* of ``seq_len + 1`` tokens (starting at a
 window-dependent offset below one slot, so the cuts move from window to window), and its slots into
 *pages* of ``ceil(H·B / PAGES_PER_WINDOW)`` consecutive slots; a page never crosses a shard. Window
@@ -24,14 +24,14 @@ of time, for prefetching. The validator's random reference sequences (:func:`ran
 from a few random pages likewise, its validation sequences (:func:`validation_batches`) evenly from
 the val stream::
 
-    ds = open_run_dataset(spec, store, settings.data)          # protocol.run_data
+    ds = open_run_dataset(spec, store, settings.data)          # protocol.data.run_data
     batches = assigned_batches(ds, spec.seed, peer_id, window, spec.inner.steps,
                                spec.data.batch_size, spec.data.seq_len)   # list of [B, T+1]
 
 **Local datasets.** :func:`open_dataset` opens a corpus on this machine for in-process runs (the
 simulator, benchmarks, tests): ``builtin:stdlib`` or a text file/directory, tokenized once into the
 cache directory (keyed by the source, its files' sizes and mtimes, the tokenizer and the validation
-fraction), or a shard directory (:mod:`protocol.shards`). ``builtin:stdlib`` depends on the
+fraction), or a shard directory (:mod:`protocol.data.shards`). ``builtin:stdlib`` depends on the
 interpreter version; a real run reads the dataset ``init`` put into its store instead.
 """
 
@@ -51,7 +51,8 @@ import torch
 from torch import Tensor
 
 from protocol.config import DataConfig
-from protocol.corpus import (
+from protocol.data.cache import cache_dir
+from protocol.data.corpus import (
     BUILTIN_STDLIB,
     PIECE_BYTES,
     STDLIB_CAP_BYTES,
@@ -59,12 +60,11 @@ from protocol.corpus import (
     stdlib_documents,
     text_documents,
 )
+from protocol.data.shards import INDEX, VERSION, open_shards, write_shards
+from protocol.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from protocol.data.tokens import TokenDataset, TokenSplit
 from protocol.errors import ConfigError
 from protocol.settings import DataSettings
-from protocol.shard_cache import cache_dir
-from protocol.shards import INDEX, VERSION, open_shards, write_shards
-from protocol.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from protocol.tokens import TokenDataset, TokenSplit
 
 __all__ = [
     "INDEX",
