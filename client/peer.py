@@ -130,7 +130,7 @@ from protocol.events import (
 from protocol.feedback import FeedbackBuffers
 from protocol.identity import Identity
 from protocol.model import build_model
-from protocol.outcomes import PeerOutcome, read_outcomes
+from protocol.outcomes import PeerOutcome, read_outcomes, verdict
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore, put_once
 from protocol.windows import upload_deadline
@@ -611,7 +611,7 @@ class Peer:
         mine = [m for m in agg.value.manifest if m.peer_id == self.identity.peer_id]
         weight = mine[0].weight if mine else None
         contributed = bool(mine) or (self.pending is not None and self.pending.window == agg.value.window)
-        verdict = self._outcome(agg) if contributed else None
+        reported = verdict(self._outcome(agg) if contributed else None)
         self._last_manifest = frozenset(m.peer_id for m in agg.value.manifest)
         self._previous_base = agg.value.base
         self.state.record(
@@ -621,10 +621,7 @@ class Peer:
                 "aggregate": agg.digest,
                 "included": bool(mine),
                 "weight": weight,
-                "accepted": verdict.accepted if verdict else None,
-                "reason": verdict.reason if verdict else None,
-                "score": verdict.score if verdict else None,
-                "reputation": verdict.reputation if verdict else None,
+                **reported,
                 "time": round(time.time(), 3),
             }
         )
@@ -636,10 +633,7 @@ class Peer:
                 included=bool(mine),
                 weight=weight,
                 contributors=len(agg.value.manifest),
-                accepted=verdict.accepted if verdict else None,
-                reason=verdict.reason if verdict else None,
-                score=verdict.score if verdict else None,
-                reputation=verdict.reputation if verdict else None,
+                **reported,
             )
         )
 

@@ -2,7 +2,7 @@
 
     status = run_status(spec, store, state_dir=Path("~/.sparseloco/<run id>").expanduser())
     status.head.window, status.head.digest      # the newest signed aggregate
-    status.peers                                # its window's peers: accepted or rejected, why, score
+    status.peers                                # its window's peers (PeerOutcome): accepted or not, why, score
     status.local.matches                        # True: this peer's θ is the chain's θ
 
 The **head** is the newest aggregate in the store signed by one of the run's validator keys (its
@@ -28,11 +28,11 @@ from protocol.caps import object_caps
 from protocol.chain import MAX_MANIFEST_BYTES, read_aggregate
 from protocol.config import RunSpec
 from protocol.errors import MalformedPayload, ObjectNotFound, ProtocolError, StoreError
-from protocol.outcomes import read_outcomes
+from protocol.outcomes import PeerOutcome, read_outcomes
 from protocol.store.base import ObjectStore
 from protocol.wire import Aggregate, Verified, decode_checkpoint
 
-__all__ = ["Head", "LocalPeer", "PeerRow", "RunStatus", "run_status"]
+__all__ = ["Head", "LocalPeer", "RunStatus", "run_status"]
 
 WINDOWS_FILE = "windows.jsonl"  # client.state.LocalState.log_path (that module loads torch)
 
@@ -48,17 +48,6 @@ class Head:
     accepted: int
     rejected: int | None
     val_loss: float | None
-
-
-@dataclass(frozen=True)
-class PeerRow:
-    """One peer of the head's window (``score``/``reputation``/``reason`` from the outcomes)."""
-
-    peer: str
-    accepted: bool
-    reason: str | None = None
-    score: float | None = None
-    reputation: float | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +70,7 @@ class RunStatus:
     head: Head | None = None
     head_error: str | None = None
     checkpoint: dict[str, Any] | None = None
-    peers: list[PeerRow] = field(default_factory=list)
+    peers: list[PeerOutcome] = field(default_factory=list)  # of the head's window
     outcomes: str = "none"  # published | none (the aggregate names none) | an error
     local: LocalPeer | None = None
 
@@ -151,8 +140,12 @@ def _head(agg: Verified[Aggregate]) -> Head:
     )
 
 
-def _peers(store: ObjectStore, run: str, agg: Verified[Aggregate]) -> tuple[list[PeerRow], str]:
-    rows = {m.peer_id: PeerRow(m.peer_id, True) for m in agg.value.manifest}
+def _peers(store: ObjectStore, run: str, agg: Verified[Aggregate]) -> tuple[list[PeerOutcome], str]:
+    """The head window's peers: the manifest's (accepted, with their weight), then every row of the
+    outcomes the aggregate vouches for (``score``/``reputation``/``reason``)."""
+    w = agg.value.window
+    weights = {m.peer_id: m.weight for m in agg.value.manifest}
+    rows = {p: PeerOutcome(p, True, window=w, weight=weight) for p, weight in weights.items()}
     try:
         table = read_outcomes(store, run, agg)
     except (ProtocolError, StoreError) as exc:
@@ -160,7 +153,7 @@ def _peers(store: ObjectStore, run: str, agg: Verified[Aggregate]) -> tuple[list
     if table is None:
         return sorted(rows.values(), key=lambda r: r.peer), "none"
     for peer, o in table.rows.items():
-        rows[peer] = PeerRow(peer, o.accepted, o.reason, o.score, o.reputation)
+        rows[peer] = replace(o, window=w, weight=weights.get(peer, 0.0))
     return sorted(rows.values(), key=lambda r: (not r.accepted, r.peer)), "published"
 
 

@@ -107,8 +107,9 @@ class Applied(Event):
     """Aggregate ``window`` applied: θ now has ``fingerprint``; ``included``: our contribution is in it.
 
     ``accepted``, ``reason``, ``score``, ``reputation``: what the validator decided about our
-    contribution to ``window`` (:mod:`protocol.outcomes`, vouched for by the aggregate); None when
-    we did not upload to it or the aggregate names no outcomes. ``weight`` is the manifest weight
+    contribution to ``window`` (:func:`protocol.outcomes.verdict` of our
+    :class:`~protocol.outcomes.PeerOutcome`, vouched for by the aggregate); None when we did not
+    upload to it or the aggregate names no outcomes. ``weight`` is the manifest weight
     (1.0 for every accepted contribution), not a score."""
 
     window: int

@@ -30,14 +30,16 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import KW_ONLY, dataclass
+from typing import TYPE_CHECKING, Any
 
 from protocol import layout
 from protocol.errors import DigestMismatch, MalformedPayload, ObjectNotFound
 from protocol.identity import is_peer_id
 from protocol.store.base import ObjectStore
-from protocol.wire import Aggregate, Verified
+
+if TYPE_CHECKING:  # the wire format loads torch; a log or a status table needs only these rows
+    from protocol.wire import Aggregate, Verified
 
 __all__ = [
     "MAX_OUTCOMES_BYTES",
@@ -48,6 +50,7 @@ __all__ = [
     "encode_outcomes",
     "outcomes_digest",
     "read_outcomes",
+    "verdict",
 ]
 
 OUTCOMES = "outcomes"  # the aggregate metadata field holding the outcomes' sha256
@@ -57,13 +60,36 @@ MAX_OUTCOMES_BYTES = 32 << 20  # ~250,000 rows; a window never has that many ann
 @dataclass(frozen=True)
 class PeerOutcome:
     """One peer's contribution in one window: accepted or rejected (``reason``), its loss score
-    (None: not scored this window) and its reputation after the window (None: no standing)."""
+    (None: not scored this window) and its reputation after the window (None: no standing).
+
+    The one shape of a peer's outcome: published here, shown by ``sparseloco status``, folded into
+    reputation (:mod:`validator.reputation`), the outcome part of a contribution log row
+    (``ContributionRecord.outcome``) and what the demo reads back from the log. The published rows
+    carry the first five fields only; ``window`` is the table's (None in a decoded row: see
+    :attr:`Outcomes.window`), ``check`` the check that failed (None when accepted or not known)
+    and ``weight`` the contribution's weight in the aggregate (None when not known)."""
 
     peer: str
     accepted: bool
     reason: str | None = None
     score: float | None = None
     reputation: float | None = None
+    _: KW_ONLY
+    window: int | None = None
+    check: str | None = None
+    weight: float | None = None
+
+
+def verdict(outcome: PeerOutcome | None) -> dict[str, Any]:
+    """The fields a peer reports of its own outcome (the ``applied`` event, ``windows.jsonl``):
+    ``accepted``, ``reason``, ``score``, ``reputation``, each None without an outcome."""
+    o = outcome
+    return {
+        "accepted": o.accepted if o else None,
+        "reason": o.reason if o else None,
+        "score": o.score if o else None,
+        "reputation": o.reputation if o else None,
+    }
 
 
 @dataclass(frozen=True)

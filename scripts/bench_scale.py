@@ -82,9 +82,9 @@ from validator.consensus import agreement
 from validator.copies import CopyRule, scan
 from validator.held import clipped_entries, decode
 from validator.log import CheckRow, ContributionLog, ContributionRecord, WindowRecord
-from validator.node import Validator, _outcome
+from validator.node import Validator
 from validator.publish import encode_window_aggregate
-from validator.reputation import Outcome, Standing, standings
+from validator.reputation import Standing, standings
 from validator.sketch import Sketcher, expected_nnz, global_entries, offsets, sample_every
 from validator.state import ValidatorState, load_state, save_state
 
@@ -327,10 +327,6 @@ def synthetic_rows(window: int, peers: list[str], rng: np.random.Generator) -> l
     return out
 
 
-def _failed(r: ContributionRecord) -> str | None:
-    return next((c.name for c in r.checks if not c.passed), None)
-
-
 def replicate_windows(path: Path, have: int, want: int) -> None:
     """Fill windows ``have`` … ``want − 1`` of the log at ``path`` with copies of the rows of
     windows ``0 … have − 1`` (doubling, in SQL: millions of rows in seconds)."""
@@ -367,11 +363,9 @@ def history_costs(windows: int, vkey: Identity) -> dict[str, Any]:
         folded: dict[str, Standing] = {}
         for w in range(t):
             rows = templates[w % len(templates)]
-            folded = standings(
-                (Outcome(w, r.peer, r.accepted, r.reason, r.score, _failed(r)) for r in rows), cfg, start=folded
-            )
+            folded = standings((replace(r.outcome(), window=w) for r in rows), cfg, start=folded)
         last = synthetic_rows(t, peers, rng)
-        folded = standings(map(_outcome, last), cfg, start=folded)
+        folded = standings(map(ContributionRecord.outcome, last), cfg, start=folded)
         log = ContributionLog(path)
         log.record_window(WindowRecord(window=t, status="published", opened_at=1.0), last)
         rows_now = log.rows(windows=(t, t))
@@ -398,14 +392,14 @@ def history_costs(windows: int, vkey: Identity) -> dict[str, Any]:
             log.mark_published(w, digest="ef" * 32, published_at=2e9)
             log.rows(windows=(w - 1, w - 1))  # late uploads of the previous window
             decided = log.rows(windows=(w, w))
-            nxt = standings(map(_outcome, decided), cfg, start=loaded.standings)
+            nxt = standings(map(ContributionRecord.outcome, decided), cfg, start=loaded.standings)
             save_state(d, replace(loaded, window=w + 1, standings=nxt), params=False)
         out["window_wall_s"] = time.perf_counter() - w0  # with the log's fsyncs
         # the baseline: the standings from the whole log (beyond FOLD_SAMPLE windows, the fold of
         # the last FOLD_SAMPLE windows scaled to all: it reads and folds every row once)
         folded_windows = min(w + 1, FOLD_SAMPLE)
         with timed(out, "full_fold_s"):
-            base = standings(map(_outcome, log.rows(windows=(w + 1 - folded_windows, w))), cfg)
+            base = standings(map(ContributionRecord.outcome, log.rows(windows=(w + 1 - folded_windows, w))), cfg)
         out["full_fold_s"] *= (w + 1) / folded_windows
         out["full_fold_estimated"] = float(folded_windows < w + 1)
         assert folded_windows < w + 1 or base == nxt

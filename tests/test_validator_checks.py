@@ -11,13 +11,14 @@ import torch
 from protocol import codec
 from protocol.config import CodecConfig, RunSpec, ValidatorConfig, WindowConfig
 from protocol.identity import Identity
+from protocol.outcomes import PeerOutcome
 from protocol.windows import gather_close, is_checkpoint_window, should_close, upload_deadline
 from protocol.wire import GENESIS, Contribution, encode_contribution
 from validator import checks
 from validator.copies import CopyRule, scan, similarity
 from validator.held import decode, hold
 from validator.log import CheckRow
-from validator.reputation import EXCLUDED, Outcome, Standing, is_excluded, standings, update
+from validator.reputation import EXCLUDED, Standing, is_excluded, standings, update
 from validator.sketch import Sketcher
 
 SCHEMA = {"w": (64, 64), "b": (64,)}
@@ -256,23 +257,27 @@ def test_copy_scan_catches_a_partial_copy_by_its_rare_positions() -> None:
 # ------------------------------------------------------------------ reputation
 def test_reputation_moving_average_and_exclusion() -> None:
     cfg = ValidatorConfig(reputation_decay=0.5, exclude_after_failures=2, exclude_windows=3)
-    s = update(Standing(), Outcome(0, "p", True, score=0.2), cfg)
+    s = update(Standing(), PeerOutcome("p", True, score=0.2, window=0), cfg)
     assert s.reputation == 0.5 and s.failures == 0
-    s = update(s, Outcome(1, "p", True, score=None), cfg)  # not scored: no evidence
+    s = update(s, PeerOutcome("p", True, score=None, window=1), cfg)  # not scored: no evidence
     assert s.reputation == 0.5
-    s = update(s, Outcome(2, "p", False, "stale_base"), cfg)
+    s = update(s, PeerOutcome("p", False, "stale_base", window=2), cfg)
     assert s.reputation == pytest.approx(-0.25) and s.failures == 1 and not is_excluded(s, 3)
-    s = update(s, Outcome(3, "p", False, "harmful"), cfg)
+    s = update(s, PeerOutcome("p", False, "harmful", window=3), cfg)
     assert s.failures == 0 and s.excluded_until == 7
     assert all(is_excluded(s, w) for w in (4, 5, 6)) and not is_excluded(s, 7)
-    assert update(s, Outcome(4, "p", False, EXCLUDED), cfg) == s  # exclusion does not extend itself
-    assert update(s, Outcome(4, "p", False, "late"), cfg) == s  # neither do late or surplus uploads
-    assert update(s, Outcome(4, "p", False, "over_capacity"), cfg) == s
+    assert update(s, PeerOutcome("p", False, EXCLUDED, window=4), cfg) == s  # exclusion does not extend itself
+    assert update(s, PeerOutcome("p", False, "late", window=4), cfg) == s  # neither do late or surplus uploads
+    assert update(s, PeerOutcome("p", False, "over_capacity", window=4), cfg) == s
 
 
 def test_standings_fold_is_order_independent_and_respects_before() -> None:
     cfg = ValidatorConfig()
-    hist = [Outcome(w, p, w % 2 == 0, None if w % 2 == 0 else "copied", 0.1) for w in range(6) for p in ("a", "b")]
+    hist = [
+        PeerOutcome(p, w % 2 == 0, None if w % 2 == 0 else "copied", 0.1, window=w)
+        for w in range(6)
+        for p in ("a", "b")
+    ]
     assert standings(hist, cfg) == standings(list(reversed(hist)), cfg)
     assert standings(hist, cfg, before=2)["a"] == standings(hist[:4], cfg)["a"]
 

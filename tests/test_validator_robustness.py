@@ -20,6 +20,7 @@ from protocol.aggregate import NormLimit, clip_to_limits
 from protocol.chain import read_aggregate
 from protocol.identity import Identity
 from protocol.model import build_model, parameters_of
+from protocol.outcomes import PeerOutcome
 from protocol.store.memory import MemoryStore
 from protocol.wire import GENESIS
 from tests.validator_fixtures import Swarm, tiny_spec
@@ -28,7 +29,7 @@ from validator.budgets import Budgets
 from validator.gather import PeerRegistry
 from validator.node import Validator, _culprits
 from validator.reference import NormReference, TensorNorms
-from validator.reputation import Outcome, Standing, is_established, standings, update
+from validator.reputation import Standing, is_established, standings, update
 from validator.state import ValidatorState, load_state, save_state
 
 pytestmark = pytest.mark.timeout(180)
@@ -157,13 +158,13 @@ def test_fetch_failures_and_foreign_objects_are_not_held_against_the_peer() -> N
         ("probation", "probation"),
         ("norm_tiny", "norm"),
     ]:
-        assert update(Standing(), Outcome(0, "p", False, reason, None, check), cfg) == Standing(), reason
-    blamed = update(Standing(), Outcome(0, "p", False, "malformed", None, "schema"), cfg)  # a body it signed
+        assert update(Standing(), PeerOutcome("p", False, reason, window=0, check=check), cfg) == Standing(), reason
+    blamed = update(Standing(), PeerOutcome("p", False, "malformed", window=0, check="schema"), cfg)  # a body it signed
     assert blamed.excluded_until == 1 + cfg.exclude_windows
     # junk from identities without a standing does not grow the table
-    junk = [Outcome(0, f"j{i}", False, "store_error", None, "fetch") for i in range(100)]
+    junk = [PeerOutcome(f"j{i}", False, "store_error", window=0, check="fetch") for i in range(100)]
     assert standings(junk, cfg) == {}
-    passed = update(Standing(), Outcome(0, "p", True, None, 0.01), cfg)
+    passed = update(Standing(), PeerOutcome("p", True, None, 0.01, window=0), cfg)
     assert passed.passes == 1 and is_established(passed, cfg) and not is_established(Standing(), cfg)
 
 

@@ -2,7 +2,8 @@
 
 A check returns a :class:`~validator.log.CheckRow` ``(name, passed, reason)``; ``reason`` is the
 stable name written to the contribution log. Order (the first failure decides the rejection
-reason; later checks are not run)::
+reason; later checks are not run; :data:`validator.reasons.CHECK_ORDER`, from the table of checks
+and reasons in :mod:`validator.reasons`)::
 
     size  format  signature  run  window  registered  codec  schema  finite  sync  excluded
     immutable  norm  copy  score  probation  capacity  stable
@@ -16,7 +17,7 @@ codec allocates anything) and :func:`protocol.codec.unpack`; :func:`rows_for_err
 shared directory anyone can write there, and any store can be handed a copy of the peer's own
 object of another window or run. Unless the object is signed by ``<peer>`` for this run and window
 (``size`` through ``window``), it says nothing about the peer: it is rejected with reason
-``foreign`` (:data:`~validator.reputation.FOREIGN`, neutral for reputation) and the detail says what
+``foreign`` (:data:`~validator.reasons.FOREIGN`, neutral for reputation) and the detail says what
 was found, instead of ``bad_signature`` or ``wrong_window`` against the peer. Everything after
 that (a malformed body, the codec, the schema …) the peer signed, and is its own
 (:mod:`validator.reputation`). ``screen`` runs the per-contribution checks on one received object;
@@ -40,8 +41,8 @@ from protocol.wire.contribution import parse_contribution
 from protocol.wire.frame import Envelope, open_envelope
 from validator.held import Held, hold
 from validator.log import CheckRow
+from validator.reasons import CHECK_ORDER, FOREIGN, REASONS
 from validator.reference import Measured
-from validator.reputation import FOREIGN
 from validator.sketch import Sketcher, offsets
 
 __all__ = [
@@ -61,43 +62,9 @@ __all__ = [
     "screen",
 ]
 
-CHECK_ORDER = (
-    "size",
-    "format",
-    "signature",
-    "run",
-    "window",
-    "registered",
-    "codec",
-    "schema",
-    "finite",
-    "sync",
-    "excluded",
-    "immutable",
-    "norm",
-    "copy",
-    "score",
-    "probation",
-    "capacity",
-    "stable",
-)
 
-# ProtocolError.reason (raised while decoding) -> the check that failed
-_REASON_CHECK = {
-    "too_large": "size",
-    "malformed": "format",
-    "unsupported_version": "format",
-    "bad_signature": "signature",
-    "unknown_signer": "signature",
-    "wrong_run": "run",
-    "wrong_window": "window",
-    "schema_mismatch": "schema",
-    "invalid_indices": "schema",
-    "non_finite": "finite",
-    "stale_base": "sync",
-    "digest_mismatch": "format",
-    "wrong_codec": "codec",
-}
+# ProtocolError.reason (raised while decoding) -> the check that failed: the reason's usual check
+_REASON_CHECK = {r.name: r.checks[0] for r in REASONS if r.checks[0] in CHECK_ORDER}
 
 
 _DECODE_CHECKS = ("size", "format", "signature", "run", "window", "codec")

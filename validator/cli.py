@@ -59,6 +59,7 @@ from protocol.logformat import FORMATS, JsonLogLines, setup_logging
 from protocol.settings import LocalSettings, load_settings, resolve_settings, settings_help
 from protocol.store import open_from_settings
 from protocol.store.presign import Presigner
+from validator import reasons
 from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
 
 if TYPE_CHECKING:
@@ -708,31 +709,6 @@ def logs(
       weight    its weight in the aggregate (1.0 accepted, 0.0 rejected)
     Peers read their own row of each window (accepted, reason, score, rep) from the outcomes
     the validator publishes with every aggregate (<run>/outcomes/<window>, protocol.outcomes).
-
-    \b
-    Rejection reasons (* = never held against the peer):
-      foreign*            bytes at the peer's key that the peer did not sign for this run
-                          and window: too large, not an envelope, a bad signature, signed by
-                          another key, or the peer's own object of another run or window
-      unregistered wrong_codec schema_mismatch invalid_indices
-      non_finite stale_base malformed (a body the peer signed)
-                          what the peer signed breaks the protocol
-      excluded*           the peer is serving an exclusion for repeated failures
-      over_budget*        beyond the window's read budget (keys or bytes)
-      not_found* store_error* fetch_timeout*
-                          the store failed or was too slow
-      mutated             other bytes than the ones first read, signed by the peer
-      norm_outlier        a tensor above norm_max_ratio x the validator's reference
-      norm_tiny*          an update below norm_min_ratio x the reference: does not count
-      copied              shares the values of an upload read before its key appeared
-                          (index or rare-position overlap with agreeing signs)
-      harmful             does not lower the loss on the peer's own data
-      harmful_general     raises the loss on held-out data
-      ineffective         lowers it far less than established peers' updates do
-      probation*          a new identity whose update was not scored in this window
-      over_capacity*      more than max_contributors passed
-      non_finite_result   with it the aggregate makes θ or the loss non-finite
-      late*               uploaded after the window closed
     """
     if as_json and as_csv:
         raise click.UsageError("--json and --csv are exclusive")
@@ -766,6 +742,9 @@ def logs(
             return
         rows = log.rows(peer=peer, windows=windows, rejected_only=rejected)
         _emit([_flat(r) for r in rows], as_json, as_csv, _rows_table)
+
+
+logs.help = f"{logs.help}\n\n{reasons.help_text()}"  # the reasons, from their one table
 
 
 def _plot(db: str, path: str, windows: tuple[int | None, int | None], others: tuple[object, ...]) -> None:

@@ -47,6 +47,7 @@ from protocol.wire import Announcement, decode_announcement
 from validator.budgets import Budgets
 from validator.checks import Screened
 from validator.randomness import keyed_order
+from validator.reasons import EXCLUDED, FETCH_TIMEOUT, OVER_BUDGET
 
 __all__ = [
     "EXCLUDED",
@@ -63,8 +64,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 MAX_ANNOUNCEMENT_BYTES = 64 * 1024
-UNANNOUNCED, EXCLUDED, OVER_BUDGET = "unannounced", "excluded", "over_budget"
-FETCH_TIMEOUT = "fetch_timeout"
+UNANNOUNCED = "unannounced"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from protocol.outcomes import PeerOutcome
+
 __all__ = [
     "CHECK_BITS",
     "LOG_FILE",
@@ -140,7 +142,9 @@ class CheckRow:
 
 @dataclass(frozen=True, kw_only=True)
 class ContributionRecord:
-    """Everything the validator decided about one peer's contribution in one window."""
+    """Everything the validator decided about one peer's contribution in one window: its
+    :meth:`outcome` and the figures only the log keeps (digest, size, times, norms, losses,
+    checks). Flat, as the table's columns and ``logs --json`` rows are."""
 
     window: int
     peer: str
@@ -160,6 +164,20 @@ class ContributionRecord:
     reputation: float | None = None
     weight: float = 0.0
     checks: tuple[CheckRow, ...] = field(default=())
+
+    def outcome(self) -> PeerOutcome:
+        """The row's outcome: what reputation folds, the validator publishes and the demo reads."""
+        failed = next((c.name for c in self.checks if not c.passed), None)
+        return PeerOutcome(
+            self.peer,
+            self.accepted,
+            self.reason,
+            self.score,
+            self.reputation,
+            window=self.window,
+            check=failed,
+            weight=self.weight,
+        )
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

@@ -98,7 +98,6 @@ from validator.log import LOG_FILE, CheckRow, ContributionLog, ContributionRecor
 from validator.reputation import (
     LATE,
     UNATTRIBUTABLE_CHECKS,
-    Outcome,
     Standing,
     is_established,
     is_excluded,
@@ -825,7 +824,9 @@ class Validator:
             accepted = s.reason is None
             st = update(
                 w.standing.get(s.peer, Standing()),
-                Outcome(w.t, s.peer, accepted, s.reason, sc.score if sc else None, _failed_check(s.checks)),
+                PeerOutcome(
+                    s.peer, accepted, s.reason, sc.score if sc else None, window=w.t, check=_failed_check(s.checks)
+                ),
                 self.spec.validator,
             )
             rows.append(
@@ -867,9 +868,7 @@ class Validator:
         self._load_params(result.params)
         published_at = self.clock()
         accepted = [r for r in rows if r.accepted]
-        outcomes = encode_outcomes(
-            self.run_hash, t, [PeerOutcome(r.peer, r.accepted, r.reason, r.score, r.reputation) for r in rows]
-        )
+        outcomes = encode_outcomes(self.run_hash, t, [r.outcome() for r in rows])
         meta: dict[str, int | float | str | bool] = {
             **extra,
             "accepted": len(accepted),
@@ -958,7 +957,7 @@ class Validator:
         unchanged, an adopted aggregate)."""
         ref = st.reference if ref is None else ref
         rows = self.log.rows(windows=(st.window, st.window))
-        folded = standings(map(_outcome, rows), self.spec.validator, start=st.standings)
+        folded = standings(map(ContributionRecord.outcome, rows), self.spec.validator, start=st.standings)
         nxt = ValidatorState(
             self.run_hash,
             st.window + 1,
@@ -1058,7 +1057,9 @@ class Validator:
 
     def _folded(self, t: int) -> dict[str, Standing]:
         """The standings before window ``t`` from the whole log (older state directories, diagnostics)."""
-        return standings(map(_outcome, self.log.rows(windows=(None, t - 1))), self.spec.validator, before=t)
+        return standings(
+            map(ContributionRecord.outcome, self.log.rows(windows=(None, t - 1))), self.spec.validator, before=t
+        )
 
     def _load_params(self, params: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -1089,10 +1090,6 @@ class _WaitingReport:
         self.emit(
             WindowWaiting(window=self.window, waiting_for=sorted(missing), uploaded=uploaded, closes_in_s=closes_in)
         )
-
-
-def _outcome(r: ContributionRecord) -> Outcome:
-    return Outcome(r.window, r.peer, r.accepted, r.reason, r.score, _failed_check(r.checks))
 
 
 def _failed_check(rows: Sequence[CheckRow]) -> str | None:

@@ -26,6 +26,10 @@ accepted, i.e. lowered the loss on its own data without raising it on held-out d
 (``Standing.passes``); until then only its scored, helpful updates count
 (validator/window_checks.py, ``probation``).
 
+The neutral reasons and checks are marked in the table of :mod:`validator.reasons`. An outcome
+is a :class:`protocol.outcomes.PeerOutcome` with its ``window`` and ``check`` (a log row's
+``ContributionRecord.outcome``).
+
 Because :func:`standings` recomputes everything from the (window, peer) rows, re-deciding a window
 after a crash cannot count a failure twice.
 """
@@ -36,6 +40,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from protocol.config import ValidatorConfig
+from protocol.outcomes import PeerOutcome
+from validator.reasons import EXCLUDED, FOREIGN, LATE, NEUTRAL, UNATTRIBUTABLE_CHECKS
 
 __all__ = [
     "EXCLUDED",
@@ -43,38 +49,25 @@ __all__ = [
     "LATE",
     "NEUTRAL",
     "UNATTRIBUTABLE_CHECKS",
-    "Outcome",
     "Standing",
     "is_established",
     "is_excluded",
+    "is_neutral",
     "standings",
     "update",
 ]
 
-EXCLUDED = "excluded"
-LATE = "late"  # uploaded after the window closed: not evidence of bad faith, just missed
-FOREIGN = "foreign"  # not signed by the peer for this run and window: says nothing about the peer
-# rejections that say nothing about the peer
-NEUTRAL = frozenset({EXCLUDED, LATE, FOREIGN, "over_capacity", "over_budget", "probation", "norm_tiny"})
-# checks whose failure concerns bytes the peer's signature does not cover (or the store)
-UNATTRIBUTABLE_CHECKS = frozenset({"fetch", "size", "format", "signature"})
+
+def is_neutral(outcome: PeerOutcome) -> bool:
+    """Rejected for something that is no evidence against the peer: a neutral reason, or a failed
+    check that is not attributable to it (:mod:`validator.reasons`)."""
+    return not outcome.accepted and (outcome.reason in NEUTRAL or outcome.check in UNATTRIBUTABLE_CHECKS)
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """What one window said about one peer (a projection of a log row)."""
-
-    window: int
-    peer: str
-    accepted: bool
-    reason: str | None = None
-    score: float | None = None
-    check: str | None = None  # the check that failed (None when accepted)
-
-    @property
-    def neutral(self) -> bool:
-        """Rejected for something that is no evidence against the peer."""
-        return not self.accepted and (self.reason in NEUTRAL or self.check in UNATTRIBUTABLE_CHECKS)
+def _window(outcome: PeerOutcome) -> int:
+    if outcome.window is None:
+        raise ValueError(f"an outcome of peer {outcome.peer} without its window cannot be folded")
+    return outcome.window
 
 
 @dataclass(frozen=True)
@@ -95,9 +88,9 @@ def is_established(standing: Standing | None, cfg: ValidatorConfig) -> bool:
     return standing is not None and standing.passes >= cfg.probation_passes
 
 
-def update(prev: Standing, outcome: Outcome, cfg: ValidatorConfig) -> Standing:
-    """The standing after one more window's outcome."""
-    if outcome.neutral:
+def update(prev: Standing, outcome: PeerOutcome, cfg: ValidatorConfig) -> Standing:
+    """The standing after one more window's outcome (its ``window`` and ``check`` given)."""
+    if is_neutral(outcome):
         return prev
     failed = not outcome.accepted
     if failed:
@@ -112,7 +105,7 @@ def update(prev: Standing, outcome: Outcome, cfg: ValidatorConfig) -> Standing:
     failures = prev.failures + 1 if failed else 0
     excluded_until = prev.excluded_until
     if cfg.exclude_after_failures > 0 and failures >= cfg.exclude_after_failures:
-        excluded_until = outcome.window + 1 + cfg.exclude_windows
+        excluded_until = _window(outcome) + 1 + cfg.exclude_windows
         failures = 0
     passed = outcome.accepted and outcome.score is not None  # scored and it helped (not harmful)
     return replace(
@@ -126,7 +119,7 @@ def update(prev: Standing, outcome: Outcome, cfg: ValidatorConfig) -> Standing:
 
 
 def standings(
-    history: Iterable[Outcome],
+    history: Iterable[PeerOutcome],
     cfg: ValidatorConfig,
     *,
     before: int | None = None,
@@ -137,10 +130,10 @@ def standings(
     these windows; the validator folds one window at a time). Neutral outcomes of peers without
     a standing add none: junk does not grow the table."""
     out: dict[str, Standing] = dict(start or {})
-    for o in sorted(history, key=lambda o: (o.window, o.peer)):
-        if before is not None and o.window >= before:
+    for o in sorted(history, key=lambda o: (_window(o), o.peer)):
+        if before is not None and _window(o) >= before:
             continue
-        if o.neutral and o.peer not in out:
+        if is_neutral(o) and o.peer not in out:
             continue
         out[o.peer] = update(out.get(o.peer, Standing()), o, cfg)
     return out

@@ -14,6 +14,7 @@ from typing import Any
 from validator import checks
 from validator.copies import CopyRule, scan
 from validator.log import CheckRow
+from validator.reasons import MUTATED, NON_FINITE_RESULT, OVER_CAPACITY, PROBATION
 from validator.reference import NormReference, check_norms
 from validator.scoring import LossScore
 from validator.sketch import global_entries, offsets
@@ -33,11 +34,6 @@ __all__ = [
     "scores",
     "stable",
 ]
-
-OVER_CAPACITY = "over_capacity"
-MUTATED = "mutated"
-PROBATION = "probation"
-NON_FINITE_RESULT = "non_finite_result"
 
 Screened = checks.Screened
 

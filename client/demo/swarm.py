@@ -21,7 +21,8 @@ machines would. Each process gets its per-process settings as flags and ``SPARSE
 restart the validator, start a late joiner, stop a peer cleanly). Peers run ``sparseloco-peer join --status-json`` and the validator
 ``sparseloco-validator run --status-json``: both write :mod:`protocol.events` records as JSON lines,
 read here with :func:`protocol.events.parse_line`. The contribution log is read through its owner,
-``sparseloco-validator logs --json`` (:mod:`client.demo.validator_log`). Nothing here imports the
+``sparseloco-validator logs --json`` (:mod:`client.demo.validator_log`), the events followed in a
+:class:`~client.demo.followed.Followed`. Nothing here imports the
 peer or ``validator/``; a process that crashes or a run that overruns its timeout is a
 :class:`~client.demo.errors.DemoError`.
 """
@@ -36,29 +37,20 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import protocol
 from client.demo.backends import Backend, open_backend
 from client.demo.errors import DemoError
+from client.demo.followed import Followed, PeerView
 from client.demo.processes import ProcessGroup, python_console
-from client.demo.validator_log import LoggedContribution, LoggedWindow, read_contributions, read_windows
+from client.demo.validator_log import LoggedWindow, read_contributions, read_windows
 from protocol.config import RunSpec
-from protocol.events import (
-    Announced,
-    Applied,
-    Event,
-    Joined,
-    PeerStarted,
-    PeerWindow,
-    ValidatorStarted,
-    WindowOpened,
-    WindowPublished,
-    parse_line,
-)
+from protocol.events import Event, PeerWindow, WindowPublished, parse_line
 from protocol.identity import Identity
+from protocol.outcomes import PeerOutcome
 from protocol.settings import env_name, local_table, local_table_toml
 
 PRESET = Path(protocol.__file__).parent / "presets" / "demo.toml"
@@ -69,31 +61,23 @@ CORPUS = "builtin:stdlib"
 INIT_TIMEOUT_S = 600.0
 
 
-@dataclass
-class PeerView:
-    """What the launcher learned about one peer from its events."""
+@dataclass(frozen=True)
+class SwarmSetup:
+    """How a local run is made and its processes started (:class:`LocalSwarm`'s arguments)."""
 
-    name: str
-    peer_id: str = ""
-    applied: dict[int, str] = field(default_factory=dict)  # window -> fingerprint of θ after it
-    windows: dict[int, PeerWindow] = field(default_factory=dict)  # window -> its last "window" event
-    joined: list[Joined] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
-    inner_s: float = 0.0
-    wall_s: float = 0.0
-    announced: bool = False
-
-    def running_s(self) -> float:
-        """Seconds between each incarnation's ``peer_started`` and its last event: the process's
-        wall time less the interpreter's start-up and exit."""
-        total, started = 0.0, None
-        for event in self.events:
-            if isinstance(event, PeerStarted):
-                started = event.time
-            elif started is not None:
-                total += event.time - started
-                started = event.time
-        return total
+    peers: int
+    windows: int
+    store: str
+    preset: Path
+    overrides: dict[str, Mapping[str, Any]]
+    local: dict[str, Any]
+    corpus: str
+    tokenizer: str
+    shard_tokens: int | None
+    peer_threads: int
+    validator_threads: int
+    validator_args: list[str]
+    join_timeout_s: float
 
 
 class LocalSwarm:
@@ -124,30 +108,46 @@ class LocalSwarm:
         ``sparseloco-validator run`` (``--metrics-port``)."""
         self._own_dir = run_dir is None
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="sparseloco-demo-"))
-        self.n_peers, self.windows, self.store_kind = peers, windows, store
-        self.preset, self.overrides = Path(preset), dict(overrides or {})
-        self.local = dict(local or {})
-        self.corpus, self.tokenizer, self.shard_tokens = corpus, tokenizer, shard_tokens
-        self.peer_threads = peer_threads
-        self.validator_args = list(validator_args)
-        self.join_timeout_s = join_timeout_s
-        self.validator_threads = (
-            max(1, (os.cpu_count() or 1) // max(1, peers + 1)) if peer_threads == 1 else peer_threads
+        self.setup = SwarmSetup(
+            peers=peers,
+            windows=windows,
+            store=store,
+            preset=Path(preset),
+            overrides=dict(overrides or {}),
+            local=dict(local or {}),
+            corpus=corpus,
+            tokenizer=tokenizer,
+            shard_tokens=shard_tokens,
+            peer_threads=peer_threads,
+            validator_threads=max(1, (os.cpu_count() or 1) // max(1, peers + 1)) if peer_threads == 1 else peer_threads,
+            validator_args=list(validator_args),
+            join_timeout_s=join_timeout_s,
         )
         self._accounted: set[tuple[str, float]] = set()
-        self.validator_ready = False
         self.peer_envs: dict[str, dict[str, str]] = {}
         self.may_exit: set[str] = set()  # processes whose non-zero exit is expected (stopped, tested)
-        self.validator_opened: list[int] = []  # the window each validator (re)start resumed at
-        self._validator_restarted = False  # ValidatorStarted seen, its first WindowOpened not yet
         self.on_event = on_event  # (process name, event) for every event a validator or peer writes
-        self.peers: dict[str, PeerView] = {}
-        self.published: dict[int, WindowPublished] = {}
+        self.followed = Followed()
         self.started_at = time.time()
         self._stack = ExitStack()
         self.group: ProcessGroup | None = None
         self.backend: Backend | None = None
         self.spec: RunSpec | None = None
+
+    @property
+    def peers(self) -> dict[str, PeerView]:
+        """Every peer started so far, by process name (``peer-<i>``)."""
+        return self.followed.peers
+
+    @property
+    def published(self) -> dict[int, WindowPublished]:
+        """The validator's ``window_published`` events, by window."""
+        return self.followed.published
+
+    @property
+    def validator_opened(self) -> list[int]:
+        """The window each validator (re)start resumed at."""
+        return self.followed.validator_opened
 
     # ------------------------------------------------------------------ setup
     def __enter__(self) -> LocalSwarm:
@@ -156,7 +156,7 @@ class LocalSwarm:
             vkey = Identity.generate()  # first: every DHT node is told the run's validator key
             vkey.save(self.validator_key)
             self.backend = self._stack.enter_context(
-                open_backend(self.store_kind, self.run_dir, self.group, [vkey.public_key_hex])
+                open_backend(self.setup.store, self.run_dir, self.group, [vkey.public_key_hex])
             )
             self.spec = self._write_run(vkey)
         except BaseException:
@@ -173,13 +173,13 @@ class LocalSwarm:
         a [local] table with the store, max_windows, the preset's own [local] table and ``local``.
         init adds the dataset and the validator key."""
         assert self.backend is not None
-        sections: dict[str, dict[str, Any]] = {k: dict(v) for k, v in self.overrides.items()}
-        base = RunSpec.load(self.preset).replace(**sections)
+        sections: dict[str, dict[str, Any]] = {k: dict(v) for k, v in self.setup.overrides.items()}
+        base = RunSpec.load(self.setup.preset).replace(**sections)
         local: dict[str, Any] = {}
         for layer in (
-            local_table(self.preset),
-            self.local,
-            {"max_windows": self.windows, "store": {"url": self.backend.url, **self.backend.store_settings}},
+            local_table(self.setup.preset),
+            self.setup.local,
+            {"max_windows": self.setup.windows, "store": {"url": self.backend.url, **self.backend.store_settings}},
         ):
             for key, value in layer.items():
                 local[key] = {**local.get(key, {}), **value} if isinstance(value, Mapping) else value
@@ -193,7 +193,7 @@ class LocalSwarm:
         argv = python_console("sparseloco-validator") + [
             "init",
             "--corpus",
-            self.corpus,
+            self.setup.corpus,
             "--store",
             self.backend.url,
             "--key",
@@ -203,9 +203,9 @@ class LocalSwarm:
             "--out",
             str(self.run_toml),
             "--tokenizer",
-            self.tokenizer,
+            self.setup.tokenizer,
             "--json",
-            *(["--shard-tokens", str(self.shard_tokens)] if self.shard_tokens else []),
+            *(["--shard-tokens", str(self.setup.shard_tokens)] if self.setup.shard_tokens else []),
             *self.backend.args(),
         ]
         env = {**self.backend.validator_env(), env_name("data.cache_dir"): str(self.run_dir / INIT / "cache")}
@@ -263,13 +263,13 @@ class LocalSwarm:
             "--wait-for-peers",
             str(wait_for_peers),
             *self.backend.validator_args(),
-            *self.validator_args,
+            *self.setup.validator_args,
         ]
         # One thread, like each peer: OpenMP threads spinning on an oversubscribed machine made
         # the validator's evaluation ~8x slower than its single-threaded speed.
         env = {
             **self.backend.validator_env(),
-            "OMP_NUM_THREADS": str(self.validator_threads),
+            "OMP_NUM_THREADS": str(self.setup.validator_threads),
             env_name("data.cache_dir"): str(self.run_dir / VALIDATOR / "cache"),
         }
         self.may_exit.discard(VALIDATOR)
@@ -287,8 +287,8 @@ class LocalSwarm:
         """
         assert self.backend is not None
         if self.backend.grant_port:
-            self.start_validator(wait_for_peers=self.n_peers)
-        for i in range(self.n_peers):
+            self.start_validator(wait_for_peers=self.setup.peers)
+        for i in range(self.setup.peers):
             self.start_peer(i)
         self.follow(lambda: all(v.announced for v in self.peers.values()), timeout_s=timeout_s)
         if not self.backend.grant_port:
@@ -296,8 +296,8 @@ class LocalSwarm:
 
     def wait_validator_ready(self, timeout_s: float = 300.0) -> None:
         """Until the validator has published genesis (or resumed) and opened its window."""
-        self.validator_ready = False
-        self.follow(lambda: self.validator_ready, timeout_s=timeout_s)
+        self.followed.validator_ready = False
+        self.follow(lambda: self.followed.validator_ready, timeout_s=timeout_s)
 
     def start_peer(self, i: int, *extra: str, launcher: Sequence[str] = ()) -> str:
         """Start peer ``i`` (its key is created first so that a credential can be scoped to it);
@@ -317,7 +317,7 @@ class LocalSwarm:
             "--device",
             "cpu",
             "--threads",
-            str(self.peer_threads),
+            str(self.setup.peer_threads),
             "--status-json",
             *self.backend.args(),
             *extra,
@@ -326,8 +326,8 @@ class LocalSwarm:
             self.peer_envs[name] = self.backend.peer_env(self.spec.hash(), ident.peer_id)
         env = {
             **self.peer_envs[name],
-            "OMP_NUM_THREADS": str(self.peer_threads),
-            env_name("peer.join_timeout_s"): str(self.join_timeout_s),
+            "OMP_NUM_THREADS": str(self.setup.peer_threads),
+            env_name("peer.join_timeout_s"): str(self.setup.join_timeout_s),
             env_name("data.cache_dir"): str(state / "cache"),  # its own: peers start with no data
         }
         self.may_exit.discard(name)
@@ -395,34 +395,11 @@ class LocalSwarm:
         if event is None:
             return  # a log line on stderr
         if name == VALIDATOR:
-            self._on_validator(event)
+            self.followed.on_validator(event)
         else:
-            self._on_peer(self.peers[name], event)
+            self.followed.on_peer(self.peers[name], event)
         if self.on_event is not None:
             self.on_event(name, event)
-
-    def _on_validator(self, event: Event) -> None:
-        if isinstance(event, ValidatorStarted):
-            self._validator_restarted = True
-        elif isinstance(event, WindowOpened):
-            self.validator_ready = True
-            if self._validator_restarted:
-                self.validator_opened.append(event.window)
-                self._validator_restarted = False
-        elif isinstance(event, WindowPublished):
-            self.published[event.window] = event
-
-    def _on_peer(self, view: PeerView, event: Event) -> None:
-        view.events.append(event)
-        if isinstance(event, Applied):
-            view.applied[event.window] = event.fingerprint
-        elif isinstance(event, PeerWindow):
-            view.windows[event.window] = event
-            view.inner_s += event.inner_s
-        elif isinstance(event, Joined):
-            view.joined.append(event)
-        elif isinstance(event, Announced):
-            view.announced = True
 
     def _check_crashes(self) -> None:
         """DemoError when a process exited with an error status (not one killed on purpose)."""
@@ -436,7 +413,7 @@ class LocalSwarm:
     def finished(self) -> bool:
         """The validator published the last window and every peer process has exited."""
         assert self.group is not None
-        return (self.windows - 1) in self.published and not self.group.running(list(self.peers))
+        return (self.setup.windows - 1) in self.published and not self.group.running(list(self.peers))
 
     def wait_exit(self, timeout_s: float = 60.0) -> None:
         """Wait for the validator (which stops itself after the last window) and account wall time."""
@@ -452,7 +429,7 @@ class LocalSwarm:
         """Every window in the validator's contribution log (``sparseloco-validator logs --windows``)."""
         return read_windows(self.log_db)
 
-    def log_contributions(self) -> list[LoggedContribution]:
+    def log_contributions(self) -> list[PeerOutcome]:
         """Every decided contribution in the validator's log (``sparseloco-validator logs``)."""
         return read_contributions(self.log_db)
 
@@ -473,7 +450,7 @@ class LocalSwarm:
         inner = sum(v.inner_s for v in self.peers.values())
         n_params = sum(_numel(s) for s in param_schema(self.spec.model).values())
         return {
-            "store": self.store_kind,
+            "store": self.setup.store,
             "peers": len(self.peers),
             "windows_completed": len(order),
             "val_loss_per_window": [_round(windows[w].val_loss) for w in order],

@@ -5,7 +5,7 @@ The log's schema belongs to the validator, and the launcher (in ``client/``) nev
 
     windows = read_windows(run_dir / "validator" / "contributions.sqlite")
     [w.val_loss for w in windows if w.status == "published"]
-    read_contributions(db)          # one LoggedContribution per decided (window, peer)
+    read_contributions(db)          # one PeerOutcome per decided (window, peer)
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import json
 import subprocess
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from client.demo.errors import DemoError
 from client.demo.processes import python_console
+from protocol.outcomes import PeerOutcome
 
-__all__ = ["LoggedContribution", "LoggedWindow", "read_contributions", "read_windows"]
+__all__ = ["LoggedWindow", "read_contributions", "read_windows"]
 
 TIMEOUT_S = 120.0  # the command imports no torch; this only bounds a machine under heavy load
 
@@ -37,26 +38,15 @@ class LoggedWindow:
     digest: str | None  # the published aggregate's
 
 
-@dataclass(frozen=True)
-class LoggedContribution:
-    """One decided contribution (``logs --json``): accepted, or rejected with ``reason``."""
-
-    window: int
-    peer: str
-    accepted: bool
-    reason: str | None
-    score: float | None
-    weight: float
-
-
 def read_windows(db: Path) -> list[LoggedWindow]:
     """Every window in the log at ``db``, by window."""
     return [_record(LoggedWindow, row) for row in _logs(db, "--windows")]
 
 
-def read_contributions(db: Path) -> list[LoggedContribution]:
-    """Every decided contribution in the log at ``db``, by (window, peer)."""
-    return [_record(LoggedContribution, row) for row in _logs(db)]
+def read_contributions(db: Path) -> list[PeerOutcome]:
+    """The outcome of every decided contribution in the log at ``db``, by (window, peer): accepted,
+    or rejected with ``reason`` by ``check``."""
+    return [_outcome(row) for row in _logs(db)]
 
 
 def _logs(db: Path, *options: str) -> list[dict[str, Any]]:
@@ -78,11 +68,27 @@ def _logs(db: Path, *options: str) -> list[dict[str, Any]]:
     return rows
 
 
-_R = TypeVar("_R", LoggedWindow, LoggedContribution)
-
-
-def _record(cls: type[_R], row: dict[str, Any]) -> _R:
+def _record(cls: type[LoggedWindow], row: dict[str, Any]) -> LoggedWindow:
     try:
         return cls(**{f.name: row[f.name] for f in fields(cls)})
+    except KeyError as exc:
+        raise DemoError(f"a `sparseloco-validator logs` row lacks the documented field {exc}") from exc
+
+
+def _outcome(row: dict[str, Any]) -> PeerOutcome:
+    """A ``logs --json`` row's outcome; its ``checks`` read ``name:pass;name:fail:<reason>``."""
+    try:
+        checks = (item.split(":", 1) for item in str(row["checks"] or "").split(";") if item)
+        failed = next((c[0] for c in checks if c[1:] != ["pass"]), None)
+        return PeerOutcome(
+            row["peer"],
+            row["accepted"],
+            row["reason"],
+            row["score"],
+            row["reputation"],
+            window=row["window"],
+            check=failed,
+            weight=row["weight"],
+        )
     except KeyError as exc:
         raise DemoError(f"a `sparseloco-validator logs` row lacks the documented field {exc}") from exc
