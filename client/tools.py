@@ -214,8 +214,9 @@ def status_cmd(
     JSON fields: run_id, run_hash, store, head {window, digest, published_at,
     fingerprint, accepted, rejected, val_loss}, head_error, checkpoint {window,
     published_at, fingerprint, bytes}, peers [{peer, accepted, reason, score,
-    reputation}], outcomes (published | none | unreadable: …), local {peer_id,
-    window, fingerprint, matches, detail}.
+    reputation, window, check (null: not published), weight}], outcomes
+    (published | none | unreadable: …), local {peer_id, window, fingerprint,
+    matches, detail}.
 
     Exit status: 0 (1 when the local peer's θ differs from the chain), 2 configuration error.
     """

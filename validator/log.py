@@ -294,8 +294,9 @@ class Received:
     bytes: int | None
 
 
-# Every check a row can name, in the order the validator runs them; a row's checks are kept as a
-# bit mask over this tuple, so names are only ever appended.
+# Every check a row can name (validator/reasons.py's CHECKS), in the order the validator runs them;
+# a row's checks are kept as a bit mask over this tuple, so names are only ever appended (a test pins
+# the positions).
 CHECK_BITS = (
     "size",
     "format",
