@@ -14,9 +14,9 @@ _CAPTION = re.compile(r"^`([a-z_/]+/)`\s*$")  # a table's caption line: `protoco
 _TICKED = re.compile(r"`([\w./-]+(?:\.py|\.toml|/))`")  # a file or folder name in backticks
 
 
-def documented() -> set[str]:
-    """Paths (relative to the repository) that the module tables of the document name."""
-    out: set[str] = set()
+def documented() -> list[str]:
+    """Paths (relative to the repository) that the module tables of the document name, in order."""
+    out: list[str] = []
     package: str | None = None
     in_table = False
     for line in DOC.read_text(encoding="utf-8").splitlines():
@@ -34,10 +34,10 @@ def documented() -> set[str]:
         first, rest = line.strip("|").split("|", 1)
         for name in _TICKED.findall(first):
             if name.endswith("/"):  # a subpackage described in one row: its modules in the text
-                out.add(package + name)
-                out.update(package + name + m for m in _TICKED.findall(rest) if m.endswith(".py") and "/" not in m)
+                out.append(package + name)
+                out.extend(package + name + m for m in _TICKED.findall(rest) if m.endswith(".py") and "/" not in m)
             else:
-                out.add(package + name)
+                out.append(package + name)
     return out
 
 
@@ -56,10 +56,16 @@ def test_every_listed_module_exists() -> None:
 
 
 def test_every_library_module_is_listed() -> None:
-    unlisted = sorted(library_modules() - documented())
+    unlisted = sorted(library_modules() - set(documented()))
     assert not unlisted, f"docs/ARCHITECTURE.md does not list: {unlisted}"
 
 
-def test_the_parser_reads_the_tables() -> None:
+def test_every_module_has_one_row() -> None:
     names = documented()
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"docs/ARCHITECTURE.md lists these more than once: {twice}"
+
+
+def test_the_parser_reads_the_tables() -> None:
+    names = set(documented())
     assert {"protocol/config.py", "protocol/codec/sparse.py", "client/trainer.py", "validator/publish.py"} <= names
