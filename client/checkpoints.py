@@ -29,15 +29,16 @@ import torch
 from torch import Tensor
 
 from protocol import layout
-from protocol.chain import MAX_MANIFEST_BYTES, read_weights
+from protocol.chain import read_weights
 from protocol.config import RunSpec
-from protocol.errors import ConfigError, MalformedPayload, ObjectNotFound, ProtocolError
+from protocol.errors import ConfigError, ObjectNotFound, ProtocolError
 from protocol.identity import peer_id_of
-from protocol.model import Transformer, param_schema
+from protocol.model import Transformer
+from protocol.replay import Chain
 from protocol.settings import StoreSettings
 from protocol.store import open_from_settings
 from protocol.store.base import ObjectStore
-from protocol.wire import CheckpointManifest, Verified, decode_checkpoint
+from protocol.wire import CheckpointManifest, Verified
 
 __all__ = [
     "Checkpoint",
@@ -168,29 +169,12 @@ def open_location(loc: Location, settings: StoreSettings | None = None) -> Objec
 
 def checkpoint_windows(spec: RunSpec, store: ObjectStore) -> list[int]:
     """Windows that have a checkpoint manifest in ``store``, ascending (listed, not yet verified)."""
-    run = layout.run_id(spec.hash())
-    found = set()
-    for key in store.list(layout.checkpoints_prefix(run)):
-        try:
-            parsed = layout.parse_key(key, run=run)
-        except MalformedPayload:
-            continue  # a stray object in a shared bucket names no checkpoint
-        if parsed.file == layout.CHECKPOINT_MANIFEST and parsed.window is not None:
-            found.add(parsed.window)
-    return sorted(found)
+    return Chain(spec, store).checkpoint_windows()
 
 
 def read_signed_manifest(spec: RunSpec, store: ObjectStore, window: int) -> Verified[CheckpointManifest]:
     """The manifest of ``window``, signed by one of the RunSpec's validator keys for this run."""
-    run_hash = spec.hash()
-    data = store.get(layout.checkpoint_manifest_key(layout.run_id(run_hash), window), max_bytes=MAX_MANIFEST_BYTES)
-    return decode_checkpoint(
-        data,
-        run_hash=run_hash,
-        max_bytes=MAX_MANIFEST_BYTES,
-        allowed_signers=spec.validator.public_keys,
-        window=window,
-    )
+    return Chain(spec, store).manifest(window)
 
 
 def list_checkpoints(spec: RunSpec, store: ObjectStore) -> list[CheckpointInfo]:
@@ -231,11 +215,12 @@ def load_checkpoint(spec: RunSpec, loc: Location, settings: StoreSettings | None
             if not windows:
                 raise ConfigError(f"no checkpoint of run {layout.run_id(spec.hash())} in {loc.store_url}")
             window = windows[-1]
+        chain = Chain(spec, store)
         try:
-            v = read_signed_manifest(spec, store, window)
+            v = chain.manifest(window)
         except ObjectNotFound:
             raise ConfigError(f"no checkpoint of window {window} in {loc.store_url}") from None
-        params = read_weights(store, v.value, schema=param_schema(spec.model))
+        params = read_weights(store, v.value, schema=chain.schema)  # what the store holds, even at window 0
         return Checkpoint(v.value, params, v.public_key.hex(), loc.store_url)
     finally:
         store.close()

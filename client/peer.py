@@ -129,8 +129,8 @@ from protocol.events import (
 )
 from protocol.feedback import FeedbackBuffers
 from protocol.identity import Identity
-from protocol.model import build_model
 from protocol.outcomes import PeerOutcome, read_outcomes, verdict
+from protocol.replay import initial_params
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore, put_once
 from protocol.windows import upload_deadline
@@ -436,7 +436,7 @@ class Peer:
         signed only at the fold. The work is used if genesis turns out to open window 0 of this θ₀
         (:meth:`train`), dropped otherwise; it stops at the join deadline."""
         self.params.clear()  # resync replaces these tensors in place by the checked θ₀
-        self.params.update({n: p.detach().clone() for n, p in build_model(self.spec.model).named_parameters()})
+        self.params.update(initial_params(self.spec.model))
         job = WindowJob(
             0,
             self.params,

@@ -44,6 +44,7 @@ from protocol.errors import ObjectNotFound, ProtocolError, ReasonedError, StoreE
 from protocol.feedback import FeedbackState, compress_step
 from protocol.identity import Identity
 from protocol.model import build_model
+from protocol.replay import Chain
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
 from protocol.store.granted import GrantedStore, GrantNotGiven
@@ -301,15 +302,7 @@ class Preflight:
 
     def _checkpoint_windows(self) -> list[int]:
         """Windows with a checkpoint manifest, ascending (keys that do not parse are not ours)."""
-        windows = []
-        for key in self.store.list(layout.checkpoints_prefix(self.run_id)):
-            try:
-                parsed = layout.parse_key(key, run=self.run_id)
-            except ProtocolError:
-                continue
-            if parsed.file == layout.CHECKPOINT_MANIFEST and parsed.window is not None:
-                windows.append(parsed.window)
-        return sorted(windows)
+        return Chain(self.spec, self.store).checkpoint_windows()
 
     def _grant(self) -> Check:
         store = self.store

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from protocol import layout
-from protocol.caps import object_caps
-from protocol.chain import MAX_MANIFEST_BYTES, read_aggregate
+from protocol.chain import MAX_MANIFEST_BYTES
 from protocol.config import RunSpec
 from protocol.errors import MalformedPayload, ObjectNotFound, ProtocolError, StoreError
 from protocol.outcomes import PeerOutcome, read_outcomes
+from protocol.replay import Chain
 from protocol.store.base import ObjectStore
 from protocol.wire import Aggregate, Verified, decode_checkpoint
 
@@ -116,14 +116,7 @@ def _windows(store: ObjectStore, prefix: str, run: str, kind: str) -> list[int]:
 
 
 def _aggregate(spec: RunSpec, store: ObjectStore, window: int) -> Verified[Aggregate] | None:
-    return read_aggregate(
-        store,
-        layout.run_id(spec.hash()),
-        spec.hash(),
-        window,
-        allowed_signers=spec.validator.public_keys,
-        max_bytes=object_caps(spec).aggregate,
-    )
+    return Chain(spec, store).aggregate(window)
 
 
 def _head(agg: Verified[Aggregate]) -> Head:

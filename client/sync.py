@@ -9,11 +9,8 @@ Every change to θ goes through this module, and only from objects signed by a k
     pos = sync.advance(params, pos)              # apply every aggregate published since ``pos``
     sync.wait_until_published(pos.window, base=pos.base, stop_at=deadline)
 
-``Position`` is where a peer stands: θ opens window ``window``; ``base`` is the digest of aggregate
-``window − 1`` (at window 0, the digest of the launch's genesis manifest), ``fingerprint`` the
-sha256 of θ, ``opened_at`` the validator's signed ``published_at`` of that aggregate, or of the
-checkpoint manifest θ was loaded from (when the window opened; for window 0, the genesis
-manifest's); None only before any sync.
+``Position`` (:mod:`protocol.replay`) is where a peer stands; applying one aggregate, θ₀ and the
+chain's reads are :mod:`protocol.replay`'s, the same for the validator and every tool.
 
 The chain is verified from its root, the genesis manifest of the launch the store holds
 (:mod:`protocol.chain`): a checkpoint of another launch is never loaded, and an object at an
@@ -26,35 +23,19 @@ reloads the newest checkpoint (:meth:`Sync.resync`) and replays from there.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from torch import Tensor
 
 from protocol import layout
-from protocol.aggregate import apply_outer
-from protocol.caps import object_caps
-from protocol.chain import (
-    checkpoint_base,
-    delta_of,
-    next_aggregate,
-    read_aggregate,
-    read_launch,
-    read_manifest,
-    read_weights,
-)
+from protocol.chain import checkpoint_base
 from protocol.config import RunSpec
-from protocol.errors import (
-    DigestMismatch,
-    MalformedPayload,
-    ObjectNotFound,
-    ProtocolError,
-    StaleBase,
-    StoreError,
-)
-from protocol.model import build_model, fingerprint, param_schema
+from protocol.errors import DigestMismatch, ObjectNotFound, ProtocolError, StaleBase, StoreError
+from protocol.replay import Chain, Position, apply_aggregate
 from protocol.store.base import ObjectStore
-from protocol.wire import Aggregate, CheckpointManifest, Verified
+from protocol.wire import Aggregate, Verified
+
+__all__ = ["NotReady", "Position", "Sync"]
 
 
 class NotReady(ProtocolError):
@@ -63,79 +44,31 @@ class NotReady(ProtocolError):
     reason = "not_ready"
 
 
-@dataclass(frozen=True)
-class Position:
-    """θ opens ``window``; see the module docstring."""
-
-    window: int
-    base: str
-    fingerprint: str
-    opened_at: float | None = None
-
-
 class Sync:
     """Reads signed aggregates and checkpoints of one run from a store and applies them to θ."""
 
     def __init__(self, spec: RunSpec, store: ObjectStore, *, poll_interval_s: float = 1.0) -> None:
         self.spec = spec
         self.store = store
-        self.run = layout.run_id(spec.hash())
-        self.run_hash = spec.hash()
-        self.schema = param_schema(spec.model)
-        self.signers = spec.validator.public_keys
-        self.max_aggregate_bytes = object_caps(spec).aggregate  # the validator reads with the same cap
+        self.chain = Chain(spec, store)
+        self.run = self.chain.run
         self.poll_s = poll_interval_s  # the local setting poll_interval_s
-        # (window, base) -> the aggregate that continues the chain there: the validator never
-        # replaces one, so it is read once even though waiting for it and applying it both ask.
-        self._next: dict[tuple[int, str], Verified[Aggregate]] = {}
 
     # ------------------------------------------------------------------ discovery
     def checkpoint_windows(self) -> list[int]:
         """Windows that have a checkpoint manifest, ascending."""
-        keys = self.store.list(layout.checkpoints_prefix(self.run))
-        out = set()
-        for key in keys:
-            try:
-                parsed = layout.parse_key(key, run=self.run)
-            except MalformedPayload:
-                continue
-            if parsed.file == layout.CHECKPOINT_MANIFEST and parsed.window is not None:
-                out.add(parsed.window)
-        return sorted(out)
+        return self.chain.checkpoint_windows()
 
     # ------------------------------------------------------------------ aggregates
     def fetch_aggregate(self, window: int) -> Verified[Aggregate] | None:
         """The verified aggregate of ``window``, or None when it is not published yet; a
         ``ProtocolError`` when what is there does not verify (strict: see :meth:`next_aggregate`)."""
-        return read_aggregate(
-            self.store,
-            self.run,
-            self.run_hash,
-            window,
-            allowed_signers=self.signers,
-            max_bytes=self.max_aggregate_bytes,
-            schema=self.schema,
-        )
+        return self.chain.aggregate(window)
 
     def next_aggregate(self, window: int, base: str) -> Verified[Aggregate] | None:
         """The aggregate of ``window`` that continues the chain at ``base``; None while none is
         published (anything else at the key counts as absent, see the module doc)."""
-        found = self._next.get((window, base))
-        if found is None:
-            found = next_aggregate(
-                self.store,
-                self.run,
-                self.run_hash,
-                window,
-                base,
-                allowed_signers=self.signers,
-                max_bytes=self.max_aggregate_bytes,
-                schema=self.schema,
-            )
-            if found is not None:
-                self._next = {k: v for k, v in self._next.items() if k[0] >= window - 1}
-                self._next[(window, base)] = found
-        return found
+        return self.chain.next_aggregate(window, base)
 
     def aggregate_published(self, window: int, base: str | None = None) -> bool:
         """Whether a verified aggregate of ``window`` is published; with ``base``, one that chains
@@ -167,32 +100,16 @@ class Sync:
             time.sleep(self.poll_s)
         return False
 
-    def apply(self, params: Mapping[str, Tensor], pos: Position, verified: Verified[Aggregate]) -> Position:
-        """θ ← θ − α·Δ̄ for the aggregate that follows ``pos``; checks base and resulting fingerprint.
-
-        Raises StaleBase when the aggregate does not chain onto ``pos`` (θ is untouched) and
-        DigestMismatch when θ after the step differs from the signed fingerprint (θ is then
-        diverged and must be resynchronised).
-        """
-        agg = verified.value
-        if agg.window != pos.window:
-            raise StaleBase(f"aggregate is for window {agg.window}, peer is at window {pos.window}")
-        if agg.base != pos.base:
-            raise StaleBase(f"aggregate {agg.window} builds on {agg.base[:16]}, peer holds {pos.base[:16]}")
-        apply_outer(params, delta_of(agg), agg.alpha)
-        got = fingerprint(params)
-        if got != agg.fingerprint:
-            raise DigestMismatch(
-                f"θ after aggregate {agg.window} is {got[:16]}, validator signed {agg.fingerprint[:16]}"
-            )
-        return Position(agg.window + 1, verified.digest, got, agg.published_at)
+    def apply(self, params: dict[str, Tensor], pos: Position, verified: Verified[Aggregate]) -> Position:
+        """θ ← θ − α·Δ̄ for the aggregate that follows ``pos`` (:func:`protocol.replay.apply_aggregate`)."""
+        return apply_aggregate(params, pos, verified)
 
     # ------------------------------------------------------------------ checkpoints
     def launch(self) -> str:
         """The digest of the genesis manifest of the launch the store holds (the base of window 0);
         NotReady when there is none that verifies (the validator has not started yet)."""
         try:
-            return read_launch(self.store, self.run, self.run_hash, allowed_signers=self.signers).digest
+            return self.chain.launch().digest
         except ObjectNotFound:
             raise NotReady("no signed genesis checkpoint in the store yet (is the validator running?)") from None
         except ProtocolError as exc:
@@ -201,22 +118,11 @@ class Sync:
     def load_checkpoint(self, window: int, launch: str) -> tuple[Position, dict[str, Tensor]]:
         """θ from the signed checkpoint of ``window`` of ``launch`` (files checked against the
         manifest); StaleBase for a checkpoint of another launch."""
-        verified = read_manifest(self.store, self.run, self.run_hash, window, allowed_signers=self.signers)
+        verified = self.chain.manifest(window)
         base = checkpoint_base(verified, launch)
         manifest = verified.value
-        params = self._checkpoint_params(manifest)
+        params = self.chain.checkpoint_params(manifest)
         return Position(window, base, manifest.fingerprint, manifest.published_at), params
-
-    def _checkpoint_params(self, manifest: CheckpointManifest) -> dict[str, Tensor]:
-        if manifest.window != 0:
-            return read_weights(self.store, manifest, schema=self.schema)
-        # θ₀ is a pure function of the RunSpec: build it instead of downloading it, and prove by the
-        # fingerprint that we built the bytes the validator signed.
-        params = {n: p.detach().clone() for n, p in build_model(self.spec.model).named_parameters()}
-        got = fingerprint(params)
-        if got != manifest.fingerprint:
-            raise DigestMismatch(f"checkpoint 0 weights hash to {got[:16]}, manifest says {manifest.fingerprint[:16]}")
-        return params
 
     # ------------------------------------------------------------------ catch-up
     def bootstrap(

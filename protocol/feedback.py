@@ -20,7 +20,7 @@ it in the same commit that stages the contribution it belongs to, see :mod:`clie
 
 A peer holds e in place instead (:class:`FeedbackBuffers`): one float32 buffer per tensor and
 never a second copy of it, because e is as large as θ. Its :meth:`FeedbackBuffers.compress` folds
-a window's Δ into e tensor by tensor, with the same arithmetic as :func:`compress_step` (the same
+a window's Δ into e tensor by tensor through the same step as :func:`compress_step` (the same
 bytes and the same e), and takes Δ lazily, so that at most one Δ tensor exists at a time::
 
     e = FeedbackBuffers()
@@ -123,16 +123,10 @@ class FeedbackBuffers:
         """
         out: dict[str, Encoded] = {}
         for name, d in deltas:
-            old = self.buffers.get(name)
-            if old is not None and old.shape != d.shape:
-                raise ConfigError(
-                    f"error-feedback buffer {name!r} has shape {tuple(old.shape)}, delta {tuple(d.shape)}"
-                )
             if d.dtype != torch.float32:
                 raise ConfigError(f"delta {name!r} must be float32 (it is folded into e in place)")
-            acc = d.detach() if old is None else d.detach().add_(old.to(d.device), alpha=beta)
-            enc = encode(acc, cfg)
-            acc.sub_(decode(enc))
+            old = self.buffers.get(name)
+            enc, acc = _step(name, d, old, beta, cfg, owned=True)
             if old is None or old.device != acc.device:
                 self.buffers[name] = acc
             else:
@@ -168,12 +162,24 @@ def compress_step(
     new: dict[str, Tensor] = {}
     out: dict[str, Encoded] = {}
     for name, d in delta.items():
-        old = state.buffers.get(name)
-        if old is not None and old.shape != d.shape:
-            raise ConfigError(f"error-feedback buffer {name!r} has shape {tuple(old.shape)}, delta {tuple(d.shape)}")
-        d32 = d.detach().to(torch.float32)
-        acc = d32.clone() if old is None else torch.add(d32, old.to(d32.device), alpha=beta)
-        enc = encode(acc, cfg)
-        new[name] = acc.sub_(decode(enc))
-        out[name] = enc
+        out[name], new[name] = _step(name, d, state.buffers.get(name), beta, cfg, owned=False)
     return out, FeedbackState({**state.buffers, **new})
+
+
+def _step(
+    name: str, delta: Tensor, old: Tensor | None, beta: float, cfg: CodecConfig, *, owned: bool
+) -> tuple[Encoded, Tensor]:
+    """One tensor's step, shared by :func:`compress_step` and :meth:`FeedbackBuffers.compress`:
+    ``acc = β·e + Δ; Δ̂ = Q(TopK(acc))``; returns ``(Δ̂, acc − decode(Δ̂))``. ``owned``: ``delta`` is
+    float32 and the caller's to overwrite (the in-place fold allocates nothing of its size)."""
+    if old is not None and old.shape != delta.shape:
+        raise ConfigError(f"error-feedback buffer {name!r} has shape {tuple(old.shape)}, delta {tuple(delta.shape)}")
+    d32 = delta.detach().to(torch.float32)
+    if old is None:
+        acc = d32 if owned else d32.clone()
+    elif owned:
+        acc = d32.add_(old.to(d32.device), alpha=beta)
+    else:
+        acc = torch.add(d32, old.to(d32.device), alpha=beta)
+    enc = encode(acc, cfg)
+    return enc, acc.sub_(decode(enc))

@@ -45,6 +45,7 @@ from rich.table import Table
 
 from validator.dashboard import Dashboard, views
 from validator.log import CheckRow, ContributionLog, ContributionRecord, WindowRecord
+from validator.logview import LogView
 
 ROOT = Path(__file__).resolve().parent.parent
 REASONS = ("harmful", "norm_outlier", "copied", "late", "foreign", "ineffective", "probation", "stale_base")
@@ -131,7 +132,7 @@ def run_cli(*args: str) -> Callable[[], object]:
 
 def queries(path: Path, repeats: int) -> dict[str, dict[str, float]]:
     """The dashboard's reads, on one read-only connection."""
-    with ContributionLog(path, readonly=True) as log:
+    with LogView.open(path) as log:
         peer = log.peer_summaries(limit=1)[0].peer
         cases: dict[str, Callable[[], object]] = {
             "leaderboard page (50)": lambda: log.peer_summaries(limit=views.PER_PAGE),
@@ -161,7 +162,7 @@ def without_indexes(path: Path, repeats: int) -> dict[str, dict[str, float]]:
     with sqlite3.connect(bare) as db:
         db.execute("DROP INDEX contributions_standing")
         db.execute("DROP INDEX contributions_rejected")
-    with ContributionLog(bare, readonly=True) as log:
+    with LogView.open(bare) as log:
         cases: dict[str, Callable[[], object]] = {
             "leaderboard page (50)": lambda: log.peer_summaries(limit=views.PER_PAGE),
             "rejections by reason": log.rejection_reasons,

@@ -58,6 +58,7 @@ from protocol.settings import LocalSettings
 from protocol.store.memory import MemoryStore
 from protocol.wire import Announcement, Contribution, encode_announcement, encode_contribution
 from validator.budgets import Budgets
+from validator.logview import LogView
 from validator.node import Validator
 from validator.reference import clip_limits, measured
 
@@ -598,7 +599,7 @@ def _measure(v: Validator, sw: Swarm, honest: list[Honest], attackers: list[Atta
     for r in bad:
         if not r.accepted:
             bad_reasons[r.reason or "?"] = bad_reasons.get(r.reason or "?", 0) + 1
-    unannounced = sum((w.unannounced for w in v.log.windows()), 0)
+    unannounced = sum((w.unannounced for w in LogView(v.log).windows()), 0)
     return {
         "final_val_loss": last.val_loss if last is not None else None,
         "bad_accepted": sum(r.accepted for r in bad),

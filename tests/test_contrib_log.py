@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from validator.cli import cli
 from validator.log import CheckRow, ContributionLog, ContributionRecord, WindowRecord
+from validator.logview import LogView
 
 P1, P2, P3 = "a" * 32, "b" * 32, "c" * 32
 
@@ -103,7 +104,7 @@ def test_filters_combine(db: Path) -> None:
 
 
 def test_leaderboard(db: Path) -> None:
-    with ContributionLog(db) as log:
+    with LogView.open(db) as log:
         board = {r.peer: r for r in log.leaderboard()}
         assert board[P1].windows == 3 and board[P1].accepted == 3 and board[P1].acceptance_rate == 1.0
         assert board[P3].accepted == 0 and board[P3].acceptance_rate == 0.0

@@ -20,7 +20,8 @@ from PIL import Image
 
 from validator.cli import cli
 from validator.dashboard import Dashboard, svg, views
-from validator.log import ContributionLog, ContributionRecord, ReasonCount, WindowBucket, WindowRecord
+from validator.log import ContributionLog, ContributionRecord, WindowRecord
+from validator.logview import LogView, ReasonCount, WindowBucket
 
 
 @pytest.fixture()
@@ -50,7 +51,7 @@ def api(dash: Dashboard, path: str) -> Any:
 
 # ------------------------------------------------------------------------------ the log's reads
 def test_peer_summaries_are_the_leaderboard_with_times_and_pages(built: Built) -> None:
-    with ContributionLog(built.path, readonly=True) as log:
+    with LogView.open(built.path) as log:
         everyone = log.peer_summaries()
         assert [s.leader_row() for s in everyone] == log.leaderboard()
         assert {s.peer: (s.windows, s.accepted) for s in everyone} == built.counts
@@ -64,7 +65,7 @@ def test_peer_summaries_are_the_leaderboard_with_times_and_pages(built: Built) -
 
 
 def test_history_reasons_buckets_and_pending(built: Built) -> None:
-    with ContributionLog(built.path, readonly=True) as log:
+    with LogView.open(built.path) as log:
         rows = log.history(PEERS[0], limit=3, offset=1)
         assert [r.window for r in rows] == [6, 5, 4] and all(len(r.checks) == 2 for r in rows)
         assert {r.reason: r.rejections for r in log.rejection_reasons()} == built.reasons
@@ -90,7 +91,7 @@ def test_a_read_only_log_refuses_writes_and_changes_nothing(built: Built) -> Non
 
 
 def test_current_window_says_what_it_shows(built: Built) -> None:
-    with ContributionLog(built.path, readonly=True) as log:
+    with LogView.open(built.path) as log:
         c = views.current(log)
     assert c.open_window == built.windows and c.last is not None and c.last.status == "decided"
     assert [r.peer for r in c.uploaded] == list(built.pending) and c.uploaded_total == 2

@@ -30,7 +30,8 @@ from protocol.identity import Identity
 from protocol.model import Transformer, eval_loss
 from protocol.settings import LocalSettings
 from validator.cli import cli as validator_cli
-from validator.log import LOG_FILE, ContributionLog
+from validator.log import LOG_FILE
+from validator.logview import LogView
 from validator.node import Validator
 
 
@@ -134,7 +135,7 @@ def test_validator_evaluates_every_n_windows_as_sparseloco_eval_does(tmp_path: P
             swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, v._state().base))
         v.run()
         v.close()
-        with ContributionLog(tmp_path / "v" / LOG_FILE) as log:
+        with LogView.open(tmp_path / "v" / LOG_FILE) as log:
             evals = log.evaluations()
             first, final = log.window(0), log.window(1)
         assert first is not None and first.accepted == 2  # window 0 moved θ

@@ -463,12 +463,12 @@ def test_a_store_failing_between_aggregates_keeps_what_was_applied(swarm) -> Non
     run_peers(val, [peer], windows=2)
     val.close_window(0, timeout=0)
     val.close_window(0, timeout=0)
-    peer.sync.store = UnreadableKey(store, layout.aggregate_key(val.run, 3))
+    peer.sync.chain.store = UnreadableKey(store, layout.aggregate_key(val.run, 3))
     applied_before = len(rec.of(Applied))
     peer.catch_up(need=0)
     assert peer.pos.window == 3 and fingerprint(peer.params) == val.fingerprints[2]
     assert rec.of(SyncFailed)[-1].reason == "store_error" and not peer._diverged
-    peer.sync.store = store
+    peer.sync.chain.store = store
     peer.catch_up(need=0)
     assert peer.pos.window == 4 and fingerprint(peer.params) == val.fingerprints[3]
     assert [e.window for e in rec.of(Applied)[applied_before:]] == [2, 3]  # no replay from a checkpoint

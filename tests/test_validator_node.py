@@ -27,6 +27,7 @@ from protocol.store.memory import SimulatedCrash
 from protocol.wire import GENESIS, Aggregate, decode_aggregate, decode_contribution
 from tests.validator_fixtures import LOCAL, Swarm, tiny_spec, with_nan_scale
 from validator import publish
+from validator.logview import LogView
 from validator.node import Validator
 
 pytestmark = pytest.mark.timeout(120)
@@ -212,7 +213,7 @@ def test_killed_before_publishing_redoes_the_window_without_double_counting(
     assert len(rows) == 4 and len({r.peer for r in rows}) == 4
     again = {r.peer: r.received_at for r in rows}
     assert all(again[p] == t for p, t in first_seen.items())  # upload order survives
-    lb = {r.peer: r for r in v2.log.leaderboard()}
+    lb = {r.peer: r for r in LogView(v2.log).leaderboard()}
     assert all(r.windows == 1 and r.accepted == 1 for r in lb.values())
     v2.close()
 

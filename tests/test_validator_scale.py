@@ -24,6 +24,7 @@ from protocol.model import build_model, fingerprint, parameters_of
 from tests.validator_fixtures import LOCAL, Swarm, tiny_spec
 from validator.held import Held, clipped_entries, decode, decoded
 from validator.log import CheckRow, ContributionLog, ContributionRecord, WindowRecord, pack_checks, unpack_checks
+from validator.logview import LogView
 from validator.node import Validator
 from validator.sketch import Sketcher, global_entries, offsets, sample_every
 from validator.state import load_state
@@ -79,7 +80,7 @@ def test_checks_pack_into_a_mask_and_unusual_ones_stay_rows() -> None:
     ]
     log.record_window(WindowRecord(window=0), rows)
     assert log.rows(windows=(0, 0)) == rows
-    assert log.history("p3", limit=5) == [rows[2]] and log.history("p2", limit=5) == [rows[1]]
+    assert LogView(log).history("p3", limit=5) == [rows[2]] and LogView(log).history("p2", limit=5) == [rows[1]]
     log.close()
 
 

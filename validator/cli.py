@@ -32,7 +32,6 @@ it). Exit codes: 0 done, 1 the store failed at start, 2 configuration/identity e
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import os
@@ -49,7 +48,6 @@ from typing import TYPE_CHECKING
 import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, ProtocolError, StoreError
@@ -59,8 +57,9 @@ from protocol.logformat import FORMATS, JsonLogLines, setup_logging
 from protocol.settings import LocalSettings, load_settings, resolve_settings, settings_help
 from protocol.store import open_from_settings
 from protocol.store.presign import Presigner
-from validator import reasons
-from validator.log import LOG_FILE, ContributionLog, ContributionRecord, WindowRecord
+from validator import logs_report
+from validator.log import LOG_FILE, ContributionLog
+from validator.logview import LogView
 
 if TYPE_CHECKING:
     from validator.grant_server import GrantServer
@@ -621,23 +620,7 @@ def _install_stop(validator: Validator) -> None:
 
 
 # ------------------------------------------------------------------------------ logs
-_COLUMNS = (
-    "window",
-    "peer",
-    "accepted",
-    "reason",
-    "bytes",
-    "norm",
-    "overlap",
-    "own Δ",
-    "random Δ",
-    "score",
-    "rep",
-    "weight",
-)
-
-
-@cli.command()
+@cli.command(help=logs_report.HELP)
 @click.option("--db", default=str(Path(DEFAULT_STATE) / LOG_FILE), show_default=True, help="Contribution log.")
 @click.option("--peer", default=None, help="Peer id (a prefix is enough).")
 @click.option("--window", "window_range", default=None, help="Window N or range A:B (either end may be empty).")
@@ -667,84 +650,39 @@ def logs(
     summary: bool,
     plot_path: str | None,
 ) -> None:
-    """Show the contribution log: who sent what, how it scored, why it was rejected.
-
-    \b
-    Fields of each row (--json: an array of objects; --csv: the same columns):
-      contributions  window, peer, received_at, bytes, digest, accepted, reason, detail,
-                     norm, overlap, loss_own_before, loss_own_after, loss_random_before,
-                     loss_random_after, score, reputation, weight, checks ("name:pass;..."),
-                     decided rows only
-      --windows      window, status (decided | published), opened_at, closed_at,
-                     published_at, base, digest (of the aggregate), fingerprint (of θ
-                     after it), val_loss, accepted, rejected, unannounced (uploads under
-                     keys of peers without an announcement: counted, never read)
-      --evals        window (θ after its aggregate), fingerprint, sequences, tokens,
-                     bytes, loss (nats/token), perplexity, bits_per_byte,
-                     evaluated_at, seconds
-      --summary      peer, windows, accepted, acceptance_rate, mean_score, reputation,
-                     last_window; the table also shows the periodic evaluations
-    Times are unix seconds; absent values are null (empty in CSV). Rows exist only for
-    announced peers.
-
-    \b
-    Columns of the table (one row per contribution):
-      accepted / reason  the decision; the reason of a rejection (below)
-      bytes     the contribution's size in the store
-      norm      its update's norm (checked against the reference: norm_outlier, norm_tiny)
-      overlap   its largest Top-k index overlap with an upload read before it (0..1; the
-                copy check), – when not compared
-      own Δ     loss_own_after − loss_own_before: the change of the loss on the peer's own
-                assigned data when its update alone is applied (negative = it learned)
-      random Δ  the same on random held-out sequences, shared by every peer of the window
-      score     own gain − |random gain| (gain = before − after): > 0 means the update lowered
-                the loss on its own data more than it moved it elsewhere; – when not scored
-                (only a sample of peers is scored per window)
-      rep       reputation after the window: an exponential moving average (decay
-                validator.reputation_decay) of +1 for a scored update with score > 0, −1 for
-                a score ≤ 0 or a rejection held against the peer; unscored accepted windows
-                and the rejections marked * below leave it unchanged. It can be negative for
-                accepted work: an update within eval_harm_tolerance is accepted (it did no
-                harm) but a score ≤ 0 is no evidence of useful training, so it counts −1.
-      weight    its weight in the aggregate (1.0 accepted, 0.0 rejected)
-    Peers read their own row of each window (accepted, reason, score, rep) from the outcomes
-    the validator publishes with every aggregate (<run>/outcomes/<window>, protocol.outcomes).
-    """
-    if as_json and as_csv:
-        raise click.UsageError("--json and --csv are exclusive")
-    if per_window and (summary or peer or rejected):
-        raise click.UsageError("--windows lists whole windows: --summary, --peer and --rejected do not apply")
-    if evaluations and (per_window or summary or peer or rejected):
-        raise click.UsageError("--evals lists evaluations: --windows, --summary, --peer and --rejected do not apply")
+    # the help is logs_report.HELP: the fields, the table's columns and the rejection reasons
+    _check_logs_flags(peer, rejected, per_window, evaluations, as_json, as_csv, summary)
     if not Path(db).exists():
         raise click.ClickException(f"no contribution log at {db}")
     windows = _parse_range(window_range)
     if plot_path is not None:
         _plot(db, plot_path, windows, others=(peer, rejected, per_window, evaluations, as_json, as_csv, summary))
         return
+    # opened as the validator opens it, so a log written by an older version is brought up to date
     with ContributionLog(db) as log:
-        if per_window:
-            lo, hi = windows
-            picked = [w for w in log.windows() if (lo is None or w.window >= lo) and (hi is None or w.window <= hi)]
-            _emit([_window_row(w) for w in picked], as_json, as_csv, _windows_table)
-            return
-        evals = [dataclasses.asdict(e) for e in log.evaluations(windows=windows)]
-        if evaluations:
-            _emit(evals, as_json, as_csv, _evals_table)
-            return
-        if summary:
-            board = [dataclasses.asdict(r) for r in log.leaderboard(windows=windows)]
-            if peer:
-                board = [b for b in board if b["peer"].startswith(peer)]
-            _emit(board, as_json, as_csv, _summary_table)
-            if evals and not (as_json or as_csv):
-                _emit(evals, False, False, _evals_table)
-            return
-        rows = log.rows(peer=peer, windows=windows, rejected_only=rejected)
-        _emit([_flat(r) for r in rows], as_json, as_csv, _rows_table)
+        logs_report.show(
+            LogView(log),
+            windows=windows,
+            peer=peer,
+            rejected=rejected,
+            per_window=per_window,
+            evaluations=evaluations,
+            summary=summary,
+            as_json=as_json,
+            as_csv=as_csv,
+        )
 
 
-logs.help = f"{logs.help}\n\n{reasons.help_text()}"  # the reasons, from their one table
+def _check_logs_flags(
+    peer: str | None, rejected: bool, per_window: bool, evaluations: bool, as_json: bool, as_csv: bool, summary: bool
+) -> None:
+    """Refuse ``logs`` flags that do not go together."""
+    if as_json and as_csv:
+        raise click.UsageError("--json and --csv are exclusive")
+    if per_window and (summary or peer or rejected):
+        raise click.UsageError("--windows lists whole windows: --summary, --peer and --rejected do not apply")
+    if evaluations and (per_window or summary or peer or rejected):
+        raise click.UsageError("--evals lists evaluations: --windows, --summary, --peer and --rejected do not apply")
 
 
 def _plot(db: str, path: str, windows: tuple[int | None, int | None], others: tuple[object, ...]) -> None:
@@ -754,7 +692,7 @@ def _plot(db: str, path: str, windows: tuple[int | None, int | None], others: tu
     if any(others):
         raise click.UsageError("--plot draws whole windows: only --window applies")
     try:
-        with ContributionLog(db, readonly=True) as log:
+        with LogView.open(db) as log:
             write_plots(log, path, windows=windows)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
@@ -771,124 +709,6 @@ def _parse_range(text: str | None) -> tuple[int | None, int | None]:
         return (int(lo) if lo else None, int(hi) if hi else None)
     except ValueError:
         raise click.BadParameter(f"window must be N or A:B, got {text!r}") from None
-
-
-def _flat(r: ContributionRecord) -> dict[str, object]:
-    out = r.to_json()
-    out["checks"] = ";".join(f"{k}:{v}" for k, v in out["checks"].items())
-    return out
-
-
-def _window_row(w: WindowRecord) -> dict[str, object]:
-    """A window as ``logs --windows`` prints it (``digest``: the published aggregate's)."""
-    out: dict[str, object] = dataclasses.asdict(w)
-    out["digest"] = out.pop("aggregate_digest")
-    return out
-
-
-def _emit(
-    rows: list[dict[str, object]], as_json: bool, as_csv: bool, table: Callable[[list[dict[str, object]]], Table]
-) -> None:
-    if as_json:
-        click.echo(json.dumps(rows, indent=None))
-    elif as_csv:
-        if rows:
-            w = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-    else:
-        # piped output is not cut to 80 columns: a log is read in files and pagers too
-        Console(width=None if sys.stdout.isatty() else 200).print(table(rows))
-
-
-def _fmt(v: object, digits: int = 4) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    return str(v)
-
-
-def _rows_table(rows: list[dict[str, object]]) -> Table:
-    t = Table(title=f"contribution log ({len(rows)} rows)")
-    for c in _COLUMNS:
-        t.add_column(c, justify="left" if c in ("peer", "reason") else "right")
-    for r in rows:
-        own = _delta(r["loss_own_before"], r["loss_own_after"])
-        rnd = _delta(r["loss_random_before"], r["loss_random_after"])
-        t.add_row(
-            str(r["window"]),
-            str(r["peer"])[:12],
-            "[green]yes[/green]" if r["accepted"] else "[red]no[/red]",
-            _fmt(r["reason"]) if not r["accepted"] else "",
-            _fmt(r["bytes"]),
-            _fmt(r["norm"]),
-            _fmt(r["overlap"], 2),
-            own,
-            rnd,
-            _fmt(r["score"]),
-            _fmt(r["reputation"], 3),
-            _fmt(r["weight"], 2),
-        )
-    return t
-
-
-def _delta(before: object, after: object) -> str:
-    if isinstance(before, float) and isinstance(after, float):
-        return f"{after - before:+.4f}"
-    return "–"
-
-
-def _windows_table(rows: list[dict[str, object]]) -> Table:
-    t = Table(title=f"windows ({len(rows)})")
-    for c in ("window", "status", "val loss", "accepted", "rejected", "fingerprint", "digest"):
-        t.add_column(c, justify="left" if c in ("status", "fingerprint", "digest") else "right")
-    for r in rows:
-        t.add_row(
-            str(r["window"]),
-            str(r["status"]),
-            _fmt(r["val_loss"]),
-            str(r["accepted"]),
-            str(r["rejected"]),
-            _fmt(r["fingerprint"])[:16],
-            _fmt(r["digest"])[:16],
-        )
-    return t
-
-
-def _summary_table(rows: list[dict[str, object]]) -> Table:
-    t = Table(title="leaderboard")
-    for c in ("peer", "windows", "accepted", "acceptance", "mean score", "reputation", "last window"):
-        t.add_column(c, justify="left" if c == "peer" else "right")
-    for r in rows:
-        rate = r["acceptance_rate"]
-        t.add_row(
-            str(r["peer"])[:12],
-            str(r["windows"]),
-            str(r["accepted"]),
-            f"{rate:.0%}" if isinstance(rate, float) else "–",
-            _fmt(r["mean_score"]),
-            _fmt(r["reputation"], 3),
-            str(r["last_window"]),
-        )
-    return t
-
-
-def _evals_table(rows: list[dict[str, object]]) -> Table:
-    t = Table(title=f"evaluations of θ ({len(rows)}, validation split)")
-    for c in ("window", "loss", "perplexity", "bits/byte", "sequences", "fingerprint", "seconds"):
-        t.add_column(c, justify="left" if c == "fingerprint" else "right")
-    for r in rows:
-        t.add_row(
-            str(r["window"]),
-            _fmt(r["loss"]),
-            _fmt(r["perplexity"], 3),
-            _fmt(r["bits_per_byte"]),
-            str(r["sequences"]),
-            _fmt(r["fingerprint"])[:16],
-            _fmt(r["seconds"], 1),
-        )
-    return t
 
 
 # ------------------------------------------------------------------------------ dashboard

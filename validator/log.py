@@ -14,15 +14,11 @@ counted per window (``windows.unannounced``), never stored one by one.
     log.mark_published(3, digest="…", published_at=time.time())
     log.rows(peer=peer, windows=(0, 10), rejected_only=True)
 
-Reads for the dashboard (``sparseloco-validator dashboard``) are bounded: a page of peers, one
-peer's rows a page at a time, windows summed into at most a few hundred chart points, counts per
-rejection reason. Open the log with ``readonly=True`` where nothing may be written:
-
-    log = ContributionLog("state/contributions.sqlite", readonly=True)
-    log.peer_summaries(limit=50, offset=0)      # the leaderboard, best first, with first/last seen
-    log.window_buckets(points=300)              # val loss and outcomes per window (or per bucket)
-    log.rejection_reasons()                     # [ReasonCount(reason, rejections, peers, last_window)]
-    log.pending(after=7)                        # uploads read after window 7, not decided yet
+The validator reads its own decisions back by key (``log.window(t)``, ``log.rows(windows=...)``);
+every other read — the leaderboard, a peer's history, chart buckets, rejections by reason, what the
+open window has read — is the read model, :class:`validator.logview.LogView`, which runs its
+queries through :meth:`ContributionLog.reading` (:meth:`LogView.open <validator.logview.LogView.open>`
+opens the log with ``readonly=True``: no schema change, every write raises).
 
 Tables: ``contributions`` (one narrow row per contribution: its checks are a bit mask over
 :data:`CHECK_BITS` and the name of the one that failed, whose reason is the row's), ``checks``
@@ -31,14 +27,14 @@ by older versions), ``windows``, and
 ``evaluations`` (the periodic evaluation of θ, ``sparseloco-validator run --eval-every N``):
 
     log.record_evaluation(EvaluationRecord(window=9, loss=1.9, perplexity=6.7, bits_per_byte=2.7, ...))
-    log.evaluations(windows=(0, None))
 """
 
 from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -47,19 +43,20 @@ from protocol.outcomes import PeerOutcome
 
 __all__ = [
     "CHECK_BITS",
+    "CONTRIBUTION_COLUMNS",
+    "CONTRIBUTION_SELECT",
+    "EVALUATION_COLUMNS",
     "LOG_FILE",
+    "WINDOW_COLUMNS",
     "CheckRow",
     "ContributionLog",
     "ContributionRecord",
     "EvaluationRecord",
-    "LeaderRow",
-    "PeerSummary",
-    "ReasonCount",
-    "Received",
-    "WindowBucket",
     "WindowRecord",
+    "decode_contribution",
     "pack_checks",
     "unpack_checks",
+    "where",
 ]
 
 LOG_FILE = "contributions.sqlite"  # its name in a validator's state directory
@@ -219,81 +216,6 @@ class EvaluationRecord:
     seconds: float
 
 
-@dataclass(frozen=True, kw_only=True)
-class LeaderRow:
-    """A peer's standing over the selected windows (``logs --summary``)."""
-
-    peer: str
-    windows: int
-    accepted: int
-    acceptance_rate: float
-    mean_score: float | None
-    reputation: float | None
-    last_window: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class PeerSummary:
-    """A peer's standing and when it was seen: a leaderboard row of the dashboard. Times are unix
-    seconds of the first read of its earliest and latest uploads (None for rows without one)."""
-
-    peer: str
-    windows: int
-    accepted: int
-    acceptance_rate: float
-    mean_score: float | None
-    reputation: float | None  # of its latest decided row, whatever the window range
-    first_window: int
-    last_window: int
-    first_seen: float | None
-    last_seen: float | None
-
-    def leader_row(self) -> LeaderRow:
-        return LeaderRow(
-            peer=self.peer,
-            windows=self.windows,
-            accepted=self.accepted,
-            acceptance_rate=self.acceptance_rate,
-            mean_score=self.mean_score,
-            reputation=self.reputation,
-            last_window=self.last_window,
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class WindowBucket:
-    """Windows ``first``..``last`` taken together for a chart (one window each while they fit):
-    their mean validation loss and their summed outcomes."""
-
-    first: int
-    last: int
-    windows: int  # window rows in the bucket
-    val_loss: float | None  # mean over those that have one
-    accepted: int
-    rejected: int
-    unannounced: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReasonCount:
-    """How often one rejection reason was given, to how many peers, and last when."""
-
-    reason: str
-    rejections: int
-    peers: int
-    last_window: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class Received:
-    """An upload read in a window that is not decided yet (what gathering has seen so far)."""
-
-    window: int
-    peer: str
-    received_at: float | None
-    bytes: int | None
-
-
 # Every check a row can name (validator/reasons.py's CHECKS), in the order the validator runs them;
 # a row's checks are kept as a bit mask over this tuple, so names are only ever appended (a test pins
 # the positions).
@@ -347,9 +269,55 @@ def unpack_checks(mask: int, failed: str | None, reason: str | None) -> tuple[Ch
     return (*rows, CheckRow(failed, False, reason)) if failed is not None else tuple(rows)
 
 
-_CONTRIB_COLS = [f.name for f in fields(ContributionRecord) if f.name != "checks"]
-_WINDOW_COLS = [f.name for f in fields(WindowRecord)]
-_EVAL_COLS = [f.name for f in fields(EvaluationRecord)]
+CONTRIBUTION_COLUMNS = tuple(f.name for f in fields(ContributionRecord) if f.name != "checks")
+WINDOW_COLUMNS = tuple(f.name for f in fields(WindowRecord))
+EVALUATION_COLUMNS = tuple(f.name for f in fields(EvaluationRecord))
+# a contributions row as :func:`decode_contribution` reads it: the record's columns, then its checks
+CONTRIBUTION_SELECT = ", ".join([*CONTRIBUTION_COLUMNS, "passed", "failed"])
+
+
+def decode_contribution(row: Sequence[Any], checks: Iterable[CheckRow] = ()) -> ContributionRecord:
+    """A ``contributions`` row selected as :data:`CONTRIBUTION_SELECT`, as its record: its checks
+    unpacked from the bit mask, or ``checks`` (its rows in the ``checks`` table) where it has none."""
+    n = len(CONTRIBUTION_COLUMNS)
+    values = dict(zip(CONTRIBUTION_COLUMNS, row[:n]))
+    values["accepted"] = bool(values["accepted"])
+    passed, failed = row[n], row[n + 1]
+    found = tuple(checks) if passed is None else unpack_checks(passed, failed, values["reason"])
+    return ContributionRecord(**values, checks=found)
+
+
+def where(
+    peer: str | None,
+    windows: tuple[int | None, int | None],
+    *,
+    rejected_only: bool = False,
+    decided_only: bool = True,
+    exact_peer: bool = False,
+) -> tuple[str, list[Any]]:
+    """A ``WHERE`` clause over ``contributions`` and its arguments: one peer (by exact id, or by a
+    prefix of it as the command line takes), an inclusive window range with either end open (None),
+    rejected rows only, decided rows only; an empty clause where nothing is filtered."""
+    clauses: list[str] = []
+    args: list[Any] = []
+    if decided_only:
+        clauses.append("decided = 1")
+    if peer is not None and exact_peer:
+        clauses.append("peer = ?")
+        args.append(peer)
+    elif peer is not None:
+        clauses.append("peer LIKE ?")  # a prefix of a peer id is enough on the command line
+        args.append(peer + "%")
+    lo, hi = windows
+    if lo is not None:
+        clauses.append("window >= ?")
+        args.append(lo)
+    if hi is not None:
+        clauses.append("window <= ?")
+        args.append(hi)
+    if rejected_only:
+        clauses.append("accepted = 0")
+    return ("WHERE " + " AND ".join(clauses)) if clauses else "", args
 
 
 class ContributionLog:
@@ -425,9 +393,9 @@ class ContributionLog:
                 for rec in rows:
                     self._upsert_contribution(rec)
                 self._db.execute(
-                    f"INSERT OR REPLACE INTO windows ({', '.join(_WINDOW_COLS)}) "
-                    f"VALUES ({', '.join('?' * len(_WINDOW_COLS))})",
-                    [getattr(win, c) for c in _WINDOW_COLS],
+                    f"INSERT OR REPLACE INTO windows ({', '.join(WINDOW_COLUMNS)}) "
+                    f"VALUES ({', '.join('?' * len(WINDOW_COLUMNS))})",
+                    [getattr(win, c) for c in WINDOW_COLUMNS],
                 )
                 self._db.execute("COMMIT")
             except BaseException:
@@ -458,12 +426,12 @@ class ContributionLog:
         """Add (or, for a window evaluated again, replace) a periodic evaluation."""
         with self._lock:
             self._db.execute(
-                f"INSERT OR REPLACE INTO evaluations ({', '.join(_EVAL_COLS)}) VALUES ({', '.join('?' * len(_EVAL_COLS))})",
-                [getattr(rec, c) for c in _EVAL_COLS],
+                f"INSERT OR REPLACE INTO evaluations ({', '.join(EVALUATION_COLUMNS)}) VALUES ({', '.join('?' * len(EVALUATION_COLUMNS))})",
+                [getattr(rec, c) for c in EVALUATION_COLUMNS],
             )
 
     def _upsert_contribution(self, rec: ContributionRecord) -> None:
-        values = {c: getattr(rec, c) for c in _CONTRIB_COLS}
+        values = {c: getattr(rec, c) for c in CONTRIBUTION_COLUMNS}
         values["accepted"] = int(rec.accepted)
         # keep the first-seen time recorded during gathering
         old = self._db.execute(
@@ -486,29 +454,19 @@ class ContributionLog:
             )
 
     # ------------------------------------------------------------------ reads
+    @contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
+        """The connection under the log's lock, for the statements of one read (the read model's
+        queries, :class:`validator.logview.LogView`); nothing is written through it."""
+        with self._lock:
+            yield self._db
+
     def window(self, window: int) -> WindowRecord | None:
         with self._lock:
             row = self._db.execute(
-                f"SELECT {', '.join(_WINDOW_COLS)} FROM windows WHERE window = ?", (window,)
+                f"SELECT {', '.join(WINDOW_COLUMNS)} FROM windows WHERE window = ?", (window,)
             ).fetchone()
-        return WindowRecord(**dict(zip(_WINDOW_COLS, row))) if row else None
-
-    def windows(self) -> list[WindowRecord]:
-        """Every window row, oldest first (``sparseloco-validator logs --windows``)."""
-        with self._lock:
-            rows = self._db.execute(f"SELECT {', '.join(_WINDOW_COLS)} FROM windows ORDER BY window").fetchall()
-        return [WindowRecord(**dict(zip(_WINDOW_COLS, r))) for r in rows]
-
-    def evaluations(self, *, windows: tuple[int | None, int | None] = (None, None)) -> list[EvaluationRecord]:
-        """Periodic evaluations by window; ``windows`` is an inclusive range, either end open."""
-        lo, hi = windows
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {', '.join(_EVAL_COLS)} FROM evaluations "
-                "WHERE (? IS NULL OR window >= ?) AND (? IS NULL OR window <= ?) ORDER BY window",
-                (lo, lo, hi, hi),
-            ).fetchall()
-        return [EvaluationRecord(**dict(zip(_EVAL_COLS, r))) for r in rows]
+        return WindowRecord(**dict(zip(WINDOW_COLUMNS, row))) if row else None
 
     def rows(
         self,
@@ -519,13 +477,12 @@ class ContributionLog:
         decided_only: bool = True,
     ) -> list[ContributionRecord]:
         """Decided contributions ordered by (window, peer); filters combine with AND.
-        ``windows`` is an inclusive range, either end open (None)."""
-        where, args = self._filters(peer, windows, rejected_only, decided_only)
-        unpacked = f"{where} AND passed IS NULL" if where else "WHERE passed IS NULL"
+        ``windows`` is an inclusive range, either end open (None); ``peer`` is a prefix of an id."""
+        clause, args = where(peer, windows, rejected_only=rejected_only, decided_only=decided_only)
+        unpacked = f"{clause} AND passed IS NULL" if clause else "WHERE passed IS NULL"
         with self._lock:
             raw = self._db.execute(
-                f"SELECT {', '.join(_CONTRIB_COLS)}, passed, failed FROM contributions {where} ORDER BY window, peer",
-                args,
+                f"SELECT {CONTRIBUTION_SELECT} FROM contributions {clause} ORDER BY window, peer", args
             ).fetchall()
             checks = self._db.execute(
                 f"SELECT window, peer, name, passed, reason FROM checks WHERE (window, peer) IN "
@@ -535,210 +492,4 @@ class ContributionLog:
         by_key: dict[tuple[int, str], list[CheckRow]] = {}
         for w, p, name, passed, reason in checks:
             by_key.setdefault((w, p), []).append(CheckRow(name, bool(passed), reason))
-        out = []
-        n = len(_CONTRIB_COLS)
-        for r in raw:
-            values = dict(zip(_CONTRIB_COLS, r[:n]))
-            values["accepted"] = bool(values["accepted"])
-            passed, failed = r[n], r[n + 1]
-            rows = (
-                tuple(by_key.get((values["window"], values["peer"]), ()))
-                if passed is None
-                else unpack_checks(passed, failed, values["reason"])
-            )
-            out.append(ContributionRecord(**values, checks=rows))
-        return out
-
-    def leaderboard(self, *, windows: tuple[int | None, int | None] = (None, None)) -> list[LeaderRow]:
-        """Per peer: windows contributed, accepted, acceptance rate, mean score, last reputation;
-        highest reputation first, then most accepted, then by peer id."""
-        return [s.leader_row() for s in self.peer_summaries(windows=windows)]
-
-    def peer_summaries(
-        self,
-        *,
-        windows: tuple[int | None, int | None] = (None, None),
-        peer: str | None = None,
-        limit: int | None = None,
-        offset: int = 0,
-    ) -> list[PeerSummary]:
-        """The leaderboard with first/last seen, ordered as :meth:`leaderboard`; ``peer`` picks one
-        peer by its exact id, ``limit``/``offset`` a page. Read from the ``contributions_standing``
-        index alone, so its cost grows with the rows but never touches the table."""
-        where, args = self._filters(peer, windows, False, True, exact_peer=True)
-        with self._lock:
-            raw = self._db.execute(
-                f"""SELECT peer, COUNT(*), SUM(accepted) AS acc, AVG(score), MIN(window), MAX(window),
-                    MIN(received_at), MAX(received_at),
-                    (SELECT c2.reputation FROM contributions c2 WHERE c2.peer = c.peer AND c2.decided = 1
-                     ORDER BY c2.window DESC LIMIT 1) AS rep
-                    FROM contributions c {where} GROUP BY peer
-                    ORDER BY COALESCE(rep, 0.0) DESC, acc DESC, peer LIMIT ? OFFSET ?""",
-                [*args, -1 if limit is None else limit, offset],
-            ).fetchall()
-        return [
-            PeerSummary(
-                peer=p,
-                windows=n,
-                accepted=int(acc or 0),
-                acceptance_rate=(acc or 0) / n,
-                mean_score=score,
-                reputation=rep,
-                first_window=first,
-                last_window=last,
-                first_seen=seen0,
-                last_seen=seen1,
-            )
-            for p, n, acc, score, first, last, seen0, seen1, rep in raw
-        ]
-
-    def peer_count(self, *, windows: tuple[int | None, int | None] = (None, None)) -> int:
-        """How many peers have a decided row in ``windows`` (the leaderboard's length)."""
-        where, args = self._filters(None, windows, False, True)
-        with self._lock:
-            (n,) = self._db.execute(f"SELECT COUNT(DISTINCT peer) FROM contributions {where}", args).fetchone()
-        return int(n)
-
-    def history(self, peer: str, *, limit: int, offset: int = 0) -> list[ContributionRecord]:
-        """One peer's decided rows (exact id), newest window first, a page at a time."""
-        with self._lock:
-            raw = self._db.execute(
-                f"SELECT {', '.join(_CONTRIB_COLS)}, passed, failed FROM contributions WHERE peer = ? AND decided = 1 "
-                "ORDER BY window DESC LIMIT ? OFFSET ?",
-                (peer, limit, offset),
-            ).fetchall()
-            n = len(_CONTRIB_COLS)
-            # rows packed as a bit mask need no read of the checks table
-            checks = [
-                self._db.execute(
-                    "SELECT name, passed, reason FROM checks WHERE window = ? AND peer = ? ORDER BY rowid",
-                    (r[0], r[1]),
-                ).fetchall()
-                if r[n] is None
-                else []
-                for r in raw
-            ]
-        out = []
-        for r, rows in zip(raw, checks):
-            values = dict(zip(_CONTRIB_COLS, r[:n]))
-            values["accepted"] = bool(values["accepted"])
-            passed, failed = r[n], r[n + 1]
-            found = (
-                tuple(CheckRow(name, bool(ok), reason) for name, ok, reason in rows)
-                if passed is None
-                else unpack_checks(passed, failed, values["reason"])
-            )
-            out.append(ContributionRecord(**values, checks=found))
-        return out
-
-    def rejection_reasons(
-        self, *, windows: tuple[int | None, int | None] = (None, None), peer: str | None = None
-    ) -> list[ReasonCount]:
-        """Rejections per reason (most frequent first) over ``windows``, of one peer (exact id) or
-        of all; from the ``contributions_rejected`` index."""
-        where, args = self._filters(peer, windows, True, True, exact_peer=True)
-        with self._lock:
-            raw = self._db.execute(
-                f"SELECT COALESCE(reason, ''), COUNT(*), COUNT(DISTINCT peer), MAX(window) FROM contributions {where} "
-                "GROUP BY reason ORDER BY COUNT(*) DESC, reason",
-                args,
-            ).fetchall()
-        return [ReasonCount(reason=r, rejections=n, peers=p, last_window=w) for r, n, p, w in raw]
-
-    def window_span(self) -> tuple[int, int | None, int | None]:
-        """(window rows, first window, last window) of the log."""
-        with self._lock:
-            n, lo, hi = self._db.execute("SELECT COUNT(*), MIN(window), MAX(window) FROM windows").fetchone()
-        return int(n), lo, hi
-
-    def latest_window(self) -> WindowRecord | None:
-        """The newest window row (decided or published), or None before the first."""
-        with self._lock:
-            row = self._db.execute(
-                f"SELECT {', '.join(_WINDOW_COLS)} FROM windows ORDER BY window DESC LIMIT 1"
-            ).fetchone()
-        return WindowRecord(**dict(zip(_WINDOW_COLS, row))) if row else None
-
-    def recent_windows(self, limit: int) -> list[WindowRecord]:
-        """The newest ``limit`` window rows, newest first."""
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {', '.join(_WINDOW_COLS)} FROM windows ORDER BY window DESC LIMIT ?", (limit,)
-            ).fetchall()
-        return [WindowRecord(**dict(zip(_WINDOW_COLS, r))) for r in rows]
-
-    def window_buckets(
-        self, *, windows: tuple[int | None, int | None] = (None, None), points: int = 300
-    ) -> list[WindowBucket]:
-        """Window rows in ``windows`` as at most ``points`` buckets of equally many consecutive
-        windows (one window per bucket while they fit), oldest first: summed in SQL, so a chart of
-        10,000 windows reads a few hundred rows."""
-        lo, hi = windows
-        with self._lock:
-            first, last = self._db.execute(
-                "SELECT MIN(window), MAX(window) FROM windows WHERE (? IS NULL OR window >= ?) AND (? IS NULL OR window <= ?)",
-                (lo, lo, hi, hi),
-            ).fetchone()
-            if first is None:
-                return []
-            size = -(-(last - first + 1) // max(1, points))  # windows per bucket, rounded up
-            raw = self._db.execute(
-                "SELECT MIN(window), MAX(window), COUNT(*), AVG(val_loss), SUM(accepted), SUM(rejected), "
-                "SUM(unannounced) FROM windows WHERE window >= ? AND window <= ? GROUP BY (window - ?) / ? ORDER BY 1",
-                (first, last, first, size),
-            ).fetchall()
-        return [
-            WindowBucket(first=a, last=b, windows=n, val_loss=loss, accepted=acc, rejected=rej, unannounced=un)
-            for a, b, n, loss, acc, rej, un in raw
-        ]
-
-    def pending(self, *, after: int | None) -> list[Received]:
-        """Uploads read but not decided yet in windows after ``after`` (every window when None):
-        what the validator has gathered so far in the window it has open."""
-        # a plain range on the primary key: "(? IS NULL OR window > ?)" would scan the whole table
-        since = "window > ? AND " if after is not None else ""
-        with self._lock:
-            raw = self._db.execute(
-                f"SELECT window, peer, received_at, bytes FROM contributions WHERE {since}decided = 0 "
-                "ORDER BY window, received_at, peer",
-                [after] if after is not None else [],
-            ).fetchall()
-        return [Received(window=w, peer=p, received_at=t, bytes=b) for w, p, t, b in raw]
-
-    def peers_in(self, window: int) -> list[str]:
-        """Peers with a decided row in ``window``."""
-        with self._lock:
-            raw = self._db.execute(
-                "SELECT peer FROM contributions WHERE window = ? AND decided = 1 ORDER BY peer", (window,)
-            ).fetchall()
-        return [p for (p,) in raw]
-
-    @staticmethod
-    def _filters(
-        peer: str | None,
-        windows: tuple[int | None, int | None],
-        rejected_only: bool,
-        decided_only: bool,
-        *,
-        exact_peer: bool = False,
-    ) -> tuple[str, list[Any]]:
-        clauses: list[str] = []
-        args: list[Any] = []
-        if decided_only:
-            clauses.append("decided = 1")
-        if peer is not None and exact_peer:
-            clauses.append("peer = ?")
-            args.append(peer)
-        elif peer is not None:
-            clauses.append("peer LIKE ?")  # a prefix of a peer id is enough on the command line
-            args.append(peer + "%")
-        lo, hi = windows
-        if lo is not None:
-            clauses.append("window >= ?")
-            args.append(lo)
-        if hi is not None:
-            clauses.append("window <= ?")
-            args.append(hi)
-        if rejected_only:
-            clauses.append("accepted = 0")
-        return ("WHERE " + " AND ".join(clauses)) if clauses else "", args
+        return [decode_contribution(r, by_key.get((r[0], r[1]), ())) for r in raw]

@@ -62,17 +62,18 @@ import torch
 from protocol import broadcast, layout
 from protocol.aggregate import NormLimit, SparseDict, SparseSum, apply_outer, clip_to_limits
 from protocol.caps import object_caps
-from protocol.chain import checkpoint_base, delta_of, next_aggregate, read_launch, read_manifest, read_weights
+from protocol.chain import checkpoint_base
 from protocol.config import RunSpec
 from protocol.data.assignment import assigned_batches, validation_batches
 from protocol.data.run_data import dataset_of, run_tokenizer
 from protocol.data.tokens import TokenDataset
-from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
+from protocol.errors import ConfigError, DigestMismatch, ObjectNotFound, ProtocolError, StoreError
 from protocol.events import Event, ModelEvaluated, WindowOpened, WindowPublished, WindowRetry, WindowWaiting
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model, eval_loss, fingerprint, param_schema, parameters_of
 from protocol.outcomes import OUTCOMES, PeerOutcome, encode_outcomes, outcomes_digest
+from protocol.replay import Chain, Position, apply_aggregate, initial_params, replayed
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
 from protocol.windows import gather_close, is_checkpoint_window
@@ -242,6 +243,7 @@ class Validator:
         v = self.local.validator
         self.retention = retention.Retention(v.retain_windows, v.retain_checkpoint_every)
         self.caps = object_caps(spec)
+        self.chain = Chain(spec, store)  # the signed chain, read and replayed as every peer does
         self.state: ValidatorState | None = None
         self.feedback = FeedbackState()  # the re-compression buffer that opens the current window
         self._theta_window = 0  # the window whose θ the state directory holds
@@ -373,7 +375,7 @@ class Validator:
         directory: the chain in the store is the truth), or start a new launch by publishing a
         genesis manifest, whose digest roots the chain. A genesis that does not verify counts as
         absent; objects of earlier launches never chain onto a new one."""
-        params = {n: p.detach().clone() for n, p in parameters_of(build_model(self.spec.model)).items()}
+        params = initial_params(self.spec.model)
         launch = self._stored_launch()
         if launch is not None and launch.value.fingerprint != fingerprint(params):
             raise ConfigError("the store's genesis checkpoint differs from θ₀ built from this RunSpec")
@@ -403,11 +405,11 @@ class Validator:
         checkpoint verifies."""
         if self._next_aggregate(genesis.window, genesis.base) is not None:
             return None
-        for window in reversed([w for w in retention.checkpoint_windows(self.store, self.run_id) if w > 0]):
+        for window in reversed([w for w in self.chain.checkpoint_windows() if w > 0]):
             try:
-                verified = read_manifest(self.store, self.run_id, self.run_hash, window, allowed_signers=self.signers)
+                verified = self.chain.manifest(window)
                 base = checkpoint_base(verified, genesis.launch)
-                params = read_weights(self.store, verified.value, schema=self.schema)
+                params = self.chain.checkpoint_params(verified.value)
             except (ProtocolError, StoreError) as exc:
                 log.warning("checkpoint %d cannot restart the validator: %s", window, exc)
                 continue
@@ -422,7 +424,7 @@ class Validator:
         (written again, byte for byte, when the store lost it); another launch is a ConfigError."""
         stored = self._stored_launch()
         if stored is None:
-            params = {n: p.detach().clone() for n, p in parameters_of(build_model(self.spec.model)).items()}
+            params = initial_params(self.spec.model)
             stored = self._publish_genesis(params, state.launched_at)
         if stored.digest != state.launch:
             raise ConfigError(
@@ -440,40 +442,30 @@ class Validator:
             self._theta_window = state.window
             return state
         w = state.params_window or 0
-        params = state.params or {n: p.detach().clone() for n, p in parameters_of(build_model(self.spec.model)).items()}
+        params = state.params or initial_params(self.spec.model)
         base = state.params_base or state.launch
-        for window in range(w, state.window):
-            agg = self._next_aggregate(window, base)
-            if agg is None:
-                raise ConfigError(
-                    f"cannot rebuild θ of window {state.window} from θ of window {w} in {self.state_dir}: "
-                    f"aggregate {window} is not in the store"
-                )
-            apply_outer(params, delta_of(agg.value), agg.value.alpha)
-            if fingerprint(params) != agg.value.fingerprint:
-                raise ConfigError(f"aggregate {window} does not reproduce its fingerprint from the saved θ")
-            base = agg.digest
+        try:
+            pos = replayed(self.chain, params, Position(w, base, ""), until=state.window)
+        except DigestMismatch as exc:
+            raise ConfigError(f"the saved θ does not reproduce the chain's fingerprints: {exc}") from exc
+        if pos.window != state.window:
+            raise ConfigError(
+                f"cannot rebuild θ of window {state.window} from θ of window {w} in {self.state_dir}: "
+                f"aggregate {pos.window} is not in the store"
+            )
+        base = pos.base
         if base != state.base:
             raise ConfigError(f"the store's chain up to window {state.window} is not the one saved in {self.state_dir}")
         self._theta_window = w
         return replace(state, params=params, params_window=None, params_base=None)
 
     def _next_aggregate(self, window: int, base: str) -> Verified[Aggregate] | None:
-        return next_aggregate(
-            self.store,
-            self.run_id,
-            self.run_hash,
-            window,
-            base,
-            allowed_signers=self.signers,
-            max_bytes=self.caps.aggregate,
-            schema=self.schema,
-        )
+        return self.chain.next_aggregate(window, base)
 
     def _stored_launch(self) -> Verified[CheckpointManifest] | None:
         """The store's genesis manifest; None when there is none or it does not verify."""
         try:
-            return read_launch(self.store, self.run_id, self.run_hash, allowed_signers=self.signers)
+            return self.chain.launch()
         except ObjectNotFound:
             return None
         except ProtocolError as exc:
@@ -502,9 +494,10 @@ class Validator:
             if agg is None:
                 return
             params = {n: p.detach().clone() for n, p in st.params.items()}
-            apply_outer(params, delta_of(agg.value), agg.value.alpha)
-            if fingerprint(params) != agg.value.fingerprint:
-                raise ConfigError(f"aggregate {st.window} does not reproduce its fingerprint from this state")
+            try:
+                apply_aggregate(params, Position(st.window, st.base, ""), agg)
+            except DigestMismatch as exc:
+                raise ConfigError(f"aggregate {st.window} does not reproduce its fingerprint from this state") from exc
             self._adopt_rows(agg)
             self._advance(
                 st, agg.digest, agg.value.published_at, params, self._saved_feedback(st.window + 1, agg.digest)

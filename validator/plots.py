@@ -5,7 +5,7 @@ validation loss per window, accepted and rejected contributions per window (stac
 by reason. matplotlib is an optional dependency (``pip install 'sparseloco[plot]'``); it is imported
 here only, when a plot is asked for.
 
-    with ContributionLog(db, readonly=True) as log:
+    with LogView.open(db) as log:
         write_plots(log, "log.png", windows=(100, None))
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from protocol.errors import ConfigError
 from validator.dashboard import views
-from validator.log import ContributionLog
+from validator.logview import LogView
 
 __all__ = ["PLOT_POINTS", "write_plots"]
 
@@ -23,9 +23,7 @@ PLOT_POINTS = 2000  # at most this many points (buckets of windows) per panel
 GREEN, RED, BLUE = "#2e7d32", "#c62828", "#1f5fbf"
 
 
-def write_plots(
-    log: ContributionLog, path: str | Path, *, windows: tuple[int | None, int | None] = (None, None)
-) -> None:
+def write_plots(log: LogView, path: str | Path, *, windows: tuple[int | None, int | None] = (None, None)) -> None:
     """Write the three charts of the windows in ``windows`` (inclusive, either end open) to ``path``
     as a PNG. Raises ConfigError when matplotlib is not installed."""
     try:

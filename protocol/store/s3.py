@@ -142,6 +142,35 @@ def single_part_etag(data: bytes | memoryview) -> str:
     return '"' + hashlib.md5(data, usedforsecurity=False).hexdigest() + '"'  # S3's ETag, not a security check
 
 
+def _session(
+    access_key: str | None,
+    secret_key: str | None,
+    session_token: str | None,
+    profile: str | None,
+    region: str | None,
+    *,
+    anonymous: bool,
+) -> Any:
+    """A boto3 session with these credentials; ConfigError for an unknown profile or, unless
+    ``anonymous``, no credentials at all."""
+    try:
+        session = boto3.session.Session(
+            aws_access_key_id=access_key,
+            aws_secret_access_key=secret_key,
+            aws_session_token=session_token,
+            profile_name=profile,
+            region_name=region,
+        )
+    except bexc.ProfileNotFound as exc:
+        raise ConfigError(f"AWS profile not found: {exc}") from exc
+    if not anonymous and session.get_credentials() is None:
+        raise ConfigError(
+            "no S3 credentials: pass access_key/secret_key, set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or use anonymous=True for public reads"
+        )
+    return session
+
+
 class S3Store(ObjectStore):
     """Objects under ``prefix`` in an S3 ``bucket`` (keys are stored as ``prefix/key``).
 
@@ -203,21 +232,7 @@ class S3Store(ObjectStore):
             s3={"addressing_style": addressing_style or ("path" if endpoint_url else "auto")},
             signature_version=UNSIGNED if anonymous else None,
         )
-        try:
-            session = boto3.session.Session(
-                aws_access_key_id=access_key,
-                aws_secret_access_key=secret_key,
-                aws_session_token=session_token,
-                profile_name=profile,
-                region_name=region,
-            )
-        except bexc.ProfileNotFound as exc:
-            raise ConfigError(f"AWS profile not found: {exc}") from exc
-        if not anonymous and session.get_credentials() is None:
-            raise ConfigError(
-                "no S3 credentials: pass access_key/secret_key, set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or use anonymous=True for public reads"
-            )
+        session = _session(access_key, secret_key, session_token, profile, region, anonymous=anonymous)
         self._client = session.client(
             "s3",
             endpoint_url=endpoint_url,

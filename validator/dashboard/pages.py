@@ -15,7 +15,8 @@ from urllib.parse import quote
 
 from validator.dashboard import svg
 from validator.dashboard.views import PER_PAGE, Current, Overview, Page, PeerView
-from validator.log import ContributionRecord, PeerSummary, ReasonCount, WindowRecord
+from validator.log import ContributionRecord, WindowRecord
+from validator.logview import PeerSummary, ReasonCount
 
 __all__ = ["REFRESH_S", "error_page", "overview_page", "peer_page", "peer_url"]
 

@@ -37,7 +37,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from protocol.errors import ConfigError, ProtocolError
 from validator.dashboard import pages, views
-from validator.log import ContributionLog
+from validator.logview import LogView
 
 __all__ = ["BadQuery", "Dashboard", "check_log"]
 
@@ -71,7 +71,7 @@ def check_log(db: str | Path) -> None:
     if not Path(db).is_file():
         raise ConfigError(f"no contribution log at {db}")
     try:
-        with ContributionLog(db, readonly=True) as log:
+        with LogView.open(db) as log:
             log.window_span()
             log.peer_count()
     except sqlite3.Error as exc:
@@ -130,7 +130,7 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         try:
             query = _Query(url.query)
-            with ContributionLog(self.server.db, readonly=True) as log:
+            with LogView.open(self.server.db) as log:
                 ctype, body = _route(url.path, query, log, self.server.db.name)
         except BadQuery as exc:
             return self._error(400, str(exc), url.path)
@@ -160,7 +160,7 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("dashboard %s: " + format, self.address_string(), *args)
 
 
-def _route(path: str, q: _Query, log: ContributionLog, log_name: str) -> tuple[str, bytes]:
+def _route(path: str, q: _Query, log: LogView, log_name: str) -> tuple[str, bytes]:
     """(content type, body) of the page or API answer at ``path``."""
     for prefix, render in _PEER_ROUTES:
         if path.startswith(prefix) and len(path) > len(prefix):
@@ -171,20 +171,20 @@ def _route(path: str, q: _Query, log: ContributionLog, log_name: str) -> tuple[s
     return handler(log, q, log_name)
 
 
-def _overview_html(log: ContributionLog, q: _Query, log_name: str) -> tuple[str, bytes]:
+def _overview_html(log: LogView, q: _Query, log_name: str) -> tuple[str, bytes]:
     ov = views.overview(log, page=q.page(), per_page=q.per_page())
     return HTML, pages.overview_page(ov, log_name=log_name).encode()
 
 
-def _peer_html(log: ContributionLog, peer: str, q: _Query, log_name: str) -> tuple[str, bytes]:
+def _peer_html(log: LogView, peer: str, q: _Query, log_name: str) -> tuple[str, bytes]:
     return HTML, pages.peer_page(_peer_view(log, peer, q), log_name=log_name).encode()
 
 
-def _peer_json(log: ContributionLog, peer: str, q: _Query, log_name: str) -> tuple[str, bytes]:
+def _peer_json(log: LogView, peer: str, q: _Query, log_name: str) -> tuple[str, bytes]:
     return _json(_peer_view(log, peer, q))
 
 
-def _peer_view(log: ContributionLog, peer: str, q: _Query) -> views.PeerView:
+def _peer_view(log: LogView, peer: str, q: _Query) -> views.PeerView:
     pv = views.peer(log, peer, page=q.page(), per_page=q.per_page())
     if pv is None:
         raise _NotFound(f"no decided contribution of peer {peer!r} in the log")
@@ -206,8 +206,8 @@ def _finite(v: Any) -> Any:
     return v
 
 
-_Route = Callable[[ContributionLog, "_Query", str], tuple[str, bytes]]
-_PeerRoute = Callable[[ContributionLog, str, "_Query", str], tuple[str, bytes]]
+_Route = Callable[[LogView, "_Query", str], tuple[str, bytes]]
+_PeerRoute = Callable[[LogView, str, "_Query", str], tuple[str, bytes]]
 
 _ROUTES: dict[str, _Route] = {
     "/": _overview_html,

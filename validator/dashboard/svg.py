@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
-from validator.log import ReasonCount, WindowBucket
+from validator.logview import ReasonCount, WindowBucket
 
 __all__ = ["loss_chart", "nice_ticks", "outcome_chart", "reasons_chart"]
 

@@ -5,7 +5,7 @@ Every view is bounded whatever the log's length: a page of the leaderboard or of
 windows summed into at most ``points`` chart buckets in SQL, one row per rejection reason, the
 newest few windows.
 
-    with ContributionLog(db, readonly=True) as log:
+    with LogView.open(db) as log:
         ov = overview(log, page=1)
         ov.series.buckets[-1].val_loss, ov.current.open_window, ov.leaderboard.peers[0].reputation
         json.dumps(to_json(ov))
@@ -17,15 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from validator.log import (
-    ContributionLog,
-    ContributionRecord,
-    PeerSummary,
-    ReasonCount,
-    Received,
-    WindowBucket,
-    WindowRecord,
-)
+from validator.log import ContributionRecord, WindowRecord
+from validator.logview import LogView, PeerSummary, ReasonCount, Received, WindowBucket
 
 __all__ = [
     "CHART_POINTS",
@@ -143,13 +136,13 @@ class Overview:
     recent: list[WindowRecord]
 
 
-def leaderboard(log: ContributionLog, *, page: int = 1, per_page: int = PER_PAGE) -> Leaderboard:
+def leaderboard(log: LogView, *, page: int = 1, per_page: int = PER_PAGE) -> Leaderboard:
     """Page ``page`` of the leaderboard; a page past the end is empty."""
     pg = Page.of(page, per_page, log.peer_count())
     return Leaderboard(page=pg, peers=log.peer_summaries(limit=pg.per_page, offset=pg.offset))
 
 
-def peer(log: ContributionLog, peer_id: str, *, page: int = 1, per_page: int = PER_PAGE) -> PeerView | None:
+def peer(log: LogView, peer_id: str, *, page: int = 1, per_page: int = PER_PAGE) -> PeerView | None:
     """The peer with exactly this id, or None when it has no decided row."""
     found = log.peer_summaries(peer=peer_id)
     if not found:
@@ -165,7 +158,7 @@ def peer(log: ContributionLog, peer_id: str, *, page: int = 1, per_page: int = P
 
 
 def series(
-    log: ContributionLog, *, windows: tuple[int | None, int | None] = (None, None), points: int = CHART_POINTS
+    log: LogView, *, windows: tuple[int | None, int | None] = (None, None), points: int = CHART_POINTS
 ) -> Series:
     """The windows in ``windows`` (an inclusive range, either end open) as at most ``points`` buckets."""
     buckets = log.window_buckets(windows=windows, points=points)
@@ -181,7 +174,7 @@ def series(
     )
 
 
-def current(log: ContributionLog) -> Current:
+def current(log: LogView) -> Current:
     """The open window, what was read in it so far, and the last decided window."""
     last = log.latest_window()
     pending = log.pending(after=last.window if last is not None else None)
@@ -206,7 +199,7 @@ def current(log: ContributionLog) -> Current:
     )
 
 
-def overview(log: ContributionLog, *, page: int = 1, per_page: int = PER_PAGE) -> Overview:
+def overview(log: LogView, *, page: int = 1, per_page: int = PER_PAGE) -> Overview:
     """Everything the main page shows."""
     return Overview(
         current=current(log),
