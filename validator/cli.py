@@ -54,7 +54,8 @@ from protocol.errors import ConfigError, ProtocolError, StoreError
 from protocol.events import Event, EventWriter, Failed, GrantsServed, Stopped, ValidatorStarted, describe
 from protocol.identity import Identity
 from protocol.logformat import FORMATS, JsonLogLines, setup_logging
-from protocol.settings import LocalSettings, load_settings, resolve_settings, settings_help
+from protocol.settings import SETTINGS, LocalSettings, resolve_settings, settings_help
+from protocol.settings_cli import COMPUTE_FLAGS, STORE_FLAGS, Overrides, setting_options
 from protocol.store import open_from_settings
 from protocol.store.presign import Presigner
 from validator import logs_report
@@ -75,6 +76,22 @@ EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 
 Emit = Callable[[Event], None]
+
+# The settings each command takes as flags (the others: environment, --settings, run.toml [local]).
+RETAIN_FLAGS = ("validator.retain_windows", "validator.retain_checkpoint_every")
+BUDGET_FLAGS = tuple(name for name in SETTINGS if name.startswith("budgets."))
+RUN_FLAGS = (
+    *STORE_FLAGS,
+    *COMPUTE_FLAGS,
+    "validator.eval_every",
+    "validator.eval_sequences",
+    "validator.grant_port",
+    "validator.grant_host",
+    "validator.tls_cert",
+    "validator.tls_key",
+    *RETAIN_FLAGS,
+    *BUDGET_FLAGS,
+)
 
 
 @click.group()
@@ -106,10 +123,7 @@ def keygen(key_path: str, as_json: bool) -> None:
     required=True,
     help="builtin:stdlib, a text file or directory, a .jsonl file, or a shard directory (repeatable).",
 )
-@click.option("--store", "store_url", required=True, help="Store URL the run lives in (written to [local.store]).")
-@click.option(
-    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
-)
+@setting_options(*STORE_FLAGS, settings_file=False, required=("store.url",))
 @click.option(
     "--key", "key_path", default=DEFAULT_KEY, show_default=True, help="Validator Ed25519 key (created if missing)."
 )
@@ -132,8 +146,7 @@ def keygen(key_path: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def init(
     corpus: tuple[str, ...],
-    store_url: str,
-    dht_peers: tuple[str, ...],
+    overrides: Overrides,
     key_path: str,
     tokenizer: str,
     text_field: str,
@@ -151,7 +164,8 @@ def init(
     The RunSpec is the base (--preset or --spec) with data.dataset (the manifest's digest),
     data.tokenizer ('bytes' or 'hf:<sha256>'), this key in validator.public_keys and
     model.vocab_size at least the tokenizer's; run.toml's [local] table names the store (and
-    keeps the base's [local] table). Peers fetch only the shards their batches need.
+    keeps the base's [local] table; --store and --dht-peer are written to it). Peers fetch only
+    the shards their batches need.
     Prints the run id and run hash. Exit status: 0 done, 1 the store failed, 2 configuration.
     """
     from validator.dataset import DEFAULT_SHARD_TOKENS
@@ -160,10 +174,9 @@ def init(
     err = Console(stderr=True, highlight=False)
     try:
         base, table = base_spec(preset, spec_path)
-        store_table = {"url": store_url, **({"dht_bootstrap": list(dht_peers)} if dht_peers else {})}
-        table = {**table, "store": {**table.get("store", {}), **store_table}}
-        flags = {"store.url": store_url, "store.dht_bootstrap": list(dht_peers) or None}
-        settings = resolve_settings(run_local=table, env=os.environ, flags=flags)
+        given = {name.split(".")[1]: overrides.get(name) for name in STORE_FLAGS if overrides.get(name)}
+        table = {**table, "store": {**table.get("store", {}), **given}}
+        settings = resolve_settings(run_local=table, env=os.environ, flags=overrides.flags)
         identity = Identity.load_or_create(Path(key_path).expanduser())
         with _InitProgress(err) as steps:
             result = init_run(
@@ -248,67 +261,16 @@ class _InitProgress:
 
 @cli.command(epilog=settings_help())
 @click.option("--run", "run_path", required=True, type=click.Path(dir_okay=False), help="RunSpec TOML.")
-@click.option(
-    "--settings",
-    "settings_path",
-    default=None,
-    type=click.Path(exists=True, dir_okay=False),
-    help="Local settings TOML (the keys of run.toml's [local] table).",
-)
-@click.option("--store", "store_url", default=None, help="Store URL (setting store.url).")
-@click.option(
-    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
-)
+@setting_options(*RUN_FLAGS)
 @click.option("--key", "key_path", default=DEFAULT_KEY, show_default=True, help="Validator Ed25519 key file.")
 @click.option("--state", "state_dir", default=DEFAULT_STATE, show_default=True, help="State directory (θ, log).")
-@click.option(
-    "--device", default=None, help="Torch device for scoring: cpu, cuda, cuda:1 (compute.device) [default: cpu]."
-)
 @click.option("--windows", type=int, default=None, help="Stop after N windows (default: run until stopped).")
-@click.option("--threads", type=int, default=None, help="Torch CPU threads (compute.threads; 0: torch's default).")
 @click.option("--status-json", is_flag=True, help="One JSON event per line on stdout instead of human lines.")
-@click.option(
-    "--eval-every",
-    type=click.IntRange(0),
-    default=None,
-    help="Evaluate θ (loss, perplexity, bits per byte) every N windows into the log (0: never) "
-    "[validator.eval_every, default 0].",
-)
-@click.option(
-    "--eval-sequences",
-    type=click.IntRange(1),
-    default=None,
-    help="Validation sequences per periodic evaluation [validator.eval_sequences, default 256].",
-)
-@click.option(
-    "--grant-port",
-    type=click.IntRange(0, 65535),
-    default=None,
-    help="Serve grants on this port: peers need no store credential, only store.grant_url "
-    "(validator.grant_port; 0: no grant server) [needs an s3:// store].",
-)
-@click.option("--grant-host", default=None, help="Address the grant server binds (validator.grant_host) [0.0.0.0].")
-@click.option("--tls-cert", default=None, help="PEM certificate: serve grants over HTTPS (validator.tls_cert).")
-@click.option("--tls-key", default=None, help="PEM private key of --tls-cert (validator.tls_key).")
 @click.option(
     "--wait-for-peers",
     type=click.IntRange(0),
     default=0,
     help="A new run: publish genesis (open window 0) only once N peers have announced.",
-)
-@click.option(
-    "--retain-windows",
-    type=click.IntRange(0),
-    default=None,
-    help="After each publish, delete contributions and aggregates older than the last K windows, "
-    "keeping what joiners need (validator.retain_windows; 0: keep everything, K >= 2).",
-)
-@click.option(
-    "--retain-checkpoint-every",
-    type=click.IntRange(0),
-    default=None,
-    help="With --retain-windows: also keep every M-th checkpoint (validator.retain_checkpoint_every; "
-    "0: only those catch-up needs).",
 )
 @click.option(
     "--log-format",
@@ -329,24 +291,12 @@ class _InitProgress:
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def run(
     run_path: str,
-    settings_path: str | None,
-    store_url: str | None,
-    dht_peers: tuple[str, ...],
+    overrides: Overrides,
     key_path: str,
     state_dir: str,
-    device: str | None,
     windows: int | None,
-    threads: int | None,
     status_json: bool,
-    eval_every: int | None,
-    eval_sequences: int | None,
-    grant_port: int | None,
-    grant_host: str | None,
-    tls_cert: str | None,
-    tls_key: str | None,
     wait_for_peers: int,
-    retain_windows: int | None,
-    retain_checkpoint_every: int | None,
     log_format: str,
     metrics_port: int | None,
     metrics_host: str,
@@ -376,27 +326,45 @@ def run(
     or interrupted.
     """
     setup_logging(log_format, verbose=verbose, stream=sys.stderr)
+    out = _Reporting(_event_lines(status_json, log_format), metrics_port, metrics_host)
+    try:
+        local = overrides.load(run_path)
+    except ConfigError as exc:
+        out.emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
+        sys.exit(EXIT_CONFIG)
+    sys.exit(_validate(run_path, local, _Node(key_path, state_dir, windows, wait_for_peers), out))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Node:
+    """``run``'s validator: its key, state directory, how many windows, and whom it waits for."""
+
+    key_path: str
+    state_dir: str
+    windows: int | None
+    wait_for_peers: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reporting:
+    """Where ``run``'s events go: ``emit`` (the lines on stdout) and the optional metrics endpoint."""
+
     emit: Emit
+    metrics_port: int | None
+    metrics_host: str
+
+
+def _event_lines(status_json: bool, log_format: str) -> Emit:
+    """``--status-json``: JSON events; ``--log-format json``: JSON log lines; else human lines."""
     if status_json:
-        emit = EventWriter(sys.stdout)
-    elif log_format == "json":
-        emit = JsonLogLines(sys.stdout, role=ROLE)
-    else:
-        emit = _HumanLines(Console(highlight=False, soft_wrap=True))
-    flags = {
-        "store.url": store_url,
-        "store.dht_bootstrap": list(dht_peers) or None,
-        "compute.device": device,
-        "compute.threads": threads,
-        "validator.eval_every": eval_every,
-        "validator.eval_sequences": eval_sequences,
-        "validator.grant_port": grant_port,
-        "validator.grant_host": grant_host,
-        "validator.tls_cert": tls_cert,
-        "validator.tls_key": tls_key,
-        "validator.retain_windows": retain_windows,
-        "validator.retain_checkpoint_every": retain_checkpoint_every,
-    }
+        return EventWriter(sys.stdout)
+    if log_format == "json":
+        return JsonLogLines(sys.stdout, role=ROLE)
+    return _HumanLines(Console(highlight=False, soft_wrap=True))
+
+
+def _validate(run_path: str, local: LocalSettings, node: _Node, out: _Reporting) -> int:
+    """Open the validator (and its grant server, metrics endpoint), serve, close; the exit status."""
     # torch and the grant desk load here, not at import: `logs` (what sparseloco demo runs) stays quick.
     from validator.grants import OpenWindows
     from validator.state import STATE_FILE
@@ -407,59 +375,35 @@ def run(
     def emit_all(event: Event) -> None:
         for sink in sinks:
             sink(event)
-        emit(event)
+        out.emit(event)
 
     with ExitStack() as stack:
-        if metrics_port is not None:
+        if out.metrics_port is not None:
             from protocol.metrics import Metrics
 
             metrics = Metrics(role=ROLE)
             sinks.append(metrics)
-            stack.enter_context(metrics.serve(metrics_port, metrics_host))
+            stack.enter_context(metrics.serve(out.metrics_port, out.metrics_host))
         try:
-            local = load_settings(run_path, settings_path=settings_path, flags=flags)
-            validator = _open_validator(run_path, local, key_path, state_dir, emit_all)
+            validator = _open_validator(run_path, local, node.key_path, node.state_dir, emit_all)
             stack.callback(validator.close)
             if local.validator.grant_port:
                 stack.enter_context(_grant_server(validator, local, windows_open, emit_all))
         except ConfigError as exc:
-            emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
-            sys.exit(EXIT_CONFIG)
+            out.emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
+            return EXIT_CONFIG
         except StoreError as exc:  # the run's dataset manifest could not be read
-            emit(Failed(role=ROLE, reason=exc.reason, detail=str(exc)))
-            sys.exit(EXIT_STORE)
+            out.emit(Failed(role=ROLE, reason=exc.reason, detail=str(exc)))
+            return EXIT_STORE
         _install_stop(validator)
-        if wait_for_peers and not (Path(state_dir) / STATE_FILE).exists():
-            _wait_for_peers(validator, wait_for_peers)
-        code = _serve(validator, windows, emit_all)
-    sys.exit(code)
+        if node.wait_for_peers and not (Path(node.state_dir) / STATE_FILE).exists():
+            _wait_for_peers(validator, node.wait_for_peers)
+        return _serve(validator, node.windows, emit_all)
 
 
 @cli.command(epilog=settings_help())
 @click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False), help="RunSpec TOML.")
-@click.option(
-    "--settings",
-    "settings_path",
-    default=None,
-    type=click.Path(exists=True, dir_okay=False),
-    help="Local settings TOML (the keys of run.toml's [local] table).",
-)
-@click.option("--store", "store_url", default=None, help="Store URL (setting store.url).")
-@click.option(
-    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
-)
-@click.option(
-    "--retain-windows",
-    type=click.IntRange(0),
-    default=None,
-    help="Keep contributions and aggregates of the last K windows (validator.retain_windows; K >= 2).",
-)
-@click.option(
-    "--retain-checkpoint-every",
-    type=click.IntRange(0),
-    default=None,
-    help="Also keep every M-th checkpoint (validator.retain_checkpoint_every; 0: only those catch-up needs).",
-)
+@setting_options(*STORE_FLAGS, *RETAIN_FLAGS)
 @click.option(
     "--key",
     "key_path",
@@ -469,17 +413,7 @@ def run(
 )
 @click.option("--dry-run", is_flag=True, help="List what would be deleted; delete nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def gc(
-    run_path: str,
-    settings_path: str | None,
-    store_url: str | None,
-    dht_peers: tuple[str, ...],
-    retain_windows: int | None,
-    retain_checkpoint_every: int | None,
-    key_path: str | None,
-    dry_run: bool,
-    as_json: bool,
-) -> None:
+def gc(run_path: str, overrides: Overrides, key_path: str | None, dry_run: bool, as_json: bool) -> None:
     """Delete what the retention policy no longer keeps: contributions and aggregates older than
     the last K windows, checkpoints before the newest one a joiner can start from (except genesis
     and every M-th). The newest checkpoint, every aggregate after it, the dataset and the
@@ -490,14 +424,8 @@ def gc(
     """
     from validator.collection import collect_run
 
-    flags = {
-        "store.url": store_url,
-        "store.dht_bootstrap": list(dht_peers) or None,
-        "validator.retain_windows": retain_windows,
-        "validator.retain_checkpoint_every": retain_checkpoint_every,
-    }
     try:
-        local = load_settings(run_path, settings_path=settings_path, flags=flags)
+        local = overrides.load(run_path)
         spec = RunSpec.load(run_path)
         ident = Identity.load(Path(key_path)) if key_path else None
         report = collect_run(spec, local, identity=ident, dry_run=dry_run)
