@@ -64,6 +64,18 @@ KEY_FILE = "key.pem"  # in the state directory, as LocalState.key_path names it
 _log = logging.getLogger("sparseloco.peer")
 
 
+_key_option = click.option(
+    "--key", "key_path", default=None, type=click.Path(dir_okay=False), help="Ed25519 key (created if missing)."
+)
+_state_option = click.option(
+    "--state",
+    "state_dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Local state directory (its key.pem) [default: ~/.sparseloco/<run id>].",
+)
+
+
 @click.group()
 @click.version_option(package_name="sparseloco")
 def main() -> None:
@@ -73,16 +85,8 @@ def main() -> None:
 @main.command("join", epilog=settings_help())
 @click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False), help="RunSpec TOML.")
 @setting_options(*STORE_FLAGS, *COMPUTE_FLAGS, "peer.join_timeout_s")
-@click.option(
-    "--key", "key_path", default=None, type=click.Path(dir_okay=False), help="Ed25519 key (created if missing)."
-)
-@click.option(
-    "--state",
-    "state_dir",
-    default=None,
-    type=click.Path(file_okay=False),
-    help="Local state directory [default: ~/.sparseloco/<run id>].",
-)
+@_key_option
+@_state_option
 @click.option("--windows", "max_windows", default=None, type=int, help="Train this many windows, then exit.")
 @click.option("--until-window", default=None, type=int, help="Exit once θ opens this window.")
 @click.option("--status-json", is_flag=True, help="One JSON object per line on stdout instead of the live panel.")
@@ -275,16 +279,8 @@ def _single_process() -> None:
 @main.command("preflight", epilog=settings_help())
 @click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False), help="RunSpec TOML.")
 @setting_options(*STORE_FLAGS, *COMPUTE_FLAGS)
-@click.option(
-    "--key", "key_path", default=None, type=click.Path(dir_okay=False), help="Ed25519 key (created if missing)."
-)
-@click.option(
-    "--state",
-    "state_dir",
-    default=None,
-    type=click.Path(file_okay=False),
-    help="Local state directory (its key.pem) [default: ~/.sparseloco/<run id>].",
-)
+@_key_option
+@_state_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the verdict, every check) on stdout.")
 def preflight(run_path: str, overrides: Overrides, key_path: str | None, state_dir: str | None, as_json: bool) -> None:
     """Check whether this machine can join the run, without joining it.

@@ -11,14 +11,17 @@
                              [--grant-port PORT [--grant-host HOST] [--tls-cert PEM --tls-key PEM]]
                              [--wait-for-peers N] [--retain-windows K [--retain-checkpoint-every M]]
                              [--metrics-port PORT] [--log-format human|json]
+                             [--max-fetches N] [--max-fetch-bytes B] [--fetch-timeout S] …
     sparseloco-validator gc --run run.toml [--store URL] [--retain-windows K]
                             [--retain-checkpoint-every M] [--key validator.pem] [--dry-run] [--json]
     sparseloco-validator logs --db vstate/contributions.sqlite [--peer ID] [--window A:B] [--rejected]
                               [--windows | --evals] [--json | --csv] [--summary] [--plot PNG]
     sparseloco-validator dashboard --db vstate/contributions.sqlite [--host 127.0.0.1] [--port 8080]
 
-Local settings (store, corpus, device, poll interval …; :mod:`protocol.settings`) come from the
-flags, then ``SPARSELOCO_*`` variables, then ``--settings FILE``, then run.toml's ``[local]`` table.
+Local settings (store, device, poll interval, the window budgets …; :mod:`protocol.settings`) come
+from the flags, then ``SPARSELOCO_*`` variables, then ``--settings FILE``, then run.toml's
+``[local]`` table; the flags of each command are generated from the settings it names
+(:mod:`protocol.settings_cli`).
 With ``--grant-port`` the validator also serves grants (:mod:`validator.grant_server`): peers
 without a store credential get presigned requests for their own keys and for reading the run.
 
