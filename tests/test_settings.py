@@ -264,7 +264,7 @@ def test_a_budget_reaches_the_validator_from_flag_env_and_settings_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``sparseloco-validator run`` builds its validator from the budgets of the local settings."""
-    import validator.cli as vcli
+    import validator.serve as vserve
 
     run = tmp_path / "run.toml"
     run.write_text(RunSpec().to_toml() + local_table_toml({"budgets": {"max_tracked_peers": 100}}))
@@ -276,7 +276,7 @@ def test_a_budget_reaches_the_validator_from_flag_env_and_settings_file(
         seen.append(local)
         raise ConfigError("stop before opening the store")
 
-    monkeypatch.setattr(vcli, "_open_validator", opened)
+    monkeypatch.setattr(vserve, "open_validator", opened)
     monkeypatch.setenv("SPARSELOCO_BUDGETS_MAX_FETCHES", "7")
     monkeypatch.setenv("SPARSELOCO_BUDGETS_NEWCOMER_WAIT", "0.25")
     args = ["run", "--run", str(run), "--settings", str(mine), "--status-json", "--max-fetch-bytes", "4096"]
