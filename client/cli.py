@@ -43,7 +43,8 @@ from protocol.errors import ConfigError, ProtocolError, StoreError
 from protocol.identity import Identity
 from protocol.layout import run_id
 from protocol.logformat import FORMATS, setup_logging
-from protocol.settings import LocalSettings, load_settings, settings_help
+from protocol.settings import LocalSettings, settings_help
+from protocol.settings_cli import COMPUTE_FLAGS, STORE_FLAGS, Overrides, setting_options
 
 if TYPE_CHECKING:  # the torch-heavy modules load after argument parsing
     from client.ddp.ranks import RankGroup
@@ -63,6 +64,18 @@ KEY_FILE = "key.pem"  # in the state directory, as LocalState.key_path names it
 _log = logging.getLogger("sparseloco.peer")
 
 
+_key_option = click.option(
+    "--key", "key_path", default=None, type=click.Path(dir_okay=False), help="Ed25519 key (created if missing)."
+)
+_state_option = click.option(
+    "--state",
+    "state_dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Local state directory (its key.pem) [default: ~/.sparseloco/<run id>].",
+)
+
+
 @click.group()
 @click.version_option(package_name="sparseloco")
 def main() -> None:
@@ -71,38 +84,11 @@ def main() -> None:
 
 @main.command("join", epilog=settings_help())
 @click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False), help="RunSpec TOML.")
-@click.option(
-    "--settings",
-    "settings_path",
-    default=None,
-    type=click.Path(exists=True, dir_okay=False),
-    help="Local settings TOML (the keys of run.toml's [local] table).",
-)
-@click.option("--store", "store_url", default=None, help="Store URL (setting store.url).")
-@click.option(
-    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
-)
-@click.option(
-    "--key", "key_path", default=None, type=click.Path(dir_okay=False), help="Ed25519 key (created if missing)."
-)
-@click.option(
-    "--state",
-    "state_dir",
-    default=None,
-    type=click.Path(file_okay=False),
-    help="Local state directory [default: ~/.sparseloco/<run id>].",
-)
-@click.option("--device", default=None, help="cuda, cpu, cuda:1 … (compute.device) [default: cuda if available]")
+@setting_options(*STORE_FLAGS, *COMPUTE_FLAGS, "peer.join_timeout_s")
+@_key_option
+@_state_option
 @click.option("--windows", "max_windows", default=None, type=int, help="Train this many windows, then exit.")
 @click.option("--until-window", default=None, type=int, help="Exit once θ opens this window.")
-@click.option("--threads", default=None, type=int, help="torch CPU threads (compute.threads; 0: torch's default).")
-@click.option(
-    "--join-timeout",
-    "join_timeout_s",
-    default=None,
-    type=float,
-    help="Seconds to wait for the run's genesis (peer.join_timeout_s).",
-)
 @click.option("--status-json", is_flag=True, help="One JSON object per line on stdout instead of the live panel.")
 @click.option(
     "--log-format",
@@ -131,16 +117,11 @@ def main() -> None:
 @click.option("--rendezvous", default=None, metavar="HOST:PORT", help="Where the stages meet (stage 0 listens).")
 def join(
     run_path: str,
-    settings_path: str | None,
-    store_url: str | None,
-    dht_peers: tuple[str, ...],
+    overrides: Overrides,
     key_path: str | None,
     state_dir: str | None,
-    device: str | None,
     max_windows: int | None,
     until_window: int | None,
-    threads: int | None,
-    join_timeout_s: float | None,
     status_json: bool,
     log_format: str,
     metrics_port: int | None,
@@ -165,16 +146,9 @@ def join(
     _sigterm_is_interrupt()
     setup_logging(log_format, verbose=False, stream=sys.stderr)
     out = Output(log_format, metrics_port, metrics_host)
-    flags = {
-        "store.url": store_url,
-        "store.dht_bootstrap": list(dht_peers) or None,
-        "compute.device": device,
-        "compute.threads": threads,
-        "peer.join_timeout_s": join_timeout_s,
-    }
     try:
         pipeline = _pipeline_options(pipeline_group, stage, stages, rendezvous)
-        local = load_settings(run_path, settings_path=settings_path, flags=flags)
+        local = overrides.load(run_path)
         code = _join(run_path, local, key_path, state_dir, max_windows, until_window, status_json, pipeline, out)
     except ConfigError as exc:
         _log.error(f"sparseloco-peer: {exc}")
@@ -304,41 +278,11 @@ def _single_process() -> None:
 
 @main.command("preflight", epilog=settings_help())
 @click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False), help="RunSpec TOML.")
-@click.option(
-    "--settings",
-    "settings_path",
-    default=None,
-    type=click.Path(exists=True, dir_okay=False),
-    help="Local settings TOML (the keys of run.toml's [local] table).",
-)
-@click.option("--store", "store_url", default=None, help="Store URL (setting store.url).")
-@click.option(
-    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
-)
-@click.option(
-    "--key", "key_path", default=None, type=click.Path(dir_okay=False), help="Ed25519 key (created if missing)."
-)
-@click.option(
-    "--state",
-    "state_dir",
-    default=None,
-    type=click.Path(file_okay=False),
-    help="Local state directory (its key.pem) [default: ~/.sparseloco/<run id>].",
-)
-@click.option("--device", default=None, help="cuda, cpu, cuda:1 … (compute.device) [default: cuda if available]")
-@click.option("--threads", default=None, type=int, help="torch CPU threads (compute.threads; 0: torch's default).")
+@setting_options(*STORE_FLAGS, *COMPUTE_FLAGS)
+@_key_option
+@_state_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the verdict, every check) on stdout.")
-def preflight(
-    run_path: str,
-    settings_path: str | None,
-    store_url: str | None,
-    dht_peers: tuple[str, ...],
-    key_path: str | None,
-    state_dir: str | None,
-    device: str | None,
-    threads: int | None,
-    as_json: bool,
-) -> None:
+def preflight(run_path: str, overrides: Overrides, key_path: str | None, state_dir: str | None, as_json: bool) -> None:
     """Check whether this machine can join the run, without joining it.
 
     \b
@@ -350,14 +294,8 @@ def preflight(
 
     Exit status: 0 ready, 1 not ready (the failed checks say why), 2 configuration error.
     """
-    flags = {
-        "store.url": store_url,
-        "store.dht_bootstrap": list(dht_peers) or None,
-        "compute.device": device,
-        "compute.threads": threads,
-    }
     try:
-        local = load_settings(run_path, settings_path=settings_path, flags=flags)
+        local = overrides.load(run_path)
         code = _preflight(run_path, local, key_path, state_dir, as_json)
     except ConfigError as exc:
         click.echo(f"sparseloco-peer: {exc}", err=True)

@@ -34,6 +34,7 @@ from rich.table import Table
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, ProtocolError, StoreError
 from protocol.settings import load_settings
+from protocol.settings_cli import COMPUTE_FLAGS, STORE_FLAGS, Overrides, setting_options
 
 if TYPE_CHECKING:
     from client.checkpoints import Checkpoint, Location
@@ -46,16 +47,11 @@ DEFAULT_SEQUENCES = 256
 _run_option = click.option(
     "--run", "run_path", required=True, type=click.Path(dir_okay=False), help="The run's RunSpec TOML."
 )
-_store_option = click.option(
-    "--store", "store_url", default=None, help="Store URL (default: store.url of the local settings)."
-)
+# --store (default: store.url of the local settings) and --dht-peer; --device and --threads
+_store_options = setting_options(*STORE_FLAGS, settings_file=False)
+_store_compute_options = setting_options(*STORE_FLAGS, *COMPUTE_FLAGS, settings_file=False)
 _window_option = click.option(
     "--window", default=None, help="Checkpoint window, or 'latest' (the default: the newest checkpoint)."
-)
-_dht_option = click.option("--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable).")
-_device_option = click.option("--device", default=None, help="Torch device (default: cuda when available, else cpu).")
-_threads_option = click.option(
-    "--threads", type=click.IntRange(0), default=0, help="Torch CPU threads (0: torch's default; 1 on a busy machine)."
 )
 
 
@@ -73,12 +69,13 @@ def _user_errors() -> Iterator[None]:
 
 
 def _load(
-    run_path: str, checkpoint: str | None, store_url: str | None, window: str | None, dht_peers: tuple[str, ...]
+    run_path: str, checkpoint: str | None, overrides: Overrides, window: str | None
 ) -> tuple[RunSpec, Location, Checkpoint]:
     from client.checkpoints import load_checkpoint, locate
 
     spec = RunSpec.load(run_path)
     store = load_settings(run_path).store
+    store_url, dht_peers = overrides.get("store.url"), tuple(overrides.get("store.dht_bootstrap") or ())
     loc = locate(spec, checkpoint, store_url=store_url, window=window, dht_peers=dht_peers, settings=store)
     return spec, loc, load_checkpoint(spec, loc, store)
 
@@ -93,16 +90,17 @@ def _run_tokenizer(run_path: str, spec: RunSpec, loc: Location) -> ByteTokenizer
         return run_tokenizer(spec, store, local.data)
 
 
-def _device(device: str | None, threads: int) -> str:
-    """The torch device to use (cuda when there is one; ``cuda:N`` checked against the devices
-    torch sees); ``threads`` > 0 sets torch's CPU threads."""
+def _device(overrides: Overrides) -> str:
+    """The torch device of ``--device`` (cuda when there is one; ``cuda:N`` checked against the
+    devices torch sees); ``--threads`` > 0 sets torch's CPU threads."""
     import torch
 
     from protocol.devices import resolve_device
 
+    threads = overrides.get("compute.threads") or 0
     if threads > 0:
         torch.set_num_threads(threads)
-    return resolve_device(device or "")
+    return resolve_device(overrides.get("compute.device") or "")
 
 
 def _when(ts: float | None) -> str:
@@ -117,10 +115,9 @@ def _console() -> Console:
 # ------------------------------------------------------------------------------ checkpoints
 @click.command("checkpoints")
 @_run_option
-@_store_option
-@_dht_option
+@_store_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of checkpoints.")
-def checkpoints_cmd(run_path: str, store_url: str | None, dht_peers: tuple[str, ...], as_json: bool) -> None:
+def checkpoints_cmd(run_path: str, overrides: Overrides, as_json: bool) -> None:
     """List the run's checkpoints: window, size, signer, θ fingerprint, time.
 
     \b
@@ -136,6 +133,7 @@ def checkpoints_cmd(run_path: str, store_url: str | None, dht_peers: tuple[str, 
     with _user_errors():
         spec = RunSpec.load(run_path)
         settings = load_settings(run_path).store
+        store_url, dht_peers = overrides.get("store.url"), tuple(overrides.get("store.dht_bootstrap") or ())
         store = open_location(Location(store_url or settings.url, None, dht_peers), settings)
         try:
             infos = list_checkpoints(spec, store)
@@ -161,16 +159,14 @@ def checkpoints_cmd(run_path: str, store_url: str | None, dht_peers: tuple[str, 
 @click.command("export")
 @click.argument("paths", nargs=-1, required=True, metavar="[CHECKPOINT] OUT_DIR")
 @_run_option
-@_store_option
+@_store_options
 @_window_option
-@_dht_option
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="fp32", show_default=True, help="Weight dtype.")
 def export_cmd(
     paths: tuple[str, ...],
     run_path: str,
-    store_url: str | None,
+    overrides: Overrides,
     window: str | None,
-    dht_peers: tuple[str, ...],
     dtype: str,
 ) -> None:
     """Write a checkpoint as a Hugging Face model directory (LlamaForCausalLM, no custom code).
@@ -187,7 +183,7 @@ def export_cmd(
 
     started = time.perf_counter()
     with _user_errors():
-        spec, loc, ckpt = _load(run_path, checkpoint, store_url, window, dht_peers)
+        spec, loc, ckpt = _load(run_path, checkpoint, overrides, window)
         files = export_hf(ckpt, spec, out_dir, dtype=dtype, tokenizer=_run_tokenizer(run_path, spec, loc))
     n_params = sum(t.numel() for t in ckpt.params.values())
     for f in files:
@@ -203,9 +199,8 @@ def export_cmd(
 @click.command("eval")
 @click.argument("checkpoint", required=False)
 @_run_option
-@_store_option
+@_store_compute_options
 @_window_option
-@_dht_option
 @click.option(
     "--data",
     default=None,
@@ -220,21 +215,16 @@ def export_cmd(
     help="Zero-shot lm-eval tasks, comma-separated ('' for none) [default: arc_easy,hellaswag,piqa].",
 )
 @click.option("--task-limit", type=click.IntRange(1), default=None, help="At most this many examples per task.")
-@_device_option
-@_threads_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def eval_cmd(
     checkpoint: str | None,
     run_path: str,
-    store_url: str | None,
+    overrides: Overrides,
     window: str | None,
-    dht_peers: tuple[str, ...],
     data: str | None,
     sequences: int,
     tasks: str | None,
     task_limit: int | None,
-    device: str | None,
-    threads: int,
     as_json: bool,
 ) -> None:
     """Validation loss, perplexity and bits per byte of a checkpoint, and zero-shot tasks.
@@ -257,8 +247,8 @@ def eval_cmd(
     started = time.perf_counter()
     task_list = list(DEFAULT_TASKS) if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
     with _user_errors():
-        dev = _device(device, threads)  # a device that does not exist fails before any download
-        spec, loc, ckpt = _load(run_path, checkpoint, store_url, window, dht_peers)
+        dev = _device(overrides)  # a device that does not exist fails before any download
+        spec, loc, ckpt = _load(run_path, checkpoint, overrides, window)
         local = load_settings(run_path)
         with open_location(loc, local.store) as store:  # the run's dataset and tokenizer lie there
             held = heldout_data(spec, data, sequences=sequences, local=local.data, store=store)
@@ -335,29 +325,23 @@ def _print_eval(r: dict[str, Any]) -> None:
 @click.command("sample")
 @click.argument("checkpoint", required=False)
 @_run_option
-@_store_option
+@_store_compute_options
 @_window_option
-@_dht_option
 @click.option("--prompt", required=True, help="Text to continue.")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=200, show_default=True)
 @click.option("--temperature", type=click.FloatRange(0.0), default=0.8, show_default=True, help="0: greedy.")
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.95, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@_device_option
-@_threads_option
 def sample_cmd(
     checkpoint: str | None,
     run_path: str,
-    store_url: str | None,
+    overrides: Overrides,
     window: str | None,
-    dht_peers: tuple[str, ...],
     prompt: str,
     max_new_tokens: int,
     temperature: float,
     top_p: float,
     seed: int,
-    device: str | None,
-    threads: int,
 ) -> None:
     """Continue a prompt with a checkpoint's model (KV-cached decoding).
 
@@ -368,8 +352,8 @@ def sample_cmd(
     from client.sample import SampleSettings, generate
 
     with _user_errors():
-        dev = _device(device, threads)  # a device that does not exist fails before any download
-        spec, loc, ckpt = _load(run_path, checkpoint, store_url, window, dht_peers)
+        dev = _device(overrides)  # a device that does not exist fails before any download
+        spec, loc, ckpt = _load(run_path, checkpoint, overrides, window)
         tok = _run_tokenizer(run_path, spec, loc)
         model = model_of(spec, ckpt, dev)
     ids = ([tok.eos_id] if tok.eos_id is not None else []) + tok.encode(prompt)  # documents follow a separator

@@ -26,6 +26,7 @@ from protocol.errors import ConfigError, StoreError
 from protocol.identity import public_key_from_hex
 from protocol.layout import run_id
 from protocol.settings import local_table
+from protocol.settings_cli import STORE_FLAGS, Overrides, setting_options
 
 if TYPE_CHECKING:
     from client.inspect import InspectResult
@@ -56,14 +57,14 @@ def main() -> None:
 @click.option(
     "--validator-key", "validator_keys", multiple=True, help="Hex public key allowed to sign aggregates (repeatable)."
 )
-@click.option("--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr for dht:// URLs (repeatable).")
+@setting_options("store.dht_bootstrap", settings_file=False)
 def inspect_cmd(
     paths: tuple[str, ...],
     max_bytes: int,
     run_path: str | None,
     run_hash: str | None,
     validator_keys: tuple[str, ...],
-    dht_peers: tuple[str, ...],
+    overrides: Overrides,
 ) -> None:
     """Validate signed objects (signature, structure, payloads) and print one line per object.
 
@@ -98,7 +99,7 @@ def inspect_cmd(
     all_ok = True
     for path in paths:
         if "://" in path:
-            results = _inspect_url(path, run_path, spec, dht_peers, check)
+            results = _inspect_url(path, run_path, spec, tuple(overrides.get("store.dht_bootstrap") or ()), check)
         else:
             results = inspect_paths([path], max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed)
         for result in results:
@@ -194,12 +195,9 @@ def run_id_cmd(run_path: str, as_json: bool) -> None:
     type=click.Path(file_okay=False),
     help="The local peer's state directory [default: ~/.sparseloco/<run id>].",
 )
-@click.option("--store", "store_url", default=None, help="Store URL (setting store.url).")
-@click.option("--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable).")
+@setting_options(*STORE_FLAGS, settings_file=False)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def status_cmd(
-    run_path: str, state_dir: str | None, store_url: str | None, dht_peers: tuple[str, ...], as_json: bool
-) -> None:
+def status_cmd(run_path: str, state_dir: str | None, overrides: Overrides, as_json: bool) -> None:
     """Where the run stands and whether this peer agrees with it.
 
     \b
@@ -222,13 +220,11 @@ def status_cmd(
     """
     from client.status import run_status
     from protocol.identity import Identity
-    from protocol.settings import load_settings
     from protocol.store import open_peer_store
 
     try:
         spec = RunSpec.load(run_path)
-        flags = {"store.url": store_url, "store.dht_bootstrap": list(dht_peers) or None}
-        settings = load_settings(run_path, flags=flags).store
+        settings = overrides.load(run_path).store
         state = Path(state_dir) if state_dir else Path("~/.sparseloco").expanduser() / run_id(spec.hash())
         key = state / "key.pem"
         identity = Identity.load(key) if key.exists() else Identity.generate()  # reads need no standing

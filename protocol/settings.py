@@ -32,7 +32,13 @@ URL was given in, so ``--store s3://…?endpoint=…`` overrides an endpoint in 
 
 Each component receives only its own subtree: the store opener ``settings.store``
 (:func:`protocol.store.open_from_settings`), the data cache ``settings.data``
-(:func:`protocol.data.run_data.open_run_dataset`), and so on.
+(:func:`protocol.data.run_data.open_run_dataset`), the validator's window budgets
+``settings.budgets`` (:mod:`validator.budgets`), and so on.
+
+A setting is declared once: a field made with :func:`setting` (default, help, and the flag where
+it is not derived from the field's name). Its name, type, environment variable, place in the
+settings files and ``--help`` line follow from the field, and so do the click options of the
+commands that take it (:func:`protocol.settings_cli.setting_options`).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from protocol.errors import ConfigError
 
 __all__ = [
     "ENV_PREFIX",
+    "BudgetSettings",
     "ComputeSettings",
     "DataSettings",
     "LocalSettings",
@@ -62,6 +69,8 @@ __all__ = [
     "local_table",
     "local_table_toml",
     "resolve_settings",
+    "setting",
+    "setting_field",
     "settings_help",
 ]
 
@@ -79,27 +88,43 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def setting(default: Any, doc: str, *, flag: str = "") -> Any:
+    """A setting's field: its default, its help text ``doc`` (what ``--help`` says of its flag)
+    and, where it is not ``--`` + the field name without ``_s`` and with ``-`` for ``_``, its
+    command-line ``flag`` (:mod:`protocol.settings_cli`). A section's field takes the section's
+    class as ``default``."""
+    meta = {"help": doc, "flag": flag}
+    if isinstance(default, type) and dataclasses.is_dataclass(default):
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class StoreSettings:
-    """Where this machine finds the run's objects.
+    """Where this machine finds the run's objects. Credentials are never settings: they come from
+    the usual AWS environment and profile chain. A peer with a ``grant_url`` needs none: every
+    read and write is a request the validator presigned (:mod:`protocol.store.granted`)."""
 
-    ``url``: ``file:///path``, ``s3://bucket/prefix``, ``dht://`` or ``memory://``.
-    ``s3_endpoint``/``s3_region``: for S3-compatible stores other than AWS (R2, MinIO, SeaweedFS).
-    ``dht_bootstrap``: multiaddrs of DHT nodes to join through (``dht://``). ``grant_url``: the
-    run's grant server (``http(s)://host:port``, ``sparseloco-validator run --grant-port``): a peer
-    that has one needs no credential, every read and write is a request the validator presigned
-    (:mod:`protocol.store.granted`); the validator itself ignores it. ``public_reads``: with a
-    grant server, read the objects anonymously from ``url``/``s3_endpoint`` (a bucket whose run
-    prefix the operator made public-read) and ask only for write grants. Credentials are never
-    settings: they come from the usual AWS environment and profile chain.
-    """
-
-    url: str = "file://./.sparseloco/store"
-    s3_endpoint: str = ""
-    s3_region: str = "auto"
-    dht_bootstrap: tuple[str, ...] = ()
-    grant_url: str = ""
-    public_reads: bool = False
+    url: str = setting(
+        "file://./.sparseloco/store",
+        "Store URL: file:///path, s3://bucket/prefix[?endpoint=URL&region=NAME], dht:// or memory://.",
+        flag="--store",
+    )
+    s3_endpoint: str = setting("", "Endpoint of an S3-compatible store other than AWS (R2, MinIO, SeaweedFS).")
+    s3_region: str = setting("auto", "Region of the S3 store.")
+    dht_bootstrap: tuple[str, ...] = setting(
+        (), "DHT bootstrap multiaddr to join a dht:// store through (repeatable).", flag="--dht-peer"
+    )
+    grant_url: str = setting(
+        "",
+        "A peer's grant server (http(s)://host:port, the validator's --grant-port): with it the peer needs "
+        "no store credential; the validator ignores it.",
+    )
+    public_reads: bool = setting(
+        False,
+        "With a grant server: read the objects anonymously from the store URL (a public-read run prefix) "
+        "and ask only for write grants.",
+    )
 
     def __post_init__(self) -> None:
         url, endpoint, region = lift_url_settings(self.url, self.s3_endpoint, self.s3_region)
@@ -122,11 +147,10 @@ class StoreSettings:
 class DataSettings:
     """This machine's copy of the run's data. The dataset itself lies in the run's store (the
     RunSpec's ``data.dataset``); a process fetches the shards its batches need and keeps them,
-    verified, in ``cache_dir`` ("": ``$SPARSELOCO_CACHE`` or ``~/.cache/sparseloco``), the least
-    recently used going first once they would exceed ``cache_max_bytes`` (0: no cap)."""
+    verified, in the cache, the least recently used going first once they would exceed its cap."""
 
-    cache_dir: str = ""
-    cache_max_bytes: int = 16 << 30
+    cache_dir: str = setting("", "Data cache directory ('': $SPARSELOCO_CACHE or ~/.cache/sparseloco).")
+    cache_max_bytes: int = setting(16 << 30, "Size cap of the data cache in bytes (0: no cap).")
 
     def __post_init__(self) -> None:
         _require(self.cache_max_bytes >= 0, "data.cache_max_bytes must be >= 0")
@@ -134,18 +158,22 @@ class DataSettings:
 
 @dataclass(frozen=True)
 class ComputeSettings:
-    """``device``: ``cuda``, ``cpu``, ``cuda:1`` … ("": a peer uses CUDA when torch sees it, the
-    validator the CPU). ``threads``: torch CPU threads (0: torch's default).
-    ``micro_batch_size``: sequences per forward/backward pass, gradients accumulated over the
-    ``data.batch_size`` sequences of an inner step (0: automatic — on a CPU the whole batch at
-    once, on CUDA the most that fit the free device memory, :mod:`client.memory`).
-    ``rank_timeout_s``: a peer on several GPUs (torchrun): how long one collective between its
-    processes may take before the peer stops (a rank died or hangs)."""
+    """How this machine computes (:mod:`client.memory` picks an automatic micro batch)."""
 
-    device: str = ""
-    threads: int = 0
-    micro_batch_size: int = 0
-    rank_timeout_s: float = 300.0
+    device: str = setting(
+        "", "Torch device: cuda, cpu, cuda:1 … ('': a peer uses CUDA when torch sees it, the validator the CPU)."
+    )
+    threads: int = setting(0, "Torch CPU threads (0: torch's default).")
+    micro_batch_size: int = setting(
+        0,
+        "Sequences per forward/backward pass, gradients accumulated over an inner step's batch (0: automatic, "
+        "the whole batch on a CPU, the most that fit the free memory on CUDA).",
+    )
+    rank_timeout_s: float = setting(
+        300.0,
+        "A peer on several GPUs (torchrun): seconds one collective between its processes may take before "
+        "the peer stops.",
+    )
 
     def __post_init__(self) -> None:
         _require(self.threads >= 0, "compute.threads must be >= 0")
@@ -155,16 +183,16 @@ class ComputeSettings:
 
 @dataclass(frozen=True)
 class PeerSettings:
-    """``join_timeout_s``: how long ``join`` waits for the run's genesis checkpoint before it
-    fails with the run hash it looked for. ``max_upload_failures``: consecutive windows whose
-    contribution the store refused (AccessDenied, persistent errors) before the peer stops.
-    ``moments_every``: windows between two writes of the inner optimizer's moments to the state
-    directory (8 bytes per parameter; e is written with every contribution, the moments also when
-    the peer stops); a restart resumes the moments of the last write (client/state.py)."""
+    """How a peer waits, gives up and saves (client/state.py: e is written with every
+    contribution, the moments also when the peer stops; a restart resumes the last write)."""
 
-    join_timeout_s: float = 300.0
-    max_upload_failures: int = 3
-    moments_every: int = 10
+    join_timeout_s: float = setting(300.0, "Seconds `join` waits for the run's genesis checkpoint.")
+    max_upload_failures: int = setting(
+        3, "Consecutive windows whose contribution the store refused before the peer stops."
+    )
+    moments_every: int = setting(
+        10, "Windows between two writes of the inner optimizer's moments to the state directory."
+    )
 
     def __post_init__(self) -> None:
         _require(self.join_timeout_s > 0, "peer.join_timeout_s must be > 0")
@@ -174,26 +202,31 @@ class PeerSettings:
 
 @dataclass(frozen=True)
 class ValidatorSettings:
-    """``gather_concurrency``: contributions fetched (and checked) at once while gathering a window.
-    ``workers``: threads that decode, clip and sum contributions once a window is gathered (0: one
-    per CPU core). ``eval_every``: evaluate θ on held-out data every N windows (0: never), on
-    ``eval_sequences`` sequences, recorded beside the contribution log. ``grant_port``: serve grants
-    to peers without credentials on this port (0: no grant server), bound to ``grant_host``, over
-    HTTPS with ``tls_cert``/``tls_key`` (PEM files; both or neither). ``retain_windows``: delete
-    contributions and aggregates older than the last N windows after each publish (0: keep
-    everything), keeping what a joiner needs; ``retain_checkpoint_every``: keep every M-th
-    checkpoint besides (0: only those catch-up needs) (:mod:`validator.retention`)."""
+    """How the validator gathers, evaluates, serves grants (:mod:`validator.grant_server`) and
+    deletes what the run no longer needs (:mod:`validator.retention`)."""
 
-    gather_concurrency: int = 16
-    workers: int = 0
-    eval_every: int = 0
-    eval_sequences: int = 256
-    grant_port: int = 0
-    grant_host: str = "0.0.0.0"
-    tls_cert: str = ""
-    tls_key: str = ""
-    retain_windows: int = 0
-    retain_checkpoint_every: int = 0
+    gather_concurrency: int = setting(16, "Contributions fetched (and checked) at once while gathering a window.")
+    workers: int = setting(0, "Threads that decode, clip and sum a gathered window's contributions (0: one per core).")
+    eval_every: int = setting(
+        0, "Evaluate θ (loss, perplexity, bits per byte) every N windows into the log (0: never)."
+    )
+    eval_sequences: int = setting(256, "Validation sequences per periodic evaluation.")
+    grant_port: int = setting(
+        0,
+        "Serve grants on this port: peers need no store credential, only store.grant_url (0: no grant "
+        "server; needs an s3:// store).",
+    )
+    grant_host: str = setting("0.0.0.0", "Address the grant server binds.")
+    tls_cert: str = setting("", "PEM certificate: serve grants over HTTPS (with tls_key).")
+    tls_key: str = setting("", "PEM private key of tls_cert.")
+    retain_windows: int = setting(
+        0,
+        "After each publish, delete contributions and aggregates older than the last K windows, keeping "
+        "what joiners need (0: keep everything, K >= 2).",
+    )
+    retain_checkpoint_every: int = setting(
+        0, "With retain_windows: also keep every M-th checkpoint (0: only those catch-up needs)."
+    )
 
     def __post_init__(self) -> None:
         _require(self.gather_concurrency >= 1, "validator.gather_concurrency must be >= 1")
@@ -210,18 +243,38 @@ class ValidatorSettings:
 
 
 @dataclass(frozen=True)
-class LocalSettings:
-    """Every local setting (see the module docstring). ``poll_interval_s``: how often this
-    process looks for new objects. ``max_windows``: stop once the run reaches this window
-    (0: never)."""
+class BudgetSettings:
+    """What one validator spends on a window (:mod:`validator.budgets` says why): anyone can list
+    keys, announce identities and upload bytes at no cost, so these caps bound what that costs."""
 
-    poll_interval_s: float = 1.0
-    max_windows: int = 0
-    store: StoreSettings = field(default_factory=StoreSettings)
-    data: DataSettings = field(default_factory=DataSettings)
-    compute: ComputeSettings = field(default_factory=ComputeSettings)
-    peer: PeerSettings = field(default_factory=PeerSettings)
-    validator: ValidatorSettings = field(default_factory=ValidatorSettings)
+    max_fetches: int = setting(256, "Contributions read per window, highest reputation first (the rest: over_budget).")
+    max_fetch_bytes: int = setting(8 << 30, "Bytes of contributions read per window.")
+    fetch_timeout_s: float = setting(30.0, "Seconds reads listed before the window closed may still take.")
+    max_announcements_per_poll: int = setting(64, "New peer announcements read per poll.")
+    max_tracked_peers: int = setting(4096, "Peer identities tracked at most.")
+    newcomer_wait: float = setting(
+        0.5, "Fraction of the upload deadline that identities without uploads keep a window open (0..1)."
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("max_fetches", "max_fetch_bytes", "max_announcements_per_poll", "max_tracked_peers"):
+            _require(getattr(self, name) >= 1, f"budgets.{name} must be >= 1")
+        _require(self.fetch_timeout_s > 0, "budgets.fetch_timeout_s must be > 0")
+        _require(0.0 <= self.newcomer_wait <= 1.0, "budgets.newcomer_wait must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    """Every local setting (see the module docstring)."""
+
+    poll_interval_s: float = setting(1.0, "Seconds between two looks for new objects.")
+    max_windows: int = setting(0, "Stop once the run reaches this window (0: never).")
+    store: StoreSettings = setting(StoreSettings, "Where this machine finds the run's objects.")
+    data: DataSettings = setting(DataSettings, "This machine's copy of the run's data.")
+    compute: ComputeSettings = setting(ComputeSettings, "How this machine computes.")
+    peer: PeerSettings = setting(PeerSettings, "A peer's timeouts and saves.")
+    validator: ValidatorSettings = setting(ValidatorSettings, "The validator's work and services.")
+    budgets: BudgetSettings = setting(BudgetSettings, "What one validator spends on a window.")
 
     def __post_init__(self) -> None:
         _require(self.poll_interval_s > 0, "poll_interval_s must be > 0")
@@ -237,18 +290,26 @@ class LocalSettings:
 
 
 # ---------------------------------------------------------------------- names
-def _names(cls: type[Any] = LocalSettings, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted name, type) of every setting below ``cls``."""
+def _names(cls: type[Any] = LocalSettings, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field[Any]]]:
+    """(dotted name, type, field) of every setting below ``cls``."""
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         tp = hints[f.name]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             yield from _names(tp, f"{prefix}{f.name}.")
         else:
-            yield prefix + f.name, tp
+            yield prefix + f.name, tp, f
 
 
-SETTINGS: dict[str, Any] = dict(_names())  # dotted name -> type
+SETTINGS: dict[str, Any] = {name: tp for name, tp, _ in _names()}  # dotted name -> type
+_FIELDS: dict[str, dataclasses.Field[Any]] = {name: f for name, _, f in _names()}
+
+
+def setting_field(name: str) -> dataclasses.Field[Any]:
+    """The dataclass field of setting ``name`` (``store.url``): its default and metadata (help, flag)."""
+    if name not in _FIELDS:
+        raise ConfigError(f"unknown setting {name!r}")
+    return _FIELDS[name]
 
 
 def env_name(name: str) -> str:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner
 
+from client.cli import main as peer_cli
 from client.tools import main as sparseloco
 from protocol.config import RunSpec
 from protocol.errors import ConfigError
@@ -21,7 +24,11 @@ from protocol.settings import (
     local_table,
     local_table_toml,
     resolve_settings,
+    setting_field,
+    settings_help,
 )
+from protocol.settings_cli import flag_name, option_help, param_name
+from validator.cli import cli as validator_cli
 
 # The value each layer gives a setting in the table below (None: the layer does not set it).
 VALUES: dict[str, dict[str, Any]] = {
@@ -189,3 +196,94 @@ def test_run_id_refuses_a_file_that_does_not_load(tmp_path: Path) -> None:
     (tmp_path / "old.toml").write_text('[storage]\nurl = "s3://bucket/run"\n')
     out = CliRunner().invoke(sparseloco, ["run-id", str(tmp_path / "old.toml")])
     assert out.exit_code == 2 and "[local.store]" in out.output  # where the moved table went
+
+
+# ---------------------------------------------------------------------- one declaration per setting
+def other_value(name: str) -> tuple[str, Any]:
+    """A valid value of setting ``name`` other than its default: (environment text, value)."""
+    tp, default = SETTINGS[name], get(LocalSettings(), name)
+    if tp is bool:
+        return ("false", False) if default else ("true", True)
+    if tp in (int, float):
+        value = default + 2 if tp is int else default * 0.5 + 0.125
+        return str(value), value
+    if tp is str:
+        return "other.pem", "other.pem"
+    return "/ip4/1,/ip4/2", ["/ip4/1", "/ip4/2"]  # an array
+
+
+# Settings valid only with another one: the variable that goes with theirs in the test below.
+COMPANIONS = {
+    "validator.tls_cert": "SPARSELOCO_VALIDATOR_TLS_KEY",
+    "validator.tls_key": "SPARSELOCO_VALIDATOR_TLS_CERT",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_every_setting_has_help_and_is_reachable_by_its_variable(name: str) -> None:
+    assert setting_field(name).metadata["help"].strip()
+    text, value = other_value(name)
+    env = {env_name(name): text, **({COMPANIONS[name]: "pair.pem"} if name in COMPANIONS else {})}
+    settings = resolve_settings(env=env)
+    assert get(settings, name) == value != get(LocalSettings(), name)
+    assert name in settings_help() and env_name(name) in settings_help()
+
+
+def setting_params(command: click.Command) -> dict[str, click.Parameter]:
+    """The options of ``command`` generated from settings, by setting name."""
+    by_param = {param_name(n): n for n in SETTINGS}
+    return {by_param[p.name]: p for p in command.params if p.name in by_param}
+
+
+@pytest.mark.parametrize(
+    "command, expected",
+    [
+        (peer_cli.commands["join"], {"--store", "--dht-peer", "--device", "--threads", "--join-timeout"}),
+        (peer_cli.commands["preflight"], {"--store", "--dht-peer", "--device", "--threads"}),
+        (
+            validator_cli.commands["run"],
+            {"--store", "--dht-peer", "--device", "--threads", "--eval-every", "--eval-sequences", "--grant-port"}
+            | {"--grant-host", "--tls-cert", "--tls-key", "--retain-windows", "--retain-checkpoint-every"}
+            | {"--max-fetches", "--max-fetch-bytes", "--fetch-timeout", "--max-announcements-per-poll"}
+            | {"--max-tracked-peers", "--newcomer-wait"},
+        ),
+        (validator_cli.commands["gc"], {"--store", "--dht-peer", "--retain-windows", "--retain-checkpoint-every"}),
+    ],
+)
+def test_commands_take_their_setting_flags_from_the_settings(command: click.Command, expected: set[str]) -> None:
+    params = setting_params(command)
+    assert {flag for p in params.values() for flag in p.opts} == expected
+    for name, param in params.items():
+        assert isinstance(param, click.Option) and param.opts == [flag_name(name)]
+        assert param.help == option_help(name) and param.help.startswith(setting_field(name).metadata["help"])
+        assert param.multiple == (typing.get_origin(SETTINGS[name]) is tuple)
+    assert "--settings" in {flag for p in command.params for flag in p.opts}
+
+
+def test_a_budget_reaches_the_validator_from_flag_env_and_settings_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sparseloco-validator run`` builds its validator from the budgets of the local settings."""
+    import validator.serve as vserve
+
+    run = tmp_path / "run.toml"
+    run.write_text(RunSpec().to_toml() + local_table_toml({"budgets": {"max_tracked_peers": 100}}))
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[budgets]\nfetch_timeout_s = 2.5\nmax_fetches = 9\n")
+    seen: list[LocalSettings] = []
+
+    def opened(run_path: str, local: LocalSettings, *args: object) -> None:
+        seen.append(local)
+        raise ConfigError("stop before opening the store")
+
+    monkeypatch.setattr(vserve, "open_validator", opened)
+    monkeypatch.setenv("SPARSELOCO_BUDGETS_MAX_FETCHES", "7")
+    monkeypatch.setenv("SPARSELOCO_BUDGETS_NEWCOMER_WAIT", "0.25")
+    args = ["run", "--run", str(run), "--settings", str(mine), "--status-json", "--max-fetch-bytes", "4096"]
+    out = CliRunner().invoke(validator_cli, args)
+    assert out.exit_code == 2 and "stop before opening the store" in out.output
+    budgets = seen[0].budgets
+    assert (budgets.max_fetches, budgets.newcomer_wait) == (7, 0.25)  # the environment over the file
+    assert (budgets.fetch_timeout_s, budgets.max_tracked_peers, budgets.max_fetch_bytes) == (2.5, 100, 4096)
+    bad = CliRunner().invoke(validator_cli, [*args, "--max-fetches", "0"])
+    assert bad.exit_code == 2 and "budgets.max_fetches must be >= 1" in bad.output and len(seen) == 1

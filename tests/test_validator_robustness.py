@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from protocol.chain import read_aggregate
 from protocol.identity import Identity
 from protocol.model import build_model, parameters_of
 from protocol.outcomes import PeerOutcome
+from protocol.settings import load_settings
 from protocol.store.memory import MemoryStore
 from protocol.wire import GENESIS
 from tests.validator_fixtures import Swarm, tiny_spec
@@ -247,6 +249,22 @@ def test_unannounced_junk_is_counted_never_read_and_reads_stay_within_budget(vke
     assert {r.peer for r in rows} == {p.peer_id for p in sw.peers}  # no rows for junk keys
     assert sum(r.reason == "over_budget" for r in rows) == 2 and report.accepted == 4
     assert v.log.window(0).unannounced == 50  # type: ignore[union-attr]
+    v.close()
+    sw.close()
+
+
+def test_the_budgets_of_the_local_settings_bound_the_reads(vkey: Identity, tmp_path: Path) -> None:
+    """A budget set in a settings file or the environment is the validator's budget."""
+    (tmp_path / "mine.toml").write_text("[budgets]\nmax_fetches = 5\nfetch_timeout_s = 12.5\n")
+    local = load_settings(None, settings_path=tmp_path / "mine.toml", env={"SPARSELOCO_BUDGETS_MAX_FETCHES": "4"})
+    sw = Swarm(tiny_spec(vkey), 6)
+    sw.announce_all()
+    v = make_validator(sw, vkey, tmp_path / "v", local=local)
+    assert v.budgets is local.budgets and (v.budgets.max_fetches, v.budgets.fetch_timeout_s) == (4, 12.5)
+    honest_window(sw, v, sw.peers)
+    report = v.run_window()
+    assert report is not None and report.accepted == 4
+    assert sum(r.reason == "over_budget" for r in v.log.rows(windows=(0, 0))) == 2
     v.close()
     sw.close()
 

@@ -1,7 +1,10 @@
 """What one validator spends on a window: local settings, never part of the run's identity.
 
 The swarm is permissionless, so anyone can list keys, announce identities and upload bytes at no
-cost. These caps bound what that costs the validator, whatever the number of identities::
+cost. These caps bound what that costs the validator, whatever the number of identities. They are
+the ``budgets`` section of the local settings (:class:`protocol.settings.BudgetSettings`): run.toml's
+``[local.budgets]``, a ``--settings`` file, ``SPARSELOCO_BUDGETS_*`` variables or the flags of
+``sparseloco-validator run`` (``--max-fetches``, ``--max-fetch-bytes``, ``--fetch-timeout`` …)::
 
     Budgets(max_fetches=256, max_fetch_bytes=8 << 30, fetch_timeout_s=30.0)
 
@@ -21,24 +24,8 @@ cost. These caps bound what that costs the validator, whatever the number of ide
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from protocol.errors import ConfigError
+from protocol.settings import BudgetSettings
 
 __all__ = ["Budgets"]
 
-
-@dataclass(frozen=True)
-class Budgets:
-    max_fetches: int = 256
-    max_fetch_bytes: int = 8 << 30
-    fetch_timeout_s: float = 30.0
-    max_announcements_per_poll: int = 64
-    max_tracked_peers: int = 4096
-    newcomer_wait: float = 0.5
-
-    def __post_init__(self) -> None:
-        if min(self.max_fetches, self.max_fetch_bytes, self.max_announcements_per_poll, self.max_tracked_peers) < 1:
-            raise ConfigError("validator budgets must be positive")
-        if self.fetch_timeout_s <= 0 or not 0.0 <= self.newcomer_wait <= 1.0:
-            raise ConfigError("fetch_timeout_s must be > 0 and newcomer_wait in [0, 1]")
+Budgets = BudgetSettings

@@ -11,14 +11,17 @@
                              [--grant-port PORT [--grant-host HOST] [--tls-cert PEM --tls-key PEM]]
                              [--wait-for-peers N] [--retain-windows K [--retain-checkpoint-every M]]
                              [--metrics-port PORT] [--log-format human|json]
+                             [--max-fetches N] [--max-fetch-bytes B] [--fetch-timeout S] …
     sparseloco-validator gc --run run.toml [--store URL] [--retain-windows K]
                             [--retain-checkpoint-every M] [--key validator.pem] [--dry-run] [--json]
     sparseloco-validator logs --db vstate/contributions.sqlite [--peer ID] [--window A:B] [--rejected]
                               [--windows | --evals] [--json | --csv] [--summary] [--plot PNG]
     sparseloco-validator dashboard --db vstate/contributions.sqlite [--host 127.0.0.1] [--port 8080]
 
-Local settings (store, corpus, device, poll interval …; :mod:`protocol.settings`) come from the
-flags, then ``SPARSELOCO_*`` variables, then ``--settings FILE``, then run.toml's ``[local]`` table.
+Local settings (store, device, poll interval, the window budgets …; :mod:`protocol.settings`) come
+from the flags, then ``SPARSELOCO_*`` variables, then ``--settings FILE``, then run.toml's
+``[local]`` table; the flags of each command are generated from the settings it names
+(:mod:`protocol.settings_cli`).
 With ``--grant-port`` the validator also serves grants (:mod:`validator.grant_server`): peers
 without a store credential get presigned requests for their own keys and for reading the run.
 
@@ -32,17 +35,13 @@ it). Exit codes: 0 done, 1 the store failed at start, 2 configuration/identity e
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
-from contextlib import ExitStack
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING
 
 import click
@@ -51,30 +50,37 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, ProtocolError, StoreError
-from protocol.events import Event, EventWriter, Failed, GrantsServed, Stopped, ValidatorStarted, describe
+from protocol.events import Failed
 from protocol.identity import Identity
-from protocol.logformat import FORMATS, JsonLogLines, setup_logging
-from protocol.settings import LocalSettings, load_settings, resolve_settings, settings_help
-from protocol.store import open_from_settings
-from protocol.store.presign import Presigner
+from protocol.logformat import FORMATS, setup_logging
+from protocol.settings import SETTINGS, resolve_settings, settings_help
+from protocol.settings_cli import COMPUTE_FLAGS, STORE_FLAGS, Overrides, setting_options
 from validator import logs_report
 from validator.log import LOG_FILE, ContributionLog
 from validator.logview import LogView
+from validator.serve import EXIT_CONFIG, EXIT_STORE, ROLE, Node, Reporting, event_lines, validate
 
 if TYPE_CHECKING:
-    from validator.grant_server import GrantServer
-    from validator.grants import OpenWindows
     from validator.init import InitResult
-    from validator.node import Validator
 
 DEFAULT_KEY = "~/.sparseloco/validator.pem"
 DEFAULT_STATE = "validator-state"
-ROLE = "validator"
-EXIT_STORE = 1
-EXIT_CONFIG = 2
-EXIT_INTERRUPTED = 130
 
-Emit = Callable[[Event], None]
+# The settings each command takes as flags (the others: environment, --settings, run.toml [local]).
+RETAIN_FLAGS = ("validator.retain_windows", "validator.retain_checkpoint_every")
+BUDGET_FLAGS = tuple(name for name in SETTINGS if name.startswith("budgets."))
+RUN_FLAGS = (
+    *STORE_FLAGS,
+    *COMPUTE_FLAGS,
+    "validator.eval_every",
+    "validator.eval_sequences",
+    "validator.grant_port",
+    "validator.grant_host",
+    "validator.tls_cert",
+    "validator.tls_key",
+    *RETAIN_FLAGS,
+    *BUDGET_FLAGS,
+)
 
 
 @click.group()
@@ -106,10 +112,7 @@ def keygen(key_path: str, as_json: bool) -> None:
     required=True,
     help="builtin:stdlib, a text file or directory, a .jsonl file, or a shard directory (repeatable).",
 )
-@click.option("--store", "store_url", required=True, help="Store URL the run lives in (written to [local.store]).")
-@click.option(
-    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
-)
+@setting_options(*STORE_FLAGS, settings_file=False, required=("store.url",))
 @click.option(
     "--key", "key_path", default=DEFAULT_KEY, show_default=True, help="Validator Ed25519 key (created if missing)."
 )
@@ -132,8 +135,7 @@ def keygen(key_path: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def init(
     corpus: tuple[str, ...],
-    store_url: str,
-    dht_peers: tuple[str, ...],
+    overrides: Overrides,
     key_path: str,
     tokenizer: str,
     text_field: str,
@@ -151,7 +153,8 @@ def init(
     The RunSpec is the base (--preset or --spec) with data.dataset (the manifest's digest),
     data.tokenizer ('bytes' or 'hf:<sha256>'), this key in validator.public_keys and
     model.vocab_size at least the tokenizer's; run.toml's [local] table names the store (and
-    keeps the base's [local] table). Peers fetch only the shards their batches need.
+    keeps the base's [local] table; --store and --dht-peer are written to it). Peers fetch only
+    the shards their batches need.
     Prints the run id and run hash. Exit status: 0 done, 1 the store failed, 2 configuration.
     """
     from validator.dataset import DEFAULT_SHARD_TOKENS
@@ -160,10 +163,9 @@ def init(
     err = Console(stderr=True, highlight=False)
     try:
         base, table = base_spec(preset, spec_path)
-        store_table = {"url": store_url, **({"dht_bootstrap": list(dht_peers)} if dht_peers else {})}
-        table = {**table, "store": {**table.get("store", {}), **store_table}}
-        flags = {"store.url": store_url, "store.dht_bootstrap": list(dht_peers) or None}
-        settings = resolve_settings(run_local=table, env=os.environ, flags=flags)
+        given = {name.split(".")[1]: overrides.get(name) for name in STORE_FLAGS if overrides.get(name)}
+        table = {**table, "store": {**table.get("store", {}), **given}}
+        settings = resolve_settings(run_local=table, env=os.environ, flags=overrides.flags)
         identity = Identity.load_or_create(Path(key_path).expanduser())
         with _InitProgress(err) as steps:
             result = init_run(
@@ -248,67 +250,16 @@ class _InitProgress:
 
 @cli.command(epilog=settings_help())
 @click.option("--run", "run_path", required=True, type=click.Path(dir_okay=False), help="RunSpec TOML.")
-@click.option(
-    "--settings",
-    "settings_path",
-    default=None,
-    type=click.Path(exists=True, dir_okay=False),
-    help="Local settings TOML (the keys of run.toml's [local] table).",
-)
-@click.option("--store", "store_url", default=None, help="Store URL (setting store.url).")
-@click.option(
-    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
-)
+@setting_options(*RUN_FLAGS)
 @click.option("--key", "key_path", default=DEFAULT_KEY, show_default=True, help="Validator Ed25519 key file.")
 @click.option("--state", "state_dir", default=DEFAULT_STATE, show_default=True, help="State directory (θ, log).")
-@click.option(
-    "--device", default=None, help="Torch device for scoring: cpu, cuda, cuda:1 (compute.device) [default: cpu]."
-)
 @click.option("--windows", type=int, default=None, help="Stop after N windows (default: run until stopped).")
-@click.option("--threads", type=int, default=None, help="Torch CPU threads (compute.threads; 0: torch's default).")
 @click.option("--status-json", is_flag=True, help="One JSON event per line on stdout instead of human lines.")
-@click.option(
-    "--eval-every",
-    type=click.IntRange(0),
-    default=None,
-    help="Evaluate θ (loss, perplexity, bits per byte) every N windows into the log (0: never) "
-    "[validator.eval_every, default 0].",
-)
-@click.option(
-    "--eval-sequences",
-    type=click.IntRange(1),
-    default=None,
-    help="Validation sequences per periodic evaluation [validator.eval_sequences, default 256].",
-)
-@click.option(
-    "--grant-port",
-    type=click.IntRange(0, 65535),
-    default=None,
-    help="Serve grants on this port: peers need no store credential, only store.grant_url "
-    "(validator.grant_port; 0: no grant server) [needs an s3:// store].",
-)
-@click.option("--grant-host", default=None, help="Address the grant server binds (validator.grant_host) [0.0.0.0].")
-@click.option("--tls-cert", default=None, help="PEM certificate: serve grants over HTTPS (validator.tls_cert).")
-@click.option("--tls-key", default=None, help="PEM private key of --tls-cert (validator.tls_key).")
 @click.option(
     "--wait-for-peers",
     type=click.IntRange(0),
     default=0,
     help="A new run: publish genesis (open window 0) only once N peers have announced.",
-)
-@click.option(
-    "--retain-windows",
-    type=click.IntRange(0),
-    default=None,
-    help="After each publish, delete contributions and aggregates older than the last K windows, "
-    "keeping what joiners need (validator.retain_windows; 0: keep everything, K >= 2).",
-)
-@click.option(
-    "--retain-checkpoint-every",
-    type=click.IntRange(0),
-    default=None,
-    help="With --retain-windows: also keep every M-th checkpoint (validator.retain_checkpoint_every; "
-    "0: only those catch-up needs).",
 )
 @click.option(
     "--log-format",
@@ -329,24 +280,12 @@ class _InitProgress:
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def run(
     run_path: str,
-    settings_path: str | None,
-    store_url: str | None,
-    dht_peers: tuple[str, ...],
+    overrides: Overrides,
     key_path: str,
     state_dir: str,
-    device: str | None,
     windows: int | None,
-    threads: int | None,
     status_json: bool,
-    eval_every: int | None,
-    eval_sequences: int | None,
-    grant_port: int | None,
-    grant_host: str | None,
-    tls_cert: str | None,
-    tls_key: str | None,
     wait_for_peers: int,
-    retain_windows: int | None,
-    retain_checkpoint_every: int | None,
     log_format: str,
     metrics_port: int | None,
     metrics_host: str,
@@ -376,90 +315,18 @@ def run(
     or interrupted.
     """
     setup_logging(log_format, verbose=verbose, stream=sys.stderr)
-    emit: Emit
-    if status_json:
-        emit = EventWriter(sys.stdout)
-    elif log_format == "json":
-        emit = JsonLogLines(sys.stdout, role=ROLE)
-    else:
-        emit = _HumanLines(Console(highlight=False, soft_wrap=True))
-    flags = {
-        "store.url": store_url,
-        "store.dht_bootstrap": list(dht_peers) or None,
-        "compute.device": device,
-        "compute.threads": threads,
-        "validator.eval_every": eval_every,
-        "validator.eval_sequences": eval_sequences,
-        "validator.grant_port": grant_port,
-        "validator.grant_host": grant_host,
-        "validator.tls_cert": tls_cert,
-        "validator.tls_key": tls_key,
-        "validator.retain_windows": retain_windows,
-        "validator.retain_checkpoint_every": retain_checkpoint_every,
-    }
-    # torch and the grant desk load here, not at import: `logs` (what sparseloco demo runs) stays quick.
-    from validator.grants import OpenWindows
-    from validator.state import STATE_FILE
-
-    windows_open = OpenWindows()  # the grant desk's view of the window clock, from our own events
-    sinks: list[Emit] = [windows_open.observe]
-
-    def emit_all(event: Event) -> None:
-        for sink in sinks:
-            sink(event)
-        emit(event)
-
-    with ExitStack() as stack:
-        if metrics_port is not None:
-            from protocol.metrics import Metrics
-
-            metrics = Metrics(role=ROLE)
-            sinks.append(metrics)
-            stack.enter_context(metrics.serve(metrics_port, metrics_host))
-        try:
-            local = load_settings(run_path, settings_path=settings_path, flags=flags)
-            validator = _open_validator(run_path, local, key_path, state_dir, emit_all)
-            stack.callback(validator.close)
-            if local.validator.grant_port:
-                stack.enter_context(_grant_server(validator, local, windows_open, emit_all))
-        except ConfigError as exc:
-            emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
-            sys.exit(EXIT_CONFIG)
-        except StoreError as exc:  # the run's dataset manifest could not be read
-            emit(Failed(role=ROLE, reason=exc.reason, detail=str(exc)))
-            sys.exit(EXIT_STORE)
-        _install_stop(validator)
-        if wait_for_peers and not (Path(state_dir) / STATE_FILE).exists():
-            _wait_for_peers(validator, wait_for_peers)
-        code = _serve(validator, windows, emit_all)
-    sys.exit(code)
+    out = Reporting(event_lines(status_json, log_format), metrics_port, metrics_host)
+    try:
+        local = overrides.load(run_path)
+    except ConfigError as exc:
+        out.emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
+        sys.exit(EXIT_CONFIG)
+    sys.exit(validate(run_path, local, Node(key_path, state_dir, windows, wait_for_peers), out))
 
 
 @cli.command(epilog=settings_help())
 @click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False), help="RunSpec TOML.")
-@click.option(
-    "--settings",
-    "settings_path",
-    default=None,
-    type=click.Path(exists=True, dir_okay=False),
-    help="Local settings TOML (the keys of run.toml's [local] table).",
-)
-@click.option("--store", "store_url", default=None, help="Store URL (setting store.url).")
-@click.option(
-    "--dht-peer", "dht_peers", multiple=True, help="DHT bootstrap multiaddr (repeatable; store.dht_bootstrap)."
-)
-@click.option(
-    "--retain-windows",
-    type=click.IntRange(0),
-    default=None,
-    help="Keep contributions and aggregates of the last K windows (validator.retain_windows; K >= 2).",
-)
-@click.option(
-    "--retain-checkpoint-every",
-    type=click.IntRange(0),
-    default=None,
-    help="Also keep every M-th checkpoint (validator.retain_checkpoint_every; 0: only those catch-up needs).",
-)
+@setting_options(*STORE_FLAGS, *RETAIN_FLAGS)
 @click.option(
     "--key",
     "key_path",
@@ -469,17 +336,7 @@ def run(
 )
 @click.option("--dry-run", is_flag=True, help="List what would be deleted; delete nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def gc(
-    run_path: str,
-    settings_path: str | None,
-    store_url: str | None,
-    dht_peers: tuple[str, ...],
-    retain_windows: int | None,
-    retain_checkpoint_every: int | None,
-    key_path: str | None,
-    dry_run: bool,
-    as_json: bool,
-) -> None:
+def gc(run_path: str, overrides: Overrides, key_path: str | None, dry_run: bool, as_json: bool) -> None:
     """Delete what the retention policy no longer keeps: contributions and aggregates older than
     the last K windows, checkpoints before the newest one a joiner can start from (except genesis
     and every M-th). The newest checkpoint, every aggregate after it, the dataset and the
@@ -490,14 +347,8 @@ def gc(
     """
     from validator.collection import collect_run
 
-    flags = {
-        "store.url": store_url,
-        "store.dht_bootstrap": list(dht_peers) or None,
-        "validator.retain_windows": retain_windows,
-        "validator.retain_checkpoint_every": retain_checkpoint_every,
-    }
     try:
-        local = load_settings(run_path, settings_path=settings_path, flags=flags)
+        local = overrides.load(run_path)
         spec = RunSpec.load(run_path)
         ident = Identity.load(Path(key_path)) if key_path else None
         report = collect_run(spec, local, identity=ident, dry_run=dry_run)
@@ -513,113 +364,6 @@ def gc(
         report.print(Console(highlight=False, soft_wrap=True))
 
 
-def _open_validator(run_path: str, local: LocalSettings, key_path: str, state_dir: str, emit: Emit) -> Validator:
-    """The Validator the options describe; ValidatorStarted is its first event."""
-    # torch and the node load here, not at import: `logs` (what sparseloco demo runs) stays quick.
-    import torch
-
-    from protocol.devices import resolve_device
-    from validator.node import Validator
-
-    if local.compute.threads > 0:
-        torch.set_num_threads(local.compute.threads)
-    spec = RunSpec.load(run_path)
-    if not spec.data.dataset:
-        raise ConfigError(
-            f"{run_path} names no dataset (data.dataset): a run's data lies in its store; create the run "
-            "with `sparseloco-validator init`"
-        )
-    ident = Identity.load(Path(key_path).expanduser())
-    device = resolve_device(local.compute.device, default="cpu")
-    # store.grant_url / public_reads are how peers reach the run; the validator holds the credential.
-    local = dataclasses.replace(local, store=dataclasses.replace(local.store, grant_url="", public_reads=False))
-    store = open_from_settings(local.store, identity=ident, validator_keys=spec.validator.public_keys)
-    validator = Validator(spec, store, ident, state_dir, device=device, local=local, emit=emit)
-    started = ValidatorStarted(
-        peer_id=ident.peer_id,
-        run_id=validator.run_id,
-        run_hash=validator.run_hash,
-        store=local.store.location(),
-        device=device,
-    )
-    emit(started)
-    return validator
-
-
-def _grant_server(validator: Validator, local: LocalSettings, windows_open: OpenWindows, emit: Emit) -> GrantServer:
-    """The started grant server of ``validator`` (its store signs the grants); GrantsServed says where."""
-    from validator.grant_server import GrantServer
-    from validator.grants import GrantDesk
-
-    if not isinstance(validator.store, Presigner):
-        raise ConfigError(
-            f"--grant-port hands out presigned S3 requests: it needs an s3:// store, not {local.store.url}"
-        )
-    desk = GrantDesk(validator.spec, validator.store, windows_open.current, emit=emit)
-    settings = local.validator
-    server = GrantServer(
-        desk, settings.grant_host, settings.grant_port, tls_cert=settings.tls_cert, tls_key=settings.tls_key
-    ).start()
-    emit(GrantsServed(url=server.url))
-    return server
-
-
-def _wait_for_peers(validator: Validator, count: int) -> None:
-    """Until ``count`` peers have announced (and not withdrawn), or the validator is stopped."""
-    while not validator.stop.is_set():
-        registry = validator.registry
-        if len(registry.refresh() - registry.withdrawn) >= count:
-            return
-        validator.stop.wait(validator.local.poll_interval_s)
-
-
-def _serve(validator: Validator, windows: int | None, emit: Emit) -> int:
-    """Run until done, stopped or failed; the exit status (the last event says why)."""
-    try:
-        validator.run(windows)
-    except ConfigError as exc:
-        emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
-        return EXIT_CONFIG
-    except KeyboardInterrupt:  # a second Ctrl-C: the current window is redone on restart
-        emit(Stopped(role=ROLE, reason="interrupted", window=_window(validator)))
-        return EXIT_INTERRUPTED
-    if validator.stop.is_set():  # Ctrl-C or SIGTERM: an unfinished window is redone on restart
-        emit(Stopped(role=ROLE, reason="stopped", window=_window(validator)))
-        return EXIT_INTERRUPTED
-    emit(Stopped(role=ROLE, reason="done", window=_window(validator)))
-    return 0
-
-
-def _window(validator: Validator) -> int | None:
-    """The window a restart resumes at (None before the state was loaded)."""
-    return validator.state.window if validator.state is not None else None
-
-
-class _HumanLines:
-    """Events as human lines on ``console``: local time, then :func:`protocol.events.describe`."""
-
-    def __init__(self, console: Console) -> None:
-        self.console = console
-
-    def __call__(self, event: Event) -> None:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.time))
-        self.console.print(f"{stamp} {describe(event)}")
-        sys.stdout.flush()  # a pipe (a log collector) sees each line when it happens
-
-
-def _install_stop(validator: Validator) -> None:
-    """First Ctrl-C / SIGTERM: stop after (or abandon) the current window; second Ctrl-C: now."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        if validator.stop.is_set() and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        validator.stop.set()
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-
-
-# ------------------------------------------------------------------------------ logs
 @cli.command(help=logs_report.HELP)
 @click.option("--db", default=str(Path(DEFAULT_STATE) / LOG_FILE), show_default=True, help="Contribution log.")
 @click.option("--peer", default=None, help="Peer id (a prefix is enough).")

@@ -184,7 +184,7 @@ class Validator:
     """Owns θ_t, the store handle, the contribution log and the state directory.
 
     ``budgets``: what a window may cost this validator (:class:`~validator.budgets.Budgets`;
-    local, not part of the RunSpec)."""
+    local, not part of the RunSpec; default: the local settings' ``budgets``)."""
 
     def __init__(
         self,
@@ -229,7 +229,7 @@ class Validator:
         self.emit = emit or _ignore  # WindowOpened, WindowWaiting, WindowPublished, WindowRetry
         self._gathering: int | None = None  # the window whose WindowOpened was emitted last
         self.clock = clock
-        self.budgets = budgets or Budgets()
+        self.budgets = budgets or self.local.budgets
         self.registry = PeerRegistry(
             store,
             self.run_id,
