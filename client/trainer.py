@@ -74,17 +74,8 @@ class InnerTrainer:
         self.micro_batch_size = micro_batch_size
         self.reduce = reduce
         self.step = 0  # global inner step: indexes the schedule across windows and restarts
-        params = parameters_of(model)
-        # Weight decay on matrices only; norms (1-D) are not decayed.
-        decay = [p for _, p in sorted(params.items()) if p.ndim >= 2]
-        no_decay = [p for _, p in sorted(params.items()) if p.ndim < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=cfg.betas,
-            eps=1e-8,
-        )
-        self._params = decay + no_decay
+        self.optimizer = inner_optimizer(parameters_of(model), cfg)
+        self._params = [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def train_window(self, batches: Sequence[Tensor], *, rows: int | None = None) -> WindowStats:
         """One inner step per batch [B, T+1]; returns the window's statistics.
@@ -154,19 +145,44 @@ class InnerTrainer:
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         """Global step and AdamW state (moments on the device; the peer's state dir stores them)."""
-        return {"step": self.step, "optimizer": self.optimizer.state_dict()}
+        return optimizer_state(self.step, self.optimizer)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; ConfigError if it does not fit this model."""
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as exc:
-            raise ConfigError(f"inner-optimizer state does not fit this model: {exc}") from exc
-        self.step = int(state["step"])
+        self.step = restore_optimizer(self.optimizer, state, "this model")
 
 
 # ---------------------------------------------------------------------- pseudo-gradients
 @torch.no_grad()
+def inner_optimizer(params: Mapping[str, Tensor], cfg: InnerConfig) -> torch.optim.AdamW:
+    """The inner AdamW over ``params`` in name order: weight decay on matrices only (norms, 1-D,
+    are not decayed). A full replica and a pipeline stage build it alike."""
+    names = sorted(params)
+    decay = [params[n] for n in names if params[n].ndim >= 2]
+    no_decay = [params[n] for n in names if params[n].ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=1e-8,
+    )
+
+
+def optimizer_state(step: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a peer checkpoints of an inner optimizer: the global step and the AdamW state."""
+    return {"step": step, "optimizer": optimizer.state_dict()}
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], what: str) -> int:
+    """Load :func:`optimizer_state` into ``optimizer``; the global step. ConfigError if it does not
+    fit ``what`` (the model or stage it was built for)."""
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"inner-optimizer state does not fit {what}: {exc}") from exc
+    return int(state["step"])
+
+
 def snapshot(model: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:
     """A CPU float32 copy of every parameter (θ_t before the inner loop)."""
     return {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in parameters_of(model).items()}

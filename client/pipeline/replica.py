@@ -37,6 +37,7 @@ from client.pipeline.schedule import clip_coefficient, pipeline_step
 from client.pipeline.stage import Stage, plan_stages
 from client.pipeline.subspace import Subspace, constrained_names, localize, project_parameters_
 from client.schedule import lr_at
+from client.trainer import inner_optimizer, optimizer_state, restore_optimizer
 from protocol.codec import Encoded
 from protocol.config import RunSpec
 from protocol.data.assignment import TokenDataset, assigned_batches, pipeline_data_key
@@ -114,32 +115,15 @@ class PipelineStage:
         last_boundary = plans[-1].start
         self.constrained = [] if self.subspace is None else constrained_names(spec.model.n_layers, last_boundary)
         self.params = self.stage.slice_parameters()
-        # Same optimizer as client.trainer.InnerTrainer: decay on matrices, none on norms.
-        names = sorted(self.params)
-        self.optimizer = torch.optim.AdamW(
-            [
-                {
-                    "params": [self.params[n] for n in names if self.params[n].ndim >= 2],
-                    "weight_decay": spec.inner.weight_decay,
-                },
-                {"params": [self.params[n] for n in names if self.params[n].ndim < 2], "weight_decay": 0.0},
-            ],
-            lr=spec.inner.lr,
-            betas=spec.inner.betas,
-            eps=1e-8,
-        )
+        self.optimizer = inner_optimizer(self.params, spec.inner)  # as a full replica's
         self.step = 0  # global inner step after the last trained one (the schedule index is window·H + i)
 
     # Same shape as InnerTrainer's, so a peer checkpoints a stage's optimizer like a full replica's.
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "optimizer": self.optimizer.state_dict()}
+        return optimizer_state(self.step, self.optimizer)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as exc:
-            raise ConfigError(f"inner-optimizer state does not fit this stage: {exc}") from exc
-        self.step = int(state["step"])
+        self.step = restore_optimizer(self.optimizer, state, "this stage")
 
     def start_window(self, theta: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Load θ_t (localized into the subspace when compressing); returns the slice's start (CPU)."""
