@@ -186,14 +186,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
 def read_request(body: bytes, signature_hex: str | None) -> SignedRequest:
     """Parse and verify a request as received; :class:`GrantRefused` (``malformed`` or
     ``bad_signature``) for anything else. Freshness and scope are the server's to check."""
-    if len(body) > MAX_REQUEST_BYTES:
-        raise GrantRefused("malformed", f"request body over {MAX_REQUEST_BYTES} bytes")
-    try:
-        raw = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise GrantRefused("malformed", "request body is not JSON") from None
-    if not isinstance(raw, dict) or set(raw) != set(_TYPES):
-        raise GrantRefused("malformed", f"request must be a JSON object with exactly {', '.join(sorted(_TYPES))}")
+    raw = _json_object(body, MAX_REQUEST_BYTES, set(_TYPES), "request body", "request")
     for name, tp in _TYPES.items():
         value = raw[name]
         if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
@@ -232,15 +225,7 @@ def encode_grant(grant: Presigned) -> bytes:
 def decode_grant(body: bytes) -> Presigned:
     """A grant server's 200 answer as a :class:`Presigned`; :class:`GrantRefused` ``malformed``
     when it is not one (a proxy's error page, a server of another version)."""
-    if len(body) > MAX_GRANT_BYTES:
-        raise GrantRefused("malformed", f"grant over {MAX_GRANT_BYTES} bytes")
-    try:
-        raw = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise GrantRefused("malformed", "the grant server's answer is not JSON") from None
-    want = {f.name for f in fields(Presigned)}
-    if not isinstance(raw, dict) or set(raw) != want:
-        raise GrantRefused("malformed", f"a grant has exactly the fields {', '.join(sorted(want))}")
+    raw = _json_object(body, MAX_GRANT_BYTES, {f.name for f in fields(Presigned)}, "the grant server's answer", "grant")
     method, url, expires_at, headers, key_prefix = (
         raw[n] for n in ("method", "url", "expires_at", "headers", "key_prefix")
     )
@@ -280,3 +265,17 @@ def decode_refusal(status: int, body: bytes, *, retry_after: str | None = None) 
     except ValueError:
         wait = 0.0
     return GrantRefused(reason, f"HTTP {status}: {detail or 'no detail'}", retry_after_s=wait)
+
+
+def _json_object(body: bytes, limit: int, keys: set[str], what: str, kind: str) -> dict[str, Any]:
+    """``body`` as a JSON object with exactly ``keys``, at most ``limit`` bytes; else
+    :class:`GrantRefused` ``malformed`` (``what``/``kind`` name it in the message)."""
+    if len(body) > limit:
+        raise GrantRefused("malformed", f"{what} over {limit} bytes")
+    try:
+        raw = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise GrantRefused("malformed", f"{what} is not JSON") from None
+    if not isinstance(raw, dict) or set(raw) != keys:
+        raise GrantRefused("malformed", f"a {kind} is a JSON object with exactly {', '.join(sorted(keys))}")
+    return raw
