@@ -29,6 +29,7 @@ from protocol.store import open_peer_store
 from protocol.store.granted import GrantedStore, GrantNotGiven, parse_listing
 from protocol.store.grants import (
     GRANT_PATH,
+    MAX_REQUEST_BYTES,
     SIGNATURE_HEADER,
     GrantRefused,
     GrantRequest,
@@ -164,6 +165,33 @@ def test_garbage_is_malformed() -> None:
     for body in (b"", b"[]", b"\xff\xfe", b"{" * 5000):
         with pytest.raises(GrantRefused, match="malformed"):
             read_request(body, "0" * 128)
+
+
+def test_deep_nesting_is_refused_before_any_parser_recurses() -> None:
+    """4 KiB of ``[`` (within the size cap) once raised RecursionError inside json.loads on the
+    server's request thread; it is a ``malformed`` refusal, reported like every other."""
+    for body in (b"[" * MAX_REQUEST_BYTES, b'{"a":' * 600 + b"1" + b"}" * 600, b"[[[[[1]]]]]"):
+        with pytest.raises(GrantRefused, match="nests deeper"):
+            read_request(body, "0" * 128)
+    d = Desk()
+    with pytest.raises(GrantRefused, match="malformed"):
+        d.desk.decide(b"[" * MAX_REQUEST_BYTES, "0" * 128, "198.51.100.1")
+    assert isinstance(d.events[-1], GrantDenied) and d.events[-1].reason == "malformed"
+    with pytest.raises(GrantRefused, match="nests deeper"):
+        decode_grant(b"[" * 10_000)
+
+
+def test_brackets_inside_strings_are_not_nesting() -> None:
+    """Brackets and escaped quotes inside strings do not count: such a request gets as far as its
+    signature check."""
+    request = GrantRequest(RUN_HASH, "get", layout.aggregate_key(RUN, 1), 0, False, "", NOW, _nonce())
+    body, headers = encode_request(request, ALICE)
+    assert read_request(body, headers[SIGNATURE_HEADER]).request == request
+    raw = json.loads(body)
+    raw["nonce"] = '[[[[[[{{{{\\"[[[['
+    with pytest.raises(GrantRefused) as info:
+        read_request(json.dumps(raw).encode(), headers[SIGNATURE_HEADER])
+    assert info.value.reason in ("malformed", "bad_signature") and "nests" not in str(info.value)
 
 
 def test_write_scope_is_the_peers_own_keys() -> None:

@@ -66,6 +66,7 @@ INFO_PATH = "/v1/info"
 SIGNATURE_HEADER = "X-Sparseloco-Signature"
 DOMAIN = b"sparseloco-grant-v1\n"  # a grant signature can never pass for an object's signature
 MAX_REQUEST_BYTES = 4096
+MAX_JSON_DEPTH = 4  # a request is a flat object; a grant's headers one level below it
 MAX_GRANT_BYTES = 16384
 MAX_SKEW_S = 300.0  # clocks of volunteers' machines drift; S3 itself allows 15 minutes
 PROBE_MAX_BYTES = 16 << 20  # a preflight probe: enough to measure bandwidth, little to store
@@ -272,10 +273,35 @@ def _json_object(body: bytes, limit: int, keys: set[str], what: str, kind: str) 
     :class:`GrantRefused` ``malformed`` (``what``/``kind`` name it in the message)."""
     if len(body) > limit:
         raise GrantRefused("malformed", f"{what} over {limit} bytes")
+    if _nesting(body) > MAX_JSON_DEPTH:
+        raise GrantRefused("malformed", f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         raw = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise GrantRefused("malformed", f"{what} is not JSON") from None
     if not isinstance(raw, dict) or set(raw) != keys:
         raise GrantRefused("malformed", f"a {kind} is a JSON object with exactly {', '.join(sorted(keys))}")
     return raw
+
+
+def _nesting(body: bytes) -> int:
+    """The deepest nesting of arrays and objects in ``body`` (outside strings), found before any
+    parser recurses into it: a body of 4 KiB of ``[`` is refused, not parsed."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in body:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return deepest
