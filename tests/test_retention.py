@@ -23,6 +23,7 @@ from protocol import layout
 from protocol.errors import ConfigError
 from protocol.identity import Identity
 from protocol.model import fingerprint
+from protocol.replay import Chain
 from protocol.settings import LocalSettings, ValidatorSettings
 from tests.validator_fixtures import LOCAL, Swarm, tiny_spec
 from validator.cli import cli
@@ -133,6 +134,30 @@ def test_a_forged_checkpoint_is_never_an_anchor(swarm: Swarm, vkey: Identity, tm
     # a checkpoint goes manifest first, then its files
     ckpt2 = [k for k in plan.delete if k.startswith(layout.checkpoint_prefix(swarm.run, 2))]
     assert ckpt2[0].endswith("/manifest") and len(ckpt2) == 2
+
+
+def test_a_checkpoint_whose_files_are_junk_is_never_an_anchor(swarm: Swarm, vkey: Identity, tmp_path: Path) -> None:
+    """Junk at a real checkpoint's weight key (present, but not the bytes its manifest signed) once
+    made that checkpoint the anchor, and aggregates before it were deleted: files are checked by
+    sha256, and a caller's set of verified files saves reading them again."""
+    v = validator(swarm, vkey, tmp_path / "v", local=LOCAL)
+    run_windows(swarm, v, 10)
+    manifest = Chain(swarm.spec, swarm.handle()).manifest(6).value
+    weights = manifest.files[0].key
+    good = swarm.store.get(weights)
+    swarm.store.delete(weights)
+    swarm.store.put(weights, bytes(len(good)))  # the signed size, other bytes
+    signers = swarm.spec.validator.public_keys
+    policy = Retention(3, 0)
+    plan = plan_collection(swarm.store, swarm.run, swarm.run_hash, current=10, policy=policy, signers=signers)
+    assert plan.anchor == 4 and layout.aggregate_key(swarm.run, 4) not in plan.delete
+    swarm.store.delete(weights)
+    swarm.store.put(weights, good)
+    seen: set[tuple[str, str]] = set()
+    plan = plan_collection(
+        swarm.store, swarm.run, swarm.run_hash, current=10, policy=policy, signers=signers, verified=seen
+    )
+    assert plan.anchor == 6 and (weights, manifest.files[0].sha256) in seen
 
 
 def test_gc_command_lists_then_deletes_with_totals(swarm: Swarm, vkey: Identity, tmp_path: Path) -> None:

@@ -14,8 +14,9 @@ With ``current`` the window the validator is at (aggregates ``< current`` are pu
 
 * contributions of windows ``< h`` are deleted: the validator reads only the current window and the
   one before it (late uploads);
-* the *anchor* is the newest checkpoint at a window ``≤ h`` whose signed manifest verifies and
-  belongs to the store's launch (genesis when there is none). Aggregates before the anchor are
+* the *anchor* is the newest checkpoint at a window ``≤ h`` whose signed manifest verifies,
+  belongs to the store's launch and whose files have the sizes and sha256 it signed (genesis when
+  there is none). Aggregates before the anchor are
   deleted, and so are checkpoints before it, except genesis (the root of the chain) and every
   ``checkpoint_every``-th (archival snapshots, 0: none);
 * everything else stays: every checkpoint after the anchor (so the newest one), every aggregate
@@ -35,14 +36,16 @@ backlog over the next windows; ``sparseloco-validator gc`` applies it at once (o
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, MutableSet, Sequence
 from dataclasses import dataclass
 
 from protocol import layout
 from protocol.chain import checkpoint_base, read_aggregate, read_launch, read_manifest
-from protocol.errors import ConfigError, MalformedPayload, ObjectNotFound, ProtocolError
+from protocol.errors import ConfigError, MalformedPayload, ObjectNotFound, ProtocolError, StoreError
 from protocol.store.base import ObjectStore
+from protocol.wire import CheckpointFile
 
 __all__ = ["MIN_WINDOWS", "Plan", "Retention", "checkpoint_windows", "collect", "plan_collection", "published_window"]
 
@@ -102,17 +105,20 @@ def plan_collection(
     policy: Retention,
     signers: Signers,
     max_deletes: int | None = None,
+    verified: MutableSet[tuple[str, str]] | None = None,
 ) -> Plan:
     """The keys ``policy`` deletes from ``store`` when the run is at window ``current`` (see the
-    module doc); an empty plan when the policy is off. Reads three listings and the manifests of
-    the anchor candidates; deletes nothing."""
+    module doc); an empty plan when the policy is off. Reads three listings, the manifests of the
+    anchor candidates and the anchor's files (each against its signed size and sha256); deletes
+    nothing. ``verified``: (key, sha256) of files already read and verified, kept by a caller that
+    plans every window so that an anchor's files are read once, not once a window."""
     horizon = current - policy.windows
     if not policy.enabled or horizon <= 0:
         return Plan(current, max(horizon, 0), 0, (), ())
     contribs = _parsed(store.list(layout.contribs_prefix(run)), run)
     aggregates = _parsed(store.list(layout.aggregate_prefix(run)), run)
     checkpoints = _parsed(store.list(layout.checkpoints_prefix(run)), run)
-    anchor = _anchor(store, run, run_hash, checkpoints, horizon, signers)
+    anchor = _anchor(store, run, run_hash, checkpoints, horizon, signers, set() if verified is None else verified)
     delete: list[str] = [k for w, k in contribs if w < horizon]
     delete += [k for w, k in aggregates if w < anchor]
     delete += _checkpoint_order((w, k) for w, k in checkpoints if w < anchor and not policy.archived(w))
@@ -172,10 +178,12 @@ def _anchor(
     checkpoints: Sequence[tuple[int, str]],
     horizon: int,
     signers: Signers,
+    verified: MutableSet[tuple[str, str]],
 ) -> int:
     """The newest checkpoint window ``≤ horizon`` whose manifest verifies, belongs to the store's
-    launch and whose files are all there; 0 (genesis) when there is none. A forged or damaged
-    manifest is never an anchor: trusting one would delete the aggregates a joiner needs."""
+    launch and whose files all have the size and sha256 it signed; 0 (genesis) when there is none.
+    A forged or damaged checkpoint is never an anchor: trusting one — even one whose files are
+    merely present — would delete the aggregates a joiner needs."""
     manifests = sorted(
         {w for w, k in checkpoints if 0 < w <= horizon and k == layout.checkpoint_manifest_key(run, w)}, reverse=True
     )
@@ -189,15 +197,34 @@ def _anchor(
         return 0
     for window in manifests:
         try:
-            verified = read_manifest(store, run, run_hash, window, allowed_signers=signers)
-            checkpoint_base(verified, launch)
+            manifest = read_manifest(store, run, run_hash, window, allowed_signers=signers)
+            checkpoint_base(manifest, launch)
         except (ObjectNotFound, ProtocolError) as exc:
             log.warning("checkpoint %d is not an anchor for retention: %s", window, exc)
             continue
-        if all(f.key in present for f in verified.value.files):
+        files = manifest.value.files
+        if not all(f.key in present for f in files):
+            log.warning("checkpoint %d misses files; not an anchor for retention", window)
+            continue
+        damaged = next((f.key for f in files if not _file_verifies(store, f, verified)), None)
+        if damaged is None:
             return window
-        log.warning("checkpoint %d misses files; not an anchor for retention", window)
+        log.warning("checkpoint %d: %s does not match its signed sha256; not an anchor for retention", window, damaged)
     return 0
+
+
+def _file_verifies(store: ObjectStore, f: CheckpointFile, verified: MutableSet[tuple[str, str]]) -> bool:
+    """Whether ``f``'s bytes in ``store`` have its signed size and sha256 (remembered in ``verified``)."""
+    if (f.key, f.sha256) in verified:
+        return True
+    try:
+        data = store.get(f.key, max_bytes=max(f.size, 1))
+    except (ObjectNotFound, StoreError):
+        return False
+    if len(data) != f.size or hashlib.sha256(data).hexdigest() != f.sha256:
+        return False
+    verified.add((f.key, f.sha256))
+    return True
 
 
 def _checkpoint_order(items: Iterable[tuple[int, str]]) -> list[str]:
