@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from client.peer import Peer, RunNotFound, Staged, UploadsRefused
+from client.peer.sync import NotReady, Sync
 from client.progress import PeerDisplay
 from client.replica import FullReplica
 from client.state import LocalState, Snapshot, flatten, tensors_equal, unflatten
-from client.sync import NotReady, Sync
 from client.trainer import pseudo_gradient
 from client.window import Skipped
 from protocol import layout
@@ -363,7 +363,7 @@ def test_restart_resumes_feedback_and_reuploads_staged_bytes(swarm) -> None:
     staged = p1.train(2)
     assert not isinstance(staged, Skipped)
     assert tensors_equal(committed_feedback(p1), fb.state_dict())  # folded in memory, not committed
-    p1._adopt(staged)
+    p1.uploads.adopt(staged)
     p1.flush()
     again, rec = make_peer(spec, store, root, "a")
     again.join()
@@ -467,7 +467,7 @@ def test_a_store_failing_between_aggregates_keeps_what_was_applied(swarm) -> Non
     applied_before = len(rec.of(Applied))
     peer.catch_up(need=0)
     assert peer.pos.window == 3 and fingerprint(peer.params) == val.fingerprints[2]
-    assert rec.of(SyncFailed)[-1].reason == "store_error" and not peer._diverged
+    assert rec.of(SyncFailed)[-1].reason == "store_error" and not peer.theta.diverged
     peer.sync.store = store
     peer.catch_up(need=0)
     assert peer.pos.window == 4 and fingerprint(peer.params) == val.fingerprints[3]
@@ -564,7 +564,7 @@ def test_resumed_upload_that_fails_gives_delta_back(swarm) -> None:
     e_before = copy_of(p1.feedback)
     staged = p1.train(2)
     assert not isinstance(staged, Skipped)
-    p1._adopt(staged)  # staged and committed, then the process dies before the put
+    p1.uploads.adopt(staged)  # staged and committed, then the process dies before the put
     p1.flush()
     again, rec = make_peer(spec, FlakyStore(store, window=2), root, "a")
     again.join()
@@ -804,14 +804,14 @@ def test_the_eager_forecast_is_the_aggregate_when_the_validator_takes_the_same_c
 
     def publish_after_first_step(**fields: object) -> None:
         if fields.get("window") == 1 and fields.get("step") == 1 and val.window == 0:
-            assert a._forecast is not None
-            forecast.append(a._forecast.contributors)
+            assert a.inflight.forecast is not None
+            forecast.append(a.inflight.forecast.contributors)
             val.close_window(2)
 
     a.display.update = publish_after_first_step  # type: ignore[method-assign]
     staged = a.train(1)
     assert isinstance(staged, Staged) and staged.trained_from == 0 and staged.stats.stale_steps == 1
-    assert forecast == [2] and a.pos.fingerprint == val.fingerprints[0] and a._stand_in == {}
+    assert forecast == [2] and a.pos.fingerprint == val.fingerprints[0] and a.inflight.stand_in == {}
 
     twin, _ = make_peer(spec, store, root, "twin")
     twin.join()  # θ_1: aggregate 0 is published
