@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from client.peer import Peer, RunNotFound, Staged, UploadsRefused
-from client.peer.sync import NotReady, Sync
+from client.peer.sync import Advanced, NotReady, Reloaded, Sync
 from client.progress import PeerDisplay
 from client.replica import FullReplica
 from client.state import LocalState, Snapshot, flatten, tensors_equal, unflatten
@@ -312,6 +312,22 @@ def test_sync_apply_checks_chain_and_fingerprint(swarm) -> None:
         sync.apply(params, pos, agg)
 
 
+def test_sync_steps_are_values_and_a_divergence_reloads_the_newest_checkpoint(swarm) -> None:
+    spec, store, val, _ = swarm
+    for _ in range(3):
+        val.close_window(0, timeout=0)  # checkpoint_every = 2: checkpoints 0 and 2
+    sync = Sync(spec, store)
+    pos, params = sync.load_checkpoint(0, sync.launch())
+    assert [(type(s), s.pos.window) for s in sync.steps(params, pos)] == [(Advanced, 1), (Advanced, 2), (Advanced, 3)]
+    pos, params = sync.load_checkpoint(0, sync.launch())
+    params[sorted(params)[0]].add_(1e-3)  # diverge
+    steps = list(sync.steps(params, pos))
+    assert [(type(s), s.pos.window) for s in steps] == [(Reloaded, 2), (Advanced, 3)]
+    reloaded = steps[0]
+    assert isinstance(reloaded, Reloaded) and isinstance(reloaded.error, DigestMismatch)
+    assert steps[-1].pos.fingerprint == val.fingerprints[-1] == fingerprint(params)
+
+
 # ---------------------------------------------------------------------- the peer loop
 def test_peers_train_and_stay_identical(swarm) -> None:
     spec, store, val, root = swarm
@@ -341,7 +357,7 @@ def committed_feedback(peer: Peer) -> dict[str, torch.Tensor]:
     """e as the state directory holds it, once the peer's lane has written what it was given
     (the peer may be running on another thread: it is not asked to flush)."""
     deadline = time.monotonic() + 30
-    while peer.lane.busy():
+    while peer.uploads.lane.busy():
         assert time.monotonic() < deadline, "the peer's lane did not finish its commits"
         time.sleep(0.01)  # a background thread's queue: no event announces that it drained
     snap = peer.state.load(peer.spec.hash())
@@ -463,12 +479,12 @@ def test_a_store_failing_between_aggregates_keeps_what_was_applied(swarm) -> Non
     run_peers(val, [peer], windows=2)
     val.close_window(0, timeout=0)
     val.close_window(0, timeout=0)
-    peer.sync.store = UnreadableKey(store, layout.aggregate_key(val.run, 3))
+    peer.theta.sync.store = UnreadableKey(store, layout.aggregate_key(val.run, 3))
     applied_before = len(rec.of(Applied))
     peer.catch_up(need=0)
     assert peer.pos.window == 3 and fingerprint(peer.params) == val.fingerprints[2]
     assert rec.of(SyncFailed)[-1].reason == "store_error" and not peer.theta.diverged
-    peer.sync.store = store
+    peer.theta.sync.store = store
     peer.catch_up(need=0)
     assert peer.pos.window == 4 and fingerprint(peer.params) == val.fingerprints[3]
     assert [e.window for e in rec.of(Applied)[applied_before:]] == [2, 3]  # no replay from a checkpoint

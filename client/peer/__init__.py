@@ -104,6 +104,13 @@ next and holds them together):
   (:class:`~client.peer.uploads.PutOutcome`), refusals and the give-back;
 * :mod:`client.peer.context`: what every phase works with and none owns (run, store, key, state
   directory, trainer, settings, display, the request to stop).
+
+A new phase is one more module here: a class built from the :class:`~client.peer.context.PeerContext`
+and the phases whose state it reads (through their methods and public fields), owning its own
+state and answering with values rather than callbacks; :class:`Peer` builds it in ``__init__`` and
+calls it from :meth:`Peer.run` (or from the phase that drives it, as
+:meth:`~client.peer.inflight.InFlight.between_steps` drives :class:`~client.peer.position.CatchUp`
+mid-window).
 """
 
 from client.peer.lifecycle import CLIENT_VERSION, RunNotFound

@@ -14,13 +14,11 @@ import time
 
 from torch import Tensor
 
-from client.lane import Lane
 from client.metered import MeteredStore
 from client.peer.context import PeerContext
 from client.peer.inflight import InFlight, overlaps
 from client.peer.lifecycle import Lifecycle
 from client.peer.position import CatchUp, Theta
-from client.peer.sync import Sync
 from client.peer.uploads import Staged, Uploads
 from client.progress import PeerDisplay
 from client.state import LocalState
@@ -215,11 +213,6 @@ class Peer:
         return self.theta.params
 
     @property
-    def sync(self) -> Sync:
-        """The chain reader θ is kept with."""
-        return self.theta.sync
-
-    @property
     def feedback(self) -> FeedbackBuffers:
         """e."""
         return self.uploads.feedback
@@ -228,11 +221,6 @@ class Peer:
     def pending(self) -> Staged | None:
         """The staged contribution not yet known to be aggregated."""
         return self.uploads.pending
-
-    @property
-    def lane(self) -> Lane:
-        """The background lane commits and puts run on."""
-        return self.uploads.lane
 
     @property
     def announced(self) -> bool:
