@@ -199,7 +199,7 @@ class LocalState:
             elif digest == paths:  # the last moments file still fits: record the new scalars
                 tree = skeleton
             # else the last scalars and moments stay together: a commit without ``moments`` never
-            # writes tensors (they may be changing meanwhile, see client/peer.py)
+            # writes tensors (they may be changing meanwhile, see client/peer/uploads.py)
         meta = {
             "version": STATE_VERSION,
             "run_hash": snap.run_hash,

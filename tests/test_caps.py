@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from client.sync import Sync
+from client.peer.sync import Sync
 from protocol.aggregate import aggregate, sparse_of
 from protocol.broadcast import publishable
 from protocol.caps import aggregate_bound, codec_payload_bound, contribution_bound, object_caps

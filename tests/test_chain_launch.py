@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.sync import NotReady, Sync
+from client.peer.sync import NotReady, Sync
 from protocol import layout
 from protocol.chain import read_aggregate, read_launch
 from protocol.errors import ConfigError

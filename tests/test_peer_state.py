@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from client.peer import Peer, RunNotFound, Staged, UploadsRefused
+from client.peer.sync import Advanced, NotReady, Reloaded, Sync
 from client.progress import PeerDisplay
 from client.replica import FullReplica
 from client.state import LocalState, Snapshot, flatten, tensors_equal, unflatten
-from client.sync import NotReady, Sync
 from client.trainer import pseudo_gradient
 from client.window import Skipped
 from protocol import layout
@@ -312,6 +312,22 @@ def test_sync_apply_checks_chain_and_fingerprint(swarm) -> None:
         sync.apply(params, pos, agg)
 
 
+def test_sync_steps_are_values_and_a_divergence_reloads_the_newest_checkpoint(swarm) -> None:
+    spec, store, val, _ = swarm
+    for _ in range(3):
+        val.close_window(0, timeout=0)  # checkpoint_every = 2: checkpoints 0 and 2
+    sync = Sync(spec, store)
+    pos, params = sync.load_checkpoint(0, sync.launch())
+    assert [(type(s), s.pos.window) for s in sync.steps(params, pos)] == [(Advanced, 1), (Advanced, 2), (Advanced, 3)]
+    pos, params = sync.load_checkpoint(0, sync.launch())
+    params[sorted(params)[0]].add_(1e-3)  # diverge
+    steps = list(sync.steps(params, pos))
+    assert [(type(s), s.pos.window) for s in steps] == [(Reloaded, 2), (Advanced, 3)]
+    reloaded = steps[0]
+    assert isinstance(reloaded, Reloaded) and isinstance(reloaded.error, DigestMismatch)
+    assert steps[-1].pos.fingerprint == val.fingerprints[-1] == fingerprint(params)
+
+
 # ---------------------------------------------------------------------- the peer loop
 def test_peers_train_and_stay_identical(swarm) -> None:
     spec, store, val, root = swarm
@@ -341,7 +357,7 @@ def committed_feedback(peer: Peer) -> dict[str, torch.Tensor]:
     """e as the state directory holds it, once the peer's lane has written what it was given
     (the peer may be running on another thread: it is not asked to flush)."""
     deadline = time.monotonic() + 30
-    while peer.lane.busy():
+    while peer.uploads.lane.busy():
         assert time.monotonic() < deadline, "the peer's lane did not finish its commits"
         time.sleep(0.01)  # a background thread's queue: no event announces that it drained
     snap = peer.state.load(peer.spec.hash())
@@ -363,7 +379,7 @@ def test_restart_resumes_feedback_and_reuploads_staged_bytes(swarm) -> None:
     staged = p1.train(2)
     assert not isinstance(staged, Skipped)
     assert tensors_equal(committed_feedback(p1), fb.state_dict())  # folded in memory, not committed
-    p1._adopt(staged)
+    p1.uploads.adopt(staged)
     p1.flush()
     again, rec = make_peer(spec, store, root, "a")
     again.join()
@@ -463,12 +479,12 @@ def test_a_store_failing_between_aggregates_keeps_what_was_applied(swarm) -> Non
     run_peers(val, [peer], windows=2)
     val.close_window(0, timeout=0)
     val.close_window(0, timeout=0)
-    peer.sync.chain.store = UnreadableKey(store, layout.aggregate_key(val.run, 3))
+    peer.theta.sync.store = UnreadableKey(store, layout.aggregate_key(val.run, 3))
     applied_before = len(rec.of(Applied))
     peer.catch_up(need=0)
     assert peer.pos.window == 3 and fingerprint(peer.params) == val.fingerprints[2]
-    assert rec.of(SyncFailed)[-1].reason == "store_error" and not peer._diverged
-    peer.sync.chain.store = store
+    assert rec.of(SyncFailed)[-1].reason == "store_error" and not peer.theta.diverged
+    peer.theta.sync.store = store
     peer.catch_up(need=0)
     assert peer.pos.window == 4 and fingerprint(peer.params) == val.fingerprints[3]
     assert [e.window for e in rec.of(Applied)[applied_before:]] == [2, 3]  # no replay from a checkpoint
@@ -564,7 +580,7 @@ def test_resumed_upload_that_fails_gives_delta_back(swarm) -> None:
     e_before = copy_of(p1.feedback)
     staged = p1.train(2)
     assert not isinstance(staged, Skipped)
-    p1._adopt(staged)  # staged and committed, then the process dies before the put
+    p1.uploads.adopt(staged)  # staged and committed, then the process dies before the put
     p1.flush()
     again, rec = make_peer(spec, FlakyStore(store, window=2), root, "a")
     again.join()
@@ -804,14 +820,14 @@ def test_the_eager_forecast_is_the_aggregate_when_the_validator_takes_the_same_c
 
     def publish_after_first_step(**fields: object) -> None:
         if fields.get("window") == 1 and fields.get("step") == 1 and val.window == 0:
-            assert a._forecast is not None
-            forecast.append(a._forecast.contributors)
+            assert a.inflight.forecast is not None
+            forecast.append(a.inflight.forecast.contributors)
             val.close_window(2)
 
     a.display.update = publish_after_first_step  # type: ignore[method-assign]
     staged = a.train(1)
     assert isinstance(staged, Staged) and staged.trained_from == 0 and staged.stats.stale_steps == 1
-    assert forecast == [2] and a.pos.fingerprint == val.fingerprints[0] and a._stand_in == {}
+    assert forecast == [2] and a.pos.fingerprint == val.fingerprints[0] and a.inflight.stand_in == {}
 
     twin, _ = make_peer(spec, store, root, "twin")
     twin.join()  # θ_1: aggregate 0 is published

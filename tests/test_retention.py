@@ -18,7 +18,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from client.sync import Sync
+from client.peer.sync import Sync
 from protocol import layout
 from protocol.errors import ConfigError
 from protocol.identity import Identity

@@ -1,4 +1,4 @@
-"""client.sync against objects the validator's publishing code writes: schema checks on aggregates
+"""client.peer.sync against objects the validator's publishing code writes: schema checks on aggregates
 at decode time and the window-0 open time from the signed genesis manifest."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from client.sync import Sync
+from client.peer.sync import Sync
 from protocol import layout
 from protocol.broadcast import plain
 from protocol.config import RunSpec

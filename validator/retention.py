@@ -1,7 +1,7 @@
 """Retention: which objects of a run the validator deletes, so that its store stops growing.
 
 Nothing in the protocol ever needs an old contribution, and a late joiner needs only the newest
-checkpoint and the aggregates after it (:mod:`client.sync`), yet every window adds N contributions,
+checkpoint and the aggregates after it (:mod:`client.peer.sync`), yet every window adds N contributions,
 one aggregate and, every ``checkpoint_every`` windows, a full fp32 θ. A retention policy is a local
 choice of the validator (never part of the RunSpec: peers do not care how long objects are kept)::
 

@@ -2,11 +2,14 @@
 
 A peer holds θ as CPU float32 tensors (the *master copy*; the trainer's model may live on a GPU).
 Every change to θ goes through this module, and only from objects signed by a key in
-``spec.validator.public_keys``::
+``spec.validator.public_keys``. :class:`Sync` reads one run's chain and changes the θ it is given;
+it keeps no θ of its own (the peer's is :class:`client.peer.position.Theta`'s)::
 
     sync = Sync(spec, store, poll_interval_s=settings.poll_interval_s)
     pos = sync.bootstrap(params)                 # newest checkpoint + replay of the aggregates after it
-    pos = sync.advance(params, pos)              # apply every aggregate published since ``pos``
+    for step in sync.steps(params, pos):         # every aggregate published since ``pos``, as values:
+        step.pos                                 #   Advanced (one applied) or Reloaded (θ rebuilt)
+    pos = sync.advance(params, pos)              # the same, to its end
     sync.wait_until_published(pos.window, base=pos.base, stop_at=deadline)
 
 ``Position`` (:mod:`protocol.replay`) is where a peer stands; applying one aggregate, θ₀ and the
@@ -16,14 +19,16 @@ The chain is verified from its root, the genesis manifest of the launch the stor
 (:mod:`protocol.chain`): a checkpoint of another launch is never loaded, and an object at an
 aggregate key that does not verify or does not chain onto ``base`` counts as not published — it
 neither opens the next window nor stops the peer. Recovery rules: an aggregate whose resulting
-fingerprint differs from the one it carries means this peer diverged; :meth:`Sync.advance` then
-reloads the newest checkpoint (:meth:`Sync.resync`) and replays from there.
+fingerprint differs from the one it carries means this peer diverged: :meth:`Sync.steps` then
+reloads the newest checkpoint (:meth:`Sync.resync`), says so (:class:`Reloaded`) and replays from
+there.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from torch import Tensor
 
@@ -31,11 +36,11 @@ from protocol import layout
 from protocol.chain import checkpoint_base
 from protocol.config import RunSpec
 from protocol.errors import DigestMismatch, ObjectNotFound, ProtocolError, StaleBase, StoreError
-from protocol.replay import Chain, Position, apply_aggregate
+from protocol.replay import Chain, Position, apply_aggregate, replay
 from protocol.store.base import ObjectStore
 from protocol.wire import Aggregate, Verified
 
-__all__ = ["NotReady", "Position", "Sync"]
+__all__ = ["Advanced", "NotReady", "Position", "Reloaded", "Step", "Sync"]
 
 
 class NotReady(ProtocolError):
@@ -44,15 +49,44 @@ class NotReady(ProtocolError):
     reason = "not_ready"
 
 
+@dataclass(frozen=True)
+class Advanced:
+    """θ holds ``aggregate`` now and stands at ``pos``."""
+
+    aggregate: Verified[Aggregate]
+    pos: Position
+
+
+@dataclass(frozen=True)
+class Reloaded:
+    """θ diverged (``error``) and was rebuilt from the checkpoint it stands at now, ``pos``."""
+
+    pos: Position
+    error: ProtocolError
+
+
+Step = Advanced | Reloaded
+"""One change to θ while it catches up with the chain."""
+
+
 class Sync:
     """Reads signed aggregates and checkpoints of one run from a store and applies them to θ."""
 
     def __init__(self, spec: RunSpec, store: ObjectStore, *, poll_interval_s: float = 1.0) -> None:
         self.spec = spec
-        self.store = store
         self.chain = Chain(spec, store)
         self.run = self.chain.run
+        self.max_aggregate_bytes = self.chain.max_aggregate_bytes
         self.poll_s = poll_interval_s  # the local setting poll_interval_s
+
+    @property
+    def store(self) -> ObjectStore:
+        """The store the chain is read from (one for every read of this reader)."""
+        return self.chain.store
+
+    @store.setter
+    def store(self, store: ObjectStore) -> None:
+        self.chain.store = store
 
     # ------------------------------------------------------------------ discovery
     def checkpoint_windows(self) -> list[int]:
@@ -125,12 +159,9 @@ class Sync:
         return Position(window, base, manifest.fingerprint, manifest.published_at), params
 
     # ------------------------------------------------------------------ catch-up
-    def bootstrap(
-        self, params: dict[str, Tensor], *, on_apply: Callable[[Verified[Aggregate], Position], None] | None = None
-    ) -> Position:
+    def bootstrap(self, params: dict[str, Tensor]) -> Position:
         """Load the newest valid checkpoint into ``params`` and replay every aggregate after it."""
-        pos = self.resync(params)
-        return self.advance(params, pos, on_apply=on_apply)
+        return self.advance(params, self.resync(params))
 
     def resync(self, params: dict[str, Tensor]) -> Position:
         """Replace ``params`` by the newest checkpoint of the store's launch that verifies (older
@@ -151,34 +182,26 @@ class Sync:
             raise NotReady("no signed checkpoint in the store yet (is the validator running?)")
         raise last_error
 
-    def advance(
-        self,
-        params: dict[str, Tensor],
-        pos: Position,
-        *,
-        on_apply: Callable[[Verified[Aggregate], Position], None] | None = None,
-        on_resync: Callable[[Position, ProtocolError], None] | None = None,
-        max_resyncs: int = 2,
-    ) -> Position:
-        """Apply every published aggregate after ``pos``; resync from a checkpoint on divergence.
-
-        ``on_apply(aggregate, new_position)`` is called after each applied aggregate,
-        ``on_resync(checkpoint_position, error)`` after each reload.
-        """
+    def steps(self, params: dict[str, Tensor], pos: Position, *, max_resyncs: int = 2) -> Iterator[Step]:
+        """Apply every published aggregate after ``pos`` to ``params``, yielding each change as it
+        happens: :class:`Advanced` per aggregate, :class:`Reloaded` when θ diverged and was rebuilt
+        from a checkpoint (at most ``max_resyncs`` times; then the mismatch is raised). What was
+        yielded before an error stands (θ holds it)."""
         resyncs = 0
         while True:
-            agg = self.next_aggregate(pos.window, pos.base)
-            if agg is None:
-                return pos
             try:
-                pos = self.apply(params, pos, agg)
+                for verified, after in replay(self.chain, params, pos):
+                    yield Advanced(verified, after)
+                return
             except (StaleBase, DigestMismatch) as exc:
                 if resyncs >= max_resyncs:
                     raise
                 resyncs += 1
                 pos = self.resync(params)
-                if on_resync is not None:
-                    on_resync(pos, exc)
-                continue
-            if on_apply is not None:
-                on_apply(agg, pos)
+                yield Reloaded(pos, exc)
+
+    def advance(self, params: dict[str, Tensor], pos: Position, *, max_resyncs: int = 2) -> Position:
+        """:meth:`steps` to its end: the position after the last change (``pos`` if none)."""
+        for step in self.steps(params, pos, max_resyncs=max_resyncs):
+            pos = step.pos
+        return pos

@@ -1,0 +1,225 @@
+"""The peer's position: θ's master copy, where it stands on the chain, and keeping it there.
+
+:class:`Theta` owns θ (CPU float32, changed only by signed aggregates and checkpoints, through
+:class:`client.peer.sync.Sync` and :mod:`protocol.replay`), its :class:`~protocol.replay.Position`,
+whether it must be rebuilt from a checkpoint, and what the forecast of the next aggregate needs
+from the last one applied. Advancing it yields each change as a value
+(:class:`~client.peer.sync.Advanced`, :class:`~client.peer.sync.Reloaded`) after θ's state moved
+with it::
+
+    theta = Theta(spec, store, poll_interval_s=0.5)
+    theta.load()                        # newest checkpoint (NotReady while there is no genesis)
+    for step in theta.advance():        # every aggregate published since
+        ...
+
+:class:`CatchUp` acts on those values for the rest of the peer: each applied aggregate is recorded
+in the state directory and shown (with the validator's verdict on our contribution to it), a
+rebuilt θ is reported, a staged contribution that is aggregated now is dropped and the new position
+committed. It catches up between windows (waiting while θ is too far behind) and in the middle of
+one (:mod:`client.peer.inflight`), and replays the chain when the peer joins.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+from torch import Tensor
+
+from client.peer.context import PeerContext
+from client.peer.sync import Advanced, Reloaded, Step, Sync
+from client.peer.uploads import Uploads
+from protocol.aggregate import SparseDict
+from protocol.chain import delta_of
+from protocol.config import RunSpec
+from protocol.errors import ProtocolError, StoreError
+from protocol.events import Applied, Resynced, SyncFailed
+from protocol.outcomes import PeerOutcome, read_outcomes, verdict
+from protocol.replay import Position
+from protocol.store.base import ObjectStore
+from protocol.windows import upload_deadline
+from protocol.wire import Aggregate, Verified
+
+__all__ = ["CatchUp", "Theta"]
+
+_log = logging.getLogger(__name__)
+
+
+class Theta:
+    """θ's master copy and where it stands (module docstring)."""
+
+    def __init__(self, spec: RunSpec, store: ObjectStore, *, poll_interval_s: float) -> None:
+        self.spec = spec
+        self.sync = Sync(spec, store, poll_interval_s=poll_interval_s)
+        self.params: dict[str, Tensor] = {}  # θ master copy: CPU float32, changed only by signed objects
+        self.pos = Position(0, "", "")
+        self.diverged = False  # θ must be rebuilt from a checkpoint before training again
+        self.last_manifest: frozenset[str] | None = None  # the peers of the last aggregate applied
+        self.previous_base = ""  # the base of the window before θ's (what aggregate pos.window−1 built on)
+
+    def load(self) -> int:
+        """θ from the newest checkpoint that verifies (``NotReady`` while there is none); its window."""
+        self.pos = self.sync.resync(self.params)
+        return self.pos.window
+
+    def advance(self) -> Iterator[Step]:
+        """Every aggregate published after θ, applied; θ's state holds each step before it is
+        yielded, so that one that fails later does not undo it."""
+        for step in self.sync.steps(self.params, self.pos):
+            self.pos = step.pos
+            if isinstance(step, Advanced):
+                agg = step.aggregate.value
+                self.last_manifest = frozenset(m.peer_id for m in agg.manifest)
+                self.previous_base = agg.base
+            yield step
+
+    def rebuild(self) -> Iterator[Advanced]:
+        """θ from the newest checkpoint, then every aggregate after it (a divergence on the way
+        rebuilds again, unreported); ``diverged`` is cleared once it is through."""
+        self.load()
+        for step in self.advance():
+            if isinstance(step, Advanced):
+                yield step
+        self.diverged = False
+
+    def failed(self, exc: ProtocolError | StoreError) -> None:
+        """Reading or applying the chain failed: after a bad object θ may be half-updated, so it is
+        rebuilt before the next window; a failing store leaves θ at the last aggregate applied."""
+        if isinstance(exc, ProtocolError):
+            self.diverged = True
+
+    def base_of(self, window: int) -> str | None:
+        """The base an aggregate of ``window`` must chain onto, when this peer knows it."""
+        return self.pos.base if window == self.pos.window else None
+
+    def window_open(self, window: int) -> bool:
+        """Whether a contribution for ``window`` may still count: its aggregate is not published,
+        and, for the window θ opens, its deadline has not passed (a window that has not opened yet,
+        the next one while the last aggregate is in flight, has no deadline yet)."""
+        if self.sync.aggregate_published(window, self.base_of(window)):
+            return False
+        if self.pos.opened_at is None or window != self.pos.window:
+            return True
+        return time.time() < upload_deadline(self.pos.opened_at, self.spec.windows)
+
+    def wait_for_next(self, should_stop: Callable[[], bool]) -> None:
+        """Until the aggregate that follows θ is published (or ``should_stop()``)."""
+        self.sync.wait_until_published(self.pos.window, base=self.pos.base, should_stop=should_stop)
+
+    @property
+    def poll_s(self) -> float:
+        return self.sync.poll_s
+
+
+class CatchUp:
+    """θ kept with the chain, and what each step of it means for the rest of the peer (module docstring)."""
+
+    def __init__(self, ctx: PeerContext, theta: Theta, uploads: Uploads) -> None:
+        self.ctx, self.theta, self.uploads = ctx, theta, uploads
+
+    def between_windows(self, need: int) -> None:
+        """Apply every published aggregate (rebuilding θ first if it diverged); while θ opens a
+        window before ``need``, wait for the next one. A failure is reported, never raised."""
+        theta = self.theta
+        before = theta.pos.window
+        try:
+            for step in theta.rebuild() if theta.diverged else theta.advance():
+                self._report(step)
+            if theta.pos.window < need:
+                self.wait()
+                for step in theta.advance():
+                    self._report(step)
+        except (ProtocolError, StoreError) as exc:
+            self._sync_failed(exc)
+            if not theta.diverged:
+                self.uploads.moved(before)  # what was applied before the store failed stands
+            time.sleep(max(theta.poll_s, 1.0))  # a persistent fault must not spin
+            return
+        self.uploads.moved(before)
+
+    def in_window(self) -> list[SparseDict] | None:
+        """Apply what is published to θ mid-window; the Δ̄ applied, or None when the working model
+        cannot follow (θ was rebuilt from a checkpoint, or the chain could not be read)."""
+        before = self.theta.pos.window
+        applied: list[SparseDict] = []
+        rebuilt = False
+        try:
+            for step in self.theta.advance():
+                if isinstance(step, Advanced):
+                    applied.append(delta_of(step.aggregate.value))
+                else:
+                    rebuilt = True
+                self._report(step)
+        except (ProtocolError, StoreError) as exc:
+            self._sync_failed(exc)
+            return None
+        self.uploads.moved(before)
+        return None if rebuilt else applied
+
+    def replay(self) -> None:
+        """Joining: every aggregate after the checkpoint θ was loaded from (errors are raised)."""
+        for step in self.theta.advance():
+            self._report(step)
+
+    def wait(self) -> None:
+        """Until the aggregate that follows θ is published; our last upload is reported first (it
+        may be what that window waits for)."""
+        self.uploads.flush()
+        self.ctx.display.update(phase="waiting for aggregate")
+        self.theta.wait_for_next(self.ctx.stopping)
+
+    # ------------------------------------------------------------------ reports
+    def _report(self, step: Step) -> None:
+        if isinstance(step, Reloaded):
+            self.ctx.display.emit(Resynced(window=step.pos.window, reason=step.error.reason, detail=str(step.error)))
+        else:
+            self._applied(step.aggregate, step.pos)
+
+    def _applied(self, agg: Verified[Aggregate], pos: Position) -> None:
+        """θ holds aggregate ``agg`` now: record and report it (the fingerprint of θ after it,
+        whether our contribution is in it, and what the validator decided about it)."""
+        ctx = self.ctx
+        pending = self.uploads.pending
+        mine = [m for m in agg.value.manifest if m.peer_id == ctx.identity.peer_id]
+        weight = mine[0].weight if mine else None
+        contributed = bool(mine) or (pending is not None and pending.window == agg.value.window)
+        reported = verdict(self._outcome(agg) if contributed else None)
+        ctx.state.record(
+            {
+                "window": agg.value.window,
+                "fingerprint": pos.fingerprint,
+                "aggregate": agg.digest,
+                "included": bool(mine),
+                "weight": weight,
+                **reported,
+                "time": round(time.time(), 3),
+            }
+        )
+        ctx.display.update(window=pos.window, fingerprint=pos.fingerprint)
+        ctx.display.emit(
+            Applied(
+                window=agg.value.window,
+                fingerprint=pos.fingerprint,
+                included=bool(mine),
+                weight=weight,
+                contributors=len(agg.value.manifest),
+                **reported,
+            )
+        )
+
+    def _outcome(self, agg: Verified[Aggregate]) -> PeerOutcome | None:
+        """What the validator decided about our contribution to ``agg``'s window (its published
+        outcomes); None when it names none. Unreadable outcomes are logged, never fatal: θ and
+        the chain do not depend on them."""
+        try:
+            table = read_outcomes(self.ctx.store, self.ctx.run_id, agg)
+        except (ProtocolError, StoreError) as exc:
+            _log.warning("outcomes of window %d unreadable: %s", agg.value.window, exc)
+            return None
+        return table.get(self.ctx.identity.peer_id) if table is not None else None
+
+    def _sync_failed(self, exc: ProtocolError | StoreError) -> None:
+        """A bad object or a failing store: record it (:meth:`Theta.failed` says what it means for θ)."""
+        self.ctx.display.emit(SyncFailed(window=self.theta.pos.window, reason=exc.reason, detail=str(exc)))
+        self.theta.failed(exc)
