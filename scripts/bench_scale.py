@@ -82,9 +82,10 @@ from validator.consensus import agreement
 from validator.copies import CopyRule, scan
 from validator.held import clipped_entries, decode
 from validator.log import CheckRow, ContributionLog, ContributionRecord, WindowRecord
-from validator.node import Validator, _outcome
+from validator.node import Validator
 from validator.publish import encode_window_aggregate
 from validator.reputation import Outcome, Standing, standings
+from validator.rows import outcome_of as _outcome
 from validator.sketch import Sketcher, expected_nnz, global_entries, offsets, sample_every
 from validator.state import ValidatorState, load_state, save_state
 
