@@ -139,3 +139,25 @@ def test_the_decision_is_a_function_of_its_inputs(run: tuple[RunSpec, Identity, 
         dict(b.metadata),
     )
     assert a.rows == b.rows
+
+
+def test_newcomers_are_scored_without_writing_the_model_and_the_first_window_starts_the_reference() -> None:
+    vkey = Identity.generate()
+    spec = tiny_spec(vkey)  # every upload scored (eval_peers_per_window 8), clipped to the reference
+    sw = Swarm(spec, 3)
+    try:
+        model = build_model(spec.model)
+        theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
+        received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0))) for p in sw.peers}
+        window = open_window(0, vkey, spec.hash(), {}, spec.validator)  # nobody has a record yet
+        dataset = open_dataset(spec.data)
+        with ThreadPoolExecutor(2) as pool:
+            aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
+            decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
+                window, uploads_of(received), reference=NormReference(), params=theta, feedback=FeedbackState()
+            )
+        assert set(decision.scores) == set(received) and decision.accepted == tuple(sorted(received))
+        assert not decision.reference.empty  # started at the best scored update
+        assert all(torch.equal(p, theta[n]) for n, p in parameters_of(model).items())  # measured, never written
+    finally:
+        sw.close()

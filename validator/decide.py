@@ -7,9 +7,9 @@
 secret, the standings before it, who is established), the screened uploads
 (:class:`validator.intake.Uploads`), the norm reference, θ_t and the re-compression buffer — and
 returns a :class:`WindowDecision`. It touches no store and no log, and writes neither θ_t nor the
-model's parameters: the trial aggregates run on scratch copies (:mod:`validator.trial`), and a
-scored update is applied to the model only for its measurement and restored bit-exactly
-(:func:`validator.scoring.score_update`). Committing the decision is :mod:`validator.commit`'s.
+model's parameters: scored updates and trial aggregates are applied to scratch copies and measured
+with them in place of the model's parameters (:func:`validator.scoring.with_parameters`,
+:mod:`validator.trial`). Committing the decision is :mod:`validator.commit`'s.
 
 In order (docs/ARCHITECTURE.md, "Validator"): the norm check against the reference and the copy
 check (:mod:`validator.window_checks`); the window's seed, from its secret and the digests of the
@@ -113,7 +113,7 @@ class WindowDecision:
 
 class Decider:
     """Decides windows for one run: the checks on the whole window, scoring, capacity and the
-    aggregate. ``model`` (holding θ_t) is used for measuring only."""
+    aggregate. ``model`` (holding θ_t) is only measured, never written."""
 
     def __init__(
         self, spec: RunSpec, model: nn.Module, dataset: TokenDataset, aggregator: Aggregator, *, device: torch.device

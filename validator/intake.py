@@ -20,6 +20,7 @@ from protocol import layout
 from protocol.caps import object_caps
 from protocol.config import RunSpec
 from protocol.events import Event, WindowWaiting
+from protocol.identity import Identity
 from protocol.model import param_schema
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
@@ -63,13 +64,14 @@ class Uploads:
 
 
 class Intake:
-    """Gathers and screens one window at a time for a validator."""
+    """Gathers and screens one window at a time for a validator; tracks the announced peers
+    (``registry``: who may upload, who is awaited)."""
 
     def __init__(
         self,
         spec: RunSpec,
         store: ObjectStore,
-        registry: PeerRegistry,
+        identity: Identity,
         log: ContributionLog,
         *,
         local: LocalSettings,
@@ -78,9 +80,18 @@ class Intake:
         emit: Callable[[Event], None],
         stop: threading.Event,
     ) -> None:
-        self.spec, self.store, self.registry, self.log = spec, store, registry, log
+        self.spec, self.store, self.log = spec, store, log
         self.run_hash = spec.hash()
         self.run_id = layout.run_id(self.run_hash)
+        self.registry = PeerRegistry(
+            store,
+            self.run_id,
+            self.run_hash,
+            clock,
+            secret=randomness.window_secret(identity, self.run_hash, -1),  # never revealed
+            max_per_poll=budgets.max_announcements_per_poll,
+            max_tracked=budgets.max_tracked_peers,
+        )
         self.local, self.budgets = local, budgets
         self.clock, self.emit, self.stop = clock, emit, stop
         self.schema = param_schema(spec.model)

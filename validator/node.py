@@ -66,7 +66,6 @@ from protocol.model import build_model
 from protocol.replay import Chain
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
-from validator import randomness
 from validator.budgets import Budgets
 from validator.commit import Committer
 from validator.decide import Decider
@@ -131,27 +130,10 @@ class Validator:
         self.stop = threading.Event()
         self.emit = emit or _ignore  # WindowOpened, WindowWaiting, WindowPublished, WindowRetry
         self._gathering: int | None = None  # the window whose WindowOpened was emitted last
-        self.registry = PeerRegistry(
-            store,
-            self.run_id,
-            self.run_hash,
-            clock,
-            secret=randomness.window_secret(identity, self.run_hash, -1),  # never revealed
-            max_per_poll=budgets.max_announcements_per_poll,
-            max_tracked=budgets.max_tracked_peers,
-        )
         chain = Chain(spec, store)  # the signed chain, read and replayed as every peer does
         self.launcher = Launcher(spec, store, identity, state_dir, chain=chain, clock=clock)
         self.intake = Intake(
-            spec,
-            store,
-            self.registry,
-            self.log,
-            local=local,
-            budgets=budgets,
-            clock=clock,
-            emit=self.emit,
-            stop=self.stop,
+            spec, store, identity, self.log, local=local, budgets=budgets, clock=clock, emit=self.emit, stop=self.stop
         )
         aggregator = Aggregator(spec, self.model, self.dataset, self.pool, workers=workers, device=self.device)
         self.decider = Decider(spec, self.model, self.dataset, aggregator, device=self.device)
@@ -172,6 +154,11 @@ class Validator:
     def run_id(self) -> str:
         """The run's prefix in the store."""
         return layout.run_id(self.run_hash)
+
+    @property
+    def registry(self) -> PeerRegistry:
+        """The announced peers (:class:`validator.gather.PeerRegistry`), as the intake tracks them."""
+        return self.intake.registry
 
     @property
     def state(self) -> ValidatorState | None:

@@ -4,7 +4,7 @@ A window's accepted contributions are decoded again, clipped to their caps and s
 pool (:func:`validator.held.decoded`: a few in memory at a time); Δ̄ is turned into its published
 form (:mod:`protocol.broadcast`), θ_{t+1} = θ_t minus exactly that form is built in a fresh copy of
 θ_t, and its validation loss is measured with that copy substituted for the model's parameters
-(``torch.func.functional_call``). The live model and θ_t are never written, so a failed or
+(:func:`validator.scoring.with_parameters`). The live model and θ_t are never written, so a failed or
 abandoned trial (a store error while the window is decided) leaves nothing to restore.
 
 If θ_{t+1} or its loss would not be finite, :meth:`Aggregator.aggregate` finds the contributions
@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from protocol import broadcast
 from protocol.aggregate import NormLimit, SparseDict, SparseSum, apply_outer, clip_to_limits
@@ -31,6 +30,7 @@ from protocol.feedback import FeedbackState
 from protocol.model import eval_loss, param_schema
 from protocol.wire import AggregateTensor
 from validator.held import Held, decode, decoded
+from validator.scoring import with_parameters
 
 __all__ = ["Aggregator", "Limits", "Trial", "culprits"]
 
@@ -111,7 +111,7 @@ class Aggregator:
             d = self.spec.data
             self._val = validation_batches(self.dataset, self.spec.validator.eval_sequences, d.batch_size, d.seq_len)
         on_device = {n: p.to(self.device) for n, p in params.items()}
-        return eval_loss(_Substituted(self.model, on_device), self._val, self.device)
+        return eval_loss(with_parameters(self.model, on_device), self._val, self.device)
 
     def _try(
         self,
@@ -146,20 +146,6 @@ class Aggregator:
         if not math.isfinite(loss):
             return None if require_loss else Trial(tensors, after, nxt, None)
         return Trial(tensors, after, nxt, loss)
-
-
-class _Substituted(nn.Module):
-    """``model`` called with ``params`` in place of its own parameters (which stay as they are)."""
-
-    def __init__(self, model: nn.Module, params: Mapping[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.inner = model
-        self.params = dict(params)
-        self.train(model.training)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = functional_call(self.inner, self.params, (tokens,))
-        return out
 
 
 def culprits(peers: Sequence[str], fine: Callable[[Sequence[str]], bool]) -> list[str]:
