@@ -19,8 +19,10 @@ score, probation, the first window's reference, capacity; the aggregate of the a
 the culprits of a non-finite result left out; one contribution-log row per upload, with the
 reputation after it.
 
-A check on the whole window is one function of :mod:`validator.window_checks` (screened verdicts
-in, screened verdicts out), called in :meth:`Decider.decide` at its place in that order.
+A check on the whole window is one pure function of :mod:`validator.window_checks` (screened
+verdicts in, the same with one more check row on every contribution still standing out; its name
+appended to :data:`validator.log.CHECK_BITS`), called in :meth:`Decider.decide` at its place in that
+order; ``tests/test_validator_decide.py`` decides windows from in-memory uploads.
 """
 
 from __future__ import annotations
