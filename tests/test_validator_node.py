@@ -18,7 +18,7 @@ from protocol.aggregate import SparseDict, aggregate, apply_outer, sparse_of
 from protocol.broadcast import recompress_codec
 from protocol.caps import object_caps
 from protocol.chain import delta_of, read_aggregate, read_launch
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, StoreError
 from protocol.events import Event, WindowOpened, WindowPublished, WindowRetry, WindowWaiting
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
@@ -485,6 +485,23 @@ def test_store_failures_are_retried_and_corrupted_reads_rejected(swarm: Swarm, v
     assert [type(e) for e in events] == [WindowOpened, WindowRetry, WindowPublished]
     assert [e.window for e in events if isinstance(e, (WindowOpened, WindowRetry))] == [0, 0]
     assert events[-1] == reports[0]
+    v.close()
+
+
+def test_a_failed_publish_leaves_the_live_model_at_theta_t(swarm: Swarm, vkey: Identity, tmp_path) -> None:
+    """Deciding a window never writes the model: a store error at the put leaves nothing to restore."""
+    v = make_validator(swarm, vkey, tmp_path)
+    params = theta0(swarm)
+    for p in swarm.peers[:3]:
+        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, v.state.base))
+    v.store.faults.fail_put(1, layout.aggregate_key(swarm.run, 0))  # type: ignore[attr-defined]
+    with pytest.raises(StoreError):
+        v.run_window()
+    assert v.state is not None and v.state.window == 0
+    assert fingerprint(parameters_of(v.model)) == fingerprint(params)  # still θ_0
+    report = v.run_window()  # decided again and published
+    assert report is not None and report.accepted == 3
+    assert fingerprint(parameters_of(v.model)) == report.fingerprint
     v.close()
 
 

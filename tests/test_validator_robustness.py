@@ -29,10 +29,11 @@ from tests.validator_fixtures import Swarm, tiny_spec
 from validator import randomness
 from validator.budgets import Budgets
 from validator.gather import PeerRegistry
-from validator.node import Validator, _culprits
+from validator.node import Validator
 from validator.reference import NormReference, TensorNorms
 from validator.reputation import Standing, is_established, standings, update
 from validator.state import ValidatorState, load_state, save_state
+from validator.trial import culprits as _culprits
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -117,7 +118,7 @@ def test_contributions_that_make_the_aggregate_non_finite_are_bisected_away(
     dense.view(-1)[:64] = -3e38  # logits overflow
     poison = sw.held(Identity.generate(), st.window, st.base, sw.encode({out: dense}))
     contribs = {**good, "zz-poison": poison}
-    result = v._aggregate(st, contribs, {p: None for p in contribs})
+    result = v.decider.aggregator.aggregate(st.params, v.committer.feedback, contribs, {p: None for p in contribs})
     assert result.dropped == {"zz-poison"} and result.val_loss is not None
     assert all(bool(torch.isfinite(p).all()) for p in result.params.values())
     assert _culprits(["a", "b", "c", "d"], lambda ps: "c" not in ps) == ["c"]

@@ -28,7 +28,7 @@ to replay: only a checkpoint at least that old, with a newer one also at least t
 aggregates after it. A checkpoint is deleted manifest first, then its files (the reverse of
 publishing: a manifest never names a missing file).
 
-The validator applies its policy after each publish (:meth:`validator.node.Validator._advance`),
+The validator applies its policy after each publish (:meth:`validator.commit.Committer.advance`),
 at most ``max_deletes`` keys a window so that turning retention on for a long run spreads the
 backlog over the next windows; ``sparseloco-validator gc`` applies it at once (or shows it with
 ``--dry-run``).

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from protocol.aggregate import SparseDict, apply_outer
 from protocol.data.assignment import TokenDataset, pipeline_data_key, random_batches
@@ -60,6 +61,7 @@ __all__ = [
     "scoring_units",
     "score_update",
     "take_sequences",
+    "with_parameters",
 ]
 
 
@@ -193,15 +195,31 @@ def score_update(
     scale: float,
     device: torch.device | str = "cpu",
 ) -> LossScore:
-    """Loss before/after applying ``scale · update`` alone; ``model`` is restored bit-exactly."""
+    """Loss before/after applying ``scale · update`` alone. The update is applied to copies of the
+    tensors it touches (:func:`with_parameters`): ``model``'s parameters are never written."""
     params = parameters_of(model)
-    touched = {name: params[name].detach().clone() for name in update}
+    moved = {name: params[name].detach().clone() for name in update}
+    apply_outer(moved, update, scale)
     own_before = eval_loss(model, own, device)
-    try:
-        apply_outer(params, update, scale)
-        own_after = eval_loss(model, own, device)
-        random_after = eval_loss(model, random, device)
-    finally:
-        for name, saved in touched.items():
-            params[name].copy_(saved)
+    after = with_parameters(model, moved)
+    own_after = eval_loss(after, own, device)
+    random_after = eval_loss(after, random, device)
     return LossScore(own_before, own_after, random_before, random_after)
+
+
+def with_parameters(model: nn.Module, params: Mapping[str, Tensor]) -> nn.Module:
+    """``model`` called with ``params`` in place of the parameters of the same names (the others
+    its own): θ measured without writing it into ``model`` (``torch.func.functional_call``)."""
+    return _Substituted(model, params)
+
+
+class _Substituted(nn.Module):
+    def __init__(self, model: nn.Module, params: Mapping[str, Tensor]) -> None:
+        super().__init__()
+        self.inner = model
+        self.params = dict(params)
+        self.train(model.training)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        out: Tensor = functional_call(self.inner, self.params, (tokens,))
+        return out

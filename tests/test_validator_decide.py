@@ -1,0 +1,163 @@
+"""A window's decision as a value, from in-memory inputs: no store, no log, θ_t left as it was.
+
+The contributions are real (a few AdamW steps of hand-made peers, :mod:`tests.validator_fixtures`),
+screened by the per-contribution checks as the intake would, and handed to
+:class:`validator.decide.Decider` with the standings, the reference, θ_t and the re-compression
+buffer of the window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from protocol import codec, layout
+from protocol.caps import object_caps
+from protocol.config import RunSpec
+from protocol.data.assignment import open_dataset
+from protocol.feedback import FeedbackState
+from protocol.identity import Identity
+from protocol.model import build_model, fingerprint, parameters_of
+from tests.validator_fixtures import Swarm, tiny_spec
+from validator import checks, window_checks
+from validator.decide import Decider
+from validator.gather import Received
+from validator.intake import Uploads
+from validator.reference import NormReference
+from validator.reputation import Standing
+from validator.trial import Aggregator
+from validator.window import open_window
+
+pytestmark = pytest.mark.timeout(180)
+
+BASE = "b" * 64  # the digest the contributions of window 0 build on (any base: no chain is read)
+CPU = torch.device("cpu")
+
+
+def screened_upload(sw: Swarm, signer: Identity, tensors: Mapping[str, codec.Encoded]) -> Received:
+    """What the intake keeps of one upload to window 0: its bytes read and screened."""
+    ctx = checks.Context(
+        run_hash=sw.run_hash,
+        window=0,
+        expected_base=BASE,
+        codec=sw.spec.codec,
+        schema=sw.schema,
+        max_bytes=object_caps(sw.spec).contribution,
+        registered=frozenset({signer.peer_id}),
+    )
+    blob = sw.blob(signer, 0, BASE, tensors)
+    s = checks.screen(signer.peer_id, blob, ctx)
+    assert s.reason is None and s.held is not None, s
+    key = layout.contrib_key(sw.run, 0, signer.peer_id)
+    return Received(peer=signer.peer_id, key=key, received_at=1.0, nbytes=len(blob), digest=s.held.digest, screened=s)
+
+
+def uploads_of(received: Mapping[str, Received]) -> Uploads:
+    screened = [received[p].screened for p in sorted(received)]
+    return Uploads(
+        received=received,
+        screened=window_checks.immutable([s for s in screened if s is not None], {}),
+        read_at={p: r.received_at for p, r in received.items()},
+        listed_at={p: r.received_at for p, r in received.items()},
+    )
+
+
+@pytest.fixture()
+def run() -> Iterator[tuple[RunSpec, Identity, Swarm]]:
+    vkey = Identity.generate()
+    # Nobody is scored and nothing is clipped: what reaches the aggregate is what the checks left.
+    spec = tiny_spec(vkey, validator={"eval_peers_per_window": 0}, outer={"clip": "none"})
+    sw = Swarm(spec, 3)
+    yield spec, vkey, sw
+    sw.close()
+
+
+def test_a_window_is_decided_from_held_contributions_and_a_non_finite_one_is_bisected_away(
+    run: tuple[RunSpec, Identity, Swarm],
+) -> None:
+    spec, vkey, sw = run
+    model = build_model(spec.model)  # the live model: holds θ_t
+    theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
+    before = {n: p.clone() for n, p in theta.items()}
+    received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0))) for p in sw.peers}
+    out = "head.output.weight"
+    dense = torch.zeros(sw.schema[out])
+    dense.view(-1)[:64] = -3e38  # logits overflow: θ_{t+1} is finite, its loss is not
+    poisoner = Identity.generate()
+    received[poisoner.peer_id] = screened_upload(sw, poisoner, sw.encode({out: dense}))
+    standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}  # all past probation
+    window = open_window(0, vkey, spec.hash(), standing, spec.validator)
+
+    dataset = open_dataset(spec.data)
+    with ThreadPoolExecutor(2) as pool:
+        aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
+        decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
+            window, uploads_of(received), reference=NormReference(), params=theta, feedback=FeedbackState()
+        )
+
+    honest = tuple(sorted(p.peer_id for p in sw.peers))
+    assert decision.accepted == honest and decision.weights == dict.fromkeys(honest, 1.0)
+    assert decision.rejections == {poisoner.peer_id: window_checks.NON_FINITE_RESULT}
+    assert decision.trial.dropped == {poisoner.peer_id} and decision.trial.val_loss is not None
+    assert [r.peer for r in decision.rows] == sorted(received)  # one row per upload
+    assert decision.fingerprint == fingerprint(decision.trial.params) != fingerprint(theta)
+    assert all(bool(torch.isfinite(p).all()) for p in decision.trial.params.values())
+    assert set(decision.tensors) and not decision.reference.tensors  # no scores: no reference yet
+    # θ_t and the live model are exactly as they were: every trial ran on a scratch copy
+    assert all(torch.equal(theta[n], before[n]) for n in before)
+    assert all(torch.equal(p, before[n]) for n, p in parameters_of(model).items())
+
+
+def test_the_decision_is_a_function_of_its_inputs(run: tuple[RunSpec, Identity, Swarm]) -> None:
+    spec, vkey, sw = run
+    model = build_model(spec.model)
+    theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
+    received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0))) for p in sw.peers}
+    standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}
+    newcomer = sw.peers[0].peer_id
+    del standing[newcomer]  # on probation and unscored: it does not count yet
+    window = open_window(0, vkey, spec.hash(), standing, spec.validator)
+    dataset = open_dataset(spec.data)
+    with ThreadPoolExecutor(2) as pool:
+        decider = Decider(
+            spec, model, dataset, Aggregator(spec, model, dataset, pool, workers=2, device=CPU), device=CPU
+        )
+        a, b = (
+            decider.decide(
+                window, uploads_of(received), reference=NormReference(), params=theta, feedback=FeedbackState()
+            )
+            for _ in range(2)
+        )
+    assert a.rejections == {newcomer: "probation"} and newcomer not in a.accepted
+    assert (a.accepted, a.fingerprint, a.seed, dict(a.metadata)) == (
+        b.accepted,
+        b.fingerprint,
+        b.seed,
+        dict(b.metadata),
+    )
+    assert a.rows == b.rows
+
+
+def test_newcomers_are_scored_without_writing_the_model_and_the_first_window_starts_the_reference() -> None:
+    vkey = Identity.generate()
+    spec = tiny_spec(vkey)  # every upload scored (eval_peers_per_window 8), clipped to the reference
+    sw = Swarm(spec, 3)
+    try:
+        model = build_model(spec.model)
+        theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
+        received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0))) for p in sw.peers}
+        window = open_window(0, vkey, spec.hash(), {}, spec.validator)  # nobody has a record yet
+        dataset = open_dataset(spec.data)
+        with ThreadPoolExecutor(2) as pool:
+            aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
+            decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
+                window, uploads_of(received), reference=NormReference(), params=theta, feedback=FeedbackState()
+            )
+        assert set(decision.scores) == set(received) and decision.accepted == tuple(sorted(received))
+        assert not decision.reference.empty  # started at the best scored update
+        assert all(torch.equal(p, theta[n]) for n, p in parameters_of(model).items())  # measured, never written
+    finally:
+        sw.close()

@@ -1,0 +1,283 @@
+"""A window's decision: from what was gathered to the aggregate to sign, as one value.
+
+    decision = Decider(spec, model, dataset, aggregator).decide(
+        window, uploads, reference=st.reference, params=st.params, feedback=feedback)
+
+:meth:`Decider.decide` reads only its inputs — the window (:class:`validator.window.Window`: its
+secret, the standings before it, who is established), the screened uploads
+(:class:`validator.intake.Uploads`), the norm reference, θ_t and the re-compression buffer — and
+returns a :class:`WindowDecision`. It touches no store and no log, and writes neither θ_t nor the
+model's parameters: scored updates and trial aggregates are applied to scratch copies and measured
+with them in place of the model's parameters (:func:`validator.scoring.with_parameters`,
+:mod:`validator.trial`). Committing the decision is :mod:`validator.commit`'s.
+
+In order (docs/ARCHITECTURE.md, "Validator"): the norm check against the reference and the copy
+check (:mod:`validator.window_checks`); the window's seed, from its secret and the digests of the
+contributions still standing (:mod:`validator.randomness`); the clip caps (:mod:`validator.limits`);
+loss scores of a budgeted sample, in the clipped form (:mod:`validator.scoring`); harm and effect by
+score, probation, the first window's reference, capacity; the aggregate of the accepted ones, with
+the culprits of a non-finite result left out; one contribution-log row per upload, with the
+reputation after it.
+
+A check on the whole window is one pure function of :mod:`validator.window_checks` (screened
+verdicts in, the same with one more check row on every contribution still standing out; its name
+appended to :data:`validator.log.CHECK_BITS`), called in :meth:`Decider.decide` at its place in that
+order; ``tests/test_validator_decide.py`` decides windows from in-memory uploads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from protocol.config import RunSpec
+from protocol.data.assignment import assigned_batches
+from protocol.data.tokens import TokenDataset
+from protocol.feedback import FeedbackState
+from protocol.model import eval_loss, fingerprint, param_schema
+from protocol.outcomes import PeerOutcome
+from protocol.wire import AggregateTensor
+from validator import randomness, reference, window_checks
+from validator.checks import Screened
+from validator.consensus import agreement
+from validator.copies import CopyRule
+from validator.gather import Received
+from validator.held import Held, clipped_entries
+from validator.intake import Uploads
+from validator.limits import advanced, bootstrap, newcomer_limits, window_limits
+from validator.log import ContributionRecord
+from validator.reference import NormReference
+from validator.reputation import Standing, update
+from validator.rows import failed_check
+from validator.scoring import (
+    LossScore,
+    plan_sample,
+    probation_order,
+    score_update,
+    scoring_batches,
+    scoring_units,
+    suspicion_order,
+    take_sequences,
+)
+from validator.sketch import Sketcher, offsets
+from validator.trial import Aggregator, Limits, Trial
+from validator.window import PhaseClock, Window
+
+__all__ = ["Decider", "WindowDecision"]
+
+
+@dataclass(frozen=True)
+class WindowDecision:
+    """What window ``window`` decided: the final verdict on every upload (``screened``, sorted by
+    peer) and its contribution-log row (``rows``: reason, scores, reputation after the window,
+    weight), the loss scores, each live contribution's clip caps, the aggregate of the accepted
+    ones (``trial``: Δ̄ in published form, the error-feedback buffer after it, θ_{t+1}, its
+    validation loss, the contributions the bisection left out), θ_{t+1}'s fingerprint, the norm
+    reference after the window, and the aggregate's randomness metadata (the revealed secret,
+    the commitment to the next one, the root of the window's digests)."""
+
+    window: int
+    screened: tuple[Screened, ...]
+    rows: tuple[ContributionRecord, ...]
+    scores: Mapping[str, LossScore]
+    caps: Mapping[str, Limits]
+    trial: Trial
+    fingerprint: str
+    reference: NormReference
+    seed: bytes
+    metadata: Mapping[str, int | float | str | bool]
+
+    @property
+    def accepted(self) -> tuple[str, ...]:
+        """The peers whose contributions are in the aggregate, in peer-id order."""
+        return tuple(r.peer for r in self.rows if r.accepted)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Each accepted peer's weight in the aggregate's manifest."""
+        return {r.peer: r.weight for r in self.rows if r.accepted}
+
+    @property
+    def rejections(self) -> dict[str, str]:
+        """peer → the reason its upload was rejected."""
+        return {r.peer: r.reason or "" for r in self.rows if not r.accepted}
+
+    @property
+    def tensors(self) -> dict[str, AggregateTensor]:
+        """Δ̄ in its published form (:mod:`protocol.broadcast`)."""
+        return self.trial.tensors
+
+
+class Decider:
+    """Decides windows for one run: the checks on the whole window, scoring, capacity and the
+    aggregate. ``model`` (holding θ_t) is only measured, never written."""
+
+    def __init__(
+        self, spec: RunSpec, model: nn.Module, dataset: TokenDataset, aggregator: Aggregator, *, device: torch.device
+    ) -> None:
+        self.spec, self.model, self.dataset, self.aggregator, self.device = spec, model, dataset, aggregator, device
+        self.schema = param_schema(spec.model)
+        self.offsets = offsets(self.schema)  # one global index space for sampled entries
+
+    def decide(
+        self,
+        w: Window,
+        uploads: Uploads,
+        *,
+        reference: NormReference,
+        params: Mapping[str, torch.Tensor],
+        feedback: FeedbackState,
+        clock: PhaseClock | None = None,
+    ) -> WindowDecision:
+        """Window ``w``'s decision on ``uploads``, on θ_t = ``params`` (not written)."""
+        cfg, clock = self.spec.validator, clock or PhaseClock()
+        screened = window_checks.norms(
+            uploads.screened, reference, max_ratio=cfg.norm_max_ratio, min_ratio=cfg.norm_min_ratio
+        )
+        rule = CopyRule(cfg.copy_overlap_threshold, cfg.copy_rare_threshold, cfg.copy_sign_agreement)
+        screened = window_checks.copies(screened, uploads.read_at, rule, uploads.listed_at)
+        clock.lap("checks")
+        live = {s.peer: s.held for s in screened if s.reason is None and s.held is not None}
+        root = randomness.contributions_root({p: h.digest for p, h in live.items()})
+        seed = randomness.window_seed(w.secret, root)
+        limits = window_limits(self.spec, reference, [h for p, h in live.items() if p in w.established], self.schema)
+        probation_limits = newcomer_limits(self.spec, limits, reference)
+        caps = {p: limits if p in w.established else probation_limits for p in live}
+        scores = self.score(w, live, caps, uploads, seed)  # budgeted, on the clipped form
+        screened = window_checks.scores(screened, scores, cfg.eval_harm_tolerance, min_gain(self.spec, w, scores))
+        screened = window_checks.probation(screened, w.established, scores)
+        nxt_ref: NormReference | None = None
+        if reference.empty:  # no history yet: start one
+            first, first_caps = bootstrap(self.spec, screened, scores, live, self.schema)
+            if self.spec.outer.clip == "median":
+                caps = {p: first_caps for p in live}
+            nxt_ref = first if not first.empty else None
+        screened = window_checks.capacity(screened, rank(w, scores, seed), cfg.max_contributors)
+        clock.lap("scoring")
+        accepted = sorted(s.peer for s in screened if s.reason is None)  # order-free Δ̄
+        trial = self.aggregator.aggregate(params, feedback, {p: live[p] for p in accepted}, caps)
+        screened = window_checks.stable(screened, trial.dropped)
+        clock.lap("aggregate")
+        return WindowDecision(
+            window=w.t,
+            screened=tuple(screened),
+            rows=tuple(self.rows(w, screened, uploads.received, scores)),
+            scores=scores,
+            caps=caps,
+            trial=trial,
+            fingerprint=fingerprint(trial.params),
+            reference=advanced(self.spec, reference, screened, w.established) if nxt_ref is None else nxt_ref,
+            seed=seed,
+            metadata={
+                randomness.SECRET: w.secret.hex(),
+                randomness.COMMITMENT: w.commitment,
+                randomness.ROOT: root,
+            },
+        )
+
+    def score(
+        self, w: Window, live: Mapping[str, Held], caps: Mapping[str, Limits], uploads: Uploads, seed: bytes
+    ) -> dict[str, LossScore]:
+        """Score a budgeted sample of units, ordered by agreement (on the clipped sampled entries);
+        only the sampled contributions are decoded again."""
+        cfg, data = self.spec.validator, self.spec.data
+        units = scoring_units(live, uploads.roles, pipelines=self.spec.pipeline.enabled)
+        known = [u for u, ps in units.items() if all(p in w.established for p in ps)]
+        sk = uploads.sketch or Sketcher(self.offsets)
+        entries = {p: clipped_entries(h, caps[p], sk, self.schema) for p, h in live.items()}
+        agree = agreement(entries, w.established, np.array(sorted(self.offsets.values()), dtype=np.int64))
+        unit_agree = {u: min(agree.get(p, 0.5) for p in ps) for u, ps in units.items()}
+        sample = plan_sample(
+            established=suspicion_order(known, unit_agree, seed),
+            probation=probation_order([u for u in units if u not in known], unit_agree, seed),
+            budget=cfg.eval_peers_per_window,
+            probation_slots=cfg.eval_probation_peers,
+            seed=seed,
+        )
+        if not sample:
+            return {}
+        rand = scoring_batches(self.dataset, seed, cfg.eval_sequences, data.batch_size, data.seq_len)
+        rand_before = eval_loss(self.model, rand, self.device)
+        scale = cfg.eval_scale * self.spec.outer.alpha
+        out: dict[str, LossScore] = {}
+        for key in sample:  # a peer, or the stages of one pipeline replica (disjoint slices)
+            items = [(p, live[p]) for p in units[key]]
+            update = {name: v for _, sp in self.aggregator.clipped(items, caps) for name, v in sp.items()}
+            own = take_sequences(
+                assigned_batches(
+                    self.dataset, self.spec.seed, key, w.t, self.spec.inner.steps, data.batch_size, data.seq_len
+                ),
+                cfg.eval_sequences,
+            )
+            score = score_update(
+                self.model, update, own=own, random=rand, random_before=rand_before, scale=scale, device=self.device
+            )
+            out.update((peer, score) for peer in units[key])
+        return out
+
+    def rows(
+        self, w: Window, screened: Sequence[Screened], received: Mapping[str, Received], scores: Mapping[str, LossScore]
+    ) -> list[ContributionRecord]:
+        """One contribution-log row per upload, with the peer's reputation after this window."""
+        rows = []
+        for s in sorted(screened, key=lambda s: s.peer):
+            r, sc, h = received[s.peer], scores.get(s.peer), s.held
+            accepted = s.reason is None
+            st = update(
+                w.standing.get(s.peer, Standing()),
+                PeerOutcome(
+                    s.peer, accepted, s.reason, sc.score if sc else None, window=w.t, check=failed_check(s.checks)
+                ),
+                self.spec.validator,
+            )
+            rows.append(
+                ContributionRecord(
+                    window=w.t,
+                    peer=s.peer,
+                    received_at=r.received_at,
+                    bytes=r.nbytes,
+                    digest=h.digest if h else None,
+                    accepted=accepted,
+                    reason=s.reason,
+                    detail=s.detail,
+                    norm=h.norms.total if h and h.nnz else None,
+                    overlap=s.overlap,
+                    loss_own_before=sc.loss_own_before if sc else None,
+                    loss_own_after=sc.loss_own_after if sc else None,
+                    loss_random_before=sc.loss_random_before if sc else None,
+                    loss_random_after=sc.loss_random_after if sc else None,
+                    score=sc.score if sc else None,
+                    reputation=st.reputation,
+                    weight=1.0 if accepted else 0.0,
+                    checks=s.checks,
+                )
+            )
+        return rows
+
+
+def min_gain(spec: RunSpec, w: Window, scores: Mapping[str, LossScore]) -> float | None:
+    """What a scored update must at least lower its own loss by: ``eval_min_gain_ratio`` × the
+    lower median of the established peers' helpful updates in this window (None: none scored)."""
+    gains = [sc.own_gain for p, sc in scores.items() if p in w.established and sc.own_gain > 0]
+    if not gains:
+        return None
+    return spec.validator.eval_min_gain_ratio * reference.lower_median(gains)
+
+
+def rank(w: Window, scores: Mapping[str, LossScore], seed: bytes) -> Callable[[str], Any]:
+    """Who is kept when too many pass: established peers first, then reputation so far plus
+    this window's score if measured, then a draw from the window's seed (ids cannot be ground)."""
+
+    def key(peer: str) -> tuple[int, float, bytes]:
+        st = w.standing.get(peer)
+        value = (st.reputation if st is not None else 0.0) + (scores[peer].score if peer in scores else 0.0)
+        value = value if math.isfinite(value) else -math.inf
+        return (0 if peer in w.established else 1, -value, randomness.keyed_key(seed, "capacity", peer))
+
+    return key
