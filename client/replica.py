@@ -105,15 +105,7 @@ class FullReplica:
             step = self.trainer.train_window([batches[i]])
             losses.append(step.mean_loss)
             tokens += step.tokens
-            elapsed = time.perf_counter() - t0
-            job.report(
-                phase="training",
-                window=job.window,
-                step=i + 1,
-                steps=len(batches),
-                loss=step.mean_loss,
-                tokens_per_s=tokens / max(elapsed, 1e-9),
-            )
+            job.report_step(i + 1, len(batches), step.mean_loss, tokens, t0)
         if len(losses) < len(batches):
             return Skipped("stopped", inner_s=time.perf_counter() - t0)
         inner_s = time.perf_counter() - t0

@@ -26,6 +26,7 @@ the device); ``optimizer_after`` is its state_dict at the end of the window, for
 from __future__ import annotations
 
 import platform
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -75,6 +76,19 @@ class WindowJob:
     stand_in: SparseDict = field(default_factory=dict)
     alpha: float = 1.0
     between_steps: Callable[[int], Sequence[tuple[SparseDict, float]]] = lambda done: ()
+
+    def report_step(self, step: int, steps: int, loss: float, tokens: int, started: float) -> None:
+        """Report inner step ``step`` of ``steps`` done: its loss and the tokens/s since ``started``
+        (a ``time.perf_counter()``), the same for every trainer."""
+        elapsed = time.perf_counter() - started
+        self.report(
+            phase="training",
+            window=self.window,
+            step=step,
+            steps=steps,
+            loss=loss,
+            tokens_per_s=tokens / max(elapsed, 1e-9),
+        )
 
 
 @dataclass(frozen=True)

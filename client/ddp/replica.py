@@ -129,15 +129,7 @@ class DataParallelReplica:
             for i, batch in enumerate(batches):
                 losses.append(self.local.step(self._send_batch(batch)))
                 tokens += batch.shape[0] * (batch.shape[1] - 1)
-                elapsed = time.perf_counter() - t0
-                job.report(
-                    phase="training",
-                    window=job.window,
-                    step=i + 1,
-                    steps=len(batches),
-                    loss=losses[-1],
-                    tokens_per_s=tokens / max(elapsed, 1e-9),
-                )
+                job.report_step(i + 1, len(batches), losses[-1], tokens, t0)
                 if job.should_stop():
                     self.ranks.send(Command(ABORT))
                     return Skipped("stopped", inner_s=time.perf_counter() - t0)
