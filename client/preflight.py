@@ -38,7 +38,6 @@ import torch
 from client.footprint import USABLE, available_memory, footprint, suggest_micro_batch
 from client.trainer import InnerTrainer, pseudo_gradient, snapshot
 from protocol import layout
-from protocol.chain import read_manifest
 from protocol.config import RunSpec
 from protocol.errors import ObjectNotFound, ProtocolError, ReasonedError, StoreError
 from protocol.feedback import FeedbackState, compress_step
@@ -140,6 +139,7 @@ class Preflight:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.spec, self.local, self.identity, self.store, self.device = spec, local, identity, store, device
+        self.chain = Chain(spec, store)  # the run's signed objects, read as a peer reads them
         self.run_hash = spec.hash()
         self.run_id = layout.run_id(self.run_hash)
         self.clock = clock
@@ -263,9 +263,8 @@ class Preflight:
 
     # ------------------------------------------------------------------ the store
     def _run(self) -> Check:
-        signers = self.spec.validator.public_keys
         try:
-            genesis = read_manifest(self.store, self.run_id, self.run_hash, 0, allowed_signers=signers).value
+            genesis = self.chain.launch().value
         except ObjectNotFound:
             return _failed(
                 "run",
@@ -279,12 +278,11 @@ class Preflight:
         return _ok("run", f"run {self.run_id} started at {time.ctime(genesis.published_at)}")
 
     def _reads(self) -> Check:
-        signers = self.spec.validator.public_keys
         try:
             windows = self._checkpoint_windows()
             if not windows:
                 return _failed("reads", "not_found", "the store lists no checkpoint of this run")
-            newest = read_manifest(self.store, self.run_id, self.run_hash, windows[-1], allowed_signers=signers).value
+            newest = self.chain.manifest(windows[-1]).value
             sizes = [self.store.size(f.key) for f in newest.files]
             try:
                 self._aggregate_bytes = self.store.size(layout.aggregate_key(self.run_id, newest.window))
@@ -302,7 +300,7 @@ class Preflight:
 
     def _checkpoint_windows(self) -> list[int]:
         """Windows with a checkpoint manifest, ascending (keys that do not parse are not ours)."""
-        return Chain(self.spec, self.store).checkpoint_windows()
+        return self.chain.checkpoint_windows()
 
     def _grant(self) -> Check:
         store = self.store

@@ -47,7 +47,7 @@ from protocol.errors import ConfigError, MalformedPayload, ObjectNotFound, Proto
 from protocol.store.base import ObjectStore
 from protocol.wire import CheckpointFile
 
-__all__ = ["MIN_WINDOWS", "Plan", "Retention", "checkpoint_windows", "collect", "plan_collection", "published_window"]
+__all__ = ["MIN_WINDOWS", "Plan", "Retention", "collect", "plan_collection", "published_window"]
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +150,6 @@ def published_window(store: ObjectStore, run: str, run_hash: str, *, signers: Si
         except ProtocolError as exc:
             log.warning("aggregate %d does not verify; not counted: %s", window, exc)
     return 0
-
-
-def checkpoint_windows(store: ObjectStore, run: str) -> list[int]:
-    """Windows whose checkpoint manifest is in ``store``, ascending (verified by whoever reads them)."""
-    return sorted({w for w, k in _parsed(store.list(layout.checkpoints_prefix(run)), run) if k.endswith("/manifest")})
 
 
 def _parsed(keys: Iterable[str], run: str) -> list[tuple[int, str]]:
