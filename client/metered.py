@@ -2,7 +2,8 @@
 
     store = MeteredStore(open_from_settings(settings.store))
     ...
-    store.bytes_read            # bytes of every object fetched so far (aggregates, checkpoints, data)
+    store.get_range(key, start, length)   # ranges count too: the bytes returned
+    store.bytes_read            # bytes of every object and range fetched so far (aggregates, checkpoints, data)
 
 The peer reads everything it needs from the run through one of these (its reports carry the bytes
 fetched per window, ``sparseloco demo`` the mean per peer and window). Writes, listings and size
@@ -19,7 +20,8 @@ __all__ = ["MeteredStore"]
 
 
 class MeteredStore(ObjectStore):
-    """Delegates to ``inner``; :attr:`bytes_read` sums the sizes of the objects ``get`` returned."""
+    """Delegates to ``inner``; :attr:`bytes_read` sums the sizes of the objects ``get`` and the
+    ranges ``get_range`` returned."""
 
     def __init__(self, inner: ObjectStore) -> None:
         self.inner = inner
@@ -36,6 +38,12 @@ class MeteredStore(ObjectStore):
 
     def get(self, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
         data = self.inner.get(key, max_bytes=max_bytes)
+        with self._lock:
+            self._read += len(data)
+        return data
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        data = self.inner.get_range(key, start, length)
         with self._lock:
             self._read += len(data)
         return data

@@ -152,6 +152,19 @@ class InvalidKey(StoreError, ValueError):
     reason = "invalid_key"
 
 
+class InvalidRange(StoreError, ValueError):
+    """A byte range asked of :meth:`~protocol.store.base.ObjectStore.get_range` is not one: a
+    negative start, a length under 1 or over the cap (ranges may come from a manifest, like keys)."""
+
+    reason = "invalid_range"
+
+
+class RangeNotSatisfiable(StoreError):
+    """The object is there but shorter than the end of the byte range asked of it (HTTP 416)."""
+
+    reason = "range_not_satisfiable"
+
+
 class PipelineFailure(ReasonedError):
     """A pipeline stage could not finish a window with the other stages of its replica.
 

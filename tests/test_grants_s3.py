@@ -2,24 +2,29 @@
 
 A presigned PUT carries its size and create-only condition in its signature, so a peer cannot send
 more or other bytes than it was granted, nor overwrite; a presigned URL dies at its expiry; a
-private bucket refuses anonymous reads while granted reads work; with a public-read bucket a peer
+private bucket refuses anonymous reads while granted reads work; a ranged read is the key's
+cached GET grant sent with a ``Range`` header (the query-signed URL signs only ``host``, and
+SeaweedFS answers 206 with exactly the range, 416 past the end); with a public-read bucket a peer
 reads directly, with its own spelling of the endpoint, and asks only for write grants.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from servers import SeaweedS3
 
 from protocol import layout
 from protocol.config import RunSpec
-from protocol.errors import AccessDenied, ObjectExists
+from protocol.errors import AccessDenied, ObjectExists, ObjectNotFound, RangeNotSatisfiable
 from protocol.events import Event, WindowOpened
 from protocol.identity import Identity
 from protocol.settings import StoreSettings
@@ -134,6 +139,33 @@ def test_a_private_bucket_is_read_through_grants_only(served: Served, s3: Seawee
     assert served.admin.get(key) == b"announcement"
 
 
+def test_a_ranged_read_goes_through_the_cached_get_grant(served: Served) -> None:
+    shard = os.urandom(300_000)
+    key = layout.shard_key(RUN, hashlib.sha256(shard).hexdigest())
+    served.admin.put(key, shard)
+    alice = served.store()
+    n = len(shard)
+    ranges = [(0, 1), (123_456, 4096), (n - 1, 1), (0, n)]  # first byte, middle, last byte, whole
+    for start, length in ranges:
+        assert alice.get_range(key, start, length) == shard[start : start + length]
+    with pytest.raises(RangeNotSatisfiable):  # SeaweedFS: 416
+        alice.get_range(key, n, 1)
+    with pytest.raises(RangeNotSatisfiable):  # SeaweedFS: 206 with the range cut at the end
+        alice.get_range(key, n - 10, 20)
+    assert alice.stats.grants == 1 and alice.stats.cached == 5  # one GET grant for every range
+    assert alice.stats.bytes_downloaded == sum(length for _, length in ranges)
+    assert alice.get(key) == shard and alice.stats.grants == 1  # the same grant as a whole read
+    with pytest.raises(ObjectNotFound):
+        alice.get_range(layout.shard_key(RUN, "0" * 64), 0, 1)
+
+    # What the store does with the grant: the Range header is not signed in, and is honoured.
+    grant = alice.ask(GrantRequest.read(RUN_HASH, "get", key))
+    assert parse_qs(urlsplit(grant.url).query)["X-Amz-SignedHeaders"] == ["host"] and grant.headers == {}
+    request = urllib.request.Request(grant.url, headers={"Range": "bytes=10-19"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert (resp.status, resp.headers["Content-Range"], resp.read()) == (206, f"bytes 10-19/{n}", shard[10:20])
+
+
 def test_public_reads_go_to_the_bucket_with_the_peers_own_endpoint(served: Served, s3: SeaweedS3) -> None:
     s3.allow_anonymous_reads()
     served.admin.put(layout.aggregate_key(RUN, 2), b"aggregate 2")
@@ -147,6 +179,8 @@ def test_public_reads_go_to_the_bucket_with_the_peers_own_endpoint(served: Serve
     with open_peer_store(settings, ALICE, RUN_HASH) as alice:
         assert isinstance(alice, GrantedStore) and isinstance(alice.reads, S3Store)
         assert alice.get(layout.aggregate_key(RUN, 2)) == b"aggregate 2"
+        assert alice.get_range(layout.aggregate_key(RUN, 2), 10, 1) == b"2"
+        assert alice.reads.stats.gets == 2 and alice.reads.stats.bytes_downloaded == len(b"aggregate 2") + 1
         assert alice.list(layout.aggregate_prefix(RUN)) == [layout.aggregate_key(RUN, 2)]
         assert alice.stats.grants == 0  # no read went through the grant server
         alice.put(layout.contrib_key(RUN, 3, ALICE.peer_id), b"contribution", if_absent=True)

@@ -99,10 +99,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
 
 
 class Recording(ObjectStore):
-    """A store handle that notes every key it reads."""
+    """A store handle that notes every key it reads whole (``gets``) and every range it reads
+    (``ranges``: key, start, length)."""
 
     def __init__(self, inner: ObjectStore) -> None:
-        self.inner, self.gets = inner, []
+        self.inner = inner
+        self.gets: list[str] = []
+        self.ranges: list[tuple[str, int, int]] = []
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         self.inner.put(key, data, if_absent=if_absent)
@@ -110,6 +113,10 @@ class Recording(ObjectStore):
     def get(self, key: str, *, max_bytes: int = 1 << 26) -> bytes:
         self.gets.append(key)
         return self.inner.get(key, max_bytes=max_bytes)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        self.ranges.append((key, start, length))
+        return self.inner.get_range(key, start, length)
 
     def list(self, prefix: str) -> list[str]:
         return self.inner.list(prefix)

@@ -23,14 +23,17 @@ from protocol.errors import (
     AccessDenied,
     ConfigError,
     InvalidKey,
+    InvalidRange,
     ObjectExists,
     ObjectNotFound,
     PayloadTooLarge,
+    RangeNotSatisfiable,
     StoreError,
 )
 from protocol.identity import Identity
 from protocol.settings import StoreSettings
 from protocol.store import (
+    MAX_RANGE_BYTES,
     LocalStore,
     MemoryStore,
     ObjectStore,
@@ -222,6 +225,38 @@ def test_size_cap(case: Case) -> None:
         case.store.get(case.k("capped"), max_bytes=999)
 
 
+def test_get_range_reads_exactly_the_bytes_asked(case: Case) -> None:
+    data = os.urandom((1 << 20) + 3000)  # past a DHT piece boundary (1 MiB pieces)
+    n = len(data)
+    case.store.put(case.k("ranged"), data)
+    ranges = [(0, 1), (1000, 777), (n - 1, 1), (0, n), ((1 << 20) - 50, 100), (n - 3000, 3000)]
+    for start, length in ranges:  # first byte, middle, last byte, all of it, across a piece, the tail
+        assert case.store.get_range(case.k("ranged"), start, length) == data[start : start + length]
+
+
+def test_get_range_past_the_end_and_of_a_missing_key(case: Case) -> None:
+    case.store.put(case.k("ten"), b"0123456789")
+    case.store.put(case.k("empty"), b"")
+    case.store.put(case.k("dir/file"), b"1")
+    for start, length in [(0, 11), (9, 2), (10, 1), (1000, 5)]:
+        with pytest.raises(RangeNotSatisfiable):
+            case.store.get_range(case.k("ten"), start, length)
+    with pytest.raises(RangeNotSatisfiable):
+        case.store.get_range(case.k("empty"), 0, 1)
+    for missing in ("nope", "dir"):
+        with pytest.raises(ObjectNotFound):
+            case.store.get_range(case.k(missing), 0, 1)
+    assert case.store.get_range(case.k("ten"), 9, 1) == b"9"
+
+
+@pytest.mark.parametrize("start, length", [(-1, 1), (0, 0), (0, -5), (0, MAX_RANGE_BYTES + 1), (True, 1), (0, 1.0)])
+def test_get_range_refuses_what_is_not_a_range(case: Case, start: Any, length: Any) -> None:
+    case.store.put(case.k("x"), b"0123456789")
+    with pytest.raises(InvalidRange) as err:
+        case.store.get_range(case.k("x"), start, length)
+    assert isinstance(err.value, ValueError) and isinstance(err.value, StoreError)
+
+
 def test_list_is_sorted_and_prefix_exact(case: Case) -> None:
     keys = ["w/1/b", "w/1/a", "w/10/a", "w/2/c", "w/1/sub/deep", "other/x"]
     for key in keys:
@@ -272,6 +307,7 @@ def test_bad_keys_rejected(case: Case, bad: str) -> None:
         lambda: case.store.put(bad, b"1"),
         lambda: case.store.put(bad, b"1", if_absent=True),
         lambda: case.store.get(bad),
+        lambda: case.store.get_range(bad, 0, 1),
         lambda: case.store.size(bad),
         lambda: case.store.delete(bad),
     ):

@@ -34,6 +34,7 @@ from protocol.errors import (
     ObjectExists,
     ObjectNotFound,
     PayloadTooLarge,
+    RangeNotSatisfiable,
     StoreError,
     UnsupportedVersion,
 )
@@ -289,6 +290,25 @@ def test_missing_piece_and_malformed_manifest(swarm: Swarm) -> None:
     assert not _raw_store(swarm.writer, swarm.writer._obj_key(key), b"[" * 1000, extra_s=120)
     with pytest.raises(IncompleteObject):
         swarm.reader.get(key)
+
+
+@pytest.mark.integration
+def test_a_ranged_read_fetches_only_the_pieces_it_covers(swarm: Swarm) -> None:
+    key, data = f"{_prefix()}/shard", os.urandom(3 * PIECE + 17)
+    manifest, pieces = split(data, PIECE)
+    for index in (0, 2, 3):  # piece 1 is never written: a range that needs it cannot be read
+        assert _raw_store(swarm.writer, swarm.writer._piece_key(manifest, index), pieces[index])
+    assert _raw_store(swarm.writer, swarm.writer._obj_key(key), encode_manifest(manifest))
+    for start, length in [(0, 1), (100, PIECE - 100), (2 * PIECE, 1000), (2 * PIECE, PIECE + 17)]:
+        assert swarm.reader.get_range(key, start, length) == data[start : start + length]
+    assert swarm.reader.get_range(key, len(data) - 1, 1) == data[-1:]
+    for start, length in [(PIECE - 1, 2), (PIECE + 5, 10), (0, len(data))]:
+        with pytest.raises(IncompleteObject, match="piece 1/4"):
+            swarm.reader.get_range(key, start, length)
+    with pytest.raises(RangeNotSatisfiable):  # refused on the manifest's size, no piece fetched
+        swarm.reader.get_range(key, len(data) - 1, 2)
+    with pytest.raises(ObjectNotFound):
+        swarm.reader.get_range(f"{key}-missing", 0, 1)
 
 
 @pytest.mark.integration

@@ -1,6 +1,7 @@
 """S3 backend specifics against a real S3 server (SeaweedFS ``weed mini`` on 127.0.0.1).
 
-Large objects and multipart, per-peer credentials scoped to a prefix, the size cap, conditional
+Large objects and multipart, per-peer credentials scoped to a prefix, the size cap, ranged reads
+(one GET, only the range transferred, a server that ignores ``Range`` cut off), conditional
 create races, credentials from the environment, bad credentials, pagination.
 """
 
@@ -13,11 +14,20 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from servers import SeaweedS3, peer_grants
 
-from protocol.errors import AccessDenied, ConfigError, ObjectExists, PayloadTooLarge
+from protocol.errors import (
+    AccessDenied,
+    ConfigError,
+    ObjectExists,
+    ObjectNotFound,
+    PayloadTooLarge,
+    RangeNotSatisfiable,
+    StoreError,
+)
 from protocol.identity import Identity
 from protocol.layout import aggregate_key, contrib_key, peer_key, probe_key
 from protocol.store import open_store
@@ -76,6 +86,56 @@ def test_size_cap_refuses_without_downloading(s3: SeaweedS3, root: str) -> None:
             store.get("huge", max_bytes=MiB)
         assert store.stats.bytes_downloaded == 0  # refused on ContentLength, body never read
         assert store.stats.retries == 0
+
+
+def _get_requests(store: S3Store) -> list[dict[str, str]]:
+    """The headers of every GetObject request ``store`` sends from now on (as sent)."""
+    sent: list[dict[str, str]] = []
+
+    def note(request: Any, **_: Any) -> None:
+        sent.append({k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()})
+
+    store._client.meta.events.register("before-send.s3.GetObject", note)
+    return sent
+
+
+def test_a_ranged_read_is_one_get_of_only_the_range(s3: SeaweedS3, root: str) -> None:
+    data = os.urandom(20 * MiB)  # multipart: a range across parts
+    with s3.store(root) as store:
+        store.put("shard", data)
+        sent = _get_requests(store)
+        start, length = 8 * MiB - 100, 300  # across the first part boundary
+        assert store.get_range("shard", start, length) == data[start : start + length]
+        assert (store.stats.gets, store.stats.bytes_downloaded, store.stats.retries) == (1, length, 0)
+        assert [r.get("Range") for r in sent] == [f"bytes={start}-{start + length - 1}"]
+        assert store.get_range("shard", len(data) - 1, 1) == data[-1:]
+        assert (store.stats.gets, store.stats.bytes_downloaded) == (2, length + 1)
+        with pytest.raises(RangeNotSatisfiable):  # S3 answers 416: nothing downloaded
+            store.get_range("shard", len(data), 1)
+        with pytest.raises(RangeNotSatisfiable):  # S3 answers 206 with the range cut at the end
+            store.get_range("shard", len(data) - 10, 20)
+        with pytest.raises(ObjectNotFound):
+            store.get_range("missing", 0, 1)
+        # The cut range was refused on its Content-Range, before its body was read.
+        assert store.stats.bytes_downloaded == length + 1 and store.stats.retries == 0
+
+
+def test_a_server_that_ignores_range_is_cut_off(s3: SeaweedS3, root: str) -> None:
+    data = os.urandom(8 * MiB)
+    with s3.store(root) as store:
+        store.put("shard", data)
+        store.put("small", b"whole")
+
+        def drop_range(request: Any, **_: Any) -> None:
+            del request.headers["Range"]  # before signing: the server sees a plain GET
+
+        store._client.meta.events.register("before-sign.s3.GetObject", drop_range)
+        with pytest.raises(StoreError, match="answered 200"):
+            store.get_range("shard", 100, 1000)
+        assert store.stats.bytes_downloaded <= 1001 and store.stats.retries == 0  # not 8 MiB
+        with pytest.raises(RangeNotSatisfiable):  # a 200 tells the size: too short for the range
+            store.get_range("small", 2, 10)
+        assert store.get_range("small", 0, 5) == b"whole"  # a 200 whose whole object is the range
 
 
 def _race(stores: list[S3Store], key: str, size: int) -> list[int]:

@@ -27,7 +27,15 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from protocol.errors import ConfigError
-from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix, put_once
+from protocol.store.base import (
+    DEFAULT_MAX_BYTES,
+    MAX_RANGE_BYTES,
+    ObjectStore,
+    check_key,
+    check_prefix,
+    check_range,
+    put_once,
+)
 from protocol.store.local import LocalStore
 from protocol.store.memory import MemoryStore
 
@@ -37,11 +45,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
+    "MAX_RANGE_BYTES",
     "LocalStore",
     "MemoryStore",
     "ObjectStore",
     "check_key",
     "check_prefix",
+    "check_range",
     "open_from_settings",
     "open_peer_store",
     "open_store",

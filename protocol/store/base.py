@@ -3,11 +3,13 @@
 Keys are ``/``-separated strings without a leading slash (see ``protocol.layout``). Values are
 bytes. Every read takes a ``max_bytes`` cap so that one huge object cannot stall or exhaust a
 reader; the cap is checked against the object's size before the body is transferred where the
-backend allows it.
+backend allows it. ``get_range`` reads a byte range of an object (at most
+:data:`MAX_RANGE_BYTES`) and, in every backend here, transfers only that range.
 
     store = open_store("file:///tmp/swarm")        # protocol.store.open_store
     store.put("run/contrib/3/abc", blob, if_absent=True)
     blob = store.get("run/contrib/3/abc", max_bytes=64 << 20)
+    part = store.get_range("run/data/shard/9f2c", start=4096, length=512)   # bytes [4096, 4608)
     keys = store.list("run/contrib/3/")
     put_once(store, "run/aggregate/3", blob)        # create; the same bytes already there are fine
 """
@@ -17,9 +19,25 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 
-from protocol.errors import InvalidKey, ObjectExists, ObjectNotFound, PayloadTooLarge
+from protocol.errors import (
+    InvalidKey,
+    InvalidRange,
+    ObjectExists,
+    ObjectNotFound,
+    PayloadTooLarge,
+    RangeNotSatisfiable,
+    StoreError,
+)
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+
+#: Longest byte range one ``get_range`` returns: the default cap of a whole read.
+MAX_RANGE_BYTES = DEFAULT_MAX_BYTES
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+# How often the default get_range looks again at an object replaced by a larger one mid-read.
+_RANGE_READ_ATTEMPTS = 3
 
 #: Longest key in UTF-8 bytes (S3's own limit).
 MAX_KEY_BYTES = 1024
@@ -55,14 +73,66 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+def check_range(key: str, start: int, length: int) -> int:
+    """Check the arguments of :meth:`ObjectStore.get_range`; return the range's end.
+
+    ``key`` must pass :func:`check_key`; ``start`` is an int >= 0 and ``length`` an int in
+    ``1..MAX_RANGE_BYTES``, else :class:`InvalidRange`.
+    """
+    check_key(key)
+    for name, value in (("start", start), ("length", length)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidRange(f"{name} must be an int, got {type(value).__name__}")
+    if start < 0:
+        raise InvalidRange(f"a range starts at byte 0 or later, not {start}")
+    if not 1 <= length <= MAX_RANGE_BYTES:
+        raise InvalidRange(f"a range is 1..{MAX_RANGE_BYTES} bytes long, not {length}")
+    return start + length
+
+
+def range_past_end(key: str, start: int, length: int, size: int) -> RangeNotSatisfiable:
+    """The error for bytes ``[start, start + length)`` of ``key``, an object of ``size`` bytes."""
+    return RangeNotSatisfiable(f"{key!r} is {size} bytes: it has no bytes [{start}, {start + length})")
+
+
+def check_range_answer(
+    key: str, start: int, length: int, status: int, content_range: str | None, content_length: int | None
+) -> None:
+    """Check the head of an HTTP answer to ``Range: bytes=<start>-<start + length - 1>`` before
+    its body is read (the S3 and granted stores).
+
+    Right answers: ``206`` with ``Content-Range: bytes <start>-<end - 1>/<size>``, or ``200`` (a
+    server that ignores ``Range`` sends the whole object) when the whole object is the range. A
+    ``Content-Length`` other than ``length`` is wrong either way. When a wrong answer shows the
+    object is too short (S3 cuts a range at the object's end; a ``200`` tells the size), raise
+    :class:`RangeNotSatisfiable`, else :class:`StoreError`.
+    """
+    end = start + length
+    answered = _CONTENT_RANGE.fullmatch((content_range or "").strip())
+    if status == 206:
+        size = int(answered[3]) if answered and answered[3].isdigit() else None
+        right = answered is not None and (int(answered[1]), int(answered[2])) == (start, end - 1)
+    else:
+        size, right = content_length, status == 200 and start == 0
+    if content_length is not None and content_length != length:
+        right = False
+    if right:
+        return
+    if size is not None and size < end:
+        raise range_past_end(key, start, length, size)
+    shown = content_range or f"{content_length} bytes"
+    raise StoreError(f"{key!r}: asked for bytes {start}-{end - 1}, the store answered {status} ({shown})")
+
+
 class ObjectStore(ABC):
     """Put/get/list/exists/delete over bytes.
 
     ``put(..., if_absent=True)`` is a conditional create: it raises ``ObjectExists`` when the key is
     already there. Backends without an atomic primitive emulate it best-effort and say so in
     ``atomic_create``. Missing keys raise ``ObjectNotFound``; oversized ones ``PayloadTooLarge``;
-    permission failures ``AccessDenied``; keys that break :func:`check_key` ``InvalidKey``;
-    anything else a ``StoreError``.
+    permission failures ``AccessDenied``; keys that break :func:`check_key` ``InvalidKey``; byte
+    ranges that break :func:`check_range` ``InvalidRange``, ranges past an object's end
+    ``RangeNotSatisfiable``; anything else a ``StoreError``.
     """
 
     #: True when ``put(if_absent=True)`` is atomic against concurrent writers.
@@ -73,6 +143,34 @@ class ObjectStore(ABC):
 
     @abstractmethod
     def get(self, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes: ...
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Bytes ``[start, start + length)`` of ``key``: exactly ``length`` of them.
+
+        ``ObjectNotFound`` when the key is absent; :class:`~protocol.errors.RangeNotSatisfiable`
+        when the object is shorter than ``start + length`` (no partial range is returned);
+        :class:`~protocol.errors.InvalidRange` for arguments :func:`check_range` refuses.
+
+        This default is correct for any backend but not cheap: it asks ``size`` (a range past the
+        end is refused without reading anything), then reads the whole object with ``get``, capped
+        at that size, and slices. The cap is the size just seen, not ``start + length``: ``get``
+        refuses an object larger than its cap rather than returning a prefix. An object replaced by
+        a larger one between the two calls makes ``get`` refuse; it is looked at again, a few
+        times. Backends override this to transfer only the range.
+        """
+        end = check_range(key, start, length)
+        for _ in range(_RANGE_READ_ATTEMPTS):
+            size = self.size(key)
+            if size < end:
+                raise range_past_end(key, start, length, size)
+            try:
+                data = self.get(key, max_bytes=size)
+            except PayloadTooLarge:
+                continue  # it grew since size(): look again
+            if len(data) < end:  # it shrank since size(): this is the object now
+                raise range_past_end(key, start, length, len(data))
+            return data[start:end]
+        raise StoreError(f"{key!r} kept growing while its bytes [{start}, {end}) were read")
 
     @abstractmethod
     def list(self, prefix: str) -> list[str]:

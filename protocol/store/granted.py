@@ -7,13 +7,18 @@ needs only its own Ed25519 key::
     store = GrantedStore("https://validator.example.org:8710", identity, spec.hash())
     store.put(contrib_key(run, 3, identity.peer_id), blob, if_absent=True)   # granted PUT, create-only
     store.get(aggregate_key(run, 2), max_bytes=cap)                          # granted GET
+    store.get_range(shard_key(run, sha), start=4096, length=512)             # the same GET, one range
     store.list(checkpoints_prefix(run))                                      # granted listing
 
 ``put`` asks for a PUT of exactly that key and size (create-only with ``if_absent``, which the S3
 server enforces) and sends the bytes with plain HTTP. Reads ask for presigned GETs, HEADs and
 listings, which are cached until shortly before they expire, so polling for the next aggregate
 costs the grant server nothing; or, with ``reads`` (an anonymous store of a public-read bucket,
-``store.public_reads``), they go to the bucket directly. Nothing can be deleted.
+``store.public_reads``), they go to the bucket directly. A ranged read sends the key's cached GET
+grant with a ``Range`` header (SigV4 query signing signs only the host, so the grant needs no
+change) and accepts only a ``206`` of exactly that range, or a ``200`` whose whole object is the
+range; a store that ignores ``Range`` and sends a whole object is refused on its
+``Content-Length``, its body unread. Nothing can be deleted.
 
 Failures: a refusal raises :class:`~protocol.errors.AccessDenied` (or ``PayloadTooLarge``) with the
 reason the grant server gave; an unreachable grant server, 5xx answers and rate limits are retried
@@ -42,11 +47,19 @@ from protocol.errors import (
     ObjectExists,
     ObjectNotFound,
     PayloadTooLarge,
+    RangeNotSatisfiable,
     StoreError,
     StoreUnavailable,
 )
 from protocol.identity import Identity
-from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
+from protocol.store.base import (
+    DEFAULT_MAX_BYTES,
+    ObjectStore,
+    check_key,
+    check_prefix,
+    check_range,
+    check_range_answer,
+)
 from protocol.store.grants import (
     GRANT_PATH,
     INFO_PATH,
@@ -224,9 +237,12 @@ class GrantedStore(ObjectStore):
                 attempt += 1
 
     # ------------------------------------------------------------------ HTTP to the store
-    def _send(self, grant: Presigned, key: str, *, body: bytes | None = None) -> http.client.HTTPResponse:
-        """Send one presigned request; an open response on 2xx, named errors otherwise."""
-        headers = dict(grant.headers)
+    def _send(
+        self, grant: Presigned, key: str, *, body: bytes | None = None, extra: dict[str, str] | None = None
+    ) -> http.client.HTTPResponse:
+        """Send one presigned request (with the unsigned headers ``extra`` as well); an open
+        response on 2xx, named errors otherwise."""
+        headers = {**(extra or {}), **grant.headers}
         if body is not None:
             # urllib would label a body as a form (x-www-form-urlencoded), which some servers parse.
             headers.setdefault("Content-Type", "application/octet-stream")
@@ -259,6 +275,12 @@ class GrantedStore(ObjectStore):
         check_key(key)
         return self._attempts(f"get {key!r}", lambda: self._read_once("get", key, max_bytes))
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if self.reads is not None:
+            return self.reads.get_range(key, start, length)
+        check_range(key, start, length)
+        return self._attempts(f"get {key!r} [{start}, {start + length})", lambda: self._range_once(key, start, length))
+
     def size(self, key: str) -> int:
         if self.reads is not None:
             return self.reads.size(key)
@@ -290,10 +312,12 @@ class GrantedStore(ObjectStore):
             self.reads.close()
 
     # ------------------------------------------------------------------ reads
-    def _read_response(self, op: str, key: str, token: str = "") -> tuple[Presigned, http.client.HTTPResponse]:
+    def _read_response(
+        self, op: str, key: str, token: str = "", extra: dict[str, str] | None = None
+    ) -> tuple[Presigned, http.client.HTTPResponse]:
         grant = self._granted(op, key, token)
         try:
-            return grant, self._send(grant, key)
+            return grant, self._send(grant, key, extra=extra)
         except AccessDenied as exc:
             self._forget(op, key, token)  # expired, or signed by a credential that is gone
             raise _Regrant(exc) from None
@@ -313,6 +337,27 @@ class GrantedStore(ObjectStore):
         if received != length:
             raise _Retry(f"{key!r}: body cut off at {received} of {length} bytes")
         self.stats.bytes_downloaded += received
+        return b"".join(chunks)
+
+    def _range_once(self, key: str, start: int, length: int) -> bytes:
+        end = start + length
+        with self._read_response("get", key, extra={"Range": f"bytes={start}-{end - 1}"})[1] as resp:
+            check_range_answer(
+                key, start, length, resp.status, resp.headers.get("Content-Range"), _content_length(resp, key)
+            )
+            chunks: list[bytes] = []
+            received = 0
+            try:
+                while received <= length and (chunk := resp.read(min(CHUNK, length + 1 - received))):
+                    received += len(chunk)
+                    chunks.append(chunk)
+            except (OSError, http.client.HTTPException) as exc:
+                raise _Retry(f"{key!r}: range cut off after {received} of {length} bytes: {exc}") from None
+        self.stats.bytes_downloaded += received
+        if received > length:  # a server that lied about the length
+            raise StoreError(f"{key!r}: asked for {length} bytes from {start}, the store sent more")
+        if received < length:
+            raise _Retry(f"{key!r}: range cut off at {received} of {length} bytes")
         return b"".join(chunks)
 
     def _list_once(self, prefix: str, token: str) -> Page:
@@ -364,6 +409,8 @@ def _store_status(status: int, text: str, key: str) -> Exception:
         return AccessDenied(f"{key!r}: the store refused the grant: {code or status}")
     if code == "EntityTooLarge" or status == 413:
         return PayloadTooLarge(f"{key!r}: {code or status}")
+    if code == "InvalidRange" or status == 416:
+        return RangeNotSatisfiable(f"{key!r}: the range asked lies past the object's end ({code or status})")
     if status >= 500 or status in (408, 409, 429):
         return _Retry(f"{key!r}: the store answered {status} {code}")
     return StoreError(f"{key!r}: the store answered {status} {code}")

@@ -6,6 +6,13 @@ temp file in the target directory, fsynced, then renamed into place, so a reader
 object and a writer killed mid-upload leaves only a dot file that listings ignore. ``if_absent``
 links the temp file to the final name (``os.link`` fails atomically if the name exists), so
 concurrent creators — threads or processes — get exactly one winner.
+
+    store = LocalStore("/var/lib/sparseloco")
+    store.put("run/data/shard/9f2c", shard)
+    store.get_range("run/data/shard/9f2c", start=4096, length=512)   # seek and read 512 bytes
+
+``get_range`` reads only the range from the open file; since objects are replaced by rename, the
+open file is one version of the object throughout.
 """
 
 from __future__ import annotations
@@ -22,7 +29,14 @@ from protocol.errors import (
     StoreError,
 )
 from protocol.files import atomic_write
-from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
+from protocol.store.base import (
+    DEFAULT_MAX_BYTES,
+    ObjectStore,
+    check_key,
+    check_prefix,
+    check_range,
+    range_past_end,
+)
 
 _READ_CHUNK = 1 << 20
 # A concurrent delete may prune the directory between makedirs and the temp file; retry that.
@@ -111,6 +125,22 @@ class LocalStore(ObjectStore):
             raise _os_error(exc, key) from exc
         if len(data) > max_bytes:  # the file grew after fstat: still never return more than the cap
             raise PayloadTooLarge(f"{key!r} exceeds the cap of {max_bytes} bytes")
+        return data
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        end = check_range(key, start, length)
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < end:
+                    raise range_past_end(key, start, length, size)
+                f.seek(start)
+                data = f.read(length)
+        except OSError as exc:
+            raise _os_error(exc, key) from exc
+        if len(data) < length:  # truncated in place after fstat (not by this store: it renames)
+            raise range_past_end(key, start, length, start + len(data))
         return data
 
     def list(self, prefix: str) -> list[str]:

@@ -13,7 +13,9 @@ read the truth — the attack a content hash in the envelope must catch.
     store.faults.drop("run/peers/")                   # puts succeed but the object is lost
     store.faults.clear()
 
-Every fired fault is recorded in ``store.faults.fired`` as ``(action, op, key)``.
+Every fired fault is recorded in ``store.faults.fired`` as ``(action, op, key)``. A ranged read
+(``store.get_range(key, start, length)``) is a ``get`` to the rules and to ``store.counts``: a
+``get`` fault delays it, fails it, or flips a bit in the middle of the range it returns.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from protocol.errors import ObjectExists, ObjectNotFound, PayloadTooLarge, StoreError
-from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
+from protocol.store.base import (
+    DEFAULT_MAX_BYTES,
+    ObjectStore,
+    check_key,
+    check_prefix,
+    check_range,
+    range_past_end,
+)
 
 Op = Literal["put", "get", "list", "size", "delete"]
 Action = Literal["drop", "delay", "corrupt", "fail", "crash"]
@@ -101,7 +110,8 @@ class FaultInjector:
         return self.add(Fault("delay", prefix, frozenset(ops), times=times, seconds=seconds))
 
     def corrupt(self, prefix: str = "", *, times: int | None = None) -> Fault:
-        """Reads under ``prefix`` return the object with one bit flipped; the stored copy is intact."""
+        """Reads under ``prefix`` return the object (or the range asked) with one bit flipped; the
+        stored copy is intact."""
         return self.add(Fault("corrupt", prefix, frozenset({"get"}), times=times))
 
     def fail(
@@ -214,6 +224,20 @@ class MemoryStore(ObjectStore):
         if any(f.action == "corrupt" for f in faults):
             data = corrupt_bytes(data)
         return data
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        end = check_range(key, start, length)
+        faults = self._before("get", key)
+        with self._ns.lock:
+            data = self._ns.objects.get(key)
+        if data is None:
+            raise ObjectNotFound(f"{key!r} not found")
+        if len(data) < end:
+            raise range_past_end(key, start, length, len(data))
+        part = data[start:end]
+        if any(f.action == "corrupt" for f in faults):
+            part = corrupt_bytes(part)
+        return part
 
     def list(self, prefix: str) -> list[str]:
         check_prefix(prefix)

@@ -4,6 +4,7 @@
                     region="auto", access_key="...", secret_key="...")
     store.put("run/contrib/3/abc", blob, if_absent=True)    # IfNoneMatch='*': one winner
     blob = store.get("run/contrib/3/abc", max_bytes=8 << 20)
+    part = store.get_range("run/data/shard/9f2c", start=4096, length=512)   # GET, Range: bytes=4096-4607
 
 Credentials come from the arguments, else from boto3's usual chain (``AWS_ACCESS_KEY_ID`` ...,
 ``AWS_PROFILE``, ``~/.aws``, instance roles); ``anonymous=True`` reads public buckets unsigned.
@@ -16,7 +17,10 @@ Why each setting:
   ours retries the whole operation, which botocore cannot: a body cut off mid-download, a
   multipart upload, AWS's 409 on a conditional write racing another one. Both are bounded.
 - reads check ``ContentLength`` before touching the body and count while streaming, so an
-  oversized object is refused without being downloaded.
+  oversized object is refused without being downloaded. A ranged read accepts only the range it
+  asked for (``206`` with that ``Content-Range``, or a ``200`` whose whole object is the range);
+  a server that ignores ``Range`` and sends a whole object is refused on its ``ContentLength``,
+  and no body is ever read past one byte more than the range.
 - presigned requests (:meth:`S3Store.presign_put` and friends, what a validator hands out as upload
   grants) are always SigV4: it signs the headers in (``Content-Length``, ``If-None-Match``), where
   the older query signing some botocore versions pick for presigning would not.
@@ -46,9 +50,18 @@ from protocol.errors import (
     ObjectExists,
     ObjectNotFound,
     PayloadTooLarge,
+    RangeNotSatisfiable,
     StoreError,
 )
-from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
+from protocol.store.base import (
+    DEFAULT_MAX_BYTES,
+    ObjectStore,
+    check_key,
+    check_prefix,
+    check_range,
+    check_range_answer,
+    range_past_end,
+)
 from protocol.store.presign import Presigned
 
 T = TypeVar("T")
@@ -72,6 +85,7 @@ _DENIED = {
     "AccountProblem",
 }
 _TOO_LARGE = {"EntityTooLarge"}
+_PAST_END = {"InvalidRange", "416"}
 _TRANSIENT = {
     "500",
     "502",
@@ -96,10 +110,12 @@ _NETWORK_ERRORS = (
 
 @dataclass
 class S3Stats:
-    """Counters for benchmarks and tests (bytes moved in bodies, whole-operation retries)."""
+    """Counters for benchmarks and tests (bytes moved in bodies, GETs answered with a body, of
+    whole objects and of ranges, each try counted; whole-operation retries)."""
 
     bytes_uploaded: int = 0
     bytes_downloaded: int = 0
+    gets: int = 0
     retries: int = 0
 
 
@@ -131,6 +147,8 @@ def map_error(exc: Exception, key: str) -> Exception:
             return AccessDenied(f"{key!r}: {code}: {message}")
         if code in _TOO_LARGE:
             return PayloadTooLarge(f"{key!r}: {message}")
+        if code in _PAST_END or status == 416:
+            return RangeNotSatisfiable(f"{key!r}: the range asked lies past the object's end: {message}")
         return StoreError(f"{key!r}: {code or status}: {message}")
     if isinstance(exc, bexc.NoCredentialsError):
         return AccessDenied("no S3 credentials found (pass them or set AWS_ACCESS_KEY_ID)")
@@ -364,6 +382,7 @@ class S3Store(ObjectStore):
 
     def _get_once(self, full: str, key: str, max_bytes: int) -> bytes:
         resp = self._client.get_object(Bucket=self.bucket, Key=full)
+        self._count("gets", 1)
         body = resp["Body"]
         try:
             length = resp.get("ContentLength")
@@ -380,6 +399,43 @@ class S3Store(ObjectStore):
             # Closing an unread body drops the connection instead of downloading the rest.
             body.close()
         self._count("bytes_downloaded", received)
+        return b"".join(chunks)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """One GET with ``Range: bytes=start-(start+length-1)``, retried like :meth:`get`; see
+        :meth:`ObjectStore.get_range`."""
+        check_range(key, start, length)
+        full = self._full(key)
+        return self._retrying(key, lambda: self._get_range_once(full, key, start, length))
+
+    def _get_range_once(self, full: str, key: str, start: int, length: int) -> bytes:
+        end = start + length
+        resp = self._client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}")
+        self._count("gets", 1)
+        body = resp["Body"]
+        received = 0
+        try:
+            status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+            declared = resp.get("ContentLength")
+            check_range_answer(
+                key, start, length, status, resp.get("ContentRange"), None if declared is None else int(declared)
+            )
+            chunks: list[bytes] = []
+            while received <= length:  # one byte more than asked shows a body that is too long
+                chunk = body.read(min(MiB, length + 1 - received))
+                if not chunk:  # botocore raised IncompleteReadError here if the body was cut off
+                    break
+                received += len(chunk)
+                chunks.append(chunk)
+        finally:
+            body.close()  # never the rest of a body longer than asked
+            self._count("bytes_downloaded", received)
+        if received > length:
+            raise StoreError(f"{key!r}: asked for {length} bytes from {start}, the store sent more")
+        if received < length:  # no Content-Length to check the body against
+            if status == 206:  # the range the answer named was cut off: try again
+                raise bexc.IncompleteReadError(actual_bytes=received, expected_bytes=length)
+            raise range_past_end(key, start, length, received)  # a whole object, shorter than the range
         return b"".join(chunks)
 
     def _head(self, full: str) -> dict[str, Any] | None:

@@ -4,6 +4,7 @@
     store = DHTStore(boot.visible_maddrs(), identity=me, validator_keys=keys, expiration_s=3600)
     store.put("run/contrib/00000003/<my peer id>", blob)
     store.get("run/contrib/00000003/<peer id>", max_bytes=64 << 20)
+    store.get_range("run/data/shard/<sha256>", start=4096, length=512)   # only the pieces it covers
     store.list("run/peers/")                             # the announcement index
     store.close()
 
@@ -12,7 +13,8 @@ How objects map onto DHT records (all under ``namespace``):
 - ``<ns>:obj:<key>``  the manifest (size, piece size, sha256 of the value and of every piece),
   see :mod:`protocol.store.dht.pieces`. Read with ``latest=True`` so an overwrite is seen.
 - ``<ns>:piece:<sha256>``  the pieces, content-addressed by their own hash, one per RPC (hivemind
-  caps a message at 4 MiB, so a batched store would overflow it).
+  caps a message at 4 MiB, so a batched store would overflow it). A ranged read fetches only the
+  pieces that cover the range, each checked against its hash in the manifest.
 - ``<ns>:dir:<folder>``  a directory record whose *subkeys* are the entries of ``folder``, one per
   writer and name (``<peer_id>/<name>``): the object names and sub-folder names (with a trailing
   ``/``) — ``list`` walks it like a file tree, so ``list("run/contrib/00000003/")`` reads one record
@@ -64,7 +66,14 @@ from protocol.errors import (
     StoreError,
 )
 from protocol.identity import Identity
-from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore, check_key, check_prefix
+from protocol.store.base import (
+    DEFAULT_MAX_BYTES,
+    ObjectStore,
+    check_key,
+    check_prefix,
+    check_range,
+    range_past_end,
+)
 from protocol.store.dht.loop import LoopThread
 from protocol.store.dht.pieces import (
     DEFAULT_PIECE_SIZE,
@@ -220,8 +229,19 @@ class DHTStore(ObjectStore):
         manifest = self.manifest(key)
         if manifest.size > max_bytes:
             raise PayloadTooLarge(f"{key!r} is {manifest.size} bytes, more than max_bytes={max_bytes}")
-        pieces = self._run(self._fetch_pieces(key, manifest), f"get {key!r}")
+        pieces = self._run(self._fetch_pieces(key, manifest, range(manifest.n_pieces)), f"get {key!r}")
         return assemble(manifest, pieces, key=key)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        end = check_range(key, start, length)
+        manifest = self.manifest(key)
+        if manifest.size < end:
+            raise range_past_end(key, start, length, manifest.size)
+        first, last = start // manifest.piece_size, (end - 1) // manifest.piece_size
+        what = f"get {key!r} [{start}, {end})"
+        pieces = self._run(self._fetch_pieces(key, manifest, range(first, last + 1)), what)
+        offset = start - first * manifest.piece_size
+        return b"".join(pieces)[offset : offset + length]
 
     def size(self, key: str) -> int:
         return self.manifest(key).size
@@ -280,7 +300,9 @@ class DHTStore(ObjectStore):
         record = None if found is None else self._verified(dht_key, "", found.value, found.expiration_time)
         return None if record is None else decode_manifest(record.content, key=key)
 
-    async def _fetch_pieces(self, key: str, manifest: Manifest) -> builtins.list[bytes]:
+    async def _fetch_pieces(self, key: str, manifest: Manifest, indices: range) -> builtins.list[bytes]:
+        """Pieces ``indices`` of ``key``, in order, each checked against its hash in ``manifest``."""
+
         async def fetch(index: int) -> bytes:
             dht_key = self.policy.dht_key(PIECE, piece_name(manifest, index))
             found = await self._node.get(dht_key)
@@ -291,7 +313,7 @@ class DHTStore(ObjectStore):
                 )
             return check_piece(manifest, index, record.content, key=key)
 
-        return await self._bounded(fetch, range(manifest.n_pieces))
+        return await self._bounded(fetch, indices)
 
     async def _walk(self, folder: str, partial: str) -> builtins.list[str]:
         dht_key = self._dir_key(folder)
