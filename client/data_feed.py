@@ -20,7 +20,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from protocol.config import RunSpec
-from protocol.data.assignment import assigned_batches, assigned_shards, open_dataset
+from protocol.data.assignment import assigned_batches, assigned_spans, open_dataset
 from protocol.data.tokens import DataUsage, TokenDataset
 from protocol.errors import ConfigError, ProtocolError, StoreError
 
@@ -57,10 +57,11 @@ class DataFeed:
         return self._dataset
 
     def batches(self, window: int) -> list[Tensor]:
-        """This key's batches of ``window``, then the next window's shards prefetched."""
+        """This key's batches of ``window``, then the next window's pages prefetched."""
         ds, s, d = self.dataset(), self.spec, self.spec.data
-        out = assigned_batches(ds, s.seed, self.key, window, s.inner.steps, d.batch_size, d.seq_len)
-        ds.prefetch("train", assigned_shards(ds, s.seed, self.key, window + 1, s.inner.steps, d.batch_size, d.seq_len))
+        out = assigned_batches(ds, s.seed, self.key, window, s.inner.steps, d.batch_size, d.seq_len, pages=d.pages)
+        later = assigned_spans(ds, s.seed, self.key, window + 1, s.inner.steps, d.batch_size, d.seq_len, pages=d.pages)
+        ds.prefetch("train", later)
         return out
 
     def take_usage(self) -> DataUsage:

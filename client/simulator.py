@@ -46,7 +46,7 @@ from protocol.aggregate import SparseDict, aggregate, apply_outer, sparse_of
 from protocol.broadcast import publishable
 from protocol.chain import delta_of
 from protocol.codec import pack, unpack
-from protocol.config import CodecConfig, InnerConfig, ModelConfig, OuterConfig
+from protocol.config import CodecConfig, DataConfig, InnerConfig, ModelConfig, OuterConfig
 from protocol.data.assignment import TokenDataset, assigned_batches, validation_batches
 from protocol.errors import ConfigError
 from protocol.feedback import FeedbackState, compress_step
@@ -72,6 +72,7 @@ class SimConfig:
     codec: CodecConfig = field(default_factory=CodecConfig)
     batch_size: int = 8
     seq_len: int = 128
+    pages: int = DataConfig.pages  # data.pages: where a replica's sequences of one window come from
     micro_batch_size: int = 0
     eval_sequences: int = 64
     seed: int = 0
@@ -186,7 +187,9 @@ class Simulator:
     # ------------------------------------------------------------------ methods
     def _batches(self, replica: int, window: int) -> list[Tensor]:
         c = self.cfg
-        return assigned_batches(self.data, c.seed, replica, window, c.inner.steps, c.batch_size, c.seq_len)
+        return assigned_batches(
+            self.data, c.seed, replica, window, c.inner.steps, c.batch_size, c.seq_len, pages=c.pages
+        )
 
     def _local_rounds(self, t: int, starts: list[dict[str, Tensor]]) -> tuple[list[dict[str, Tensor]], float]:
         """Replica r trains H steps from ``starts[r]``; returns (pseudo-gradients, mean train loss)."""

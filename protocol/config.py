@@ -93,6 +93,9 @@ class DataConfig:
     ``hf:<sha256 of the tokenizer.json>`` (in the store next to the shards); a path to a
     tokenizer.json serves local data only. ``batch_size`` sequences of ``seq_len`` tokens per inner
     step per replica; ``val_fraction``: the share of the corpus ``init`` holds out for validation.
+    ``pages``: how many places of the whole dataset a peer's sequences of one window come from
+    (runs of consecutive sequences, :mod:`protocol.data.assignment`): more pages, more diverse
+    replicas and batches, at one ranged read of the store each.
     """
 
     tokenizer: str = "bytes"
@@ -100,10 +103,12 @@ class DataConfig:
     batch_size: int = 8
     val_fraction: float = 0.02
     dataset: str = ""
+    pages: int = 64
 
     def __post_init__(self) -> None:
         _require(self.seq_len > 1 and self.batch_size > 0, "data.seq_len > 1 and data.batch_size > 0")
         _require(0.0 < self.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
+        _require(1 <= self.pages <= 4096, "data.pages must be in [1, 4096]")
         _require(
             self.dataset == "" or re.fullmatch(r"[0-9a-f]{64}", self.dataset) is not None,
             "data.dataset must be the 64 lowercase hex digest of the run's dataset manifest",

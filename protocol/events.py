@@ -161,9 +161,9 @@ class PeerWindow(Event):
     trained_from: int | None = None  # the window θ opened when training started (window − 1: overlapped)
     stale_steps: int = 0  # inner steps trained before θ held the aggregate that opens the window
     download_bytes: int = 0  # read from the store since the previous window report: aggregates, checkpoints, data_bytes
-    data_bytes: int = 0  # fetched from the store since the last trained window (shards, prefetch)
-    data_hits: int = 0  # shards the window read that were already local (cached or prefetched)
-    data_misses: int = 0  # shards it had to wait for
+    data_bytes: int = 0  # fetched from the store since the last trained window (blocks, prefetch)
+    data_hits: int = 0  # blocks the window read that were already local (cached or prefetched)
+    data_misses: int = 0  # blocks it had to wait for
 
 
 @_event("resumed_upload")

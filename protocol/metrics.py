@@ -20,7 +20,7 @@ Every metric is prefixed ``sparseloco_``; each process exposes those its events 
 ``tokens_per_second``                  gauge   the last window's training throughput (peer)
 ``upload_bytes_total``                 counter contribution bytes put in the store (peer)
 ``download_bytes_total``               counter contribution bytes read (validator)
-``data_bytes_total``                   counter dataset shard bytes fetched (peer)
+``data_bytes_total``                   counter dataset bytes fetched (peer)
 ``score`` / ``reputation``             gauge   the validator's loss score of this peer's last
                                                contribution and its reputation after it, from the
                                                window's published outcomes (peer)
@@ -101,7 +101,7 @@ class Metrics:
         self.tokens_per_s = Gauge(PREFIX + "tokens_per_second", "Training tokens/s of the last window.", registry=r)
         self.upload_bytes = Counter(PREFIX + "upload_bytes", "Contribution bytes put in the store.", registry=r)
         self.download_bytes = Counter(PREFIX + "download_bytes", "Contribution bytes read.", registry=r)
-        self.data_bytes = Counter(PREFIX + "data_bytes", "Dataset shard bytes fetched.", registry=r)
+        self.data_bytes = Counter(PREFIX + "data_bytes", "Dataset bytes fetched.", registry=r)
         self.score = Gauge(PREFIX + "score", "The validator's score of this peer's last contribution.", registry=r)
         self.reputation = Gauge(PREFIX + "reputation", "This peer's reputation after its last window.", registry=r)
         self.contributions = Counter(

@@ -123,7 +123,9 @@ def run(
         base = snapshot(glob)
         contribs = []
         for rep in reps:
-            batches = assigned_batches(data, 0, rep.index, t, s.inner.steps, s.batch_size, s.seq_len)
+            batches = assigned_batches(
+                data, 0, rep.index, t, s.inner.steps, s.batch_size, s.seq_len, pages=DataConfig.pages
+            )
             delta = train_replica(rep, base, batches)
             for part in contributions(rep, delta):
                 payloads, rep.feedback = compress_and_pack(rep.feedback, part, s.outer.beta, s.codec)

@@ -122,6 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=24)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--pages", type=int, default=DataConfig.pages, help="data.pages: pages per replica per window")
     p.add_argument("--seeds", default="0", help="comma-separated; results are averaged over seeds")
     p.add_argument("--seed", type=int, help="a single seed (same as --seeds N)")
     p.add_argument("--methods", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
@@ -216,6 +217,7 @@ def sim_config(method: str, inner_lr: float, outer_lr: float, seed: int, args: a
         codec=CodecConfig(k=args.k),
         batch_size=args.batch_size,
         seq_len=args.seq_len,
+        pages=args.pages,
         seed=seed,
         arrival=_timing(method, args)[0],
         forecast_at=_timing(method, args)[1],
@@ -259,6 +261,8 @@ def run_grid(method: str, args: argparse.Namespace, dataset: Any, mcfg: Any, log
                                 "arrival": _timing(method, args)[0],
                                 "forecast_at": _timing(method, args)[1],
                                 "seed": seed,
+                                "pages": args.pages,
+                                "replicas": args.replicas,
                                 "final_val_loss": res.final_val_loss,
                                 "loss_curve": [r.val_loss for r in res.rounds],
                                 "bytes_per_replica_per_round": res.bytes_per_replica_per_round,
@@ -418,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(math.prod(shape) for shape in param_schema(mcfg).values())
     summary = (
         f"model {args.model} ({n_params / 1e6:.2f} M params), R={args.replicas}, H={args.inner_steps}, "
-        f"{args.rounds} rounds, {args.batch_size}×{args.seq_len} tokens/replica/step, seeds {args.seeds}"
+        f"{args.rounds} rounds, {args.batch_size}×{args.seq_len} tokens/replica/step, {args.pages} pages/replica/window, "
+        f"seeds {args.seeds}"
     )
     if "sparseloco-recompress" in args.methods:
         summary += f", re-compression k={args.recompress_k} β={args.recompress_beta:g}"

@@ -11,11 +11,10 @@ import torch
 
 from protocol.config import DataConfig
 from protocol.data.assignment import (
-    PAGES_PER_WINDOW,
     TokenDataset,
     TokenSplit,
     assigned_batches,
-    assigned_shards,
+    assigned_spans,
     assigned_starts,
     lanes,
     open_dataset,
@@ -29,6 +28,7 @@ from protocol.errors import ConfigError
 from protocol.settings import DataSettings
 
 N_TRAIN, N_VAL = 60_000, 2_000
+P = 4  # data.pages of these tests: 4 pages of 4 sequences per peer and window
 
 
 @pytest.fixture(scope="module")
@@ -70,25 +70,25 @@ def _ranges(batches: list[torch.Tensor]) -> set[int]:
 def test_assignment_is_deterministic_and_disjoint_across_peers(positional: Path) -> None:
     ds = open_shards(positional)
     args = (4, 4, 15)  # steps, batch, seq_len
-    a = assigned_batches(ds, 7, 0, 3, *args)
+    a = assigned_batches(ds, 7, 0, 3, *args, pages=P)
     assert len(a) == 4 and a[0].shape == (4, 16) and a[0].dtype == torch.int64
-    assert all(torch.equal(x, y) for x, y in zip(a, assigned_batches(ds, 7, 0, 3, *args)))
-    covered = [_ranges(assigned_batches(ds, 7, p, 3, *args)) for p in range(5)]
+    assert all(torch.equal(x, y) for x, y in zip(a, assigned_batches(ds, 7, 0, 3, *args, pages=P)))
+    covered = [_ranges(assigned_batches(ds, 7, p, 3, *args, pages=P)) for p in range(5)]
     for i in range(5):
         for j in range(i + 1, 5):
             assert not covered[i] & covered[j], f"replicas {i} and {j} share tokens"
     # another window or another run seed gives other data
-    assert _ranges(assigned_batches(ds, 7, 0, 4, *args)) != covered[0]
-    assert _ranges(assigned_batches(ds, 8, 0, 3, *args)) != covered[0]
+    assert _ranges(assigned_batches(ds, 7, 0, 4, *args, pages=P)) != covered[0]
+    assert _ranges(assigned_batches(ds, 8, 0, 3, *args, pages=P)) != covered[0]
     # train only: positions never reach the validation split
     assert max(max(c) for c in covered) < N_TRAIN
 
 
 def test_string_peer_ids_are_deterministic_and_differ(positional: Path) -> None:
     ds = open_shards(positional)
-    a = assigned_batches(ds, 1, "peer-a", 0, 2, 4, 15)
-    b = assigned_batches(ds, 1, "peer-b", 0, 2, 4, 15)
-    assert all(torch.equal(x, y) for x, y in zip(a, assigned_batches(ds, 1, "peer-a", 0, 2, 4, 15)))
+    a = assigned_batches(ds, 1, "peer-a", 0, 2, 4, 15, pages=P)
+    b = assigned_batches(ds, 1, "peer-b", 0, 2, 4, 15, pages=P)
+    assert all(torch.equal(x, y) for x, y in zip(a, assigned_batches(ds, 1, "peer-a", 0, 2, 4, 15, pages=P)))
     assert not _ranges(a) & _ranges(b)
 
 
@@ -99,19 +99,26 @@ def sharded(n_shards: int = 64, tokens: int = 4096, digest: str = "d" * 64) -> T
     return TokenDataset(Path("."), TokenSplit.of_arrays(arrays), val, 65536, "test", digest)
 
 
-def test_a_window_touches_a_few_shards_and_depends_on_the_dataset_digest() -> None:
-    """Locality: pages of consecutive sequences, PAGES_PER_WINDOW of them per peer and window."""
-    ds, args = sharded(), (4, 4, 15)
-    touched = [len(assigned_shards(ds, 3, f"peer-{p}", w, *args)) for p in range(8) for w in range(40)]
-    assert max(touched) <= PAGES_PER_WINDOW < ds.train.n_shards
+def test_a_window_comes_from_pages_spread_over_the_dataset_and_depends_on_its_digest() -> None:
+    """Diversity: ``pages`` runs of consecutive sequences per peer and window, drawn from the whole
+    dataset; the spans name exactly what the batches read (what a peer prefetches)."""
+    ds, args = sharded(), (8, 8, 15)
+    for pages in (4, 16, 64):
+        touched = [len(assigned_spans(ds, 3, f"peer-{p}", w, *args, pages=pages)) for p in range(8) for w in range(10)]
+        assert set(touched) == {pages}
+        spans = assigned_spans(ds, 3, "peer-0", 5, *args, pages=pages)
+        starts = assigned_starts(ds, 3, "peer-0", 5, *args, pages=pages)
+        covered = {int(s) for a, n in spans for s in range(a, a + n, 16)}
+        assert set(starts.tolist()) <= covered and len(starts) == 64  # every sequence lies in a span
+        assert all(a // 4096 == (a + n - 1) // 4096 for a, n in spans)  # a page never crosses a shard
+    many = {a // 4096 for w in range(10) for a, _ in assigned_spans(ds, 3, "peer-0", w, *args, pages=64)}
+    assert len(many) > 48  # 64 pages per window reach most of the 64 shards within a few windows
     other = sharded(digest="e" * 64)  # the same tokens under another name: other batches
-    assert not np.array_equal(assigned_starts(ds, 3, "peer-0", 0, *args), assigned_starts(other, 3, "peer-0", 0, *args))
-    # Sequences never cross a shard: each comes from one page of one shard.
-    starts = assigned_starts(ds, 3, "peer-0", 5, *args)
-    assert all(len(ds.train.shards_of([s], 16)) == 1 for s in starts)
-    # Random reference batches also come from PAGES_PER_WINDOW pages.
+    a, b = (assigned_starts(d, 3, "peer-0", 0, *args, pages=P) for d in (ds, other))
+    assert not np.array_equal(a, b)
+    # Random reference batches come from RANDOM_PAGES pages: here one sequence per page.
     ref = torch.cat(random_batches(ds, 11, 2, 4, 15))
-    assert len({int(row[0]) // 4096 for row in ref}) <= PAGES_PER_WINDOW
+    assert len({int(row[0]) // 16 for row in ref}) == 8
 
 
 def test_string_peers_overlap_no_more_than_the_bound(positional: Path) -> None:
@@ -119,26 +126,26 @@ def test_string_peers_overlap_no_more_than_the_bound(positional: Path) -> None:
     peer's expected share of sequences another of P peers also trains is at most (P − 1)/n_lanes.
     Measured over 300 windows of 8 peers; integer lanes (simulator replicas) are exactly disjoint."""
     ds, args, peers, windows = open_shards(positional), (4, 4, 15), 8, 300
-    n_lanes = lanes(ds, *args)
+    n_lanes = lanes(ds, *args, pages=P)
     shared = []
     for w in range(windows):
-        sets = [set(assigned_starts(ds, 1, f"peer-{p}", w, *args).tolist()) for p in range(peers)]
+        sets = [set(assigned_starts(ds, 1, f"peer-{p}", w, *args, pages=P).tolist()) for p in range(peers)]
         for p, mine in enumerate(sets):
             others = set().union(*(s for q, s in enumerate(sets) if q != p))
             shared.append(len(mine & others) / len(mine))
     measured, bound = float(np.mean(shared)), (peers - 1) / n_lanes
     print(f"n_lanes {n_lanes}: measured overlap share {measured:.4f}, bound {bound:.4f}")
     assert 0 < measured <= bound * 1.25  # 2400 draws: the bound holds well within sampling error
-    exact = [set(assigned_starts(ds, 1, p, 7, *args).tolist()) for p in range(peers)]
+    exact = [set(assigned_starts(ds, 1, p, 7, *args, pages=P).tolist()) for p in range(peers)]
     assert sum(len(s) for s in exact) == len(set().union(*exact))
 
 
 def test_assignment_rejects_impossible_requests(positional: Path) -> None:
     ds = open_shards(positional)
     with pytest.raises(ConfigError):
-        assigned_batches(ds, 0, 10_000, 0, 4, 4, 15)  # lane beyond the data
+        assigned_batches(ds, 0, 10_000, 0, 4, 4, 15, pages=P)  # lane beyond the data
     with pytest.raises(ConfigError):
-        assigned_batches(ds, 0, 0, 0, 1000, 64, 127)  # more sequences than the split holds
+        assigned_batches(ds, 0, 0, 0, 1000, 64, 127, pages=P)  # more sequences than the split holds
 
 
 def test_validation_and_random_batches(positional: Path) -> None:

@@ -1,6 +1,6 @@
 """The run's data for real: ``sparseloco-validator init`` and peer and validator processes.
 
-A shard damaged in the store is never trained on — the peer skips that window with the reason —
+A block damaged in the store is never trained on — the peer skips that window with the reason —
 and the peer trains again once the store is repaired. A run made from a tokenizer.json trained
 here (a small BPE, offline) is created, joined and trained for two windows.
 """
@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from client.demo.swarm import VALIDATOR, LocalSwarm
 from client.tools import main
 from protocol import layout
-from protocol.data.assignment import assigned_shards
+from protocol.data.assignment import assigned_spans
 from protocol.data.corpus import stdlib_documents
 from protocol.data.run_data import open_run_dataset, read_dataset_manifest
 from protocol.events import Event, ModelEvaluated
@@ -45,38 +45,47 @@ def run_dir(tmp_path: Path):
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
 
 
-def _pick_damage(swarm: LocalSwarm, cache: Path) -> tuple[int, str]:
-    """Keys for the two peers and a train shard that peer-0 needs first in window 1 and nobody
-    else needs in windows 0 and 1: (the seed of peer-0's key, the shard's sha256)."""
+def _pick_damage(swarm: LocalSwarm, cache: Path) -> tuple[str, int]:
+    """Keys for the two peers and a block of a train shard that peer-0 needs first in window 1 and
+    nobody else needs in windows 0 and 1: (the shard's sha256, the block's first byte)."""
     assert swarm.spec is not None
     spec, d = swarm.spec, swarm.spec.data
     ds = open_run_dataset(spec, open_store(swarm.store_url), DataSettings(cache_dir=str(cache)))
-    train = read_dataset_manifest(open_store(swarm.store_url), spec).split("train")
+    m = read_dataset_manifest(open_store(swarm.store_url), spec)
+    train = m.split("train")
     other = Identity.from_seed(b"peer-1".ljust(32, b"."))
     for seed in range(64):
         mine = Identity.from_seed(seed.to_bytes(32, "little"))
 
-        def shards(ident: Identity, w: int) -> set[int]:
-            return set(assigned_shards(ds, spec.seed, ident.peer_id, w, spec.inner.steps, d.batch_size, d.seq_len))
+        def blocks(ident: Identity, w: int) -> set[tuple[int, int]]:
+            spans = assigned_spans(
+                ds, spec.seed, ident.peer_id, w, spec.inner.steps, d.batch_size, d.seq_len, pages=d.pages
+            )
+            return {
+                (i, b)
+                for start, length in spans
+                for i, offset, n in ds.train.pieces(start, length)
+                for b in range(offset // m.block_tokens, (offset + n - 1) // m.block_tokens + 1)
+            }
 
-        fresh = shards(mine, 1) - shards(mine, 0) - shards(other, 0) - shards(other, 1)
+        fresh = blocks(mine, 1) - blocks(mine, 0) - blocks(other, 0) - blocks(other, 1)
         if fresh:
             mine.save(swarm.peer_dir(0) / "key.pem")
             other.save(swarm.peer_dir(1) / "key.pem")
-            return seed, train[min(fresh)].sha256
-    raise AssertionError("no key gives peer-0 a shard of its own in window 1")
+            shard, block = min(fresh)
+            return train[shard].sha256, block * m.block_bytes
+    raise AssertionError("no key gives peer-0 a block of its own in window 1")
 
 
-def test_a_damaged_shard_is_never_trained_on_and_the_peer_recovers_when_it_is_repaired(
+def test_a_damaged_block_is_never_trained_on_and_the_peer_recovers_when_it_is_repaired(
     run_dir: Path, tmp_path: Path
 ) -> None:
-    # Small shards (64 Ki tokens): a window's few shards are rarely another window's.
     with LocalSwarm(run_dir, peers=2, windows=3, store="file", overrides=SMALL, shard_tokens=1 << 16) as swarm:
         assert swarm.spec is not None
-        _, sha = _pick_damage(swarm, tmp_path / "probe")
+        sha, at = _pick_damage(swarm, tmp_path / "probe")
         path = run_dir / "store" / layout.shard_key(layout.run_id(swarm.spec.hash()), sha)
         good = path.read_bytes()
-        path.write_bytes(bytes([good[0] ^ 0xFF]) + good[1:])  # one byte off, same size
+        path.write_bytes(good[:at] + bytes([good[at] ^ 0xFF]) + good[at + 1 :])  # one byte off, same size
         swarm.start_peers_then_validator(timeout_s=TIMEOUT_S)
         p0 = swarm.peers["peer-0"]
         swarm.follow(lambda: 1 in p0.windows, timeout_s=TIMEOUT_S)
@@ -87,8 +96,8 @@ def test_a_damaged_shard_is_never_trained_on_and_the_peer_recovers_when_it_is_re
         summary = swarm.summary()
     assert skipped.outcome == "skipped" and skipped.tokens == 0, skipped
     assert skipped.reason is not None and "data_unavailable" in skipped.reason and "digest_mismatch" in skipped.reason
-    assert p0.windows[2].outcome == "uploaded"  # recovered: the next window fetched the repaired shard
-    cached = list((swarm.peer_dir(0) / "cache" / "shards").iterdir())
+    assert p0.windows[2].outcome == "uploaded"  # recovered: the next window fetched the repaired block
+    cached = list((swarm.peer_dir(0) / "cache" / "blocks").iterdir())
     assert cached and all(hashlib.sha256(p.read_bytes()).hexdigest() == p.name for p in cached)  # verified only
     assert summary["windows_completed"] == 3 and summary["fingerprints_equal"]
     assert summary["accepted_per_window"][1] == 1  # peer-1's; peer-0 sent nothing for window 1

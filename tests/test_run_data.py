@@ -1,5 +1,6 @@
-"""The run's dataset in its store: init → signed manifest → peers fetch, verify and cache only what
-their windows need; a damaged shard is never trained on; the cache keeps to its cap."""
+"""The run's dataset in its store: init → signed manifest → peers fetch, verify and cache only the
+blocks their windows need, with ranged reads; a damaged block is never trained on; the cache keeps
+to its cap."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from client.replica import FullReplica
 from client.window import Skipped, Trained, WindowJob
 from protocol import layout
 from protocol.config import RunSpec
-from protocol.data.assignment import PAGES_PER_WINDOW, assigned_batches, assigned_shards, assigned_starts
-from protocol.data.cache import ShardCache
-from protocol.data.run_data import MAX_MANIFEST_BYTES, StoreShards, open_run_dataset, read_dataset_manifest
+from protocol.data.assignment import assigned_batches, assigned_spans, assigned_starts
+from protocol.data.cache import BLOCKS, BlockCache
+from protocol.data.run_data import MAX_MANIFEST_BYTES, StoreBlocks, open_run_dataset, read_dataset_manifest
+from protocol.data.tokens import TokenDataset
 from protocol.errors import DataUnavailable, DigestMismatch, MalformedPayload, UnknownSigner
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
@@ -132,6 +134,19 @@ def window_args(spec: RunSpec) -> tuple[int, int, int]:
     return spec.inner.steps, spec.data.batch_size, spec.data.seq_len
 
 
+def window_blocks(ds: TokenDataset, spec: RunSpec, peer: str, window: int) -> set[tuple[str, int]]:
+    """(shard sha256, block index) of every block ``peer``'s batches of ``window`` read."""
+    access = ds.access
+    assert isinstance(access, StoreBlocks)
+    m, shards = access.manifest, access.manifest.split("train")
+    out = set()
+    for start, length in assigned_spans(ds, spec.seed, peer, window, *window_args(spec), pages=spec.data.pages):
+        for i, offset, n in ds.train.pieces(start, length):
+            first, last = offset // m.block_tokens, (offset + n - 1) // m.block_tokens
+            out.update((shards[i].sha256, b) for b in range(first, last + 1))
+    return out
+
+
 # ---------------------------------------------------------------------- init and the manifest
 def test_init_writes_a_run_whose_runspec_names_the_signed_dataset(run: Run) -> None:
     r, spec = run.result, run.spec
@@ -176,56 +191,66 @@ def test_a_manifest_that_breaks_the_rules_has_no_encoding(shards: tuple, eos: in
         2,
         256,
         eos,
-        tuple(DatasetShard(s, hashlib.sha256(bytes([i])).hexdigest(), n) for i, (s, n) in enumerate(shards)),
+        tuple(
+            DatasetShard(s, hashlib.sha256(bytes([i])).hexdigest(), n, bytes(32 * -(-n // 1024)))
+            for i, (s, n) in enumerate(shards)
+        ),
     )
     with pytest.raises(MalformedPayload, match=message):
         dataset_body(m)
 
 
 # ---------------------------------------------------------------------- fetch, verify, cache
-def test_a_peer_fetches_only_its_windows_shards_verified_and_cached(run: Run, tmp_path: Path) -> None:
-    spec, args = run.spec, window_args(run.spec)
+def test_a_peer_fetches_only_its_windows_blocks_with_ranged_reads_verified_and_cached(run: Run, tmp_path: Path) -> None:
+    spec, args, pages = run.spec, window_args(run.spec), run.spec.data.pages
     rec = Recording(run.store())
     cache = DataSettings(cache_dir=str(tmp_path / "cache"))
     ds = open_run_dataset(spec, rec, cache)
-    assert ds.train.n_shards > 2 * PAGES_PER_WINDOW
-    batches = assigned_batches(ds, spec.seed, "peer-a", 3, *args)
-    needed = assigned_shards(ds, spec.seed, "peer-a", 3, *args)
+    batches = assigned_batches(ds, spec.seed, "peer-a", 3, *args, pages=pages)
     m = read_dataset_manifest(run.store(), spec)
-    shas = [s.sha256 for s in m.split("train")]
-    assert set(rec.gets) == {layout.dataset_manifest_key(run.result.run_id)} | {
-        layout.shard_key(run.result.run_id, shas[i]) for i in needed
-    }
-    assert len(needed) <= PAGES_PER_WINDOW
+    needed = window_blocks(ds, spec, "peer-a", 3)
+    assert rec.gets == [layout.dataset_manifest_key(run.result.run_id)]  # no shard is read whole
+    read = set()
+    for key, start, length in rec.ranges:  # block-aligned ranged reads of shard objects
+        assert key.startswith(layout.data_prefix(run.result.run_id) + "shard/") and start % m.block_bytes == 0
+        read.update(
+            (key.rsplit("/", 1)[1], b) for b in range(start // m.block_bytes, -(-(start + length) // m.block_bytes))
+        )
+    assert read == needed
+    spans = assigned_spans(ds, spec.seed, "peer-a", 3, *args, pages=pages)
+    assert len(spans) == min(pages, spec.inner.steps * spec.data.batch_size)
+    assert len(rec.ranges) <= len(spans)  # one ranged read per page at most (adjacent pages share one)
+    usage = ds.usage()
+    assert usage.requests == len(rec.ranges) and usage.fetched_bytes == sum(n for *_, n in rec.ranges)
+    assert usage.fetched_bytes <= len(needed) * m.block_bytes < sum(s.tokens for s in m.split("train")) // 4
     # The batches are exactly the train stream's tokens at the assigned positions.
     stream = run.train_stream()
-    starts = assigned_starts(ds, spec.seed, "peer-a", 3, *args)
+    starts = assigned_starts(ds, spec.seed, "peer-a", 3, *args, pages=pages)
     rows = torch.cat(batches)
     assert all(torch.equal(row, torch.from_numpy(stream[s : s + 33].astype(np.int64))) for row, s in zip(rows, starts))
-    assert ds.usage().misses == len(needed) and ds.usage().fetched_bytes > 0
+    assert usage.misses == len(needed) and usage.hits == 0
     # Another process with the same cache reads them from disk: nothing fetched but the manifest.
     again = open_run_dataset(spec, Recording(run.store()), cache)
-    second = assigned_batches(again, spec.seed, "peer-a", 3, *args)
+    second = assigned_batches(again, spec.seed, "peer-a", 3, *args, pages=pages)
     assert all(torch.equal(a, b) for a, b in zip(batches, second))
     assert (again.usage().hits, again.usage().misses, again.usage().fetched_bytes) == (len(needed), 0, 0)
 
 
-def test_a_damaged_shard_is_fetched_again_never_used_and_the_peer_recovers(run: Run, tmp_path: Path) -> None:
-    spec, args = run.spec, window_args(run.spec)
-    m = read_dataset_manifest(run.store(), spec)
+def test_a_damaged_block_is_fetched_again_never_used_and_the_peer_recovers(run: Run, tmp_path: Path) -> None:
+    spec, args, pages = run.spec, window_args(run.spec), run.spec.data.pages
     window = 2
     probe = open_run_dataset(spec, run.store(), DataSettings(cache_dir=str(tmp_path / "probe")))
-    shard = m.split("train")[assigned_shards(probe, spec.seed, "peer-b", window, *args)[0]]
-    key = layout.shard_key(run.result.run_id, shard.sha256)
+    sha, _ = min(window_blocks(probe, spec, "peer-b", window))
+    key = layout.shard_key(run.result.run_id, sha)
 
     # Damaged once in transit: fetched again, and the window trains on the verified bytes.
     store = run.store()
     store.faults.corrupt(key, times=1)
     ds = open_run_dataset(spec, store, DataSettings(cache_dir=str(tmp_path / "once")))
-    assigned_batches(ds, spec.seed, "peer-b", window, *args)
-    assert store.counts["get"] >= 3  # manifest, the damaged read, the good one (and the others)
+    assigned_batches(ds, spec.seed, "peer-b", window, *args, pages=pages)
+    assert ds.usage().requests > len({s for s, _ in window_blocks(ds, spec, "peer-b", window)})  # one read twice
 
-    # Damaged in the store: the window is skipped with the reason, nothing is cached...
+    # Damaged in the store: the window is skipped with the reason, nothing damaged is cached...
     store = run.store()
     fault = store.faults.corrupt(key)
     cache = tmp_path / "peer"
@@ -237,29 +262,33 @@ def test_a_damaged_shard_is_fetched_again_never_used_and_the_peer_recovers(run: 
     skipped = replica.train(job)
     assert isinstance(skipped, Skipped) and "data_unavailable" in skipped.reason and "hash" in skipped.reason
     assert fault.fired >= 2  # fetched again before giving up
-    assert not (cache / "shards" / shard.sha256).exists()
+    cached = list((cache / BLOCKS).iterdir())
+    assert all(hashlib.sha256(p.read_bytes()).hexdigest() == p.name for p in cached)
     with pytest.raises(DataUnavailable):
         replica.data.batches(window)
-    # ...and once the store is repaired, the same window trains.
+    # ...and once the store is repaired, the same window trains, and its blocks are cached.
     store.faults.clear()
     trained = replica.train(job)
     assert isinstance(trained, Trained) and trained.stats.tokens == spec.inner.steps * spec.data.batch_size * 32
-    assert hashlib.sha256((cache / "shards" / shard.sha256).read_bytes()).hexdigest() == shard.sha256
+    m = read_dataset_manifest(run.store(), spec)
+    shard = next(s for s in m.shards if s.sha256 == sha)
+    names = {p.name for p in (cache / BLOCKS).iterdir()}
+    assert {shard.block(b).hex() for s, b in window_blocks(probe, spec, "peer-b", window) if s == sha} <= names
 
 
-def test_the_next_windows_shards_are_prefetched_while_training(run: Run, tmp_path: Path) -> None:
+def test_the_next_windows_blocks_are_prefetched_while_training(run: Run, tmp_path: Path) -> None:
     spec = run.spec
     feed = DataFeed(
         spec, key="peer-c", opener=lambda: open_run_dataset(spec, run.store(), DataSettings(cache_dir=str(tmp_path)))
     )
     feed.batches(4)
     access = feed.dataset().access
-    assert isinstance(access, StoreShards) and access.wait_prefetched(timeout=60)
+    assert isinstance(access, StoreBlocks) and access.wait_prefetched(timeout=60)
     feed.take_usage()
     feed.batches(5)
     used = feed.take_usage()
-    assert used.misses == 0 and used.hits == len(
-        assigned_shards(feed.dataset(), spec.seed, "peer-c", 5, *window_args(spec))
+    assert (
+        used.misses == 0 and used.requests == 0 and used.hits == len(window_blocks(feed.dataset(), spec, "peer-c", 5))
     )
 
 
@@ -268,27 +297,27 @@ def test_the_cache_keeps_to_its_cap_least_recently_used_first(tmp_path: Path) ->
     blobs = {bytes([i]) * 1000: None for i in range(4)}
     names = {data: hashlib.sha256(data).hexdigest() for data in blobs}
     a, b, c, d = list(names)
-    cache = ShardCache(tmp_path, max_bytes=3000)
+    cache = BlockCache(tmp_path, max_bytes=3500)  # evicting frees down to 90 %: 3150
     for t, data in enumerate((a, b, c)):
-        path = cache.put(names[data], data)
-        assert path is not None
-        os.utime(path, (1000.0 + t, 1000.0 + t))  # a oldest, then b, then c
-    assert cache.get(names[a], 1000) is not None  # a is used now: b is the least recently used
-    assert cache.put(names[d], d) is not None
+        assert cache.put(names[data], data)
+        os.utime(cache.path(names[data]), (1000.0 + t, 1000.0 + t))  # a oldest, then b, then c
+    assert cache.get(names[a], 1000) == a  # a is used now: b is the least recently used
+    assert cache.put(names[d], d)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[x] for x in (a, c, d))
-    assert cache.total_bytes() <= 3000
-    assert cache.put(hashlib.sha256(b"x" * 4000).hexdigest(), b"x" * 4000) is None  # larger than the cap
+    assert cache.total_bytes() <= 3500
+    assert not cache.put(hashlib.sha256(b"x" * 4000).hexdigest(), b"x" * 4000)  # larger than the cap
     (tmp_path / names[c]).write_bytes(b"y" * 1000)  # damaged on disk: not served, removed
-    assert ShardCache(tmp_path, 3000).get(names[c], 1000) is None and not (tmp_path / names[c]).exists()
+    assert BlockCache(tmp_path, 3000).get(names[c], 1000) is None and not (tmp_path / names[c]).exists()
 
 
 def test_a_peer_keeps_its_cache_under_the_cap_window_after_window(run: Run, tmp_path: Path) -> None:
-    spec, args = run.spec, window_args(run.spec)
-    cap = 3 * SHARD_TOKENS * 2  # three shards of 2-byte tokens
+    spec, args, pages = run.spec, window_args(run.spec), run.spec.data.pages
+    m = read_dataset_manifest(run.store(), spec)
+    cap = 24 * m.block_bytes  # about one window of blocks
     ds = open_run_dataset(spec, run.store(), DataSettings(cache_dir=str(tmp_path), cache_max_bytes=cap))
     for window in range(12):
-        assigned_batches(ds, spec.seed, "peer-d", window, *args)
-        assert ShardCache(tmp_path / "shards").total_bytes() <= cap
+        assigned_batches(ds, spec.seed, "peer-d", window, *args, pages=pages)
+        assert BlockCache(tmp_path / BLOCKS).total_bytes() <= cap
     assert ds.usage().misses > 3  # it did have to evict and fetch again
 
 

@@ -54,7 +54,7 @@ def test_sparse_path_bytes_equal_the_real_peer_path(dataset: TokenDataset) -> No
     model = build_model(MCFG)
     base = snapshot(model)
     trainer = InnerTrainer(model, InnerConfig(steps=2, lr=1e-2, warmup_steps=1))
-    trainer.train_window(assigned_batches(dataset, 0, "peer", 0, 2, 4, 32))
+    trainer.train_window(assigned_batches(dataset, 0, "peer", 0, 2, 4, 32, pages=4))
     delta = pseudo_gradient(base, model)
     warm = {n: torch.randn_like(d) * 1e-3 for n, d in delta.items()}  # a non-trivial error buffer
     state = FeedbackState(warm)

@@ -104,7 +104,10 @@ def test_honest_update_helps_its_own_data_and_negated_is_harmful(swarm: Swarm) -
     before = {n: p.detach().clone() for n, p in parameters_of(model).items()}
     d = spec.data
     own = take_sequences(
-        assigned_batches(swarm.dataset, spec.seed, peer.peer_id, 0, spec.inner.steps, d.batch_size, d.seq_len), 8
+        assigned_batches(
+            swarm.dataset, spec.seed, peer.peer_id, 0, spec.inner.steps, d.batch_size, d.seq_len, pages=d.pages
+        ),
+        8,
     )
     rand = take_sequences(random_batches(swarm.dataset, 7, 2, d.batch_size, d.seq_len), 8)
     rand_before = eval_loss(model, rand)

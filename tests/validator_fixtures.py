@@ -83,7 +83,14 @@ class Swarm:
         opt = torch.optim.AdamW(model.parameters(), lr=self.spec.inner.lr, betas=(0.9, 0.95), weight_decay=0.0)
         d = self.spec.data
         for batch in assigned_batches(
-            self.dataset, self.spec.seed, peer.peer_id, window, self.spec.inner.steps, d.batch_size, d.seq_len
+            self.dataset,
+            self.spec.seed,
+            peer.peer_id,
+            window,
+            self.spec.inner.steps,
+            d.batch_size,
+            d.seq_len,
+            pages=d.pages,
         ):
             opt.zero_grad()
             lm_loss(model, batch).backward()

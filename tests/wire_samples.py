@@ -76,11 +76,11 @@ def announcement(window: int = 3) -> Announcement:
 
 
 def dataset() -> DatasetManifest:
-    shards = (
-        DatasetShard("train", hashlib.sha256(b"t0").hexdigest(), 1 << 20),
-        DatasetShard("train", hashlib.sha256(b"t1").hexdigest(), 12345),
-        DatasetShard("val", hashlib.sha256(b"v0").hexdigest(), 4321),
-    )
+    def shard(split: str, name: bytes, tokens: int) -> DatasetShard:
+        blocks = b"".join(hashlib.sha256(name + bytes([i])).digest() for i in range(-(-tokens // 1024)))
+        return DatasetShard(split, hashlib.sha256(name).hexdigest(), tokens, blocks)
+
+    shards = (shard("train", b"t0", 1 << 13), shard("train", b"t1", 12345), shard("val", b"v0", 4321))
     return DatasetManifest("bytes", 2, 256, 0, shards, {"documents": 17, "val_fraction": 0.02})
 
 

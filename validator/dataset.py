@@ -31,11 +31,12 @@ from protocol.data.tokens import TokenDataset
 from protocol.errors import ConfigError
 from protocol.identity import Identity
 from protocol.store.base import ObjectStore, put_once
-from protocol.wire import DatasetManifest, DatasetShard, dataset_digest, encode_dataset
+from protocol.wire import DatasetManifest, DatasetShard, block_digests, dataset_digest, encode_dataset
+from protocol.wire.dataset import DEFAULT_BLOCK_TOKENS
 
 __all__ = ["DEFAULT_SHARD_TOKENS", "BuiltDataset", "build_dataset", "corpus_bytes", "publish_dataset"]
 
-# 1 Mi tokens (2 MiB of byte tokens): a peer's window touches a few shards of this size.
+# 1 Mi tokens (2 MiB of byte tokens) per shard object; readers fetch blocks of it (protocol.wire.dataset).
 DEFAULT_SHARD_TOKENS = 1 << 20
 
 Progress = Callable[[int], None]  # called with the bytes just processed
@@ -72,6 +73,7 @@ def build_dataset(
     val_fraction: float,
     work: Path,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
     text_field: str = "text",
     progress: Progress | None = None,
 ) -> BuiltDataset:
@@ -89,12 +91,15 @@ def build_dataset(
         shard_tokens=shard_tokens,
     )
     index = shard_index(local.path)
+    token_bytes = 2 if tokenizer.vocab_size <= 1 << 16 else 4
     shards, files = [], {}
     for split in ("train", "val"):
         for entry in index["splits"][split]:
             if entry["tokens"]:  # a split that ends on a shard boundary leaves no empty file behind
-                shards.append(DatasetShard(split, entry["sha256"], int(entry["tokens"])))
-                files[entry["sha256"]] = local.path / entry["file"]
+                path = local.path / entry["file"]
+                blocks = block_digests(path.read_bytes(), block_tokens * token_bytes)
+                shards.append(DatasetShard(split, entry["sha256"], int(entry["tokens"]), blocks))
+                files[entry["sha256"]] = path
     if not any(s.split == "train" for s in shards) or not any(s.split == "val" for s in shards):
         raise ConfigError(
             "the corpus is too small for both a train and a validation split (documents go to the "
@@ -102,11 +107,12 @@ def build_dataset(
         )
     manifest = DatasetManifest(
         tokenizer=tokenizer.name,
-        token_bytes=2 if tokenizer.vocab_size <= 1 << 16 else 4,
+        token_bytes=token_bytes,
         vocab_size=tokenizer.vocab_size,
         eos_id=tokenizer.eos_id,
         shards=tuple(shards),
         metadata={"documents": counter.documents, "val_fraction": float(val_fraction)},
+        block_tokens=block_tokens,
     )
     tokenizer_file = tokenizer.path if isinstance(tokenizer, HFTokenizer) else None
     return BuiltDataset(manifest, files, tokenizer_file, local, counter.documents)

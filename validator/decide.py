@@ -211,7 +211,14 @@ class Decider:
             update = {name: v for _, sp in self.aggregator.clipped(items, caps) for name, v in sp.items()}
             own = take_sequences(
                 assigned_batches(
-                    self.dataset, self.spec.seed, key, w.t, self.spec.inner.steps, data.batch_size, data.seq_len
+                    self.dataset,
+                    self.spec.seed,
+                    key,
+                    w.t,
+                    self.spec.inner.steps,
+                    data.batch_size,
+                    data.seq_len,
+                    pages=data.pages,
                 ),
                 cfg.eval_sequences,
             )

@@ -174,6 +174,6 @@ def _check_fits(spec: RunSpec, built: BuiltDataset) -> None:
     """ConfigError unless the dataset feeds at least one peer a window, the validator's random
     reference sequences and one validation sequence (better at init than at the first window)."""
     d, ds = spec.data, built.local
-    assigned_starts(ds, spec.seed, 0, 0, spec.inner.steps, d.batch_size, d.seq_len)
+    assigned_starts(ds, spec.seed, 0, 0, spec.inner.steps, d.batch_size, d.seq_len, pages=d.pages)
     random_batches(ds, 0, -(-spec.validator.eval_sequences // d.batch_size), d.batch_size, d.seq_len)
     validation_batches(ds, 1, d.batch_size, d.seq_len)

@@ -64,7 +64,7 @@ def replica_batches(dataset: TokenDataset, spec: RunSpec, group: str, window: in
     """The replica's H batches for ``window`` — every stage (and the validator) derives the same."""
     d = spec.data
     return assigned_batches(
-        dataset, spec.seed, pipeline_peer_key(group), window, spec.inner.steps, d.batch_size, d.seq_len
+        dataset, spec.seed, pipeline_peer_key(group), window, spec.inner.steps, d.batch_size, d.seq_len, pages=d.pages
     )
 
 

@@ -3,11 +3,13 @@
 **Assignment.** A run's dataset (:class:`~protocol.data.tokens.TokenDataset`) is a train and a val
 stream of shards. Every train shard is cut into *slots* of ``seq_len + 1`` tokens (starting at a
 window-dependent offset below one slot, so the cuts move from window to window), and its slots into
-*pages* of ``ceil(H·B / PAGES_PER_WINDOW)`` consecutive slots; a page never crosses a shard. Window
-t permutes all pages with a keyed affine bijection and cuts the permuted list into *lanes* of
-``PAGES_PER_WINDOW`` pages; a peer trains on the H·B sequences of one lane, in a shuffled order.
-So a peer's window touches at most ``PAGES_PER_WINDOW`` shards (locality: it fetches a few
-shards, never the whole dataset), and two lanes of one window never share a token.
+*pages* of ``ceil(H·B / pages)`` consecutive slots, ``pages`` being the RunSpec's ``data.pages``; a
+page never crosses a shard. Window t permutes all pages of the dataset with a keyed affine
+bijection and cuts the permuted list into *lanes* of ``pages`` pages; a peer trains on the H·B
+sequences of one lane, in a shuffled order. So a peer's window comes from ``pages`` places spread
+over the whole dataset (diverse replicas and batches), each one contiguous run of tokens that one
+ranged read of the store fetches (:func:`assigned_spans`), and two lanes of one window never share
+a token.
 
 * An integer peer (a simulator replica) is its own lane: the replicas of a window are exactly
   disjoint.
@@ -15,18 +17,19 @@ shards, never the whole dataset), and two lanes of one window never share a toke
   land on the same lane with probability ``1 / n_lanes`` in a window and are otherwise disjoint:
   a peer's expected share of sequences that another of ``P`` peers also trains in that window is
   at most ``(P − 1) / n_lanes``. Measured (``tests/test_data.py``): 2.8 % for 8 peers and 234
-  lanes, bound 3.0 %. The demo's dataset (stdlib, 1 Mi-token shards) has 65 lanes of 960
+  lanes, bound 3.0 %. The demo's dataset (stdlib, 1 Mi-token shards) has about 65 lanes of 960
   sequences: with its 3 peers, at most 3.1 %.
 
 Everything is a pure function of (run seed, dataset digest, peer, window), so the validator
-reproduces a peer's batches exactly; :func:`assigned_shards` names the shards of any window ahead
-of time, for prefetching. The validator's random reference sequences (:func:`random_batches`) come
-from a few random pages likewise, its validation sequences (:func:`validation_batches`) evenly from
-the val stream::
+reproduces a peer's batches exactly; :func:`assigned_spans` names the token ranges of any window
+ahead of time, for prefetching. The validator's random reference sequences
+(:func:`random_batches`) come from random pages likewise, its validation sequences
+(:func:`validation_batches`) evenly from the val stream::
 
     ds = open_run_dataset(spec, store, settings.data)          # protocol.data.run_data
+    d = spec.data
     batches = assigned_batches(ds, spec.seed, peer_id, window, spec.inner.steps,
-                               spec.data.batch_size, spec.data.seq_len)   # list of [B, T+1]
+                               d.batch_size, d.seq_len, pages=d.pages)   # list of [B, T+1]
 
 **Local datasets.** :func:`open_dataset` opens a corpus on this machine for in-process runs (the
 simulator, benchmarks, tests): ``builtin:stdlib`` or a text file/directory, tokenized once into the
@@ -68,12 +71,12 @@ from protocol.settings import DataSettings
 
 __all__ = [
     "INDEX",
-    "PAGES_PER_WINDOW",
+    "RANDOM_PAGES",
     "STDLIB_CAP_BYTES",
     "TokenDataset",
     "TokenSplit",
     "assigned_batches",
-    "assigned_shards",
+    "assigned_spans",
     "assigned_starts",
     "cache_dir",
     "lanes",
@@ -87,7 +90,7 @@ __all__ = [
     "write_shards",
 ]
 
-PAGES_PER_WINDOW = 4
+RANDOM_PAGES = 64  # pages of the validator's random reference and scoring sequences
 
 
 # ----------------------------------------------------------------------------- local datasets
@@ -184,14 +187,17 @@ class _Pages:
         return grid.reshape(-1)
 
 
-def _window_pages(dataset: TokenDataset, n_steps: int, batch_size: int, seq_len: int) -> _Pages:
+def _window_pages(dataset: TokenDataset, n_steps: int, batch_size: int, seq_len: int, pages: int) -> tuple[_Pages, int]:
+    """The window's pages and how many of them a lane holds (never more than its sequences)."""
     per_peer = n_steps * batch_size
-    return _Pages(dataset.train, seq_len + 1, -(-per_peer // PAGES_PER_WINDOW))
+    per_lane = min(pages, per_peer)
+    return _Pages(dataset.train, seq_len + 1, -(-per_peer // per_lane)), per_lane
 
 
-def lanes(dataset: TokenDataset, n_steps: int, batch_size: int, seq_len: int) -> int:
-    """How many peers a window can feed disjointly (PAGES_PER_WINDOW pages each)."""
-    return _window_pages(dataset, n_steps, batch_size, seq_len).n // PAGES_PER_WINDOW
+def lanes(dataset: TokenDataset, n_steps: int, batch_size: int, seq_len: int, *, pages: int) -> int:
+    """How many peers a window can feed disjointly (``pages`` pages each)."""
+    window_pages, per_lane = _window_pages(dataset, n_steps, batch_size, seq_len, pages)
+    return window_pages.n // per_lane
 
 
 # ----------------------------------------------------------------------------- batches
@@ -203,16 +209,53 @@ def assigned_starts(
     n_steps: int,
     batch_size: int,
     seq_len: int,
+    *,
+    pages: int,
 ) -> np.ndarray:
     """Token positions in the train split of the ``n_steps · batch_size`` sequences (of
     ``seq_len + 1`` tokens) peer ``peer`` trains on in ``window``, in training order."""
-    pages = _window_pages(dataset, n_steps, batch_size, seq_len)
-    n_lanes = pages.n // PAGES_PER_WINDOW
-    per_peer = n_steps * batch_size
+    chosen, window_pages, shift = _lane(dataset, run_seed, peer, window, n_steps, batch_size, seq_len, pages)
+    starts = window_pages.starts(chosen, shift)
+    key = (run_seed, dataset.digest, window)
+    order = np.random.default_rng(_h("order", *key, peer)).permutation(len(starts))[: n_steps * batch_size]
+    return starts[order]  # every batch mixes the lane's pages
+
+
+def assigned_spans(
+    dataset: TokenDataset,
+    run_seed: int,
+    peer: str | int,
+    window: int,
+    n_steps: int,
+    batch_size: int,
+    seq_len: int,
+    *,
+    pages: int,
+) -> list[tuple[int, int]]:
+    """The train-split token ranges ``(start, length)`` :func:`assigned_batches` reads for these
+    arguments, one per page, sorted (what to prefetch)."""
+    chosen, window_pages, shift = _lane(dataset, run_seed, peer, window, n_steps, batch_size, seq_len, pages)
+    first = window_pages.starts(np.sort(chosen), shift)[:: window_pages.page_seqs]
+    return [(int(s), window_pages.page_seqs * window_pages.span) for s in first]
+
+
+def _lane(
+    dataset: TokenDataset,
+    run_seed: int,
+    peer: str | int,
+    window: int,
+    n_steps: int,
+    batch_size: int,
+    seq_len: int,
+    pages: int,
+) -> tuple[np.ndarray, _Pages, int]:
+    """The pages of ``peer``'s lane in ``window``, the window's pages and its slot offset."""
+    window_pages, per_lane = _window_pages(dataset, n_steps, batch_size, seq_len, pages)
+    n_lanes = window_pages.n // per_lane
     if n_lanes < 1:
         raise ConfigError(
             f"train split of {len(dataset.train)} tokens in {dataset.train.n_shards} shards is too small for "
-            f"{PAGES_PER_WINDOW} pages of {pages.page_seqs} sequences"
+            f"{per_lane} pages of {window_pages.page_seqs} sequences"
         )
     key = (run_seed, dataset.digest, window)
     if isinstance(peer, int):
@@ -221,26 +264,10 @@ def assigned_starts(
         lane = peer
     else:
         lane = _h("lane", *key, peer) % n_lanes
-    a, b = _affine(pages.n, *key)
-    j = np.arange(lane * PAGES_PER_WINDOW, (lane + 1) * PAGES_PER_WINDOW, dtype=np.int64)
-    chosen = (a * j + b) % pages.n  # a·j < 2^63 for any dataset below ~3·10^9 pages
-    starts = pages.starts(chosen, _h("shift", *key) % pages.span)
-    order = np.random.default_rng(_h("order", *key, peer)).permutation(len(starts))[:per_peer]
-    return starts[order]  # every batch mixes the lane's pages
-
-
-def assigned_shards(
-    dataset: TokenDataset,
-    run_seed: int,
-    peer: str | int,
-    window: int,
-    n_steps: int,
-    batch_size: int,
-    seq_len: int,
-) -> list[int]:
-    """The train shards :func:`assigned_batches` reads for these arguments (what to prefetch)."""
-    starts = assigned_starts(dataset, run_seed, peer, window, n_steps, batch_size, seq_len)
-    return dataset.train.shards_of(starts, seq_len + 1)
+    a, b = _affine(window_pages.n, *key)
+    j = np.arange(lane * per_lane, (lane + 1) * per_lane, dtype=np.int64)
+    chosen = (a * j + b) % window_pages.n  # a·j < 2^63 for any dataset below ~3·10^9 pages
+    return chosen, window_pages, _h("shift", *key) % window_pages.span
 
 
 def assigned_batches(
@@ -251,30 +278,40 @@ def assigned_batches(
     n_steps: int,
     batch_size: int,
     seq_len: int,
+    *,
+    pages: int,
 ) -> list[Tensor]:
     """The ``n_steps`` batches [batch_size, seq_len + 1] (int64, CPU) peer ``peer`` trains on in
-    ``window``. Reading a run's dataset may fetch shards: ``DataUnavailable`` when one cannot be
-    had intact."""
-    starts = assigned_starts(dataset, run_seed, peer, window, n_steps, batch_size, seq_len)
+    ``window``. Reading a run's dataset may fetch from the store: ``DataUnavailable`` when a range
+    cannot be had intact."""
+    starts = assigned_starts(dataset, run_seed, peer, window, n_steps, batch_size, seq_len, pages=pages)
     tokens = _stack(dataset, "train", starts, seq_len + 1)
     return list(torch.split(tokens, batch_size))
 
 
 def random_batches(
-    dataset: TokenDataset, seed: int, n_batches: int, batch_size: int, seq_len: int, *, split: str = "train"
+    dataset: TokenDataset,
+    seed: int,
+    n_batches: int,
+    batch_size: int,
+    seq_len: int,
+    *,
+    split: str = "train",
+    pages: int = RANDOM_PAGES,
 ) -> list[Tensor]:
-    """Sequences of ``split`` from ``PAGES_PER_WINDOW`` pages drawn at random from ``seed`` (the
-    validator's reference and held-out scoring batches): random data that touches a few shards
-    only."""
+    """Sequences of ``split`` from ``pages`` pages drawn at random from ``seed`` (the validator's
+    reference and held-out scoring batches): random data, a few ranged reads."""
     n = n_batches * batch_size
+    per_draw = min(pages, n)
     tokens = dataset.train if split == "train" else dataset.val
-    pages = _Pages(tokens, seq_len + 1, -(-n // PAGES_PER_WINDOW))
-    if pages.n < PAGES_PER_WINDOW:
+    window_pages = _Pages(tokens, seq_len + 1, -(-n // per_draw))
+    if window_pages.n < per_draw:
         raise ConfigError(f"{split} split of {len(tokens)} tokens is too small for {n} random sequences")
     gen = np.random.default_rng(_h("random", split, seed, dataset.digest))
-    chosen = np.sort(gen.choice(pages.n, size=PAGES_PER_WINDOW, replace=False))
-    starts = pages.starts(chosen, 0)
-    return list(torch.split(_stack(dataset, split, starts[gen.permutation(len(starts))[:n]], seq_len + 1), batch_size))
+    chosen = np.sort(gen.choice(window_pages.n, size=per_draw, replace=False))
+    starts = window_pages.starts(chosen, 0)
+    picked = starts[gen.permutation(len(starts))[:n]]
+    return list(torch.split(_stack(dataset, split, picked, seq_len + 1), batch_size))
 
 
 def validation_batches(dataset: TokenDataset, n_sequences: int, batch_size: int, seq_len: int) -> list[Tensor]:
@@ -289,9 +326,9 @@ def validation_batches(dataset: TokenDataset, n_sequences: int, batch_size: int,
 
 
 def _stack(dataset: TokenDataset, split: str, starts: np.ndarray, length: int) -> Tensor:
-    """The sequences at ``starts`` as one int64 tensor, their shards made local first."""
+    """The sequences at ``starts`` as one int64 tensor, their tokens made local first."""
     tokens = dataset.split(split)
-    dataset.need(split, tokens.shards_of(starts, length))
+    dataset.need(split, [(int(s), length) for s in starts])
     rows = [tokens.read(int(s), length).astype(np.int64) for s in starts]
     return torch.from_numpy(np.stack(rows))
 

@@ -1,4 +1,4 @@
-"""The run's dataset as it lies in the run's store: a signed manifest, then shards fetched on demand.
+"""The run's dataset as it lies in the run's store: a signed manifest, then blocks fetched on demand.
 
 ``sparseloco-validator init`` tokenizes the corpus once and puts, beside the run's other objects
 (:mod:`protocol.layout`)::
@@ -7,21 +7,24 @@
     <run>/data/shard/<sha256>      every shard, named by the sha256 of its bytes
     <run>/data/tokenizer/<sha256>  the tokenizer.json of an ``hf:<sha256>`` tokenizer
 
-Peers and the validator open it the same way and fetch only the shards their batches touch::
+Peers and the validator open it the same way and fetch only the blocks their batches touch
+(:mod:`protocol.wire.dataset`: ``block_tokens`` consecutive tokens of a shard, each with its own
+sha256 in the manifest), one ranged read of the shard object per run of consecutive blocks::
 
-    ds = open_run_dataset(spec, store, settings.data)   # the manifest, verified; no shard yet
+    ds = open_run_dataset(spec, store, settings.data)   # the manifest, verified; no block yet
     batches = assigned_batches(ds, ...)                  # fetches, verifies and caches what they need
-    ds.prefetch("train", assigned_shards(ds, ..., window + 1, ...))   # in the background
-    ds.usage()                                           # bytes fetched, cache hits and misses
+    ds.prefetch("train", assigned_spans(ds, ..., window + 1, ...))   # in the background
+    ds.usage()                                           # bytes and reads fetched, cache hits and misses
     tok = run_tokenizer(spec, store, settings.data)
 
 Opening checks that the manifest is signed by a validator key of the run, that its body hashes to
 the RunSpec's ``data.dataset`` and names the RunSpec's tokenizer, and that its vocabulary fits the
-model. A shard is trusted only when its bytes hash to the sha256 the manifest gives: a damaged one
+model. A block is trusted only when its bytes hash to the sha256 the manifest gives: a damaged one
 is fetched again (``FETCH_ATTEMPTS`` times in all), and if it is still damaged the read raises
 :class:`~protocol.errors.DataUnavailable`. Nothing is ever trained or scored on unverified bytes,
-and since a damaged shard is never cached, the next read fetches it again: a repaired store is
-picked up by itself. Verified shards go to this machine's cache (:mod:`protocol.data.cache`).
+and since a damaged block is never cached, the next read fetches it again: a repaired store is
+picked up by itself. Verified blocks go to this machine's cache (:mod:`protocol.data.cache`) and
+stay in memory up to ``MAX_HELD_BYTES``.
 """
 
 from __future__ import annotations
@@ -32,28 +35,29 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
-from pathlib import Path
+from dataclasses import replace
 
 import numpy as np
 
 from protocol import layout
 from protocol.config import RunSpec
 from protocol.data.assignment import open_dataset
-from protocol.data.cache import SHARDS, TOKENIZERS, ShardCache, cache_dir
+from protocol.data.cache import BLOCKS, TOKENIZERS, BlockCache, cache_dir
 from protocol.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_digest
-from protocol.data.tokens import DataUsage, TokenDataset, TokenSplit
+from protocol.data.tokens import DataUsage, Span, TokenDataset, TokenSplit
 from protocol.errors import ConfigError, DataUnavailable, DigestMismatch, ObjectNotFound, ProtocolError, StoreError
 from protocol.files import atomic_write
 from protocol.settings import DataSettings
 from protocol.store.base import ObjectStore
 from protocol.wire import DatasetManifest, decode_dataset
+from protocol.wire.dataset import SPLITS, DatasetShard
 
 __all__ = [
     "FETCH_ATTEMPTS",
     "dataset_of",
     "MAX_MANIFEST_BYTES",
     "MAX_TOKENIZER_BYTES",
-    "StoreShards",
+    "StoreBlocks",
     "open_run_dataset",
     "read_dataset_manifest",
     "run_tokenizer",
@@ -62,9 +66,9 @@ __all__ = [
 MAX_MANIFEST_BYTES = 256 << 20  # 4 M shards at ~36 bytes each, with room
 MAX_TOKENIZER_BYTES = 64 << 20
 FETCH_ATTEMPTS = 2  # a shard whose bytes do not verify is fetched once more before the read fails
-MAX_OPEN = 64  # shards a process holds open (memory-mapped from the cache, or in memory)
+MAX_HELD_BYTES = 256 << 20  # blocks a process holds in memory (a window of a 1B run reads ~8 MiB)
 
-Key = tuple[str, int]  # (split, shard index)
+Block = tuple[str, int, int]  # (split, shard index, block index in the shard)
 
 
 def read_dataset_manifest(store: ObjectStore, spec: RunSpec, run: str | None = None) -> DatasetManifest:
@@ -103,14 +107,10 @@ def open_run_dataset(
     local = local or DataSettings()
     run = run or layout.run_id(spec.hash())
     manifest = read_dataset_manifest(store, spec, run)
-    cache = ShardCache(cache_dir(local) / SHARDS, local.cache_max_bytes)
-    access = StoreShards(store, run, manifest, cache)
-    splits = {
-        name: TokenSplit([s.tokens for s in manifest.split(name)], access.loader(name)) for name in ("train", "val")
-    }
-    return TokenDataset(
-        cache.root, splits["train"], splits["val"], manifest.vocab_size, manifest.tokenizer, spec.data.dataset, access
-    )
+    cache = BlockCache(cache_dir(local) / BLOCKS, local.cache_max_bytes)
+    access = StoreBlocks(store, run, manifest, cache)
+    train, val = access.splits["train"], access.splits["val"]
+    return TokenDataset(cache.root, train, val, manifest.vocab_size, manifest.tokenizer, spec.data.dataset, access)
 
 
 def run_tokenizer(spec: RunSpec, store: ObjectStore, local: DataSettings | None = None) -> ByteTokenizer | HFTokenizer:
@@ -130,41 +130,44 @@ def run_tokenizer(spec: RunSpec, store: ObjectStore, local: DataSettings | None 
     return load_tokenizer(spec.data.tokenizer, cache=folder)
 
 
-class StoreShards:
-    """A :class:`~protocol.data.tokens.ShardAccess` over the store: fetch, verify, cache, prefetch, count."""
+class StoreBlocks:
+    """A :class:`~protocol.data.tokens.TokenAccess` over the store: ranged reads of verified blocks,
+    cached, prefetched, counted. ``splits`` are the dataset's two :class:`TokenSplit` over it."""
 
-    def __init__(self, store: ObjectStore, run: str, manifest: DatasetManifest, cache: ShardCache) -> None:
+    def __init__(self, store: ObjectStore, run: str, manifest: DatasetManifest, cache: BlockCache) -> None:
         self.store, self.run, self.manifest, self.cache = store, run, manifest, cache
-        self._splits = {name: manifest.split(name) for name in ("train", "val")}
+        self._shards = {name: manifest.split(name) for name in SPLITS}
+        self.splits = {
+            name: TokenSplit([s.tokens for s in shards], self._reader(name)) for name, shards in self._shards.items()
+        }
         self._dtype = np.dtype(manifest.dtype).newbyteorder("<")
         self._lock = threading.Lock()
-        self._open: OrderedDict[Key, np.ndarray] = OrderedDict()  # what reads use, most recent last
-        self._ready: OrderedDict[Key, np.ndarray] = OrderedDict()  # prefetched, too large to cache
-        self._inflight: dict[Key, threading.Event] = {}
-        self._queue: queue.Queue[Key] = queue.Queue()
+        self._held: OrderedDict[Block, np.ndarray] = OrderedDict()  # what reads use, most recent last
+        self._held_bytes = 0
+        self._inflight: dict[Block, threading.Event] = {}
+        self._queue: queue.Queue[list[Block]] = queue.Queue()
         self._worker: threading.Thread | None = None
-        self._fetched = self._hits = self._misses = 0
+        self._usage = DataUsage()
 
-    # ------------------------------------------------------------------ ShardAccess
-    def need(self, split: str, shards: Collection[int]) -> None:
-        for i in shards:
-            self._acquire((split, i))
+    # ------------------------------------------------------------------ TokenAccess
+    def need(self, split: str, spans: Collection[Span]) -> None:
+        self._acquire(self._blocks_of(split, spans))
 
-    def prefetch(self, split: str, shards: Collection[int]) -> None:
+    def prefetch(self, split: str, spans: Collection[Span]) -> None:
         with self._lock:
-            for i in shards:
-                key = (split, i)
-                if key in self._open or key in self._ready or key in self._inflight:
-                    continue
-                self._inflight[key] = threading.Event()
-                self._queue.put(key)
+            todo = [b for b in self._blocks_of(split, spans) if b not in self._held and b not in self._inflight]
+            for b in todo:
+                self._inflight[b] = threading.Event()
+            if not todo:
+                return
+            self._queue.put(todo)
             if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(target=self._prefetch_loop, name="shard-prefetch", daemon=True)
+                self._worker = threading.Thread(target=self._prefetch_loop, name="data-prefetch", daemon=True)
                 self._worker.start()
 
     def usage(self) -> DataUsage:
         with self._lock:
-            return DataUsage(self._fetched, self._hits, self._misses)
+            return self._usage
 
     def wait_prefetched(self, timeout: float | None = None) -> bool:
         """Wait until every prefetch started so far has finished; False if ``timeout`` passed first."""
@@ -177,106 +180,158 @@ class StoreShards:
                 return False
         return True
 
-    def loader(self, split: str) -> Callable[[int], np.ndarray]:
-        """What a :class:`~protocol.data.tokens.TokenSplit` of ``split`` reads its shards with."""
-        return lambda i: self.load(split, i)
+    # ------------------------------------------------------------------ reading
+    def _reader(self, split: str) -> Callable[[int, int, int], np.ndarray]:
+        bt = self.manifest.block_tokens
 
-    def load(self, split: str, i: int) -> np.ndarray:
-        """Shard ``i`` of ``split`` for a read (fetched and counted unless :meth:`need` had it)."""
+        def read(shard: int, offset: int, length: int) -> np.ndarray:
+            blocks = [(split, shard, b) for b in range(offset // bt, (offset + length - 1) // bt + 1)]
+            held = self._acquire(blocks, count=False)  # need() counted them
+            tokens = held[0] if len(held) == 1 else np.concatenate(held)
+            first = blocks[0][2] * bt
+            return tokens[offset - first : offset - first + length]
+
+        return read
+
+    def _blocks_of(self, split: str, spans: Collection[Span]) -> list[Block]:
+        """The blocks the token ranges ``spans`` of ``split`` lie in, sorted, each once."""
+        bt, tokens = self.manifest.block_tokens, self.splits[split]
+        out: set[Block] = set()
+        for start, length in spans:
+            for shard, offset, n in tokens.pieces(start, length):
+                out.update((split, shard, b) for b in range(offset // bt, (offset + n - 1) // bt + 1))
+        return sorted(out)
+
+    def _acquire(self, blocks: list[Block], *, count: bool = True) -> list[np.ndarray]:
+        """The tokens of ``blocks``: held, then prefetched or cached (hits), then fetched (misses;
+        counted with ``count``, a read's own fetch of what :meth:`need` did not make local always)."""
+        found: dict[Block, np.ndarray] = {}
         with self._lock:
-            arr = self._open.get((split, i))
-            if arr is not None:
-                self._open.move_to_end((split, i))
-                return arr
-        return self._acquire((split, i))
-
-    # ------------------------------------------------------------------ internals
-    def _acquire(self, key: Key) -> np.ndarray:
+            for b in blocks:
+                arr = self._held.get(b)
+                if arr is not None:
+                    self._held.move_to_end(b)
+                    found[b] = arr
+            waits = [(b, e) for b in blocks if b not in found and (e := self._inflight.get(b)) is not None]
+        waited = {b for b, e in waits if not e.is_set()}
+        for _, event in waits:
+            event.wait()  # a prefetch of this block is under way: do not fetch it twice
+        rest = [b for b in blocks if b not in found]
+        found.update(self._local(rest))
+        missing = [b for b in blocks if b not in found]
+        for run in _runs(missing):
+            found.update(self._fetch(run))
+        late = len(missing) + (len(waited - set(missing)) if count else 0)
+        hits = len(blocks) - late if count else 0
         with self._lock:
-            arr = self._open.get(key)
-            if arr is not None:
-                self._open.move_to_end(key)
-                self._hits += 1
-                return arr
-            pending = self._inflight.get(key)
-        waited = pending is not None and not pending.is_set()
-        if pending is not None:
-            pending.wait()  # a prefetch of this shard is under way: do not fetch it twice
-        arr = self._local(key)
-        hit = arr is not None and not waited
-        if arr is None:
-            arr = self._fetch(key)
-        with self._lock:
-            if hit:
-                self._hits += 1
-            else:
-                self._misses += 1
-            self._open[key] = arr
-            while len(self._open) > MAX_OPEN:
-                self._open.popitem(last=False)
-        return arr
+            self._usage = replace(self._usage, hits=self._usage.hits + hits, misses=self._usage.misses + late)
+        return [found[b] for b in blocks]
 
-    def _shard(self, key: Key) -> tuple[str, int]:
-        split, i = key
-        s = self._splits[split][i]
-        return s.sha256, self.manifest.shard_bytes(s)
+    def _local(self, blocks: list[Block]) -> dict[Block, np.ndarray]:
+        """Those of ``blocks`` this machine has: held (prefetched meanwhile) or in the cache."""
+        out = {}
+        for b in blocks:
+            with self._lock:
+                arr = self._held.get(b)
+            if arr is None:
+                sha, size = self._block(b)
+                data = self.cache.get(sha, size)
+                if data is None:
+                    continue
+                arr = self._hold(b, data)
+            out[b] = arr
+        return out
 
-    def _local(self, key: Key) -> np.ndarray | None:
-        """The shard if this machine has it: prefetched into memory, or in the cache."""
-        with self._lock:
-            arr = self._ready.pop(key, None)
-        if arr is not None:
-            return arr
-        sha, size = self._shard(key)
-        path = self.cache.get(sha, size)
-        return None if path is None else self._map(path)
+    # ------------------------------------------------------------------ fetching
+    def _block(self, b: Block) -> tuple[str, int]:
+        """The sha256 hex and byte size of block ``b``."""
+        split, shard, index = b
+        s, bb = self._shards[split][shard], self.manifest.block_bytes
+        return s.block(index).hex(), min(bb, self.manifest.shard_bytes(s) - index * bb)
 
-    def _fetch(self, key: Key) -> np.ndarray:
-        """Fetch, verify (fetching again once on a mismatch) and keep the shard."""
-        sha, size = self._shard(key)
-        where = f"shard {sha[:16]}… ({key[0]} {key[1]})"
+    def _fetch(self, run: list[Block]) -> dict[Block, np.ndarray]:
+        """Fetch consecutive blocks of one shard with ranged reads, verify each (fetching what
+        failed once more), keep them; DataUnavailable when one cannot be had intact."""
+        split, shard, _ = run[0]
+        s = self._shards[split][shard]
+        where = f"shard {s.sha256[:16]}… ({split} {shard})"
+        out: dict[Block, np.ndarray] = {}
         last: Exception | None = None
         for _ in range(FETCH_ATTEMPTS):
+            todo = [b for b in run if b not in out]
+            if not todo:
+                break
             try:
-                data = self.store.get(layout.shard_key(self.run, sha), max_bytes=size)
+                out.update(self._fetch_range(s, todo))
             except ObjectNotFound as exc:
                 raise DataUnavailable(f"{where} is not in the store: {exc}") from exc
-            except (StoreError, ProtocolError) as exc:  # a failing store, or an oversized object
+            except (StoreError, ProtocolError) as exc:  # a failing store, or a short or oversized answer
                 last = exc
-                continue
-            with self._lock:
-                self._fetched += len(data)
-            if len(data) == size and hashlib.sha256(data).hexdigest() == sha:
-                return self._keep(sha, data)
-            last = DigestMismatch(f"{len(data)} bytes that do not hash to the name the signed manifest gives")
-        raise DataUnavailable(f"{where}: {last}") from last
+        bad = [b for b in run if b not in out]
+        if bad:
+            last = last or DigestMismatch(
+                f"block {bad[0][2]}: bytes that do not hash to what the signed manifest gives"
+            )
+            raise DataUnavailable(f"{where}: {last}") from last
+        return out
 
-    def _keep(self, sha: str, data: bytes) -> np.ndarray:
-        path = self.cache.put(sha, data)
-        return self._map(path) if path is not None else np.frombuffer(data, dtype=self._dtype)
+    def _fetch_range(self, s: DatasetShard, blocks: list[Block]) -> dict[Block, np.ndarray]:
+        """One ranged read covering ``blocks``; the blocks whose bytes verify."""
+        sizes = [self._block(b) for b in blocks]
+        start = blocks[0][2] * self.manifest.block_bytes
+        length = (blocks[-1][2] - blocks[0][2]) * self.manifest.block_bytes + sizes[-1][1]
+        data = self.store.get_range(layout.shard_key(self.run, s.sha256), start, length)
+        with self._lock:
+            self._usage = replace(
+                self._usage, fetched_bytes=self._usage.fetched_bytes + len(data), requests=self._usage.requests + 1
+            )
+        out, view = {}, memoryview(data)
+        for b, (sha, size) in zip(blocks, sizes):
+            at = (b[2] - blocks[0][2]) * self.manifest.block_bytes
+            part = bytes(view[at : at + size])
+            if len(part) == size and hashlib.sha256(part).hexdigest() == sha:
+                self.cache.put(sha, part)
+                out[b] = self._hold(b, part)
+        return out
 
-    def _map(self, path: Path) -> np.ndarray:
-        return np.memmap(path, dtype=self._dtype, mode="r")
+    def _hold(self, b: Block, data: bytes) -> np.ndarray:
+        arr = np.frombuffer(data, dtype=self._dtype)
+        with self._lock:
+            if b not in self._held:
+                self._held[b] = arr
+                self._held_bytes += len(data)
+            self._held.move_to_end(b)
+            while self._held_bytes > MAX_HELD_BYTES and len(self._held) > 1:
+                _, old = self._held.popitem(last=False)
+                self._held_bytes -= old.nbytes
+            return self._held[b]
 
     def _prefetch_loop(self) -> None:
         while True:
-            key = self._queue.get()
+            blocks = self._queue.get()
             try:
-                sha, size = self._shard(key)
-                if self.cache.get(sha, size) is None:
-                    arr = self._fetch(key)
-                    if not isinstance(arr, np.memmap):  # too large for the cache: hold it for the reader
-                        with self._lock:
-                            self._ready[key] = arr
-                            while len(self._ready) > MAX_OPEN:
-                                self._ready.popitem(last=False)
+                rest = [b for b in blocks if b not in self._local(blocks)]
+                for run in _runs(rest):
+                    self._fetch(run)
             except (StoreError, ProtocolError):
                 pass  # the reader fetches it again and reports what went wrong
             finally:
                 with self._lock:
-                    done = self._inflight.pop(key, None)
-                if done is not None:
-                    done.set()
+                    done = [self._inflight.pop(b, None) for b in blocks]
+                for event in done:
+                    if event is not None:
+                        event.set()
+
+
+def _runs(blocks: list[Block]) -> list[list[Block]]:
+    """Sorted blocks cut into runs of consecutive blocks of one shard (one ranged read each)."""
+    out: list[list[Block]] = []
+    for b in blocks:
+        if out and out[-1][-1][:2] == b[:2] and out[-1][-1][2] + 1 == b[2]:
+            out[-1].append(b)
+        else:
+            out.append([b])
+    return out
 
 
 def dataset_of(spec: RunSpec, store: ObjectStore, local: DataSettings | None = None) -> TokenDataset:

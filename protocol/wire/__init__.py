@@ -55,6 +55,7 @@ from protocol.wire.contribution import Contribution, decode_contribution, encode
 from protocol.wire.dataset import (
     DatasetManifest,
     DatasetShard,
+    block_digests,
     dataset_body,
     dataset_digest,
     decode_dataset,
@@ -89,6 +90,7 @@ __all__ = [
     "decode_checkpoint",
     "encode_announcement",
     "decode_announcement",
+    "block_digests",
     "dataset_body",
     "dataset_digest",
     "encode_dataset",

@@ -1,16 +1,24 @@
 """The validator's signed description of a run's dataset: which token shards it holds, and how.
 
 Body: tokenizer (``bytes`` or ``hf:<sha256 of its tokenizer.json>``), token width in bytes (2 or
-4), vocabulary size, end-of-document id (or none), metadata, then the shards in stream order —
-every train shard before every validation shard — each as (split, sha256, tokens). No payload:
-the shards are separate, content-addressed objects (``<run>/data/shard/<sha256>``).
+4), vocabulary size, end-of-document id (or none), tokens per block, metadata, then the shards in
+stream order — every train shard before every validation shard — each as (split, sha256, tokens,
+the sha256 of each of its blocks). No payload: the shards are separate, content-addressed objects
+(``<run>/data/shard/<sha256>``).
+
+A **block** is ``block_tokens`` consecutive tokens of a shard (its last block may be shorter), the
+unit a reader fetches with one ranged read and verifies on its own: a peer that trains on a few
+hundred sequences spread over the whole dataset reads those blocks, never whole shards. Each
+block costs the manifest 32 bytes: 1/64 of the data it names at 1,024 byte tokens per block, so a
+manifest of a 1 G-token dataset is 32 MiB, read once.
 
 The dataset's **digest** is the sha256 of the body alone, so it exists before any run does: it
 goes into the RunSpec (``data.dataset``), hence into the run hash, and the signed envelope then
 carries that run hash. A reader checks both: the signature by a validator key of the run, and that
 the body hashes to the RunSpec's ``data.dataset``::
 
-    m = DatasetManifest("bytes", 2, 256, 0, shards, {"name": "stdlib"})
+    shards = (DatasetShard("train", sha256_hex, tokens, block_digests(shard_bytes, 2 * 1024)), ...)
+    m = DatasetManifest("bytes", 2, 256, 0, shards, {"name": "stdlib"}, block_tokens=1024)
     spec = spec.replace(data={"dataset": dataset_digest(m)})
     blob = encode_dataset(m, spec.hash(), validator)
     ds = decode_dataset(blob, run_hash=spec.hash(), max_bytes=cap,
@@ -31,11 +39,13 @@ from protocol.wire.frame import Kind, open_envelope, seal
 from protocol.wire.verified import Verified, check_signer, verified
 
 __all__ = [
+    "DEFAULT_BLOCK_TOKENS",
     "MAX_SHARDS",
     "MAX_SHARD_TOKENS",
     "SPLITS",
     "DatasetManifest",
     "DatasetShard",
+    "block_digests",
     "dataset_body",
     "dataset_digest",
     "decode_dataset",
@@ -48,17 +58,32 @@ MAX_SHARDS = 1 << 22
 MAX_SHARD_TOKENS = 1 << 30  # one shard is at most 4 GiB, a read cap every reader can afford
 MAX_VOCAB = 1 << 32
 TOKENIZER_RE = re.compile(r"bytes|hf:[0-9a-f]{64}")
-_SHARD_MIN_BYTES = 1 + 32 + 1  # split, sha256, a one-byte varint
+_SHARD_MIN_BYTES = 1 + 32 + 1 + 32  # split, sha256, a one-byte varint, one block's sha256
+DEFAULT_BLOCK_TOKENS = 1 << 10  # 2 KiB of byte tokens: a page of a window spans a few blocks
+MIN_BLOCK_TOKENS = 1 << 6
+MAX_BLOCK_TOKENS = 1 << 24
+
+
+def block_digests(data: bytes | memoryview, block_bytes: int) -> bytes:
+    """The sha256 digests (32 bytes each, concatenated) of the ``block_bytes`` blocks of ``data``."""
+    view = memoryview(data)
+    return b"".join(hashlib.sha256(view[i : i + block_bytes]).digest() for i in range(0, len(view), block_bytes))
 
 
 @dataclass(frozen=True)
 class DatasetShard:
     """One shard: its ``split`` (``train`` or ``val``), the sha256 hex of its bytes (its name in
-    the store) and its length in tokens (its size is ``tokens × token_bytes``)."""
+    the store), its length in tokens (its size is ``tokens × token_bytes``) and ``blocks``, the
+    sha256 digests of its blocks (32 bytes each, in order: :func:`block_digests`)."""
 
     split: str
     sha256: str
     tokens: int
+    blocks: bytes
+
+    def block(self, index: int) -> bytes:
+        """The sha256 digest of block ``index``."""
+        return self.blocks[32 * index : 32 * index + 32]
 
 
 @dataclass(frozen=True)
@@ -71,6 +96,7 @@ class DatasetManifest:
     eos_id: int | None
     shards: tuple[DatasetShard, ...]
     metadata: Metadata = field(default_factory=dict)
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
 
     @property
     def dtype(self) -> str:
@@ -84,6 +110,13 @@ class DatasetManifest:
     def shard_bytes(self, shard: DatasetShard) -> int:
         return shard.tokens * self.token_bytes
 
+    @property
+    def block_bytes(self) -> int:
+        return self.block_tokens * self.token_bytes
+
+    def n_blocks(self, shard: DatasetShard) -> int:
+        return -(-shard.tokens // self.block_tokens)
+
 
 def dataset_body(m: DatasetManifest) -> bytes:
     """The canonical body bytes of ``m`` (MalformedPayload for a manifest that breaks the rules)."""
@@ -93,12 +126,14 @@ def dataset_body(m: DatasetManifest) -> bytes:
     w.u8(m.token_bytes)
     w.varint(m.vocab_size)
     w.varint(0 if m.eos_id is None else m.eos_id + 1)
+    w.varint(m.block_tokens)
     write_metadata(w, m.metadata)
     w.varint(len(m.shards))
     for s in m.shards:
         w.u8(SPLITS.index(s.split))
         w.raw(digest_to_bytes(s.sha256, what="shard sha256"))
         w.varint(s.tokens)
+        w.raw(s.blocks)
     return w.getvalue()
 
 
@@ -139,16 +174,21 @@ def decode_dataset(
     token_bytes = r.u8()
     vocab_size = r.varint(MAX_VOCAB)
     eos = r.varint(MAX_VOCAB)
+    block_tokens = r.varint(MAX_BLOCK_TOKENS)
+    if block_tokens < MIN_BLOCK_TOKENS:
+        raise r.fail(f"blocks of {block_tokens} tokens: at least {MIN_BLOCK_TOKENS}")
     metadata = read_metadata(r)
     shards = []
     for _ in range(r.count(_SHARD_MIN_BYTES, MAX_SHARDS, "shards")):
         code = r.u8()
         if code >= len(SPLITS):
             raise r.fail(f"unknown split code {code}")
-        shards.append(DatasetShard(SPLITS[code], r.digest(), r.varint(MAX_SHARD_TOKENS)))
+        sha, tokens = r.digest(), r.varint(MAX_SHARD_TOKENS)
+        blocks = bytes(r.take(32 * -(-tokens // block_tokens)))
+        shards.append(DatasetShard(SPLITS[code], sha, tokens, blocks))
     r.end()
     manifest = DatasetManifest(
-        tokenizer, token_bytes, vocab_size, None if eos == 0 else eos - 1, tuple(shards), metadata
+        tokenizer, token_bytes, vocab_size, None if eos == 0 else eos - 1, tuple(shards), metadata, block_tokens
     )
     _check(manifest)
     return verified(manifest, env)
@@ -171,6 +211,13 @@ def _check(m: DatasetManifest) -> None:
         raise MalformedPayload("shards must be train shards, then validation shards")
     if set(codes) != {0, 1}:
         raise MalformedPayload("a dataset needs train and validation shards")
+    if not MIN_BLOCK_TOKENS <= m.block_tokens <= MAX_BLOCK_TOKENS:
+        raise MalformedPayload(f"blocks of {m.block_tokens} tokens: only {MIN_BLOCK_TOKENS}..{MAX_BLOCK_TOKENS}")
     for s in m.shards:
         if not 1 <= s.tokens <= MAX_SHARD_TOKENS:
             raise MalformedPayload(f"shard {s.sha256[:16]}… of {s.tokens} tokens")
+        if len(s.blocks) != 32 * m.n_blocks(s):
+            raise MalformedPayload(
+                f"shard {s.sha256[:16]}… of {s.tokens} tokens needs {m.n_blocks(s)} block digests, "
+                f"has {len(s.blocks) / 32:g}"
+            )
