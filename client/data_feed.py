@@ -6,9 +6,9 @@
 
 The dataset is opened (its signed manifest fetched and verified) on the first window, not when the
 peer starts: a peer waits for its run's genesis first, and a run that does not exist yet has no
-manifest either. While the peer trains window t, the shards of window t + 1 are fetched in the
+manifest either. While the peer trains window t, the pages of window t + 1 are fetched in the
 background, so that training rarely waits on the network. Opening and reading raise
-:class:`~protocol.errors.StoreError` (:class:`~protocol.errors.DataUnavailable` for a shard that
+:class:`~protocol.errors.StoreError` (:class:`~protocol.errors.DataUnavailable` for a block that
 cannot be had intact) or :class:`~protocol.errors.ProtocolError`; the trainer skips the window with
 that reason (:func:`skip_reason`), and the next window tries again.
 """
