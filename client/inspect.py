@@ -73,7 +73,7 @@ def describe(verified: Verified[SignedObject]) -> str:
         tokens = {split: sum(s.tokens for s in obj.split(split)) for split in ("train", "val")}
         return (
             f"window=0 sender={verified.sender} bytes={verified.size} tokenizer={obj.tokenizer} "
-            f"shards={len(obj.shards)} train_tokens={tokens['train']} val_tokens={tokens['val']} "
+            f"shards={len(obj.shards)} block_tokens={obj.block_tokens} train_tokens={tokens['train']} val_tokens={tokens['val']} "
             f"dataset={_short(dataset_digest(obj))} digest={_short(verified.digest)}"
         )
     head = f"window={obj.window} sender={verified.sender} bytes={verified.size}"

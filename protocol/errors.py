@@ -184,8 +184,8 @@ class IncompleteObject(ObjectNotFound):
 
 
 class DataUnavailable(StoreError):
-    """A shard of the run's dataset could not be had intact: the store failed, or kept returning
-    bytes that do not hash to the name the signed dataset manifest gives them. Nothing is trained
+    """A block of the run's dataset could not be had intact: the store failed, or kept returning
+    bytes that do not hash to the digest the signed dataset manifest gives it. Nothing is trained
     or scored on it; the next window tries again."""
 
     reason = "data_unavailable"

@@ -146,7 +146,7 @@ class StoreSettings:
 @dataclass(frozen=True)
 class DataSettings:
     """This machine's copy of the run's data. The dataset itself lies in the run's store (the
-    RunSpec's ``data.dataset``); a process fetches the shards its batches need and keeps them,
+    RunSpec's ``data.dataset``); a process fetches the blocks its batches read and keeps them,
     verified, in the cache, the least recently used going first once they would exceed its cap."""
 
     cache_dir: str = setting("", "Data cache directory ('': $SPARSELOCO_CACHE or ~/.cache/sparseloco).")

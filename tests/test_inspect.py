@@ -47,7 +47,7 @@ def test_ok_lines_describe_each_kind(objects) -> None:
     assert "files=2" in lines["checkpoint"]
     assert 'hardware="cpu x2" role=g1:1/3' in lines["announcement"]
     assert lines["dataset"].startswith(f"OK dataset window=0 sender={VALIDATOR.peer_id}")
-    assert "tokenizer=bytes shards=3 train_tokens=1060921 val_tokens=4321 dataset=" in lines["dataset"]
+    assert "tokenizer=bytes shards=3 block_tokens=1024 train_tokens=20537 val_tokens=4321 dataset=" in lines["dataset"]
     size = objects["aggregate"].stat().st_size
     assert f"bytes={size} " in lines["aggregate"]
 
