@@ -6,7 +6,8 @@ float32 Δ̄ it came from — so peers and validator hold bit-identical θ:
 
 * plain (``outer.recompress = false``): Δ̄'s values rounded to bfloat16 (:func:`plain`); the
   aggregate carries the union of the contributors' positions;
-* re-compressed (``outer.recompress = true``): chunk-wise Top-k (``outer.recompress_k`` per 4096)
+* re-compressed (``outer.recompress = true`` and Δ̄ of at least ``outer.recompress_from``
+  contributions, :func:`recompresses`): chunk-wise Top-k (``outer.recompress_k`` per 4096)
   and 2-bit codes of the validator's own error-feedback buffer ``e ← β_r·e + Δ̄``
   (:func:`recompress`: the peers' :func:`protocol.feedback.compress_step` with
   ``outer.recompress_beta``), so every peer downloads a contribution-sized object; what is not sent
@@ -14,7 +15,7 @@ float32 Δ̄ it came from — so peers and validator hold bit-identical θ:
 
 ::
 
-    tensors, feedback = publishable(delta, schema, spec.outer, spec.codec, feedback)
+    tensors, feedback = publishable(delta, schema, spec.outer, spec.codec, feedback, contributors=n)
     apply_outer(params, applied(tensors), spec.outer.alpha)     # the validator, and every peer
     encode_aggregate(Aggregate(..., tensors, ...), identity)    # exactly these tensors
 
@@ -35,7 +36,7 @@ from protocol.feedback import FeedbackState, compress_step
 from protocol.wire.aggregate import AggregateTensor, SparseDelta
 from protocol.wire.delta import round_values
 
-__all__ = ["applied", "keeps_feedback", "plain", "publishable", "recompress", "recompress_codec"]
+__all__ = ["applied", "keeps_feedback", "plain", "publishable", "recompress", "recompress_codec", "recompresses"]
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -44,6 +45,14 @@ def keeps_feedback(outer: OuterConfig) -> bool:
     """Whether the validator carries an error-feedback buffer from one window to the next (with
     ``recompress_beta = 0`` what Top-k leaves out is dropped, and there is nothing to keep)."""
     return outer.recompress and outer.recompress_beta > 0.0
+
+
+def recompresses(outer: OuterConfig, contributors: int) -> bool:
+    """Whether Δ̄ of ``contributors`` contributions is published re-compressed. Below
+    ``outer.recompress_from`` the union of the Top-k sets is small and carries what a Top-k of it
+    would drop; above, a Top-k of the mean is both the smaller object and the better step
+    (BENCHMARKS.md)."""
+    return outer.recompress and contributors >= outer.recompress_from
 
 
 def recompress_codec(outer: OuterConfig, codec: CodecConfig) -> CodecConfig:
@@ -76,11 +85,18 @@ def recompress(
 
 
 def publishable(
-    delta: SparseDict, shapes: Shapes, outer: OuterConfig, codec: CodecConfig, state: FeedbackState
+    delta: SparseDict,
+    shapes: Shapes,
+    outer: OuterConfig,
+    codec: CodecConfig,
+    state: FeedbackState,
+    *,
+    contributors: int,
 ) -> tuple[dict[str, AggregateTensor], FeedbackState]:
-    """The tensors the aggregate of Δ̄ carries under the RunSpec's ``outer`` and ``codec``, and the
-    validator's next error-feedback state (``state`` itself when not re-compressing)."""
-    if not outer.recompress:
+    """The tensors the aggregate of Δ̄ (of ``contributors`` contributions) carries under the
+    RunSpec's ``outer`` and ``codec``, and the validator's next error-feedback state (``state``
+    itself when not re-compressing)."""
+    if not recompresses(outer, contributors):
         return dict(plain(delta, shapes)), state
     encoded, after = recompress(delta, shapes, state, outer.recompress_beta, recompress_codec(outer, codec))
     return dict(encoded), after if keeps_feedback(outer) else FeedbackState()

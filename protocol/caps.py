@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
-from protocol.broadcast import recompress_codec
+from protocol.broadcast import recompress_codec, recompresses
 from protocol.codec.bitpack import packed_size
 from protocol.codec.chunking import geometry
 from protocol.codec.indexcoding import golomb_param
@@ -96,11 +96,20 @@ def contribution_bound(schema: Mapping[str, tuple[int, ...]], cfg: CodecConfig) 
 
 
 def aggregate_bound(schema: Mapping[str, tuple[int, ...]], spec: RunSpec, contributors: int) -> int:
-    """Largest aggregate of ``contributors`` contributions under ``spec``'s encoding of Δ̄."""
+    """Largest aggregate of at most ``contributors`` contributions under ``spec``'s encoding of Δ̄:
+    re-compressed from ``outer.recompress_from`` contributions on, plain below."""
     fixed = HEADER_BYTES + contributors * MANIFEST_ENTRY_BYTES
-    if spec.outer.recompress:
-        return fixed + CODEC_MARGIN * contribution_bound(schema, recompress_codec(spec.outer, spec.codec))
-    total = fixed
+    plain_upto = contributors if not spec.outer.recompress else min(contributors, spec.outer.recompress_from - 1)
+    largest = fixed + _plain_bound(schema, spec, plain_upto) if plain_upto >= 1 else 0
+    if recompresses(spec.outer, contributors):
+        coded = fixed + CODEC_MARGIN * contribution_bound(schema, recompress_codec(spec.outer, spec.codec))
+        largest = max(largest, coded)
+    return largest
+
+
+def _plain_bound(schema: Mapping[str, tuple[int, ...]], spec: RunSpec, contributors: int) -> int:
+    """The tensors of the largest plain aggregate of ``contributors`` contributions."""
+    total = 0
     for shape in schema.values():
         numel = math.prod(shape)
         union = min(numel, contributors * geometry(shape, spec.codec).nnz)

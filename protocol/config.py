@@ -161,14 +161,17 @@ class CodecConfig:
 class OuterConfig:
     """Outer step: θ ← θ − α·Δ̄, with Δ̄ the aggregate of the contributions (α applied once).
 
-    ``recompress``: the validator publishes Δ̄ compressed like a contribution — chunk-wise Top-k of
-    ``recompress_k`` values per 4096 and 2-bit codes (``codec``'s chunking and index coding) — of
-    its own error-feedback buffer ``e ← recompress_beta·e + Δ̄``, so that every peer downloads a
-    contribution-sized object instead of the union of all Top-k sets. Off: Δ̄ travels with bfloat16
-    values (:mod:`protocol.broadcast`). Either way every participant applies exactly what was signed.
-    The defaults are the best measured point (BENCHMARKS.md): at k = 64 and 128 every decay > 0
-    tried ended at a higher loss than none (what the buffer sends late, the peers have partly
-    learned again by then), so by default what Top-k leaves out is dropped and no buffer is kept.
+    ``recompress``: the validator publishes Δ̄ of at least ``recompress_from`` contributions
+    compressed like a contribution — chunk-wise Top-k of ``recompress_k`` values per 4096 and 2-bit
+    codes (``codec``'s chunking and index coding) — of its own error-feedback buffer
+    ``e ← recompress_beta·e + Δ̄``, so that every peer downloads a contribution-sized object instead
+    of the union of all Top-k sets. Δ̄ of fewer contributions, or with ``recompress`` off, travels
+    with bfloat16 values (:mod:`protocol.broadcast`). Either way every participant applies exactly
+    what was signed. The defaults are the best measured points (BENCHMARKS.md): re-compressing cost
+    loss at 4 contributors and gained it at 16 and 32, with a download that no longer grows with
+    the swarm; at k = 64 and 128 every decay > 0 tried ended at a higher loss than none (what the
+    buffer sends late, the peers have partly learned again by then), so by default what Top-k
+    leaves out is dropped and no buffer is kept.
 
     ``delay``: 0 is the synchronous schedule (a peer waits for aggregate t−1 before it trains
     window t). 1 overlaps a peer's training of window t with the gathering, scoring and publishing
@@ -187,12 +190,13 @@ class OuterConfig:
     """
 
     alpha: float = 1.0
-    beta: float = 0.95  # error-feedback decay
+    beta: float = 0.9  # error-feedback decay (0.9 against 0.95: 0.03–0.08 nats better, BENCHMARKS.md)
     aggregation: str = "contributors"  # contributors | all  (mean over contributors / over all R)
     clip: str = "median"  # median | none
     momentum: float = 0.9  # Nesterov momentum of the DiLoCo baseline (client/simulator.py) only
-    recompress: bool = False
-    recompress_k: int = 128  # values kept per 4096 by the validator's Top-k (when ``recompress``)
+    recompress: bool = True
+    recompress_from: int = 8  # contributions from which Δ̄ is re-compressed (when ``recompress``)
+    recompress_k: int = 128  # values kept per 4096 by the validator's Top-k (when re-compressing)
     recompress_beta: float = 0.0  # decay of the validator's error-feedback buffer (0: none kept)
     delay: int = 1  # 0: synchronous; 1: train window t while aggregate t−1 is in flight
     overlap: float = 0.5  # delay 1: share of a window's inner steps trained before aggregate t−1 must be in
@@ -202,6 +206,7 @@ class OuterConfig:
         _require(self.aggregation in ("contributors", "all"), "outer.aggregation must be contributors|all")
         _require(self.clip in ("median", "none"), "outer.clip must be median|none")
         _require(0 < self.recompress_k <= 4096, "outer.recompress_k must be in 1..4096")
+        _require(self.recompress_from >= 1, "outer.recompress_from must be >= 1")
         _require(0.0 <= self.recompress_beta <= 1.0, "outer.recompress_beta must be in [0, 1]")
         _require(self.delay in (0, 1), "outer.delay must be 0 (synchronous) or 1 (overlapped)")
         _require(0.0 <= self.overlap <= 1.0, "outer.overlap must be in [0, 1]")

@@ -122,7 +122,7 @@ def publish(
 ) -> dict[str, Any]:
     """Sign Δ̄'s published form, decode it as a peer does and check it is what the validator applies."""
     t0 = time.perf_counter()
-    tensors, _ = publishable(delta, schema, outer, cfg, FeedbackState())
+    tensors, _ = publishable(delta, schema, outer, cfg, FeedbackState(), contributors=n)
     manifest = tuple(ManifestEntry(Identity.from_seed(j.to_bytes(4, "big") * 8).peer_id, RUN, 1.0) for j in range(n))
     blob = encode_aggregate(Aggregate(RUN, 0, GENESIS, 1.0, RUN, manifest, tensors, 1.0), VALIDATOR)
     t1 = time.perf_counter()
@@ -157,7 +157,7 @@ def measure(args: argparse.Namespace, log: Console) -> dict[str, Any]:
     counts = sorted(int(x) for x in args.n.split(",") if x)
     log.log(f"{args.model}: {params / 1e6:.2f} M parameters, {len(schema)} tensors; {max(counts)} contributions")
     contribs = make_contributions(schema, max(counts), args.overlap, cfg, args.seed, log)
-    plain_outer = OuterConfig()
+    plain_outer = OuterConfig(recompress=False)
     recompress_ks = [int(k) for k in args.recompress_k.split(",") if k]
     rows = []
     for n in counts:
@@ -172,7 +172,7 @@ def measure(args: argparse.Namespace, log: Console) -> dict[str, Any]:
         )
         recompressed = {}
         for k in recompress_ks:
-            got = publish(delta, schema, OuterConfig(recompress=True, recompress_k=k), cfg, n)
+            got = publish(delta, schema, OuterConfig(recompress=True, recompress_from=1, recompress_k=k), cfg, n)
             spec_re = spec.replace(outer={"recompress": True, "recompress_k": k})
             recompressed[str(k)] = {
                 "aggregate_bytes_per_param": got["bytes"] / params,

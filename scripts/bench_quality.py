@@ -11,10 +11,11 @@ step). Learning rates are tuned per method over a grid; the best of each is repo
         --lr-grid 1e-3,2e-3 --outer-lr-grid 0.3,0.5,0.7,1.0 --seeds 0,1
 
 Methods: ``ddp``, ``diloco``, ``sparseloco`` (mean over contributors, median-norm clip, the
-production rule, synchronous schedule, Δ̄ published with bfloat16 values), ``sparseloco-all``
-(mean over all R) and ``sparseloco-recompress`` (the production rule with ``outer.recompress``: the
-validator publishes Top-k (``--recompress-k``) + 2-bit codes of its own error-feedback buffer,
-decay ``--recompress-beta``). The overlapped schedule (``outer.delay = 1``: a window starts from
+production rule, synchronous schedule, Δ̄ published as the defaults publish it: with bfloat16
+values below ``outer.recompress_from`` contributors, re-compressed from there on),
+``sparseloco-all`` (mean over all R), ``sparseloco-plain`` (Δ̄ always with bfloat16 values) and
+``sparseloco-recompress`` (Δ̄ always re-compressed: the validator publishes Top-k
+(``--recompress-k``) + 2-bit codes of its own error-feedback buffer, decay ``--recompress-beta``). The overlapped schedule (``outer.delay = 1``: a window starts from
 θ_{t−1} while aggregate t−1 is in flight, see client/simulator.py), at the same tokens and H as
 ``sparseloco``:
 
@@ -71,6 +72,7 @@ SPARSE_VARIANTS: dict[str, tuple[str, int, bool, float | None, float | None]] = 
     "sparseloco": ("contributors", 0, False, 0.0, 0.0),
     "sparseloco-all": ("all", 0, False, 0.0, 0.0),
     "sparseloco-recompress": ("contributors", 0, False, 0.0, 0.0),
+    "sparseloco-plain": ("contributors", 0, False, 0.0, 0.0),
     "sparseloco-overlap": ("contributors", 1, False, None, 0.0),
     "sparseloco-overlap-eager": ("contributors", 1, True, None, None),
     "sparseloco-delayed": ("contributors", 1, False, 1.0, 0.0),
@@ -131,11 +133,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-diloco", help="inner lr grid for diloco only")
     p.add_argument("--lr-sparseloco", help="inner lr grid for every sparseloco variant")
     p.add_argument("--outer-lr-grid", default="0.3,0.5,0.7,1.0", help="DiLoCo outer lr grid")
-    p.add_argument("--alpha", type=float, default=1.0, help="SparseLoCo outer lr α")
-    p.add_argument("--beta", type=float, default=0.95, help="SparseLoCo error-feedback decay")
-    p.add_argument("--k", type=int, default=64, help="Top-k per 4096 values")
-    p.add_argument("--recompress-k", type=int, default=128, help="sparseloco-recompress: the validator's Top-k")
-    p.add_argument("--recompress-beta", type=float, default=0.0, help="sparseloco-recompress: its feedback decay")
+    p.add_argument("--alpha", type=float, default=OuterConfig.alpha, help="SparseLoCo outer lr α")
+    p.add_argument("--beta", type=float, default=OuterConfig.beta, help="SparseLoCo error-feedback decay")
+    p.add_argument("--k", type=int, default=CodecConfig.k, help="Top-k per 4096 values")
+    p.add_argument("--recompress-k", type=int, default=OuterConfig.recompress_k, help="the validator's Top-k")
+    p.add_argument("--recompress-beta", type=float, default=OuterConfig.recompress_beta, help="its feedback decay")
     p.add_argument(
         "--arrival",
         type=float,
@@ -204,7 +206,8 @@ def sim_config(method: str, inner_lr: float, outer_lr: float, seed: int, args: a
             clip="median",
             delay=delay,
             eager=eager,
-            recompress=method == "sparseloco-recompress",
+            recompress=method != "sparseloco-plain",
+            recompress_from=1 if method == "sparseloco-recompress" else OuterConfig.recompress_from,
             recompress_k=args.recompress_k,
             recompress_beta=args.recompress_beta,
         )
@@ -263,6 +266,9 @@ def run_grid(method: str, args: argparse.Namespace, dataset: Any, mcfg: Any, log
                                 "seed": seed,
                                 "pages": args.pages,
                                 "replicas": args.replicas,
+                                "alpha": args.alpha,
+                                "beta": args.beta,
+                                "k": args.k,
                                 "final_val_loss": res.final_val_loss,
                                 "loss_curve": [r.val_loss for r in res.rounds],
                                 "bytes_per_replica_per_round": res.bytes_per_replica_per_round,

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from protocol.aggregate import SparseDict, aggregate, apply_outer
-from protocol.broadcast import applied, keeps_feedback, plain, publishable, recompress, recompress_codec
+from protocol.broadcast import applied, keeps_feedback, plain, publishable, recompress, recompress_codec, recompresses
 from protocol.chain import delta_of
-from protocol.codec import decode, encode, to_sparse
+from protocol.codec import Encoded, decode, encode, to_sparse
 from protocol.config import CodecConfig, OuterConfig
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
@@ -61,8 +61,8 @@ def test_plain_rounds_values_and_peers_apply_exactly_that() -> None:
 
 def test_validator_and_peer_hold_the_same_theta_in_both_modes() -> None:
     delta = aggregate(contributions(4))
-    for outer in (OuterConfig(), OuterConfig(recompress=True, recompress_k=16)):
-        tensors, _ = publishable(delta, SHAPES, outer, CODEC, FeedbackState())
+    for outer in (OuterConfig(), OuterConfig(recompress_from=1, recompress_k=16)):
+        tensors, _ = publishable(delta, SHAPES, outer, CODEC, FeedbackState(), contributors=4)
         validator = {n: torch.randn(s, generator=torch.Generator().manual_seed(1)) for n, s in SHAPES.items()}
         peer = {n: p.clone() for n, p in validator.items()}
         apply_outer(validator, applied(tensors), 0.7)
@@ -87,16 +87,32 @@ def test_recompression_keeps_what_it_did_not_send() -> None:
 
 def test_publishable_leaves_the_buffer_alone_without_recompression() -> None:
     state = FeedbackState({"a.weight": torch.ones(SHAPES["a.weight"])})
-    _, after = publishable(aggregate(contributions(2)), SHAPES, OuterConfig(), CODEC, state)
+    _, after = publishable(
+        aggregate(contributions(2)), SHAPES, OuterConfig(recompress=False), CODEC, state, contributors=2
+    )
     assert after is state
-    outer = OuterConfig(recompress=True, recompress_k=8)
+    outer = OuterConfig(recompress=True, recompress_from=1, recompress_k=8)
     assert recompress_codec(outer, CODEC) == CodecConfig(k=8)
-    tensors, after = publishable(aggregate(contributions(2)), SHAPES, outer, CODEC, state)
+    tensors, after = publishable(aggregate(contributions(2)), SHAPES, outer, CODEC, state, contributors=2)
     assert after is not state and all(t.cfg == CodecConfig(k=8) for t in tensors.values())  # type: ignore[union-attr]
 
 
 def test_without_decay_nothing_is_kept() -> None:
-    outer = OuterConfig(recompress=True, recompress_k=8, recompress_beta=0.0)
-    tensors, after = publishable(aggregate(contributions(2)), SHAPES, outer, CODEC, FeedbackState())
+    outer = OuterConfig(recompress=True, recompress_from=1, recompress_k=8, recompress_beta=0.0)
+    tensors, after = publishable(aggregate(contributions(2)), SHAPES, outer, CODEC, FeedbackState(), contributors=2)
     assert tensors and not after.buffers and not keeps_feedback(outer)
     assert keeps_feedback(OuterConfig(recompress=True, recompress_beta=0.5)) and not keeps_feedback(OuterConfig())
+
+
+def test_the_default_recompresses_from_recompress_from_contributions_on() -> None:
+    """Below ``outer.recompress_from`` contributions Δ̄ is published plain (its union of Top-k sets
+    is small), from there on re-compressed (a contribution-sized object, whatever the swarm)."""
+    outer, state = OuterConfig(), FeedbackState()
+    assert outer.recompress and outer.recompress_from == 8
+    assert [recompresses(outer, n) for n in (1, 7, 8, 256)] == [False, False, True, True]
+    assert not recompresses(OuterConfig(recompress=False), 256)
+    delta = aggregate(contributions(8))
+    few, _ = publishable(delta, SHAPES, outer, CODEC, state, contributors=7)
+    many, _ = publishable(delta, SHAPES, outer, CODEC, state, contributors=8)
+    assert all(isinstance(t, SparseDelta) for t in few.values())
+    assert all(isinstance(t, Encoded) and t.cfg == recompress_codec(outer, CODEC) for t in many.values())

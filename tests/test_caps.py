@@ -72,16 +72,24 @@ def test_contribution_cap_is_two_to_four_times_an_honest_full_contribution() -> 
 
 
 def test_caps_follow_model_size_and_contributors() -> None:
-    one_b = RunSpec.from_dict({"model": {"preset": "1b"}})
+    one_b = RunSpec.from_dict({"model": {"preset": "1b"}, "outer": {"recompress": False}})  # always plain
     params = sum(math.prod(s) for s in param_schema(one_b.model).values())
     caps = object_caps(one_b)
     # An honest 1B contribution is ~0.153 bits/param (BENCHMARKS.md): 18 MB, capped at 2–4×.
     assert 2 * 0.153 * params / 8 < caps.contribution < 4 * 0.153 * params / 8
     # 64 contributors of 1/64 each can cover every element: bfloat16 + one index bit each.
     assert caps.aggregate > 2.125 * params > 512 * 2**20
-    few = RunSpec.from_dict({"model": {"preset": "1b"}, "validator": {"max_contributors": 4}})
+    few = RunSpec.from_dict(
+        {"model": {"preset": "1b"}, "outer": {"recompress": False}, "validator": {"max_contributors": 4}}
+    )
     assert object_caps(few).aggregate < caps.aggregate / 3
-    recompressed = RunSpec.from_dict({"model": {"preset": "1b"}, "outer": {"recompress": True, "recompress_k": 64}})
+    # By default Δ̄ of outer.recompress_from = 8 or more contributions is re-compressed, so the
+    # largest aggregate is the plain one of 7 (about 0.34 bytes per parameter at k = 64).
+    default = RunSpec.from_dict({"model": {"preset": "1b"}})
+    assert object_caps(default).aggregate < caps.aggregate / 4
+    recompressed = RunSpec.from_dict(
+        {"model": {"preset": "1b"}, "outer": {"recompress": True, "recompress_from": 1, "recompress_k": 64}}
+    )
     assert object_caps(recompressed).aggregate < caps.contribution * 1.1  # contribution-sized
     bigger = RunSpec.from_dict({"model": {"preset": "1b", "n_layers": 64}})
     assert object_caps(bigger).contribution > 3 * caps.contribution
@@ -100,7 +108,9 @@ def test_the_largest_honest_aggregate_fits_its_cap(recompress: bool) -> None:
     """max_contributors contributions that together select every element (the worst case)."""
     n = 4
     spec = spec_of(
-        codec={"k": 1024}, validator={"max_contributors": n}, outer={"recompress": recompress, "recompress_k": 1024}
+        codec={"k": 1024},
+        validator={"max_contributors": n},
+        outer={"recompress": recompress, "recompress_from": 1, "recompress_k": 1024},
     )
     schema = param_schema(spec.model)
     contribs = []
@@ -114,7 +124,7 @@ def test_the_largest_honest_aggregate_fits_its_cap(recompress: bool) -> None:
     delta = aggregate(contribs)
     params = sum(math.prod(s) for s in schema.values())
     covered = sum(len(i) for i, _ in delta.values()) / params
-    tensors, _ = publishable(delta, schema, spec.outer, spec.codec, FeedbackState())
+    tensors, _ = publishable(delta, schema, spec.outer, spec.codec, FeedbackState(), contributors=n)
     manifest = tuple(ManifestEntry(Identity.from_seed(bytes([j]) * 32).peer_id, "0" * 64, 1.0) for j in range(n))
     blob = encode_aggregate(Aggregate(spec.hash(), 0, GENESIS, 1.0, "0" * 64, manifest, tensors, 1.0), KEY)
     assert len(blob) <= object_caps(spec).aggregate

@@ -105,7 +105,10 @@ def test_file_swarm_late_joiner_and_restarts(run_dir: Path) -> None:
     validator re-compresses Δ̄ (``outer.recompress``), so its error-feedback buffer crosses the
     kill too (the S3 and DHT swarms publish plain aggregates)."""
     windows = 6
-    overrides = {**small(), "outer": {"recompress": True, "recompress_k": 32, "recompress_beta": 0.9}}
+    overrides = {
+        **small(),
+        "outer": {"recompress": True, "recompress_from": 1, "recompress_k": 32, "recompress_beta": 0.9},
+    }
     with LocalSwarm(run_dir, peers=3, windows=windows, store="file", overrides=overrides) as swarm:
         start(swarm)
         p1 = swarm.peers["peer-1"]

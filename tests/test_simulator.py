@@ -106,7 +106,7 @@ def test_simulation_is_reproducible(dataset: TokenDataset) -> None:
 
 def test_recompressed_aggregates_download_less_and_still_learn(dataset: TokenDataset) -> None:
     plain = Simulator(MCFG, dataset, sim("sparseloco")).run()
-    smaller = Simulator(MCFG, dataset, sim("sparseloco", recompress=True, recompress_k=16)).run()
+    smaller = Simulator(MCFG, dataset, sim("sparseloco", recompress=True, recompress_from=1, recompress_k=16)).run()
     assert smaller.final_val_loss < smaller.initial_val_loss - 0.05  # a quarter of the values per round
     assert 0 < smaller.download_per_replica_per_round < plain.download_per_replica_per_round / 2
     assert plain.download_per_replica_per_round < 3 * 3 * plain.bytes_per_replica_per_round  # ≈ R uploads

@@ -290,7 +290,7 @@ def _assert_feedback_step(sw: Swarm, after: FeedbackState, before: FeedbackState
 
 
 def test_recompression_buffer_survives_crashes_without_loss_or_double_use(vkey: Identity, tmp_path) -> None:
-    outer = {"recompress": True, "recompress_k": 16, "recompress_beta": 0.9, "clip": "none"}
+    outer = {"recompress": True, "recompress_from": 1, "recompress_k": 16, "recompress_beta": 0.9, "clip": "none"}
     sw = Swarm(tiny_spec(vkey, outer=outer), 4)
     sw.announce_all()
     spec = sw.spec

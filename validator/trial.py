@@ -134,7 +134,9 @@ class Aggregator:
         delta = total.mean(o.aggregation)
         if not all(bool(torch.isfinite(v).all()) for _, v in delta.values()):
             return None
-        tensors, after = broadcast.publishable(delta, self.schema, o, self.spec.codec, feedback)
+        tensors, after = broadcast.publishable(
+            delta, self.schema, o, self.spec.codec, feedback, contributors=len(peers)
+        )
         published = broadcast.applied(tensors)  # what is signed, not Δ̄ itself
         if not all(bool(torch.isfinite(v).all()) for _, v in published.values()):
             return None

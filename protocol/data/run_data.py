@@ -310,11 +310,12 @@ class StoreBlocks:
         while True:
             blocks = self._queue.get()
             try:
-                rest = [b for b in blocks if b not in self._local(blocks)]
-                for run in _runs(rest):
-                    self._fetch(run)
-            except (StoreError, ProtocolError):
-                pass  # the reader fetches it again and reports what went wrong
+                local = self._local(blocks)
+                for run in _runs([b for b in blocks if b not in local]):
+                    try:
+                        self._fetch(run)
+                    except (StoreError, ProtocolError):
+                        pass  # the reader fetches it again and reports what went wrong
             finally:
                 with self._lock:
                     done = [self._inflight.pop(b, None) for b in blocks]
