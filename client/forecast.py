@@ -130,7 +130,7 @@ class Forecast:
                 sender=peer,
                 schema=self.schema,
                 partial=True,
-                codec_cfg=self.spec.codec,
+                codec_cfg=self.spec.codec_at(self.window),
             )
         except ProtocolError as exc:
             log.info("forecast of aggregate %d leaves %s out: %s", self.window, peer, exc)

@@ -247,9 +247,10 @@ class Preflight:
         _synchronize(device)
         self._step_s = (self.clock() - t0) / TIMED_STEPS
         t1 = self.clock()
-        encoded, _ = compress_step(FeedbackState(), pseudo_gradient(theta, model), beta=spec.outer.beta, cfg=spec.codec)
+        codec = spec.codec_at(0)  # window 0's, the largest k of a Top-k warm-up
+        encoded, _ = compress_step(FeedbackState(), pseudo_gradient(theta, model), beta=spec.outer.beta, cfg=codec)
         self._compress_s = self.clock() - t1
-        blob = encode_contribution(Contribution(self.run_hash, 0, GENESIS, spec.codec, encoded, {}), self.identity)
+        blob = encode_contribution(Contribution(self.run_hash, 0, GENESIS, codec, encoded, {}), self.identity)
         self._contribution_bytes = len(blob)
         figures: dict[str, Any] = {
             "step_s": round(self._step_s, 4),

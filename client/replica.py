@@ -111,7 +111,7 @@ class FullReplica:
         inner_s = time.perf_counter() - t0
         meta = {"loss_first": losses[0], "loss_last": losses[-1], "tokens": tokens, "inner_s": round(inner_s, 3)}
         stats = WindowStats(losses[0], losses[-1], tokens, inner_s, 0.0, data=self.data.take_usage())
-        fold = functools.partial(fold_window, self.spec, self.model, job.theta, job.alpha)
+        fold = functools.partial(fold_window, self.spec, job.window, self.model, job.theta, job.alpha)
         return Trained(fold, meta, stats, self.trainer.state_dict())
 
     def state_dict(self) -> dict[str, Any]:
@@ -123,6 +123,7 @@ class FullReplica:
 
 def fold_window(
     spec: RunSpec,
+    window: int,
     model: torch.nn.Module,
     theta: Mapping[str, Tensor],
     alpha: float,
@@ -131,13 +132,14 @@ def fold_window(
 ) -> dict[str, Encoded]:
     """Δ = (θ − α·stand-in) − θ_local of a trained ``model`` folded into ``e`` tensor by tensor (one
     Δ tensor alive at a time); θ is the peer's, as it stands now (it moved with the working model).
-    The fold of every trainer that holds the whole model (:class:`Trained`)."""
+    The fold of every trainer that holds the whole model (:class:`Trained`); ``window``'s codec
+    (:meth:`RunSpec.codec_at`) compresses it."""
     params = parameters_of(model)
     for name, p in params.items():  # checked before e changes: a NaN must not half-fold
         if not bool(torch.isfinite(p).all()):
             raise NonFiniteValues(f"{name} is not finite after training")
     deltas = ((name, _delta(theta[name], stand_in.get(name), alpha, p)) for name, p in params.items())
-    return e.compress(deltas, beta=spec.outer.beta, cfg=spec.codec)
+    return e.compress(deltas, beta=spec.outer.beta, cfg=spec.codec_at(window))
 
 
 @torch.no_grad()

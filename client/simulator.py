@@ -4,6 +4,7 @@ Per round (window) t, for ``sparseloco``::
 
     θ_r   ← InnerTrainer.train_window(assigned_batches(data, seed, r, t, H, B, T))   # client/trainer
     Δ_r    = pseudo_gradient(θ_t, θ_r)
+    codec  = codec_at(codec, outer, t)                  # the window's k (outer.warmup_k), as peers and the validator
     bytes, e_r = compress_and_pack(e_r, Δ_r, β, codec)  # feedback.compress_step + codec.pack (the wire payload)
     sparse = unpack_sparse(bytes, schema, codec)        # codec.unpack + to_sparse, as the validator does
     Δ̄      = aggregate(sparse_1..R, mode, clip)         # protocol/aggregate
@@ -46,7 +47,7 @@ from protocol.aggregate import SparseDict, aggregate, apply_outer, sparse_of
 from protocol.broadcast import publishable
 from protocol.chain import delta_of
 from protocol.codec import pack, unpack
-from protocol.config import CodecConfig, DataConfig, InnerConfig, ModelConfig, OuterConfig
+from protocol.config import CodecConfig, DataConfig, InnerConfig, ModelConfig, OuterConfig, codec_at
 from protocol.data.assignment import TokenDataset, assigned_batches, validation_batches
 from protocol.errors import ConfigError
 from protocol.feedback import FeedbackState, compress_step
@@ -208,10 +209,11 @@ class Simulator:
         else:
             deltas, loss = self._overlapped(t, self._previous, current)
         contribs, sent = [], 0
+        codec = codec_at(c.codec, c.outer, t)  # the window's k (outer.warmup_k)
         for r, delta in enumerate(deltas):
-            payloads, self.feedback[r] = compress_and_pack(self.feedback[r], delta, c.outer.beta, c.codec)
+            payloads, self.feedback[r] = compress_and_pack(self.feedback[r], delta, c.outer.beta, codec)
             sent = max(sent, sum(len(p) for p in payloads.values()))
-            contribs.append(unpack_sparse(payloads, self.shapes, c.codec))
+            contribs.append(unpack_sparse(payloads, self.shapes, codec))
         delta_bar = aggregate(contribs, c.outer.aggregation, c.outer.clip)
         tensors, self.validator_feedback = publishable(
             delta_bar, self.shapes, c.outer, c.codec, self.validator_feedback, contributors=len(contribs)

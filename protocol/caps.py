@@ -8,7 +8,8 @@ contribution of a model above ~3.5 B parameters, a 512 MiB aggregate cap the hon
 
 * **contribution**: twice the largest full contribution (every parameter) the codec can write —
   per chunk its scales, and per kept value its 2-bit code and index (≤ ``b + 5`` bits with the
-  Golomb code of parameter ``< 2^b``, see :func:`codec_payload_bound`) — plus the headers;
+  Golomb code of parameter ``< 2^b``, see :func:`codec_payload_bound`) — plus the headers; with a
+  Top-k warm-up (``outer.warmup_k``) at the largest k of any window (:func:`widest_codec`);
 * **aggregate**, the largest the aggregate's encoding can be with ``validator.max_contributors``
   accepted contributions: plain — per tensor the union of their Top-k sets (at most every
   element) with one bfloat16 value each, and its index set (at most one bit per element);
@@ -23,6 +24,7 @@ value. Peers and the validator compute the caps with the same function::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ from protocol.model import param_schema
 from protocol.wire.delta import VALUE_BYTES, bitmap_nbytes
 from protocol.wire.frame import ENVELOPE_OVERHEAD
 
-__all__ = ["Caps", "aggregate_bound", "codec_payload_bound", "contribution_bound", "object_caps"]
+__all__ = ["Caps", "aggregate_bound", "codec_payload_bound", "contribution_bound", "object_caps", "widest_codec"]
 
 CODEC_MARGIN = 2  # caps on codec payloads are twice their bound (the bound itself is rarely approached)
 TENSOR_ROW_BYTES = 512  # one tensor table row: a name ≤ 255 bytes, ≤ 8 dimensions, a few lengths
@@ -66,9 +68,15 @@ def object_caps(spec: RunSpec) -> Caps:
 def _derived(spec: RunSpec) -> Caps:
     schema = param_schema(spec.model)
     return Caps(
-        CODEC_MARGIN * contribution_bound(schema, spec.codec),
+        CODEC_MARGIN * contribution_bound(schema, widest_codec(spec)),
         aggregate_bound(schema, spec, max(1, spec.validator.max_contributors)),
     )
+
+
+def widest_codec(spec: RunSpec) -> CodecConfig:
+    """The codec of the largest k of any window (``outer.warmup_k``): what the caps must allow."""
+    k = spec.outer.max_k(spec.codec.k)
+    return spec.codec if k == spec.codec.k else dataclasses.replace(spec.codec, k=k)
 
 
 def codec_payload_bound(shape: tuple[int, ...], cfg: CodecConfig) -> int:
@@ -112,6 +120,6 @@ def _plain_bound(schema: Mapping[str, tuple[int, ...]], spec: RunSpec, contribut
     total = 0
     for shape in schema.values():
         numel = math.prod(shape)
-        union = min(numel, contributors * geometry(shape, spec.codec).nnz)
+        union = min(numel, contributors * geometry(shape, widest_codec(spec)).nnz)
         total += TENSOR_ROW_BYTES + VALUE_BYTES * union + bitmap_nbytes(numel)
     return total

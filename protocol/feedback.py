@@ -13,7 +13,7 @@ A :class:`FeedbackState` is a value: :func:`compress_step` returns the next stat
 changing the one it is given, so a caller decides when the new ``e`` takes effect (the peer adopts
 it in the same commit that stages the contribution it belongs to, see :mod:`client.peer`)::
 
-    encoded, after = compress_step(state, delta, beta=spec.outer.beta, cfg=spec.codec)
+    encoded, after = compress_step(state, delta, beta=spec.outer.beta, cfg=spec.codec_at(window))
     ...                                      # sign and stage ``encoded``; only then:
     state = after
     state = after.returned(encoded)          # the bytes never reached the store: e keeps Δ̂
@@ -24,7 +24,7 @@ a window's Δ into e tensor by tensor through the same step as :func:`compress_s
 bytes and the same e), and takes Δ lazily, so that at most one Δ tensor exists at a time::
 
     e = FeedbackBuffers()
-    encoded = e.compress(((name, delta_of(name)) for name in names), beta=spec.outer.beta, cfg=spec.codec)
+    encoded = e.compress(((n, delta_of(n)) for n in names), beta=spec.outer.beta, cfg=spec.codec_at(window))
     e.give_back(encoded)                     # the bytes never reached the store: e keeps Δ̂
 
 Persisting the buffers is the peer's business (its state directory, :mod:`client.state`).

@@ -29,7 +29,9 @@ values below ``outer.recompress_from`` contributors, re-compressed from there on
   window late); ``sparseloco-delayed-own``: the same with a forecast that never sees more than the
   peer's own contribution (the eager update of arXiv 2502.12996).
 
-``--k`` changes the codec of every SparseLoCo variant.
+``--k`` changes the codec of every SparseLoCo variant; ``--warmup-k`` and ``--warmup-windows`` set
+its Top-k warm-up (``outer.warmup_k``, ``outer.warmup_windows``: k falls linearly from
+``--warmup-k`` at round 0 to ``--k`` at round ``--warmup-windows``), which the bytes per round include.
 
 Bytes per replica and round: ``upload`` is what one replica sends, ``download`` what it receives —
 the signed aggregate for SparseLoCo (``protocol.wire.encode_aggregate``), the dense float32 mean for
@@ -136,6 +138,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=OuterConfig.alpha, help="SparseLoCo outer lr α")
     p.add_argument("--beta", type=float, default=OuterConfig.beta, help="SparseLoCo error-feedback decay")
     p.add_argument("--k", type=int, default=CodecConfig.k, help="Top-k per 4096 values")
+    p.add_argument(
+        "--warmup-k", type=int, default=OuterConfig.warmup_k, help="outer.warmup_k: Top-k of window 0 (0: none)"
+    )
+    p.add_argument(
+        "--warmup-windows",
+        type=int,
+        default=OuterConfig.warmup_windows,
+        help="outer.warmup_windows: windows k takes to fall to --k",
+    )
     p.add_argument("--recompress-k", type=int, default=OuterConfig.recompress_k, help="the validator's Top-k")
     p.add_argument("--recompress-beta", type=float, default=OuterConfig.recompress_beta, help="its feedback decay")
     p.add_argument(
@@ -210,6 +221,8 @@ def sim_config(method: str, inner_lr: float, outer_lr: float, seed: int, args: a
             recompress_from=1 if method == "sparseloco-recompress" else OuterConfig.recompress_from,
             recompress_k=args.recompress_k,
             recompress_beta=args.recompress_beta,
+            warmup_k=args.warmup_k,
+            warmup_windows=args.warmup_windows,
         )
     return SimConfig(
         method=method.split("-")[0],
@@ -264,11 +277,15 @@ def run_grid(method: str, args: argparse.Namespace, dataset: Any, mcfg: Any, log
                                 "arrival": _timing(method, args)[0],
                                 "forecast_at": _timing(method, args)[1],
                                 "seed": seed,
+                                "inner_steps": args.inner_steps,
+                                "rounds": args.rounds,
+                                "beta": args.beta,
+                                "k": args.k,
+                                "warmup_k": args.warmup_k,
+                                "warmup_windows": args.warmup_windows,
                                 "pages": args.pages,
                                 "replicas": args.replicas,
                                 "alpha": args.alpha,
-                                "beta": args.beta,
-                                "k": args.k,
                                 "final_val_loss": res.final_val_loss,
                                 "loss_curve": [r.val_loss for r in res.rounds],
                                 "bytes_per_replica_per_round": res.bytes_per_replica_per_round,
@@ -431,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds, {args.batch_size}×{args.seq_len} tokens/replica/step, {args.pages} pages/replica/window, "
         f"seeds {args.seeds}"
     )
+    if args.warmup_k:
+        summary += f", Top-k warm-up k={args.warmup_k}→{args.k} over {args.warmup_windows} rounds"
     if "sparseloco-recompress" in args.methods:
         summary += f", re-compression k={args.recompress_k} β={args.recompress_beta:g}"
     t0 = time.perf_counter()

@@ -140,3 +140,17 @@ def test_peers_and_the_validator_read_aggregates_with_the_same_cap() -> None:
         assert Sync(spec, store).max_aggregate_bytes == object_caps(spec).aggregate
     finally:
         store.close()
+
+
+def test_caps_allow_the_largest_k_of_a_top_k_warm_up() -> None:
+    plain = spec_of(codec={"k": 64})
+    warm = spec_of(codec={"k": 64}, outer={"warmup_k": 512, "warmup_windows": 4})
+    schema = param_schema(warm.model)
+    assert object_caps(warm).contribution == 2 * contribution_bound(schema, warm.codec_at(0))
+    assert object_caps(warm).contribution > object_caps(plain).contribution
+    assert aggregate_bound(schema, warm, 2) > aggregate_bound(schema, plain, 2)  # union of two Top-k sets
+    # An honest window-0 contribution (every tensor, the window's k) fits the cap.
+    gen = torch.Generator().manual_seed(0)
+    enc = {n: encode(torch.randn(s, generator=gen), warm.codec_at(0)) for n, s in schema.items()}
+    blob = encode_contribution(Contribution(warm.hash(), 0, GENESIS, warm.codec_at(0), enc, {}), KEY)
+    assert len(blob) <= object_caps(warm).contribution

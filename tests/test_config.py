@@ -81,3 +81,40 @@ def test_the_local_table_is_not_part_of_the_runspec() -> None:
     base = RunSpec.default().to_toml()
     local = "\n[local]\npoll_interval_s = 0.5\n[local.store]\nurl = 's3://b/r'\n"
     assert RunSpec.loads(base + local) == RunSpec.loads(base)
+
+
+def test_top_k_warm_up_falls_linearly_to_the_codec_k() -> None:
+    spec = RunSpec.default().replace(codec={"k": 64}, outer={"warmup_k": 512, "warmup_windows": 4})
+    assert [spec.outer.k_at(w, 64) for w in range(7)] == [512, 400, 288, 176, 64, 64, 64]
+    assert [spec.codec_at(w).k for w in range(6)] == [512, 400, 288, 176, 64, 64]
+    assert spec.codec_at(4) == spec.codec and spec.codec_at(10**6) == spec.codec
+    # Only k changes: the window's codec is what contributions carry and the validator checks.
+    assert spec.codec_at(0) == spec.codec.__class__(**{**spec.to_dict()["codec"], "k": 512})
+    assert spec.outer.max_k(64) == 512
+    # A function of the RunSpec and the window only: a reloaded spec gives the same codecs.
+    again = RunSpec.loads(spec.to_toml())
+    assert [again.codec_at(w) for w in range(6)] == [spec.codec_at(w) for w in range(6)]
+    assert again.hash() == spec.hash() != RunSpec.default().replace(codec={"k": 64}).hash()
+
+
+def test_without_a_warm_up_every_window_has_the_codec_k() -> None:
+    spec = RunSpec.default()
+    assert spec.outer.warmup_k == 0 and all(spec.codec_at(w) is spec.codec for w in range(5))
+    assert spec.outer.max_k(spec.codec.k) == spec.codec.k
+    # A warm-up below k ramps k up instead; it is still exact integers.
+    up = spec.replace(codec={"k": 64}, outer={"warmup_k": 16, "warmup_windows": 3})
+    assert [up.codec_at(w).k for w in range(4)] == [16, 32, 48, 64]
+
+
+@pytest.mark.parametrize(
+    "outer, fragment",
+    [
+        ({"warmup_k": 5000, "warmup_windows": 2}, "outer.warmup_k"),
+        ({"warmup_k": -1, "warmup_windows": 2}, "outer.warmup_k"),
+        ({"warmup_k": 256}, "outer.warmup_windows"),
+        ({"warmup_windows": -1}, "outer.warmup_windows"),
+    ],
+)
+def test_bad_top_k_warm_ups_are_refused(outer: dict[str, int], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        RunSpec.default().replace(outer=outer)

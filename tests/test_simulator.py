@@ -110,3 +110,12 @@ def test_recompressed_aggregates_download_less_and_still_learn(dataset: TokenDat
     assert smaller.final_val_loss < smaller.initial_val_loss - 0.05  # a quarter of the values per round
     assert 0 < smaller.download_per_replica_per_round < plain.download_per_replica_per_round / 2
     assert plain.download_per_replica_per_round < 3 * 3 * plain.bytes_per_replica_per_round  # ≈ R uploads
+
+
+def test_a_top_k_warm_up_sends_more_in_the_first_windows_only(dataset: TokenDataset) -> None:
+    plain = Simulator(MCFG, dataset, sim("sparseloco")).run()
+    warm = Simulator(MCFG, dataset, sim("sparseloco", warmup_k=256, warmup_windows=2)).run()  # k: 256, 160, 64
+    sent = [r.bytes_per_replica for r in warm.rounds]
+    assert sent[0] > sent[1] > sent[2] and sent[0] > 2 * plain.rounds[0].bytes_per_replica
+    assert abs(sent[2] - plain.rounds[2].bytes_per_replica) < 0.1 * plain.rounds[2].bytes_per_replica
+    assert warm.final_val_loss < warm.initial_val_loss - 0.3

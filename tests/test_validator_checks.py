@@ -426,3 +426,17 @@ def test_undecodable_contribution_of_an_unregistered_peer_is_unregistered(peer: 
     data = _crafted(peer, [("evil", (1 << 20,))], b"x" * 64)
     s = checks.screen(peer.peer_id, data, ctx(peer, registered=frozenset()))
     assert s.reason == "unregistered" and s.checks[-1] == CheckRow("registered", False, "unregistered")
+
+
+def test_held_contributions_decode_with_the_codec_of_their_window(peer: Identity) -> None:
+    s = checks.screen(peer.peer_id, blob(peer, window=3), ctx(peer))
+    assert s.held is not None
+    seen: list[int] = []
+
+    def codec_of(window: int) -> CodecConfig:
+        seen.append(window)
+        return CFG
+
+    assert set(decode(s.held, SCHEMA, codec_of)) == set(SCHEMA) and seen == [3]
+    # A contribution with another k than its window's codec is refused.
+    assert checks.screen(peer.peer_id, blob(peer), ctx(peer, codec=CodecConfig(k=128))).reason == "wrong_codec"

@@ -59,11 +59,15 @@ def hold(data: bytes, digest: str, sparse: SparseDict, schema: Mapping[str, tupl
     return Held(digest, data, nnz, measured(sparse, schema), sk.entries(sparse))
 
 
-def decode(h: Held, schema: Mapping[str, tuple[int, ...]], codec: CodecConfig) -> SparseDict:
+def decode(
+    h: Held, schema: Mapping[str, tuple[int, ...]], codec: CodecConfig | Callable[[int], CodecConfig]
+) -> SparseDict:
     """The contribution's values again (the bytes passed every check once; decoding is
-    deterministic, so this is the same SparseDict)."""
+    deterministic, so this is the same SparseDict). ``codec``: the run's codec, or the codec of a
+    window (:meth:`~protocol.config.RunSpec.codec_at`), applied to the contribution's window."""
     env = open_envelope(h.data, max_bytes=len(h.data), run_hash=None, kind=Kind.CONTRIBUTION)
-    return sparse_of(parse_contribution(env, schema=schema, partial=True, codec_cfg=codec).value.tensors)
+    cfg = codec if isinstance(codec, CodecConfig) else codec(env.window)
+    return sparse_of(parse_contribution(env, schema=schema, partial=True, codec_cfg=cfg).value.tensors)
 
 
 def decoded(

@@ -110,7 +110,7 @@ class Intake:
             # One-window-delayed outer step: a peer trains window t from θ_{t−1} while aggregate
             # t−1 is published; its update is scored and applied against θ_t like any other.
             previous_base=st.previous_base if self.spec.outer.delay else None,
-            codec=self.spec.codec,
+            codec=self.spec.codec_at(w.t),  # the window's k (outer.warmup_k)
             schema=self.schema,
             max_bytes=self.max_bytes,
             registered=registered,

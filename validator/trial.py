@@ -75,7 +75,7 @@ class Aggregator:
         """Every item decoded again and clipped to its caps, in order, on the worker pool."""
 
         def work(peer: str, h: Held) -> SparseDict:
-            sparse = decode(h, self.schema, self.spec.codec)
+            sparse = decode(h, self.schema, self.spec.codec_at)
             limits = caps[peer]
             return sparse if limits is None else clip_to_limits([sparse], limits)[0]
 

@@ -137,7 +137,7 @@ class DataParallelReplica:
         inner_s = time.perf_counter() - t0
         meta = {"loss_first": losses[0], "loss_last": losses[-1], "tokens": tokens, "inner_s": round(inner_s, 3)}
         stats = WindowStats(losses[0], losses[-1], tokens, inner_s, 0.0, data=self.data.take_usage())
-        fold = functools.partial(fold_window, self.spec, self.local.model, job.theta, job.alpha)
+        fold = functools.partial(fold_window, self.spec, job.window, self.local.model, job.theta, job.alpha)
         return Trained(fold, meta, stats, self.local.trainer.state_dict())
 
     def _send_batch(self, batch: Tensor) -> Tensor:

@@ -171,7 +171,7 @@ class Peer:
         t0 = time.perf_counter()
         encoded = work.fold(self.feedback, self.inflight.stand_in)
         contribution = Contribution(
-            self.spec.hash(), window, self.pos.base, self.spec.codec, dict(encoded), dict(work.metadata)
+            self.spec.hash(), window, self.pos.base, self.spec.codec_at(window), dict(encoded), dict(work.metadata)
         )
         blob = encode_contribution(contribution, self.identity)
         stats = dataclasses.replace(work.stats, compress_s=work.stats.compress_s + time.perf_counter() - t0)

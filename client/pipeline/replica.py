@@ -14,7 +14,7 @@ and nothing is published. The inner optimizer keeps the steps it took (see :mod:
     result = run_stage_window(stage, theta_t, window, base_digest, batches, rendezvous="host:29500",
                               feedback=e)
     if result.ok:
-        publish(Contribution(spec.hash(), window, base_digest, spec.codec, result.encoded, result.metadata))
+        publish(Contribution(spec.hash(), window, base_digest, spec.codec_at(window), result.encoded, result.metadata))
         e = result.feedback_after
 """
 
@@ -205,7 +205,7 @@ def run_stage_window(
         stage.optimizer.zero_grad(set_to_none=True)  # a step may have stopped between backward and update
         return result(ok=False, reason=exc.reason, detail=str(exc), steps=len(losses), seconds=time.perf_counter() - t0)
     try:
-        encoded, feedback_after = compress_step(feedback, delta, spec.outer.beta, spec.codec)
+        encoded, feedback_after = compress_step(feedback, delta, spec.outer.beta, spec.codec_at(window))
     except NonFiniteValues as exc:
         return result(ok=False, reason=exc.reason, detail=str(exc), steps=len(losses), seconds=time.perf_counter() - t0)
     tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in batches)

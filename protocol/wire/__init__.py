@@ -24,9 +24,9 @@ One module per kind (:mod:`~protocol.wire.contribution`, :mod:`~protocol.wire.ag
 returns a :class:`~protocol.wire.verified.Verified`: the object in ``.value`` and what the
 signature proved about its bytes (``digest``, ``sender``, ``public_key``, ``size``)::
 
-    blob = encode_contribution(Contribution(run_hash, window, base, spec.codec, encoded, meta), ident)
+    blob = encode_contribution(Contribution(run_hash, window, base, spec.codec_at(window), encoded, meta), ident)
     c = decode_contribution(blob, run_hash=spec.hash(), max_bytes=cap, window=w, schema=shapes,
-                            partial=True, codec_cfg=spec.codec)   # a stage may send a subset
+                            partial=True, codec_cfg=spec.codec_at(w))   # a stage may send a subset
     c.digest, c.sender, c.value.tensors["tok_emb.weight"]      # Encoded, ready for codec.decode
     agg = decode_aggregate(blob, run_hash=..., max_bytes=cap, allowed_signers=keys, schema=shapes)
     agg.digest, agg.value.manifest, agg.value.published_at
