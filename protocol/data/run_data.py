@@ -203,8 +203,9 @@ class StoreBlocks:
         return sorted(out)
 
     def _acquire(self, blocks: list[Block], *, count: bool = True) -> list[np.ndarray]:
-        """The tokens of ``blocks``: held, then prefetched or cached (hits), then fetched (misses;
-        counted with ``count``, a read's own fetch of what :meth:`need` did not make local always)."""
+        """The tokens of ``blocks``: held, then prefetched or cached (hits), then fetched (misses).
+        With ``count`` off (a read after :meth:`need` counted its blocks) only what still had to be
+        fetched is counted, as misses."""
         found: dict[Block, np.ndarray] = {}
         with self._lock:
             for b in blocks:
