@@ -87,23 +87,16 @@ def measure(
         for w in range(args.windows):
             used = ds.usage()
             assigned_batches(ds, args.seed, peer, w, *window, pages=pages)
-            ds.prefetch("train", assigned_spans(ds, args.seed, peer, w + 1, *window, pages=pages))
+            later = assigned_spans(ds, args.seed, peer, w + 1, *window, pages=pages)
+            ds.prefetch("train", later)
             assert isinstance(ds.access, StoreBlocks) and ds.access.wait_prefetched(timeout=600)
             d = ds.usage() - used
             blocks_bytes.append(d.fetched_bytes)
             requests.append(d.requests)
             hit_rates.append(d.hits / max(1, d.hits + d.misses))
-            touched = {
-                i
-                for a, n in assigned_spans(ds, args.seed, peer, w + 1, *window, pages=pages)
-                for i, _, _ in ds.train.pieces(a, n)
-            }
+            touched = shards_of(ds, later)
             if w == 0:
-                touched |= {
-                    i
-                    for a, n in assigned_spans(ds, args.seed, peer, 0, *window, pages=pages)
-                    for i, _, _ in ds.train.pieces(a, n)
-                }
+                touched |= shards_of(ds, assigned_spans(ds, args.seed, peer, 0, *window, pages=pages))
             shards_bytes.append(sum(shard_bytes[i] for i in touched - held))
             held |= touched
             trained += args.inner_steps * args.batch_size * (args.seq_len + 1) * built.manifest.token_bytes
@@ -119,6 +112,11 @@ def measure(
         "store_gets": gets,
         "per_window_bytes": blocks_bytes,
     }
+
+
+def shards_of(ds: TokenDataset, spans: list[tuple[int, int]]) -> set[int]:
+    """The train shards the token ranges ``spans`` touch."""
+    return {i for a, n in spans for i, _, _ in ds.train.pieces(a, n)}
 
 
 def render(out: dict[str, Any], console: Console) -> None:

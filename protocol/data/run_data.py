@@ -185,7 +185,7 @@ class StoreBlocks:
         bt = self.manifest.block_tokens
 
         def read(shard: int, offset: int, length: int) -> np.ndarray:
-            blocks = [(split, shard, b) for b in range(offset // bt, (offset + length - 1) // bt + 1)]
+            blocks = [(split, shard, b) for b in _covering(offset, length, bt)]
             held = self._acquire(blocks, count=False)  # need() counted them
             tokens = held[0] if len(held) == 1 else np.concatenate(held)
             first = blocks[0][2] * bt
@@ -199,7 +199,7 @@ class StoreBlocks:
         out: set[Block] = set()
         for start, length in spans:
             for shard, offset, n in tokens.pieces(start, length):
-                out.update((split, shard, b) for b in range(offset // bt, (offset + n - 1) // bt + 1))
+                out.update((split, shard, b) for b in _covering(offset, n, bt))
         return sorted(out)
 
     def _acquire(self, blocks: list[Block], *, count: bool = True) -> list[np.ndarray]:
@@ -323,6 +323,11 @@ class StoreBlocks:
                 for event in done:
                     if event is not None:
                         event.set()
+
+
+def _covering(offset: int, length: int, block_tokens: int) -> range:
+    """The indices of the blocks that tokens ``[offset, offset + length)`` of a shard lie in."""
+    return range(offset // block_tokens, (offset + length - 1) // block_tokens + 1)
 
 
 def _runs(blocks: list[Block]) -> list[list[Block]]:

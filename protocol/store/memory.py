@@ -214,30 +214,26 @@ class MemoryStore(ObjectStore):
 
     def get(self, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
         check_key(key)
-        faults = self._before("get", key)
-        with self._ns.lock:
-            data = self._ns.objects.get(key)
-        if data is None:
-            raise ObjectNotFound(f"{key!r} not found")
+        data, corrupt = self._read(key)
         if len(data) > max_bytes:
             raise PayloadTooLarge(f"{key!r} is {len(data)} bytes, cap is {max_bytes}")
-        if any(f.action == "corrupt" for f in faults):
-            data = corrupt_bytes(data)
-        return data
+        return corrupt_bytes(data) if corrupt else data
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         end = check_range(key, start, length)
+        data, corrupt = self._read(key)
+        if len(data) < end:
+            raise range_past_end(key, start, length, len(data))
+        return corrupt_bytes(data[start:end]) if corrupt else data[start:end]
+
+    def _read(self, key: str) -> tuple[bytes, bool]:
+        """A read's object after the ``get`` faults (delay, fail) and whether one corrupts it."""
         faults = self._before("get", key)
         with self._ns.lock:
             data = self._ns.objects.get(key)
         if data is None:
             raise ObjectNotFound(f"{key!r} not found")
-        if len(data) < end:
-            raise range_past_end(key, start, length, len(data))
-        part = data[start:end]
-        if any(f.action == "corrupt" for f in faults):
-            part = corrupt_bytes(part)
-        return part
+        return data, any(f.action == "corrupt" for f in faults)
 
     def list(self, prefix: str) -> list[str]:
         check_prefix(prefix)
