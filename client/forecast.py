@@ -15,6 +15,7 @@ window's progress, as if the peer had waited. Otherwise the difference is correc
     forecast = Forecast(spec, store, window=t - 1, bases={base}, trusted=manifest_peers, own=(me, sent))
     forecast.refresh()              # fetch what was uploaded since; True when Δ̄′ changed
     forecast.delta                  # Δ̄′ (sparse, what apply_outer takes)
+    forecast.complete               # every trusted peer's contribution looked at: Δ̄′ is final
 
 Each contribution is fetched once; what a peer downloads for it is one contribution per peer of
 the last aggregate and window. Objects that fail a check are left out (never an error: they are
@@ -79,6 +80,14 @@ class Forecast:
     @property
     def contributors(self) -> int:
         return len(self._parts)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every trusted peer's contribution has been looked at (taken or left out): the
+        forecast cannot change before the aggregate is out. Never true without a trusted set."""
+        if self.trusted is None:
+            return False
+        return all(layout.contrib_key(self.run, self.window, p) in self._seen for p in self.trusted)
 
     def refresh(self) -> bool:
         """Fetch the contributions uploaded since the last call; True when Δ̄′ changed. A store

@@ -22,7 +22,10 @@ outer step). With ``outer.eager`` a replica trains from θ_{t−1} − α·Δ̄�
 forecast of the aggregate from the contributions it can see (:mod:`client.forecast`): only its
 own until ``forecast_at`` of the round, every replica's after that, which is the aggregate itself
 (the validator here accepts every contribution), so that the working model is exactly θ_t plus
-the round's progress from then on. Round 0 starts from θ_0.
+the round's progress from then on. Before its first inner step an eager replica waits for that
+(or for the aggregate) up to ``outer.forecast_wait`` of the round; the time waited is the round's
+``waited`` (a fraction of H, idle time a real peer spends), and every event comes that much
+earlier in its steps. Round 0 starts from θ_0.
 
 ``diloco`` averages the dense fp32 Δ_r and takes a Nesterov outer step (client/outer);
 ``ddp`` is one AdamW run whose gradient each step is the mean over the R replicas' batches (the same
@@ -97,6 +100,7 @@ class RoundRecord:
     bytes_per_replica: int  # what one replica sent this round
     seconds: float
     download_per_replica: int = 0  # what one replica received this round (the signed aggregate)
+    waited: float = 0.0  # fraction of H an eager replica waited for the forecast before its first step
 
 
 @dataclass
@@ -117,6 +121,11 @@ class SimResult:
     @property
     def download_per_replica_per_round(self) -> float:
         return sum(r.download_per_replica for r in self.rounds) / len(self.rounds)
+
+    @property
+    def waited(self) -> float:
+        """Mean fraction of a round's H spent waiting for the forecast (outer.forecast_wait)."""
+        return sum(r.waited for r in self.rounds) / len(self.rounds)
 
     @property
     def seconds(self) -> float:
@@ -168,6 +177,7 @@ class Simulator:
         self._previous: dict[str, Tensor] | None = None  # θ_{t−1}, what a delayed round starts from
         self._in_flight: SparseDict = {}  # Δ̄_{t−1}, the aggregate a delayed round starts without
         self._sent: list[SparseDict] = [{} for _ in range(cfg.replicas)]  # each replica's last Δ̂
+        self._waited = 0.0  # the round's wait for the forecast, a fraction of H
         self.outer = NesterovOuter(cfg.outer.alpha, cfg.outer.momentum)
         self.numel = sum(p.numel() for p in self.params.values())
 
@@ -177,9 +187,10 @@ class Simulator:
         for t in range(self.cfg.rounds):
             t0 = time.perf_counter()
             step = {"ddp": self._round_ddp, "diloco": self._round_diloco, "sparseloco": self._round_sparse}
+            self._waited = 0.0
             train_loss, sent, received = step[self.cfg.method](t)
             val = eval_loss(self.model, self.val, self.device)
-            rec = RoundRecord(t, val, train_loss, sent, time.perf_counter() - t0, received)
+            rec = RoundRecord(t, val, train_loss, sent, time.perf_counter() - t0, received, self._waited)
             records.append(rec)
             if on_round is not None:
                 on_round(rec)
@@ -234,7 +245,9 @@ class Simulator:
         started (less the stand-in it still holds)."""
         c = self.cfg
         alpha, steps = c.outer.alpha, c.inner.steps
-        arrive, complete = round(c.arrival * steps), round(c.forecast_at * steps)
+        waited = min(c.outer.forecast_wait, c.forecast_at, c.arrival) if c.outer.eager else 0.0
+        arrive, complete = round((c.arrival - waited) * steps), round((c.forecast_at - waited) * steps)
+        self._waited = waited
         deltas, losses = [], []
         for r, (worker, trainer) in enumerate(zip(self.workers, self.trainers)):
             stand_in = self._sent[r] if c.outer.eager and complete > 0 else {}

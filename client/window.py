@@ -94,7 +94,8 @@ class WindowJob:
 @dataclass(frozen=True)
 class WindowStats:
     """What the window's training cost and achieved (losses are training-batch means).
-    ``stale_steps``: inner steps taken before θ held the aggregate that opens the window. ``data``:
+    ``stale_steps``: inner steps taken before θ held the aggregate that opens the window.
+    ``forecast_wait_s``: of ``inner_s``, the wait for the forecast before the first step. ``data``:
     what reaching the run's data cost since the last trained window (fetches, cache hits)."""
 
     loss_first: float
@@ -103,6 +104,7 @@ class WindowStats:
     inner_s: float
     compress_s: float
     stale_steps: int = 0
+    forecast_wait_s: float = 0.0
     data: DataUsage = DataUsage()
 
 

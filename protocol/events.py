@@ -160,6 +160,7 @@ class PeerWindow(Event):
     feedback_norm: float | None = None
     trained_from: int | None = None  # the window θ opened when training started (window − 1: overlapped)
     stale_steps: int = 0  # inner steps trained before θ held the aggregate that opens the window
+    forecast_wait_s: float = 0.0  # of inner_s, the wait for the others' contributions before the first step
     download_bytes: int = 0  # read from the store since the previous window report: aggregates, checkpoints, data_bytes
     data_bytes: int = 0  # fetched from the store since the last trained window (blocks, prefetch)
     data_hits: int = 0  # blocks the window read that were already local (cached or prefetched)

@@ -24,7 +24,9 @@ values below ``outer.recompress_from`` contributors, re-compressed from there on
   it — what peers do without ``outer.eager``;
 * ``sparseloco-overlap-eager``: the same with ``outer.eager``, the peers' default: until it
   arrives the peer trains from θ_{t−1} less the forecast of the aggregate from the contributions in
-  the store (its own only until ``--forecast-at`` of the window, every peer's after that);
+  the store (its own only until ``--forecast-at`` of the window, every peer's after that), after
+  waiting for every peer's up to ``--forecast-wait`` of the window (``outer.forecast_wait``; the
+  time waited is the method's ``waited``, a share of H spent idle);
 * ``sparseloco-delayed``: the aggregate arrives only after the window (the outer step applied one
   window late); ``sparseloco-delayed-own``: the same with a forecast that never sees more than the
   peer's own contribution (the eager update of arXiv 2502.12996).
@@ -147,6 +149,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=OuterConfig.warmup_windows,
         help="outer.warmup_windows: windows k takes to fall to --k",
     )
+    p.add_argument(
+        "--forecast-wait",
+        type=float,
+        default=OuterConfig.forecast_wait,
+        help="outer.forecast_wait: longest wait for every peer's contribution before a window's first step",
+    )
     p.add_argument("--recompress-k", type=int, default=OuterConfig.recompress_k, help="the validator's Top-k")
     p.add_argument("--recompress-beta", type=float, default=OuterConfig.recompress_beta, help="its feedback decay")
     p.add_argument(
@@ -223,6 +231,7 @@ def sim_config(method: str, inner_lr: float, outer_lr: float, seed: int, args: a
             recompress_beta=args.recompress_beta,
             warmup_k=args.warmup_k,
             warmup_windows=args.warmup_windows,
+            forecast_wait=args.forecast_wait,
         )
     return SimConfig(
         method=method.split("-")[0],
@@ -283,6 +292,8 @@ def run_grid(method: str, args: argparse.Namespace, dataset: Any, mcfg: Any, log
                                 "k": args.k,
                                 "warmup_k": args.warmup_k,
                                 "warmup_windows": args.warmup_windows,
+                                "forecast_wait": args.forecast_wait,
+                                "waited": res.waited,
                                 "pages": args.pages,
                                 "replicas": args.replicas,
                                 "alpha": args.alpha,
@@ -323,6 +334,7 @@ def summarize(inner_lr: float, outer_lr: float, seeds: list[int], runs: list[Sim
         "total_bytes_per_replica": per_round * len(curve),
         "download_per_replica_per_round": download,
         "seconds": statistics.fmean(r.seconds for r in runs),
+        "waited": statistics.fmean(r.waited for r in runs),
         "fingerprints": [r.fingerprint for r in runs],
     }
 
@@ -343,6 +355,7 @@ def render(out: dict[str, Any], console: Console) -> None:
         "vs DiLoCo upload",
         "download/replica/round",
         "vs sparseloco download",
+        "waited",
         "s/run",
         "cpu s/run",
     ):
@@ -366,6 +379,7 @@ def render(out: dict[str, Any], console: Console) -> None:
             ratio,
             f"{m['download_per_replica_per_round']:,.0f}",
             down_vs,
+            f"{100 * m['waited']:.0f} % of H",
             f"{m['seconds']:.0f}",
             f"{m['cpu_seconds']:.0f}",
         )

@@ -841,6 +841,69 @@ def test_the_eager_forecast_is_the_aggregate_when_the_validator_takes_the_same_c
     assert tensors_equal(a.feedback.state_dict(), twin.feedback.state_dict())
 
 
+def _two_peers_after_window_1(tmp_path: Path) -> tuple[RunSpec, MiniValidator, Peer, Peer, Staged]:
+    """Peers a and b in aggregate 0; both trained window 1 on θ_1, a uploaded it, b holds it staged
+    (``outer.overlap = 1``: window 2 may end before aggregate 1 arrives, as it does here)."""
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident).replace(outer={"forecast_wait": 1.0, "overlap": 1.0})  # never waits for aggregate 1
+    store = open_store(f"memory://forecast-wait-{time.time_ns()}")
+    val = MiniValidator(spec, store, vident)
+    (a, _), (b, _) = make_peer(spec, store, tmp_path, "a"), make_peer(spec, store, tmp_path, "b")
+    for p in (a, b):
+        p.join()
+        staged = p.train(0)
+        assert isinstance(staged, Staged)
+        p.upload(staged)
+        p.flush()
+    assert sorted(val.close_window(2)) == sorted([a.identity.peer_id, b.identity.peer_id])
+    held: list[Staged] = []
+    for p in (a, b):
+        p.catch_up(1)
+        staged = p.train(1)
+        assert isinstance(staged, Staged) and staged.stats.stale_steps == 0  # θ_1 opened it
+        held.append(staged)
+    a.upload(held[0])
+    a.flush()
+    return spec, val, a, b, held[1]
+
+
+def test_an_eager_peer_waits_for_the_other_contributions_before_its_first_step(tmp_path: Path) -> None:
+    """a opens window 2 while aggregate 1 is in flight and only its own window-1 contribution is in
+    the store: it waits before its first inner step (outer.forecast_wait), b's upload lands during
+    that wait, and a trains from the forecast of both contributions."""
+    _, _, a, b, b_staged = _two_peers_after_window_1(tmp_path)
+    seen: list[tuple[str, int]] = []
+
+    def upload_b_while_a_waits(**fields: object) -> None:
+        if fields.get("phase") == "waiting for contributions":
+            assert a.inflight.forecast is not None and a.inflight.forecast.contributors == 1
+            b.upload(b_staged)
+            b.flush()
+        if fields.get("step") == 1 and a.inflight.forecast is not None:
+            seen.append(("step 1", a.inflight.forecast.contributors))
+
+    a.display.update = upload_b_while_a_waits  # type: ignore[method-assign]
+    staged = a.train(2)
+    assert isinstance(staged, Staged) and staged.trained_from == 1
+    assert seen == [("step 1", 2)] and a.inflight.forecast is not None and a.inflight.forecast.complete
+    assert staged.stats.forecast_wait_s > 0 and staged.stats.stale_steps == a.spec.inner.steps
+
+
+def test_the_wait_for_contributions_is_bounded_and_then_the_peer_trains_from_its_own(tmp_path: Path) -> None:
+    """b never uploads window 1: a waits at most its budget, then trains window 2 from the forecast
+    of its own contribution alone, and the window is sent."""
+    _, val, a, _, _ = _two_peers_after_window_1(tmp_path)
+    phases: list[object] = []
+    a.display.update = lambda **fields: phases.append(fields.get("phase"))  # type: ignore[method-assign]
+    staged = a.train(2)
+    assert isinstance(staged, Staged) and "waiting for contributions" in phases
+    assert a.inflight.forecast is not None and a.inflight.forecast.contributors == 1
+    assert not a.inflight.forecast.complete and staged.stats.forecast_wait_s > 0
+    a.upload(staged)
+    a.flush()
+    assert val.close_window(1) == [a.identity.peer_id]  # window 1: only a's arrived
+
+
 # ---------------------------------------------------------------------- the moments rule
 def moments_of(optimizer_state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The AdamW moment tensors of a trainer state_dict, cloned, by parameter index."""

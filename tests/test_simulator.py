@@ -119,3 +119,15 @@ def test_a_top_k_warm_up_sends_more_in_the_first_windows_only(dataset: TokenData
     assert sent[0] > sent[1] > sent[2] and sent[0] > 2 * plain.rounds[0].bytes_per_replica
     assert abs(sent[2] - plain.rounds[2].bytes_per_replica) < 0.1 * plain.rounds[2].bytes_per_replica
     assert warm.final_val_loss < warm.initial_val_loss - 0.3
+
+
+def test_an_eager_round_that_waits_for_the_forecast_is_the_synchronous_one(dataset: TokenDataset) -> None:
+    """Every contribution is visible after a quarter of the round: a replica that waits that long
+    (outer.forecast_wait) trains exactly the synchronous rounds; one that starts at once trains its
+    first step from its own contribution alone and ends elsewhere."""
+    sync = Simulator(MCFG, dataset, sim("sparseloco", delay=0)).run()
+    timing = dict(arrival=0.5, forecast_at=0.25)
+    waits = Simulator(MCFG, dataset, replace(sim("sparseloco", forecast_wait=0.25), **timing)).run()
+    starts = Simulator(MCFG, dataset, replace(sim("sparseloco", forecast_wait=0.0), **timing)).run()
+    assert waits.fingerprint == sync.fingerprint != starts.fingerprint
+    assert [r.waited for r in waits.rounds] == [0.0, 0.25, 0.25] and starts.waited == 0.0

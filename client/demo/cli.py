@@ -81,9 +81,12 @@ def demo(
                                (aggregates, checkpoints, data, contributions it forecast from)
       data_cache_hit_rate      of the shards the peers' windows read, the share already local
                                (cached or prefetched in time)
-      compute_fraction         peers' inner-loop time / their processes' wall time (start-up included)
+      compute_fraction         peers' inner-loop time (less the waits for the forecast) / their
+                               processes' wall time (start-up included)
       compute_fraction_running the same over the time each peer ran (first event to last: without
                                the interpreter's start-up and exit)
+      forecast_wait_s_per_window  mean wait for the others' contributions before a window's first
+                               inner step (outer.forecast_wait)
       contribution_log         the validator's log (sparseloco-validator logs --db PATH)
 
     Exit status: 0 done, 1 a process failed or the run timed out, 2 the run cannot start

@@ -35,7 +35,8 @@ class PeerView:
     windows: dict[int, PeerWindow] = field(default_factory=dict)  # window -> its last "window" event
     joined: list[Joined] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
-    inner_s: float = 0.0
+    inner_s: float = 0.0  # training time, less the waits for the forecast before a window's first step
+    forecast_wait_s: float = 0.0
     wall_s: float = 0.0
     announced: bool = False
 
@@ -81,7 +82,8 @@ class Followed:
             view.applied[event.window] = event.fingerprint
         elif isinstance(event, PeerWindow):
             view.windows[event.window] = event
-            view.inner_s += event.inner_s
+            view.inner_s += event.inner_s - event.forecast_wait_s
+            view.forecast_wait_s += event.forecast_wait_s
         elif isinstance(event, Joined):
             view.joined.append(event)
         elif isinstance(event, Announced):

@@ -471,6 +471,9 @@ class LocalSwarm:
             "inner_steps": self.spec.inner.steps,
             "compute_fraction": round(inner / wall, 4) if wall else 0.0,
             "compute_fraction_running": round(inner / running, 4) if running else 0.0,
+            "forecast_wait_s_per_window": round(sum(e.forecast_wait_s for e in trained) / len(trained), 3)
+            if trained
+            else 0.0,
             "seconds": round(time.time() - self.started_at, 1),
             "contribution_log": str(self.log_db),
             "run_dir": str(self.run_dir),

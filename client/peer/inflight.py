@@ -7,6 +7,9 @@ is gathered, scored and published (:mod:`client.peer`). :class:`InFlight` owns w
   trains), and the one call the trainer makes between inner steps, :meth:`InFlight.between_steps`;
 * the stand-in (``outer.eager``): the forecast of aggregate t−1 the working model holds until the
   aggregate arrives (:mod:`client.forecast`), refreshed between steps;
+* the wait for that forecast before the first inner step (``outer.forecast_wait``, bounded by the
+  peer's own measured step time), so that steps are not trained from its own contribution alone
+  while the others' uploads are seconds away;
 * when the aggregate arrived (``stale_steps``: the inner steps taken before θ held it), and whether
   the window was abandoned (θ rebuilt from a checkpoint mid-window: the working model cannot follow);
 * window 0 trained from θ₀ while genesis was not out yet (:meth:`InFlight.hold_early`).
@@ -19,6 +22,7 @@ was exact); once ``outer.overlap`` of the window is trained without it the peer 
 
 from __future__ import annotations
 
+import logging
 import time
 
 from client.forecast import Forecast, same_delta
@@ -31,6 +35,8 @@ from protocol.config import RunSpec
 from protocol.feedback import FeedbackState
 
 __all__ = ["InFlight", "overlap_steps", "overlaps"]
+
+log = logging.getLogger(__name__)
 
 Moves = list[tuple[SparseDict, float]]
 """How the working model moves: each ``(Δ, scale)`` means θ_local ← θ_local − scale·Δ (client/window.py)."""
@@ -59,6 +65,9 @@ class InFlight:
         self._arrived_at: int | None = None  # inner steps taken when θ came to open the window
         self._refreshed = 0.0  # monotonic time of the forecast's last refresh
         self._early: Trained | None = None  # window 0, trained from θ₀ while genesis was not out yet
+        self._step_s = 0.0  # this peer's inner step time (moving mean; 0 until one was measured)
+        self._returned: float | None = None  # monotonic time between_steps last returned
+        self.waited_s = 0.0  # the window's wait for the forecast before its first step
 
     # ------------------------------------------------------------------ window 0 before genesis
     def hold_early(self, work: Trained | None) -> None:
@@ -81,6 +90,7 @@ class InFlight:
         self.window = window
         self._arrived_at = 0 if theta.pos.window >= window else None
         self.abandoned = False
+        self._returned, self.waited_s = None, 0.0
         self._start_forecast(window)
         return WindowJob(
             window,
@@ -107,8 +117,17 @@ class InFlight:
     def between_steps(self, done: int) -> Moves:
         """Between inner steps (``done`` taken): report the lane's last put, and while θ lacks the
         aggregate that opens the window, apply it as soon as it is published (waiting for it once
-        ``outer.overlap`` of the window is trained) or refresh its forecast. Returns how the
-        working model moves (client/window.py)."""
+        ``outer.overlap`` of the window is trained) or refresh its forecast (waiting for it to be
+        complete before the first step). Returns how the working model moves (client/window.py)."""
+        now = time.monotonic()
+        if done > 0 and self._returned is not None:
+            step = now - self._returned
+            self._step_s = step if self._step_s == 0 else 0.8 * self._step_s + 0.2 * step
+        moves = self._between_steps(done)
+        self._returned = time.monotonic()
+        return moves
+
+    def _between_steps(self, done: int) -> Moves:
         self.uploads.reap()
         spec, window = self.ctx.spec, self.window
         if self.theta.pos.window >= window or self.abandoned:
@@ -120,11 +139,49 @@ class InFlight:
             self.catch_up.wait()
             arrived = self._arrivals()
         if arrived:
-            exact = len(arrived) == 1 and same_delta(arrived[0], self.stand_in)
-            moves = [] if exact else [(self.stand_in, -alpha), *((d, alpha) for d in arrived)]
-            self.stand_in, self.forecast, self._arrived_at = {}, None, done
-            return moves
+            return self._arrive(arrived, done, alpha)
+        if done == 0:
+            return self._await_forecast(alpha)
         return self._refresh(alpha)
+
+    def _arrive(self, arrived: list[SparseDict], done: int, alpha: float) -> Moves:
+        """θ now holds the aggregate(s) that open the window: the stand-in makes way for them."""
+        exact = len(arrived) == 1 and same_delta(arrived[0], self.stand_in)
+        moves = [] if exact else [(self.stand_in, -alpha), *((d, alpha) for d in arrived)]
+        self.stand_in, self.forecast, self._arrived_at = {}, None, done
+        return moves
+
+    def _await_forecast(self, alpha: float) -> Moves:
+        """Before the first inner step (``outer.forecast_wait``): wait until the forecast holds
+        every trusted peer's contribution, or the aggregate is out, for at most that share of this
+        peer's time for a window's inner steps (no wait until a step time was measured)."""
+        forecast, spec = self.forecast, self.ctx.spec
+        budget = spec.outer.forecast_wait * spec.inner.steps * self._step_s
+        if forecast is None or budget <= 0 or forecast.complete:
+            return self._refresh(alpha)
+        started = time.monotonic()
+        self.ctx.display.update(phase="waiting for contributions")
+        while True:
+            arrived = self._arrivals()
+            if arrived:
+                self.waited_s = time.monotonic() - started
+                return self._arrive(arrived, 0, alpha)
+            forecast.refresh()
+            left = budget - (time.monotonic() - started)
+            if forecast.complete or self.abandoned or self.ctx.stopping() or left <= 0:
+                break
+            time.sleep(min(self.theta.poll_s, left))
+        self.waited_s = time.monotonic() - started
+        self._refreshed = time.monotonic()
+        log.info(
+            "window %d: waited %.2f s for contributions; the forecast holds %d of %d",
+            self.window,
+            self.waited_s,
+            forecast.contributors,
+            len(forecast.trusted or ()),
+        )
+        old, self.stand_in = self.stand_in, forecast.delta
+        return [] if old is self.stand_in else [(old, -alpha), (self.stand_in, alpha)]
 
     def _arrivals(self) -> list[SparseDict]:
         """The aggregates applied to θ just now (none once the window is abandoned)."""

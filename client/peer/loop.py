@@ -161,7 +161,9 @@ class Peer:
         self.inner_s += work.stats.inner_s
         if not self.theta.window_open(window):  # nothing of it reaches e
             return Skipped("deadline passed during training", work.stats.inner_s)
-        stats = dataclasses.replace(work.stats, stale_steps=self.inflight.stale_steps)
+        stats = dataclasses.replace(
+            work.stats, stale_steps=self.inflight.stale_steps, forecast_wait_s=self.inflight.waited_s
+        )
         return self._fold(window, dataclasses.replace(work, stats=stats), trained_from)
 
     def _fold(self, window: int, work: Trained, trained_from: int) -> Staged:
