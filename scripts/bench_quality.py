@@ -34,6 +34,7 @@ values below ``outer.recompress_from`` contributors, re-compressed from there on
 ``--k`` changes the codec of every SparseLoCo variant; ``--warmup-k`` and ``--warmup-windows`` set
 its Top-k warm-up (``outer.warmup_k``, ``outer.warmup_windows``: k falls linearly from
 ``--warmup-k`` at round 0 to ``--k`` at round ``--warmup-windows``), which the bytes per round include.
+Both default to the RunSpec default (512 over 4 rounds); ``--warmup-k 0`` runs without a warm-up.
 
 Bytes per replica and round: ``upload`` is what one replica sends, ``download`` what it receives —
 the signed aggregate for SparseLoCo (``protocol.wire.encode_aggregate``), the dense float32 mean for
@@ -141,13 +142,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=OuterConfig.beta, help="SparseLoCo error-feedback decay")
     p.add_argument("--k", type=int, default=CodecConfig.k, help="Top-k per 4096 values")
     p.add_argument(
-        "--warmup-k", type=int, default=OuterConfig.warmup_k, help="outer.warmup_k: Top-k of window 0 (0: none)"
+        "--warmup-k",
+        type=int,
+        default=OuterConfig.warmup_k,
+        help="outer.warmup_k: Top-k of window 0 (default: the RunSpec default, %(default)s; 0: no warm-up)",
     )
     p.add_argument(
         "--warmup-windows",
         type=int,
         default=OuterConfig.warmup_windows,
-        help="outer.warmup_windows: windows k takes to fall to --k",
+        help="outer.warmup_windows: windows k takes to fall to --k (default: the RunSpec default, %(default)s)",
     )
     p.add_argument(
         "--forecast-wait",

@@ -109,7 +109,7 @@ class Swarm:
     def sign(
         self, signer: Identity, window: int, base: str, tensors: dict[str, codec.Encoded], run_hash: str | None = None
     ) -> bytes:
-        c = Contribution(run_hash or self.run_hash, window, base, self.spec.codec, tensors, {})
+        c = Contribution(run_hash or self.run_hash, window, base, self.spec.codec_at(window), tensors, {})
         return encode_contribution(c, signer)
 
     def train(
@@ -135,8 +135,10 @@ class Swarm:
             opt.step()
         return {n: (params[n] - p.detach()).contiguous() for n, p in parameters_of(model).items()}
 
-    def encode(self, delta: Params) -> dict[str, codec.Encoded]:
-        return {n: codec.encode(t, self.spec.codec) for n, t in delta.items()}
+    def encode(self, delta: Params, window: int) -> dict[str, codec.Encoded]:
+        """``delta`` compressed with the codec of ``window`` (the Top-k warm-up's k in the first windows)."""
+        cfg = self.spec.codec_at(window)
+        return {n: codec.encode(t, cfg) for n, t in delta.items()}
 
     def close(self) -> None:
         MemoryStore.forget(self.name)
@@ -150,7 +152,7 @@ class Honest:
 
     def blob(self, sw: Swarm, params: Params, window: int, base: str) -> tuple[bytes, dict[str, codec.Encoded]]:
         enc, self.feedback = compress_step(
-            self.feedback, sw.train(self.identity.peer_id, params, window), sw.spec.outer.beta, sw.spec.codec
+            self.feedback, sw.train(self.identity.peer_id, params, window), sw.spec.outer.beta, sw.spec.codec_at(window)
         )
         return sw.sign(self.identity, window, base, enc), enc
 
@@ -192,9 +194,9 @@ def _honest_norm(w: Window) -> float:
     return math.sqrt(sum(float(v.double().pow(2).sum()) for _, (_, v) in sparse_of(any_enc).items()))
 
 
-def _noise(sw: Swarm, params: Params, norm: float, gen: torch.Generator) -> Params:
+def _noise(sw: Swarm, params: Params, norm: float, gen: torch.Generator, window: int) -> Params:
     raw = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
-    enc = sw.encode(raw)
+    enc = sw.encode(raw, window)
     cur = math.sqrt(sum(float(v.double().pow(2).sum()) for _, (_, v) in sparse_of(enc).items()))
     return {n: t * (norm / cur) for n, t in raw.items()}
 
@@ -209,7 +211,11 @@ class Noise(Attacker):
     def uploads(self, w: Window) -> list[Upload]:
         norm = _honest_norm(w) * self.scale
         return [
-            (i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(_noise(self.sw, w.params, norm, self.gen))), 0.0)
+            (
+                i.peer_id,
+                self.sw.sign(i, w.t, w.base, self.sw.encode(_noise(self.sw, w.params, norm, self.gen, w.t), w.t)),
+                0.0,
+            )
             for i in self.ids
         ]
 
@@ -225,7 +231,7 @@ class Scaled(Attacker):
         out = []
         for i in self.ids:
             delta = {n: t * self.factor for n, t in self.sw.train(i.peer_id, w.params, w.t).items()}
-            out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(delta)), 0.0))
+            out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(delta, w.t)), 0.0))
         return out
 
 
@@ -236,8 +242,8 @@ class Huge(Attacker):
         out = []
         gen = torch.Generator().manual_seed(w.t)
         for i in self.ids:
-            delta = {n: t * 1e30 for n, t in _noise(self.sw, w.params, _honest_norm(w), gen).items()}
-            out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(delta)), 0.0))
+            delta = {n: t * 1e30 for n, t in _noise(self.sw, w.params, _honest_norm(w), gen, w.t).items()}
+            out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(delta, w.t)), 0.0))
         return out
 
 
@@ -256,7 +262,7 @@ class Established(Attacker):
             delta = self.sw.train(i.peer_id, w.params, w.t)
             if w.t >= self.attack_from:
                 delta = self.attack(i, w, delta)
-            out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(delta)), 0.0))
+            out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(delta, w.t)), 0.0))
         return out
 
     def attack(self, i: Identity, w: Window, delta: Params) -> Params:
@@ -292,9 +298,9 @@ class TargetedRow(Established):
         direction = h.reshape(-1, h.shape[-1]).mean(0)
         direction = direction / direction.norm()
         edit = delta[name].clone()
-        budget = float(sparse_of(self.sw.encode({name: delta[name]}))[name][1].norm())
+        budget = float(sparse_of(self.sw.encode({name: delta[name]}, w.t))[name][1].norm())
         edit[TARGET_TOKEN] = -budget * direction  # θ ← θ − α·Δ̄: the row moves along +direction
-        self.last = self.sw.encode({**delta, name: edit})
+        self.last = self.sw.encode({**delta, name: edit}, w.t)
         return {**delta, name: edit}
 
     def push(self, v: Validator, honest: dict[str, dict[str, codec.Encoded]]) -> None:
@@ -359,7 +365,7 @@ class PerturbedCopy(Attacker):
                 t[idx[keep]] = vals[keep]
                 t += torch.randn(t.shape, generator=self.gen) * float(vals.abs().mean()) * 0.3
                 dense[n] = t.view(w.params[n].shape)
-            out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(dense)), 0.3))
+            out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(dense, w.t)), 0.3))
         return out
 
 
@@ -401,7 +407,7 @@ class Replays(Attacker):
         ]
         if self.old is not None:
             out.append((replay.peer_id, self.old, 0.0))
-        self.old = self.sw.sign(replay, w.t, w.base, self.sw.encode(self.sw.train(replay.peer_id, w.params, w.t)))
+        self.old = self.sw.sign(replay, w.t, w.base, self.sw.encode(self.sw.train(replay.peer_id, w.params, w.t), w.t))
         return out
 
 

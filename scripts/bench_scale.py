@@ -105,10 +105,12 @@ FOLD_SAMPLE = 1_000  # windows of log folded to extrapolate the full-history bas
 
 
 def bench_spec(vkey: Identity, n: int) -> RunSpec:
+    # The steady state: every window at codec.k (no Top-k warm-up, whose first windows keep more).
     return RunSpec().replace(
         model=MODEL,
         data={"seq_len": 64, "batch_size": 4},
         inner={"steps": 2, "lr": 1e-3, "warmup_steps": 1},
+        outer={"warmup_k": 0},
         windows={"upload_deadline_s": 600.0, "gather_grace_s": 0.05, "checkpoint_every": 1000},
         validator={
             "public_keys": [vkey.public_key_hex],

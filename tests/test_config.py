@@ -85,6 +85,7 @@ def test_the_local_table_is_not_part_of_the_runspec() -> None:
 
 def test_top_k_warm_up_falls_linearly_to_the_codec_k() -> None:
     spec = RunSpec.default().replace(codec={"k": 64}, outer={"warmup_k": 512, "warmup_windows": 4})
+    assert spec == RunSpec.default()  # the default: 512 falling to 64 over 4 windows
     assert [spec.outer.k_at(w, 64) for w in range(7)] == [512, 400, 288, 176, 64, 64, 64]
     assert [spec.codec_at(w).k for w in range(6)] == [512, 400, 288, 176, 64, 64]
     assert spec.codec_at(4) == spec.codec and spec.codec_at(10**6) == spec.codec
@@ -94,13 +95,16 @@ def test_top_k_warm_up_falls_linearly_to_the_codec_k() -> None:
     # A function of the RunSpec and the window only: a reloaded spec gives the same codecs.
     again = RunSpec.loads(spec.to_toml())
     assert [again.codec_at(w) for w in range(6)] == [spec.codec_at(w) for w in range(6)]
-    assert again.hash() == spec.hash() != RunSpec.default().replace(codec={"k": 64}).hash()
+    assert again.hash() == spec.hash() != RunSpec.default().replace(outer={"warmup_k": 0}).hash()
 
 
 def test_without_a_warm_up_every_window_has_the_codec_k() -> None:
-    spec = RunSpec.default()
-    assert spec.outer.warmup_k == 0 and all(spec.codec_at(w) is spec.codec for w in range(5))
+    spec = RunSpec.default().replace(outer={"warmup_k": 0})
+    assert spec.outer.warmup_windows == 4  # ignored: warmup_k = 0 turns the warm-up off
+    assert all(spec.codec_at(w) is spec.codec for w in range(5))
     assert spec.outer.max_k(spec.codec.k) == spec.codec.k
+    off = RunSpec.default().replace(outer={"warmup_k": 0, "warmup_windows": 0})
+    assert all(off.codec_at(w) is off.codec for w in range(5))
     # A warm-up below k ramps k up instead; it is still exact integers.
     up = spec.replace(codec={"k": 64}, outer={"warmup_k": 16, "warmup_windows": 3})
     assert [up.codec_at(w).k for w in range(4)] == [16, 32, 48, 64]
@@ -111,7 +115,8 @@ def test_without_a_warm_up_every_window_has_the_codec_k() -> None:
     [
         ({"warmup_k": 5000, "warmup_windows": 2}, "outer.warmup_k"),
         ({"warmup_k": -1, "warmup_windows": 2}, "outer.warmup_k"),
-        ({"warmup_k": 256}, "outer.warmup_windows"),
+        ({"warmup_k": 256, "warmup_windows": 0}, "outer.warmup_windows"),
+        ({"warmup_windows": 0}, "outer.warmup_windows"),  # the default warmup_k needs windows
         ({"warmup_windows": -1}, "outer.warmup_windows"),
     ],
 )

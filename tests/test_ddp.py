@@ -44,8 +44,15 @@ LIMIT_S = 120.0
 
 def _spec() -> RunSpec:
     # 5 rows: the ranks' shares differ in size (3 and 2), as they do for any odd batch.
+    # k = 64 in every window (warmup_k = 0): with the warm-up's 512 values per chunk, the neighbours
+    # of a chunk's 2-level split lie within float rounding of each other, so a 2-rank sum can move
+    # one value to the other level and Δ̂ no longer agrees within float tolerance. The torchrun peer
+    # below runs the default warm-up against the validator's checks.
     return RunSpec.default().replace(
-        model=MODEL, data={"seq_len": 16, "batch_size": 5}, inner={"steps": 3, "warmup_steps": 1, "lr": 3e-3}
+        model=MODEL,
+        data={"seq_len": 16, "batch_size": 5},
+        inner={"steps": 3, "warmup_steps": 1, "lr": 3e-3},
+        outer={"warmup_k": 0},
     )
 
 

@@ -84,7 +84,8 @@ def test_demo_json_last_line(tmp_path: Path) -> None:
     assert REQUIRED <= set(summary)
     assert summary["windows_completed"] == 2 and summary["fingerprints_equal"] is True
     assert summary["accepted_per_window"] == [2, 2] and summary["rejected_per_window"] == [0, 0]
-    assert 0 < summary["upload_bytes_per_peer_per_window"] < summary["dense_fp32_bytes"] / 50
+    # Both windows are in the Top-k warm-up: 512 and 400 of every 4096 values kept (≈ 11 %).
+    assert 0 < summary["upload_bytes_per_peer_per_window"] < summary["dense_fp32_bytes"] / 30
     assert 0.0 < summary["compute_fraction"] <= summary["compute_fraction_running"] < 1.0
     assert summary["data_bytes_per_peer_per_window"] > 0 and 0.0 <= summary["data_cache_hit_rate"] <= 1.0
     assert summary["download_bytes_per_peer_per_window"] >= summary["data_bytes_per_peer_per_window"]

@@ -43,7 +43,7 @@ def screened_upload(sw: Swarm, signer: Identity, tensors: Mapping[str, codec.Enc
         run_hash=sw.run_hash,
         window=0,
         expected_base=BASE,
-        codec=sw.spec.codec,
+        codec=sw.spec.codec_at(0),
         schema=sw.schema,
         max_bytes=object_caps(sw.spec).contribution,
         registered=frozenset({signer.peer_id}),
@@ -82,12 +82,12 @@ def test_a_window_is_decided_from_held_contributions_and_a_non_finite_one_is_bis
     model = build_model(spec.model)  # the live model: holds θ_t
     theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
     before = {n: p.clone() for n, p in theta.items()}
-    received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0))) for p in sw.peers}
+    received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0), 0)) for p in sw.peers}
     out = "head.output.weight"
     dense = torch.zeros(sw.schema[out])
     dense.view(-1)[:64] = -3e38  # logits overflow: θ_{t+1} is finite, its loss is not
     poisoner = Identity.generate()
-    received[poisoner.peer_id] = screened_upload(sw, poisoner, sw.encode({out: dense}))
+    received[poisoner.peer_id] = screened_upload(sw, poisoner, sw.encode({out: dense}, 0))
     standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}  # all past probation
     window = open_window(0, vkey, spec.hash(), standing, spec.validator)
 
@@ -115,7 +115,7 @@ def test_the_decision_is_a_function_of_its_inputs(run: tuple[RunSpec, Identity, 
     spec, vkey, sw = run
     model = build_model(spec.model)
     theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
-    received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0))) for p in sw.peers}
+    received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0), 0)) for p in sw.peers}
     standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}
     newcomer = sw.peers[0].peer_id
     del standing[newcomer]  # on probation and unscored: it does not count yet
@@ -148,7 +148,7 @@ def test_newcomers_are_scored_without_writing_the_model_and_the_first_window_sta
     try:
         model = build_model(spec.model)
         theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
-        received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0))) for p in sw.peers}
+        received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0), 0)) for p in sw.peers}
         window = open_window(0, vkey, spec.hash(), {}, spec.validator)  # nobody has a record yet
         dataset = open_dataset(spec.data)
         with ThreadPoolExecutor(2) as pool:

@@ -118,7 +118,7 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
     swarm.store.put(layout.contrib_prefix(swarm.run, 1) + "not-a-peer-id", b"junk")  # unattributable: ignored
 
     delta_a = swarm.delta(honest_a, params, 1)
-    enc_a = swarm.encode(delta_a)
+    enc_a = swarm.encode(delta_a, 1)
     swarm.upload(honest_a.peer_id, 1, swarm.blob(honest_a, 1, base, enc_a))
     swarm.upload(honest_b.peer_id, 1, swarm.honest(honest_b, params, 1, base))
     swarm.upload(honest_c.peer_id, 1, swarm.honest(honest_c, params, 1, base))
@@ -132,14 +132,14 @@ def test_hostile_contributions_are_rejected_with_their_reason(swarm: Swarm, vkey
     good = swarm.honest(truncated, params, 1, base)
     swarm.upload(truncated.peer_id, 1, good[:-100])
     swarm.upload(wrong_run.peer_id, 1, swarm.blob(wrong_run, 1, base, enc_a, run_hash="ab" * 32))
-    nan_enc = dict(swarm.encode(swarm.delta(nan, params, 1)))
+    nan_enc = dict(swarm.encode(swarm.delta(nan, params, 1), 1))
     name = sorted(nan_enc)[0]
     nan_enc[name] = with_nan_scale(nan_enc[name])
     swarm.upload(nan.peer_id, 1, swarm.blob(nan, 1, base, nan_enc))
     huge_delta = {n: t * 1000 for n, t in swarm.delta(huge, params, 1).items()}
-    swarm.upload(huge.peer_id, 1, swarm.blob(huge, 1, base, swarm.encode(huge_delta)))
+    swarm.upload(huge.peer_id, 1, swarm.blob(huge, 1, base, swarm.encode(huge_delta, 1)))
     neg = {n: -t for n, t in swarm.delta(negated, params, 1).items()}
-    swarm.upload(negated.peer_id, 1, swarm.blob(negated, 1, base, swarm.encode(neg)))
+    swarm.upload(negated.peer_id, 1, swarm.blob(negated, 1, base, swarm.encode(neg, 1)))
     swarm.upload(unregistered.peer_id, 1, swarm.honest(unregistered, params, 1, base))
     # mallory copies honest_a's tensors under its own signature, uploaded later
     v.log.note_received(1, honest_a.peer_id, received_at=1.0, nbytes=None)
@@ -431,7 +431,7 @@ def test_peers_that_left_stop_holding_windows_open(vkey: Identity, tmp_path) -> 
     plan = [(a, b, quitter, crashed), (a, b, crashed), (a, b), (a, b), (a, b, crashed)]
     # Trained before the clock starts (from θ₀: small steps that still help at θ₁, θ₂), so that
     # each window's gather begins right after it opens and its length shows what it waited for.
-    encoded = {(w, p.peer_id): sw.encode(sw.delta(p, theta0(sw), w)) for w, ps in enumerate(plan) for p in ps}
+    encoded = {(w, p.peer_id): sw.encode(sw.delta(p, theta0(sw), w), w) for w, ps in enumerate(plan) for p in ps}
     events: list[Event] = []
     v = make_validator(sw, vkey, tmp_path, events)
     gathered = []

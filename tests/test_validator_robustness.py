@@ -66,7 +66,7 @@ def scaled(sw: Swarm, signer: Identity, v: Validator, factor: float) -> bytes:
     st = v.state
     assert st is not None
     delta = {n: t * factor for n, t in sw.delta(signer, st.params, st.window).items()}
-    return sw.blob(signer, st.window, st.base, sw.encode(delta))
+    return sw.blob(signer, st.window, st.base, sw.encode(delta, st.window))
 
 
 @pytest.fixture()
@@ -112,11 +112,14 @@ def test_contributions_that_make_the_aggregate_non_finite_are_bisected_away(
     sw, v, peers = established
     st = v.state
     assert st is not None
-    good = {p.peer_id: sw.held(p, st.window, st.base, sw.encode(sw.delta(p, st.params, st.window))) for p in peers}
+    good = {
+        p.peer_id: sw.held(p, st.window, st.base, sw.encode(sw.delta(p, st.params, st.window), st.window))
+        for p in peers
+    }
     out = "head.output.weight"
     dense = torch.zeros(sw.schema[out])
     dense.view(-1)[:64] = -3e38  # logits overflow
-    poison = sw.held(Identity.generate(), st.window, st.base, sw.encode({out: dense}))
+    poison = sw.held(Identity.generate(), st.window, st.base, sw.encode({out: dense}, st.window))
     contribs = {**good, "zz-poison": poison}
     result = v.decider.aggregator.aggregate(st.params, v.committer.feedback, contribs, {p: None for p in contribs})
     assert result.dropped == {"zz-poison"} and result.val_loss is not None
@@ -194,7 +197,7 @@ def test_a_same_poll_resigned_copy_never_gets_the_original_rejected(
     assert st is not None
     copier = Identity.generate()
     sw.announce(copier)
-    enc = sw.encode(sw.delta(honest[0], st.params, st.window))
+    enc = sw.encode(sw.delta(honest[0], st.params, st.window), st.window)
     for p in honest[1:]:
         sw.upload(p.peer_id, st.window, sw.honest(p, st.params, st.window, st.base))
     sw.upload(honest[0].peer_id, st.window, sw.blob(honest[0], st.window, st.base, enc))

@@ -120,9 +120,9 @@ def swarm(vkey: Identity) -> Iterator[Swarm]:
 
 def test_a_held_contribution_decodes_again_and_its_sample_follows_the_clip(swarm: Swarm) -> None:
     params = {n: p.detach().clone() for n, p in parameters_of(build_model(swarm.spec.model)).items()}
-    tensors = swarm.encode(swarm.delta(swarm.peers[0], params, 0))
+    tensors = swarm.encode(swarm.delta(swarm.peers[0], params, 0), 0)
     h = swarm.held(swarm.peers[0], 0, "ab" * 32, tensors)
-    sparse = decode(h, swarm.schema, swarm.spec.codec)
+    sparse = decode(h, swarm.schema, swarm.spec.codec_at(0))
     assert sorted(sparse) == sorted(swarm.schema)
     offs = offsets(swarm.schema)
     idx, vals = global_entries(sparse, offs)

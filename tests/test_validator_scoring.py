@@ -114,7 +114,7 @@ def test_honest_update_helps_its_own_data_and_negated_is_harmful(swarm: Swarm) -
     delta = swarm.delta(peer, before, 0)
 
     honest = score_update(
-        model, sparse_of(swarm.encode(delta)), own=own, random=rand, random_before=rand_before, scale=1.0
+        model, sparse_of(swarm.encode(delta, 0)), own=own, random=rand, random_before=rand_before, scale=1.0
     )
     assert not honest.harmful and honest.loss_own_after < honest.loss_own_before
     assert honest.loss_random_before == rand_before
@@ -122,7 +122,7 @@ def test_honest_update_helps_its_own_data_and_negated_is_harmful(swarm: Swarm) -
 
     neg = {n: -t for n, t in delta.items()}
     harmful = score_update(
-        model, sparse_of(swarm.encode(neg)), own=own, random=rand, random_before=rand_before, scale=1.0
+        model, sparse_of(swarm.encode(neg, 0)), own=own, random=rand, random_before=rand_before, scale=1.0
     )
     assert harmful.harmful and harmful.score < honest.score
     assert all(torch.equal(p, before[n]) for n, p in parameters_of(model).items())

@@ -1,7 +1,8 @@
 """Hand-made peers and contributions for the validator tests (honest and hostile).
 
 Honest updates are real: a few AdamW steps on the peer's assigned batches from θ_t, compressed by
-the run's codec. Hostile ones are built from them (forged, replayed, scaled, truncated …).
+the window's codec (``RunSpec.codec_at``: the Top-k warm-up keeps a larger k in the first windows).
+Hostile ones are built from them (forged, replayed, scaled, truncated …).
 """
 
 from __future__ import annotations
@@ -97,8 +98,10 @@ class Swarm:
             opt.step()
         return {n: (params[n] - p.detach()).contiguous() for n, p in local.items()}
 
-    def encode(self, delta: Mapping[str, torch.Tensor]) -> dict[str, codec.Encoded]:
-        return {n: codec.encode(t, self.spec.codec) for n, t in delta.items()}
+    def encode(self, delta: Mapping[str, torch.Tensor], window: int) -> dict[str, codec.Encoded]:
+        """``delta`` compressed with the codec of ``window``, as an honest peer compresses it."""
+        cfg = self.spec.codec_at(window)
+        return {n: codec.encode(t, cfg) for n, t in delta.items()}
 
     def blob(
         self,
@@ -109,11 +112,11 @@ class Swarm:
         *,
         run_hash: str | None = None,
     ) -> bytes:
-        c = Contribution(run_hash or self.run_hash, window, base, self.spec.codec, dict(tensors), {})
+        c = Contribution(run_hash or self.run_hash, window, base, self.spec.codec_at(window), dict(tensors), {})
         return encode_contribution(c, signer)
 
     def honest(self, peer: Identity, params: Mapping[str, torch.Tensor], window: int, base: str) -> bytes:
-        return self.blob(peer, window, base, self.encode(self.delta(peer, params, window)))
+        return self.blob(peer, window, base, self.encode(self.delta(peer, params, window), window))
 
     def upload(self, peer_id: str, window: int, blob: bytes) -> None:
         self.store.put(layout.contrib_key(self.run, window, peer_id), blob)
@@ -124,7 +127,7 @@ class Swarm:
             run_hash=self.run_hash,
             window=window,
             expected_base=base,
-            codec=self.spec.codec,
+            codec=self.spec.codec_at(window),
             schema=self.schema,
             max_bytes=object_caps(self.spec).contribution,
             registered=frozenset({signer.peer_id}),

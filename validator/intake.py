@@ -96,8 +96,12 @@ class Intake:
         self.clock, self.emit, self.stop = clock, emit, stop
         self.schema = param_schema(spec.model)
         self.offsets = offsets(self.schema)  # one global index space for sampled entries
-        self.sample_every = sample_every(expected_nnz(self.schema, spec.codec))
         self.max_bytes = object_caps(spec).contribution
+
+    def sample_every(self, window: int) -> int:
+        """The sketch's sample rate in ``window``: about :data:`~validator.sketch.SKETCH_VALUES` entries of a
+        contribution at the window's k (:meth:`RunSpec.codec_at`)."""
+        return sample_every(expected_nnz(self.schema, self.spec.codec_at(window)))
 
     def context(self, w: Window, st: ValidatorState) -> checks.Context:
         """What window ``w``'s uploads are checked against."""
@@ -115,7 +119,8 @@ class Intake:
             max_bytes=self.max_bytes,
             registered=registered,
             excluded=excluded,
-            sketch=Sketcher(self.offsets, self.sample_every, key=w.secret),  # peers cannot know the sample
+            # The window's k sets how many values a contribution keeps, so the sample rate.
+            sketch=Sketcher(self.offsets, self.sample_every(w.t), key=w.secret),  # peers cannot know the sample
         )
 
     def gather(self, w: Window, opened_at: float, ctx: checks.Context) -> Gathered:

@@ -3,9 +3,9 @@
 Body: base (aggregate digest or GENESIS), codec parameters, metadata, tensor table (one payload
 length per tensor). Payload: :func:`protocol.codec.pack` of every tensor, in name order.
 
-    blob = encode_contribution(Contribution(run_hash, window, base, spec.codec, encoded, meta), identity)
+    blob = encode_contribution(Contribution(run_hash, window, base, spec.codec_at(window), encoded, meta), identity)
     c = decode_contribution(blob, run_hash=spec.hash(), max_bytes=cap, window=w, schema=shapes,
-                            partial=True, codec_cfg=spec.codec)   # a stage may send a subset
+                            partial=True, codec_cfg=spec.codec_at(w))   # a stage may send a subset
     c.digest, c.sender, c.value.tensors["tok_emb.weight"]      # Encoded, ready for codec.decode
 """
 
