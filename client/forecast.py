@@ -159,7 +159,9 @@ class Forecast:
         # or re-compressed): forecast that form, so that an exact forecast is the aggregate bit for
         # bit. A re-compression buffer (outer.recompress_beta > 0) is the validator's own; then the
         # forecast starts from an empty one and is close, not exact.
-        tensors, _ = publishable(delta, self.schema, outer, self.spec.codec, FeedbackState(), contributors=len(parts))
+        tensors, _ = publishable(
+            delta, self.schema, outer, self.spec.codec, FeedbackState(), contributors=len(parts), window=self.window
+        )
         return applied(tensors)
 
 

@@ -8,7 +8,7 @@ Per round (window) t, for ``sparseloco``::
     bytes, e_r = compress_and_pack(e_r, Δ_r, β, codec)  # feedback.compress_step + codec.pack (the wire payload)
     sparse = unpack_sparse(bytes, schema, codec)        # codec.unpack + to_sparse, as the validator does
     Δ̄      = aggregate(sparse_1..R, mode, clip)         # protocol/aggregate
-    tensors, e_v = publishable(Δ̄, schema, outer, codec, e_v, contributors=R)   # bfloat16 or re-compressed
+    tensors, e_v = publishable(Δ̄, schema, outer, codec, e_v, contributors=R, window=t)   # bfloat16 or re-compressed
     blob   = encode_aggregate(...)                      # the signed aggregate every replica downloads
     θ_t+1  = apply_outer(θ_t, delta_of(decode_aggregate(blob)), α)
 
@@ -227,7 +227,7 @@ class Simulator:
             contribs.append(unpack_sparse(payloads, self.shapes, codec))
         delta_bar = aggregate(contribs, c.outer.aggregation, c.outer.clip)
         tensors, self.validator_feedback = publishable(
-            delta_bar, self.shapes, c.outer, c.codec, self.validator_feedback, contributors=len(contribs)
+            delta_bar, self.shapes, c.outer, c.codec, self.validator_feedback, contributors=len(contribs), window=t
         )
         blob = encode_aggregate(Aggregate("0" * 64, t, GENESIS, c.outer.alpha, "", (), tensors, 0.0), _SIGNER)
         received = decode_aggregate(blob, run_hash=None, max_bytes=len(blob), allowed_signers=None).value

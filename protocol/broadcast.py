@@ -7,7 +7,8 @@ float32 Δ̄ it came from — so peers and validator hold bit-identical θ:
 * plain (``outer.recompress = false``): Δ̄'s values rounded to bfloat16 (:func:`plain`); the
   aggregate carries the union of the contributors' positions;
 * re-compressed (``outer.recompress = true`` and Δ̄ of at least ``outer.recompress_from``
-  contributions, :func:`recompresses`): chunk-wise Top-k (``outer.recompress_k`` per 4096)
+  contributions, :func:`recompresses`): chunk-wise Top-k (``outer.recompress_k`` per 4096, times
+  the window's k over ``codec.k`` in a Top-k warm-up, :func:`recompress_codec`)
   and 2-bit codes of the validator's own error-feedback buffer ``e ← β_r·e + Δ̄``
   (:func:`recompress`: the peers' :func:`protocol.feedback.compress_step` with
   ``outer.recompress_beta``), so every peer downloads a contribution-sized object; what is not sent
@@ -15,7 +16,7 @@ float32 Δ̄ it came from — so peers and validator hold bit-identical θ:
 
 ::
 
-    tensors, feedback = publishable(delta, schema, spec.outer, spec.codec, feedback, contributors=n)
+    tensors, feedback = publishable(delta, schema, spec.outer, spec.codec, feedback, contributors=n, window=t)
     apply_outer(params, applied(tensors), spec.outer.alpha)     # the validator, and every peer
     encode_aggregate(Aggregate(..., tensors, ...), identity)    # exactly these tensors
 
@@ -55,9 +56,13 @@ def recompresses(outer: OuterConfig, contributors: int) -> bool:
     return outer.recompress and contributors >= outer.recompress_from
 
 
-def recompress_codec(outer: OuterConfig, codec: CodecConfig) -> CodecConfig:
-    """The codec of a re-compressed Δ̄: the run's chunking and index coding, ``outer.recompress_k``."""
-    return dataclasses.replace(codec, k=outer.recompress_k)
+def recompress_codec(outer: OuterConfig, codec: CodecConfig, window: int | None = None) -> CodecConfig:
+    """The codec of a re-compressed Δ̄ of ``window``: the run's chunking and index coding and
+    ``outer.recompress_k`` values per 4096, scaled in a Top-k warm-up (``outer.warmup_k``) by the
+    window's k over ``codec.k``, so that what the peers send in those windows is not cut back to
+    the steady-state k (``window`` None: the widest of any window, what read caps allow)."""
+    k = outer.max_k(codec.k) if window is None else outer.k_at(window, codec.k)
+    return dataclasses.replace(codec, k=min(4096, outer.recompress_k * k // codec.k))
 
 
 def plain(delta: SparseDict, shapes: Shapes) -> dict[str, SparseDelta]:
@@ -92,13 +97,15 @@ def publishable(
     state: FeedbackState,
     *,
     contributors: int,
+    window: int,
 ) -> tuple[dict[str, AggregateTensor], FeedbackState]:
-    """The tensors the aggregate of Δ̄ (of ``contributors`` contributions) carries under the
-    RunSpec's ``outer`` and ``codec``, and the validator's next error-feedback state (``state``
-    itself when not re-compressing)."""
+    """The tensors the aggregate of Δ̄ of ``window`` (of ``contributors`` contributions) carries
+    under the RunSpec's ``outer`` and ``codec``, and the validator's next error-feedback state
+    (``state`` itself when not re-compressing)."""
     if not recompresses(outer, contributors):
         return dict(plain(delta, shapes)), state
-    encoded, after = recompress(delta, shapes, state, outer.recompress_beta, recompress_codec(outer, codec))
+    cfg = recompress_codec(outer, codec, window)
+    encoded, after = recompress(delta, shapes, state, outer.recompress_beta, cfg)
     return dict(encoded), after if keeps_feedback(outer) else FeedbackState()
 
 

@@ -122,7 +122,8 @@ def publish(
 ) -> dict[str, Any]:
     """Sign Δ̄'s published form, decode it as a peer does and check it is what the validator applies."""
     t0 = time.perf_counter()
-    tensors, _ = publishable(delta, schema, outer, cfg, FeedbackState(), contributors=n)
+    steady = outer.warmup_windows  # the first window at codec.k, after any Top-k warm-up
+    tensors, _ = publishable(delta, schema, outer, cfg, FeedbackState(), contributors=n, window=steady)
     manifest = tuple(ManifestEntry(Identity.from_seed(j.to_bytes(4, "big") * 8).peer_id, RUN, 1.0) for j in range(n))
     blob = encode_aggregate(Aggregate(RUN, 0, GENESIS, 1.0, RUN, manifest, tensors, 1.0), VALIDATOR)
     t1 = time.perf_counter()

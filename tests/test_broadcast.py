@@ -21,6 +21,7 @@ from protocol.wire import GENESIS, Aggregate, SparseDelta, decode_aggregate, enc
 SHAPES = {"a.weight": (64, 128), "b.weight": (300,), "c.weight": (32, 32)}
 KEY = Identity.from_seed(b"k" * 32)
 CODEC = CodecConfig()
+STEADY = OuterConfig().warmup_windows  # the first window at codec.k, after the Top-k warm-up
 
 
 def contributions(n: int, seed: int = 0) -> list[SparseDict]:
@@ -62,7 +63,7 @@ def test_plain_rounds_values_and_peers_apply_exactly_that() -> None:
 def test_validator_and_peer_hold_the_same_theta_in_both_modes() -> None:
     delta = aggregate(contributions(4))
     for outer in (OuterConfig(), OuterConfig(recompress_from=1, recompress_k=16)):
-        tensors, _ = publishable(delta, SHAPES, outer, CODEC, FeedbackState(), contributors=4)
+        tensors, _ = publishable(delta, SHAPES, outer, CODEC, FeedbackState(), contributors=4, window=STEADY)
         validator = {n: torch.randn(s, generator=torch.Generator().manual_seed(1)) for n, s in SHAPES.items()}
         peer = {n: p.clone() for n, p in validator.items()}
         apply_outer(validator, applied(tensors), 0.7)
@@ -88,18 +89,22 @@ def test_recompression_keeps_what_it_did_not_send() -> None:
 def test_publishable_leaves_the_buffer_alone_without_recompression() -> None:
     state = FeedbackState({"a.weight": torch.ones(SHAPES["a.weight"])})
     _, after = publishable(
-        aggregate(contributions(2)), SHAPES, OuterConfig(recompress=False), CODEC, state, contributors=2
+        aggregate(contributions(2)), SHAPES, OuterConfig(recompress=False), CODEC, state, contributors=2, window=STEADY
     )
     assert after is state
     outer = OuterConfig(recompress=True, recompress_from=1, recompress_k=8)
-    assert recompress_codec(outer, CODEC) == CodecConfig(k=8)
-    tensors, after = publishable(aggregate(contributions(2)), SHAPES, outer, CODEC, state, contributors=2)
+    assert recompress_codec(outer, CODEC, STEADY) == CodecConfig(k=8)
+    tensors, after = publishable(
+        aggregate(contributions(2)), SHAPES, outer, CODEC, state, contributors=2, window=STEADY
+    )
     assert after is not state and all(t.cfg == CodecConfig(k=8) for t in tensors.values())  # type: ignore[union-attr]
 
 
 def test_without_decay_nothing_is_kept() -> None:
     outer = OuterConfig(recompress=True, recompress_from=1, recompress_k=8, recompress_beta=0.0)
-    tensors, after = publishable(aggregate(contributions(2)), SHAPES, outer, CODEC, FeedbackState(), contributors=2)
+    tensors, after = publishable(
+        aggregate(contributions(2)), SHAPES, outer, CODEC, FeedbackState(), contributors=2, window=STEADY
+    )
     assert tensors and not after.buffers and not keeps_feedback(outer)
     assert keeps_feedback(OuterConfig(recompress=True, recompress_beta=0.5)) and not keeps_feedback(OuterConfig())
 
@@ -112,7 +117,22 @@ def test_the_default_recompresses_from_recompress_from_contributions_on() -> Non
     assert [recompresses(outer, n) for n in (1, 7, 8, 256)] == [False, False, True, True]
     assert not recompresses(OuterConfig(recompress=False), 256)
     delta = aggregate(contributions(8))
-    few, _ = publishable(delta, SHAPES, outer, CODEC, state, contributors=7)
-    many, _ = publishable(delta, SHAPES, outer, CODEC, state, contributors=8)
+    few, _ = publishable(delta, SHAPES, outer, CODEC, state, contributors=7, window=STEADY)
+    many, _ = publishable(delta, SHAPES, outer, CODEC, state, contributors=8, window=STEADY)
     assert all(isinstance(t, SparseDelta) for t in few.values())
-    assert all(isinstance(t, Encoded) and t.cfg == recompress_codec(outer, CODEC) for t in many.values())
+    assert all(isinstance(t, Encoded) and t.cfg == recompress_codec(outer, CODEC, STEADY) for t in many.values())
+
+
+def test_a_top_k_warm_up_widens_the_recompression_by_the_windows_k() -> None:
+    """In a Top-k warm-up the validator keeps recompress_k times the window's k over codec.k, so
+    the extra values the peers send are not cut back to the steady state; read caps allow the widest."""
+    outer = OuterConfig(recompress_k=128, warmup_k=512, warmup_windows=4)
+    codec = CodecConfig(k=64)
+    assert [recompress_codec(outer, codec, w).k for w in range(6)] == [1024, 800, 576, 352, 128, 128]
+    assert recompress_codec(outer, codec).k == 1024
+    assert recompress_codec(OuterConfig(recompress_k=128, warmup_k=0), codec, 0).k == 128
+    delta = aggregate(contributions(8))
+    first, _ = publishable(delta, SHAPES, outer, codec, FeedbackState(), contributors=8, window=0)
+    later, _ = publishable(delta, SHAPES, outer, codec, FeedbackState(), contributors=8, window=4)
+    nnz = [sum(t.nnz for t in ts.values()) for ts in (first, later)]  # type: ignore[union-attr]
+    assert nnz[0] > nnz[1]

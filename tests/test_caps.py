@@ -127,7 +127,7 @@ def test_the_largest_honest_aggregate_fits_its_cap(recompress: bool) -> None:
     delta = aggregate(contribs)
     params = sum(math.prod(s) for s in schema.values())
     covered = sum(len(i) for i, _ in delta.values()) / params
-    tensors, _ = publishable(delta, schema, spec.outer, spec.codec, FeedbackState(), contributors=n)
+    tensors, _ = publishable(delta, schema, spec.outer, spec.codec, FeedbackState(), contributors=n, window=0)
     manifest = tuple(ManifestEntry(Identity.from_seed(bytes([j]) * 32).peer_id, "0" * 64, 1.0) for j in range(n))
     blob = encode_aggregate(Aggregate(spec.hash(), 0, GENESIS, 1.0, "0" * 64, manifest, tensors, 1.0), KEY)
     assert len(blob) <= object_caps(spec).aggregate

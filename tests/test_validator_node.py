@@ -311,7 +311,7 @@ def test_recompression_buffer_survives_crashes_without_loss_or_double_use(vkey: 
     assert v2.state is not None and v2.state.window == 0 and not v2.feedback.buffers
     assert v2.run_window() is not None
     agg0 = read(0)
-    assert agg0 is not None and agg0.value.codec == recompress_codec(spec.outer, spec.codec)
+    assert agg0 is not None and agg0.value.codec == recompress_codec(spec.outer, spec.codec, 0)
     _assert_feedback_step(sw, v2.feedback, FeedbackState(), agg0.value)
     apply_outer(params, delta_of(agg0.value), agg0.value.alpha)  # a peer reproduces θ_1
     assert fingerprint(params) == agg0.value.fingerprint

@@ -121,7 +121,9 @@ def test_contributions_that_make_the_aggregate_non_finite_are_bisected_away(
     dense.view(-1)[:64] = -3e38  # logits overflow
     poison = sw.held(Identity.generate(), st.window, st.base, sw.encode({out: dense}, st.window))
     contribs = {**good, "zz-poison": poison}
-    result = v.decider.aggregator.aggregate(st.params, v.committer.feedback, contribs, {p: None for p in contribs})
+    result = v.decider.aggregator.aggregate(
+        st.params, v.committer.feedback, contribs, {p: None for p in contribs}, window=st.window
+    )
     assert result.dropped == {"zz-poison"} and result.val_loss is not None
     assert all(bool(torch.isfinite(p).all()) for p in result.params.values())
     assert _culprits(["a", "b", "c", "d"], lambda ps: "c" not in ps) == ["c"]

@@ -161,7 +161,7 @@ class Decider:
         screened = window_checks.capacity(screened, rank(w, scores, seed), cfg.max_contributors)
         clock.lap("scoring")
         accepted = sorted(s.peer for s in screened if s.reason is None)  # order-free Δ̄
-        trial = self.aggregator.aggregate(params, feedback, {p: live[p] for p in accepted}, caps)
+        trial = self.aggregator.aggregate(params, feedback, {p: live[p] for p in accepted}, caps, window=w.t)
         screened = window_checks.stable(screened, trial.dropped)
         clock.lap("aggregate")
         return WindowDecision(

@@ -87,13 +87,15 @@ class Aggregator:
         feedback: FeedbackState,
         held: Mapping[str, Held],
         caps: Mapping[str, Limits],
+        *,
+        window: int,
     ) -> Trial:
-        """Δ̄ of the ``held`` contributions on θ_t = ``params``, each clipped to its ``caps``, with
+        """Δ̄ of ``window``'s ``held`` contributions on θ_t = ``params``, each clipped to its ``caps``, with
         the re-compression buffer ``feedback``; the culprits of a non-finite θ_{t+1} or loss are
         found by bisection and left out (all of them when only together they break it)."""
 
         def attempt(peers: Sequence[str], require_loss: bool = True) -> Trial | None:
-            return self._try(params, feedback, held, caps, peers, require_loss)
+            return self._try(params, feedback, held, caps, peers, require_loss, window)
 
         full = attempt(sorted(held))
         if full is not None:
@@ -121,6 +123,7 @@ class Aggregator:
         caps: Mapping[str, Limits],
         peers: Sequence[str],
         require_loss: bool,
+        window: int,
     ) -> Trial | None:
         o = self.spec.outer
         total = SparseSum(self.schema)
@@ -135,7 +138,7 @@ class Aggregator:
         if not all(bool(torch.isfinite(v).all()) for _, v in delta.values()):
             return None
         tensors, after = broadcast.publishable(
-            delta, self.schema, o, self.spec.codec, feedback, contributors=len(peers)
+            delta, self.schema, o, self.spec.codec, feedback, contributors=len(peers), window=window
         )
         published = broadcast.applied(tensors)  # what is signed, not Δ̄ itself
         if not all(bool(torch.isfinite(v).all()) for _, v in published.values()):
