@@ -162,8 +162,9 @@ class OuterConfig:
     """Outer step: θ ← θ − α·Δ̄, with Δ̄ the aggregate of the contributions (α applied once).
 
     ``recompress``: the validator publishes Δ̄ of at least ``recompress_from`` contributions
-    compressed like a contribution — chunk-wise Top-k of ``recompress_k`` values per 4096 and 2-bit
-    codes (``codec``'s chunking and index coding) — of its own error-feedback buffer
+    compressed like a contribution — chunk-wise Top-k of ``recompress_k`` values per 4096 (times
+    the window's k over ``codec.k`` in a Top-k warm-up) and 2-bit codes (``codec``'s chunking and
+    index coding) — of its own error-feedback buffer
     ``e ← recompress_beta·e + Δ̄``, so that every peer downloads a contribution-sized object instead
     of the union of all Top-k sets. Δ̄ of fewer contributions, or with ``recompress`` off, travels
     with bfloat16 values (:mod:`protocol.broadcast`). Either way every participant applies exactly
@@ -216,7 +217,7 @@ class OuterConfig:
     momentum: float = 0.9  # Nesterov momentum of the DiLoCo baseline (client/simulator.py) only
     recompress: bool = True
     recompress_from: int = 8  # contributions from which Δ̄ is re-compressed (when ``recompress``)
-    recompress_k: int = 128  # values kept per 4096 by the validator's Top-k (when re-compressing)
+    recompress_k: int = 128  # values per 4096 the validator's Top-k keeps (× the window's k / codec.k in a warm-up)
     recompress_beta: float = 0.0  # decay of the validator's error-feedback buffer (0: none kept)
     delay: int = 1  # 0: synchronous; 1: train window t while aggregate t−1 is in flight
     overlap: float = 0.5  # delay 1: share of a window's inner steps trained before aggregate t−1 must be in
