@@ -186,6 +186,9 @@ class IncompleteObject(ObjectNotFound):
 class DataUnavailable(StoreError):
     """A block of the run's dataset could not be had intact: the store failed, or kept returning
     bytes that do not hash to the digest the signed dataset manifest gives it. Nothing is trained
-    or scored on it; the next window tries again."""
+    or scored on it; the next window tries again. A peer skips the window; the validator never
+    stalls on it: a peer whose data it cannot read goes unscored (never blamed), a window without
+    its random sequences goes unscored, and θ's loss is left unmeasured (NaN) while the
+    validation data is unavailable."""
 
     reason = "data_unavailable"

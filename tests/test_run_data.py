@@ -5,6 +5,7 @@ to its cap."""
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import uuid
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from protocol.errors import DataUnavailable, DigestMismatch, MalformedPayload, U
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model, parameters_of
-from protocol.settings import DataSettings, StoreSettings, local_table
+from protocol.settings import DataSettings, LocalSettings, StoreSettings, local_table
 from protocol.store.base import ObjectStore
 from protocol.store.memory import MemoryStore
 from protocol.wire import GENESIS, DatasetManifest, DatasetShard, dataset_body, dataset_digest, decode_dataset
@@ -377,3 +378,43 @@ def test_the_init_command_prints_the_run_and_refuses_to_overwrite(tmp_path: Path
     }
     again = CliRunner().invoke(cli, args)
     assert again.exit_code == 2 and "exists" in again.output
+
+
+# ---------------------------------------------------------------------- the validator's own reads
+def test_a_damaged_validation_shard_never_stalls_the_validator(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every validation shard of the run is damaged in the store: the validator publishes the window
+    anyway, says that its loss could not be measured and why, and measures it again once the store
+    is repaired. (A validator that retried the window while the damage lasts would never publish.)"""
+    from validator.node import Validator
+
+    name = f"data-val-{uuid.uuid4().hex[:8]}"
+    url = f"memory://{name}"
+    result = init_run(
+        [str(write_corpus(tmp_path))],
+        base=BASE.replace(windows={"upload_deadline_s": 1.0, "gather_grace_s": 0.05}),  # no peers to wait for
+        local={"store": {"url": url}},
+        store=StoreSettings(url=url),
+        identity=VKEY,
+        out=tmp_path / "run.toml",
+        shard_tokens=SHARD_TOKENS,
+    )
+    try:
+        spec, store = result.spec, MemoryStore(name)
+        manifest = read_dataset_manifest(store, spec)
+        for shard in manifest.split("val"):
+            store.faults.corrupt(layout.shard_key(result.run_id, shard.sha256))
+        local = LocalSettings.from_dict({"poll_interval_s": 0.02, "data": {"cache_dir": str(tmp_path / "cache")}})
+        v = Validator(spec, store, VKEY, tmp_path / "validator", local=local)
+        v.resume()
+        with caplog.at_level("WARNING"):
+            damaged = v.run_window()
+        assert damaged is not None and damaged.window == 0 and math.isnan(damaged.val_loss)  # not measured
+        assert "validation data unavailable" in caplog.text and "do not hash" in caplog.text  # and why
+        store.faults.clear()
+        repaired = v.run_window()
+        assert repaired is not None and repaired.window == 1 and math.isfinite(repaired.val_loss)
+        v.close()
+    finally:
+        MemoryStore.forget(name)

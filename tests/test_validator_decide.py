@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
@@ -18,11 +19,13 @@ from protocol import codec, layout
 from protocol.caps import object_caps
 from protocol.config import RunSpec
 from protocol.data.assignment import open_dataset
+from protocol.errors import DataUnavailable
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model, fingerprint, parameters_of
 from tests.validator_fixtures import Swarm, tiny_spec
 from validator import checks, window_checks
+from validator import decide as decide_module
 from validator.decide import Decider
 from validator.gather import Received
 from validator.intake import Uploads
@@ -159,5 +162,40 @@ def test_newcomers_are_scored_without_writing_the_model_and_the_first_window_sta
         assert set(decision.scores) == set(received) and decision.accepted == tuple(sorted(received))
         assert not decision.reference.empty  # started at the best scored update
         assert all(torch.equal(p, theta[n]) for n, p in parameters_of(model).items())  # measured, never written
+    finally:
+        sw.close()
+
+
+def test_a_peer_whose_data_cannot_be_had_goes_unscored_and_is_never_blamed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block of one established peer's assigned data fails verification: that peer is simply not
+    scored (accepted, as an unsampled established peer is), the others are scored, and the window
+    is decided instead of raising (which would make the validator retry it for as long as the
+    damage lasts)."""
+    vkey = Identity.generate()
+    spec = tiny_spec(vkey)
+    sw = Swarm(spec, 3)
+    try:
+        model = build_model(spec.model)
+        theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
+        received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0), 0)) for p in sw.peers}
+        standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}
+        window = open_window(0, vkey, spec.hash(), standing, spec.validator)
+        damaged = sw.peers[1].peer_id
+        real = decide_module.assigned_batches
+
+        def assigned(dataset: Any, seed: int, key: str, *args: Any, **kw: Any) -> Any:
+            if key == damaged:
+                raise DataUnavailable("shard 0 block 3: bytes that do not hash to what the signed manifest gives")
+            return real(dataset, seed, key, *args, **kw)
+
+        monkeypatch.setattr(decide_module, "assigned_batches", assigned)
+        dataset = open_dataset(spec.data)
+        with ThreadPoolExecutor(2) as pool:
+            aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
+            decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
+                window, uploads_of(received), reference=NormReference(), params=theta, feedback=FeedbackState()
+            )
+        assert set(decision.scores) == set(received) - {damaged}
+        assert damaged in decision.accepted and damaged not in decision.rejections
     finally:
         sw.close()

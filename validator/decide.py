@@ -27,6 +27,7 @@ order; ``tests/test_validator_decide.py`` decides windows from in-memory uploads
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from torch import nn
 from protocol.config import RunSpec
 from protocol.data.assignment import assigned_batches
 from protocol.data.tokens import TokenDataset
+from protocol.errors import DataUnavailable
 from protocol.feedback import FeedbackState
 from protocol.model import eval_loss, fingerprint, param_schema
 from protocol.outcomes import PeerOutcome
@@ -70,6 +72,9 @@ from validator.trial import Aggregator, Limits, Trial
 from validator.window import PhaseClock, Window
 
 __all__ = ["Decider", "WindowDecision"]
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -202,31 +207,45 @@ class Decider:
         )
         if not sample:
             return {}
-        rand = scoring_batches(self.dataset, seed, cfg.eval_sequences, data.batch_size, data.seq_len)
+        try:
+            rand = scoring_batches(self.dataset, seed, cfg.eval_sequences, data.batch_size, data.seq_len)
+        except DataUnavailable as exc:  # a damaged dataset never stalls the run, nor is held against a peer
+            log.warning("window %d is not scored: its random sequences are unavailable (%s)", w.t, exc)
+            return {}
         rand_before = eval_loss(self.model, rand, self.device)
         scale = cfg.eval_scale * self.spec.outer.alpha
         out: dict[str, LossScore] = {}
         for key in sample:  # a peer, or the stages of one pipeline replica (disjoint slices)
+            own = self._own_sequences(w.t, key)
+            if own is None:
+                continue  # unscored, as if not sampled
             items = [(p, live[p]) for p in units[key]]
             update = {name: v for _, sp in self.aggregator.clipped(items, caps) for name, v in sp.items()}
-            own = take_sequences(
-                assigned_batches(
-                    self.dataset,
-                    self.spec.seed,
-                    key,
-                    w.t,
-                    self.spec.inner.steps,
-                    data.batch_size,
-                    data.seq_len,
-                    pages=data.pages,
-                ),
-                cfg.eval_sequences,
-            )
             score = score_update(
                 self.model, update, own=own, random=rand, random_before=rand_before, scale=scale, device=self.device
             )
             out.update((peer, score) for peer in units[key])
         return out
+
+    def _own_sequences(self, window: int, key: str) -> list[torch.Tensor] | None:
+        """The scoring sequences of ``key``'s own assigned data in ``window``; None (and a warning)
+        when a block of it cannot be had intact: the unit goes unscored, never blamed."""
+        cfg, data = self.spec.validator, self.spec.data
+        try:
+            batches = assigned_batches(
+                self.dataset,
+                self.spec.seed,
+                key,
+                window,
+                self.spec.inner.steps,
+                data.batch_size,
+                data.seq_len,
+                pages=data.pages,
+            )
+        except DataUnavailable as exc:
+            log.warning("window %d: %s is not scored: its assigned data is unavailable (%s)", window, key, exc)
+            return None
+        return take_sequences(batches, cfg.eval_sequences)
 
     def rows(
         self, w: Window, screened: Sequence[Screened], received: Mapping[str, Received], scores: Mapping[str, LossScore]

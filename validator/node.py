@@ -44,6 +44,7 @@ ahead of the put (``validator/state.py``).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -58,7 +59,7 @@ from protocol import layout
 from protocol.config import RunSpec
 from protocol.data.run_data import dataset_of, run_tokenizer
 from protocol.data.tokens import TokenDataset
-from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
+from protocol.errors import ConfigError, DataUnavailable, ObjectNotFound, ProtocolError, StoreError
 from protocol.events import Event, ModelEvaluated, WindowOpened, WindowPublished, WindowRetry
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
@@ -81,6 +82,8 @@ from validator.trial import Aggregator
 from validator.window import PhaseClock, open_window
 
 __all__ = ["LOG_FILE", "Validator"]
+
+log = logging.getLogger(__name__)
 
 
 class Validator:
@@ -225,7 +228,11 @@ class Validator:
         """The periodic evaluation of θ after the aggregate just published, when due."""
         if not self.periodic.due(report.window):
             return
-        rec = self.periodic.evaluate(self.model, report.window, report.fingerprint, self.device)
+        try:
+            rec = self.periodic.evaluate(self.model, report.window, report.fingerprint, self.device)
+        except DataUnavailable as exc:  # the next due window tries again; the run goes on
+            log.warning("θ after window %d is not evaluated: %s", report.window, exc)
+            return
         self.log.record_evaluation(rec)
         self.emit(
             ModelEvaluated(

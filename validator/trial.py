@@ -13,6 +13,7 @@ responsible by bisection (:func:`culprits`) and leaves them out: nothing non-fin
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
@@ -26,6 +27,7 @@ from protocol.aggregate import NormLimit, SparseDict, SparseSum, apply_outer, cl
 from protocol.config import RunSpec
 from protocol.data.assignment import validation_batches
 from protocol.data.tokens import TokenDataset
+from protocol.errors import DataUnavailable
 from protocol.feedback import FeedbackState
 from protocol.model import eval_loss, param_schema
 from protocol.wire import AggregateTensor
@@ -35,6 +37,9 @@ from validator.scoring import with_parameters
 __all__ = ["Aggregator", "Limits", "Trial", "culprits"]
 
 Limits = Mapping[str, NormLimit] | None  # one contribution's clip caps (None: not clipped)
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -147,7 +152,11 @@ class Aggregator:
         apply_outer(nxt, published, o.alpha)
         if not all(bool(torch.isfinite(p).all()) for p in nxt.values()):
             return None
-        loss = self.loss(nxt)
+        try:
+            loss = self.loss(nxt)
+        except DataUnavailable as exc:  # θ_{t+1} is finite; its loss cannot be measured now
+            log.warning("the aggregate's validation loss is not measured: validation data unavailable (%s)", exc)
+            return Trial(tensors, after, nxt, None)
         if not math.isfinite(loss):
             return None if require_loss else Trial(tensors, after, nxt, None)
         return Trial(tensors, after, nxt, loss)
