@@ -195,6 +195,15 @@ def make_peer(spec: RunSpec, store, root: Path, name: str, local: LocalSettings 
     return Peer(spec, store, identity, state, replica, local=local, display=rec), rec
 
 
+def send(peer: Peer, window: int) -> Staged:
+    """``peer`` trains ``window`` and puts its contribution (the put done when this returns)."""
+    staged = peer.train(window)
+    assert isinstance(staged, Staged)
+    peer.upload(staged)
+    peer.flush()
+    return staged
+
+
 def run_peers(val: MiniValidator, peers: list[Peer], windows: int, expect: int | None = None) -> None:
     threads = [threading.Thread(target=p.run, kwargs={"until_window": windows}, daemon=True) for p in peers]
     for t in threads:
@@ -783,10 +792,7 @@ def test_an_aggregate_that_arrives_mid_window_moves_the_working_model(tmp_path: 
     val, root = MiniValidator(spec, store, vident), tmp_path
     peer, rec = make_peer(spec, store, root, "a")
     peer.join()
-    staged = peer.train(0)
-    assert isinstance(staged, Staged)
-    peer.upload(staged)
-    peer.flush()
+    send(peer, 0)
 
     def publish_after_first_step(**fields: object) -> None:
         if fields.get("step") == 1 and fields.get("window") == 1 and val.window == 0:
@@ -811,10 +817,7 @@ def test_the_eager_forecast_is_the_aggregate_when_the_validator_takes_the_same_c
     (a, _), (b, _) = make_peer(spec, store, root, "a"), make_peer(spec, store, root, "b")
     for p in (a, b):
         p.join()
-        staged = p.train(0)
-        assert isinstance(staged, Staged)
-        p.upload(staged)
-        p.flush()
+        send(p, 0)
     shutil.copytree(root / "a", root / "twin")  # a's key, e, moments and step after window 0
     forecast: list[int] = []
 
@@ -851,10 +854,7 @@ def _two_peers_after_window_1(tmp_path: Path) -> tuple[RunSpec, MiniValidator, P
     (a, _), (b, _) = make_peer(spec, store, tmp_path, "a"), make_peer(spec, store, tmp_path, "b")
     for p in (a, b):
         p.join()
-        staged = p.train(0)
-        assert isinstance(staged, Staged)
-        p.upload(staged)
-        p.flush()
+        send(p, 0)
     assert sorted(val.close_window(2)) == sorted([a.identity.peer_id, b.identity.peer_id])
     held: list[Staged] = []
     for p in (a, b):
@@ -925,10 +925,7 @@ def test_a_restart_resumes_e_and_the_schedule_exactly_and_moments_at_most_moment
     peer.join()
     after: list[dict[str, torch.Tensor]] = []
     for window in (0, 1):
-        staged = peer.train(window)
-        assert isinstance(staged, Staged)
-        peer.upload(staged)
-        peer.flush()
+        send(peer, window)
         after.append(moments_of(peer.trainer.state_dict()))
         val.close_window(1)
     assert not tensors_equal(after[0], after[1])
@@ -942,10 +939,7 @@ def test_a_restart_resumes_e_and_the_schedule_exactly_and_moments_at_most_moment
     assert again.trainer.step == step  # the learning-rate schedule: exactly
     assert tensors_equal(moments_of(again.trainer.state_dict()), after[0])  # moments: window 0's
     for window in (2, 3):
-        staged = again.train(window)
-        assert isinstance(staged, Staged)
-        again.upload(staged)
-        again.flush()
+        send(again, window)
         val.close_window(1)
     assert again.state.moments_window() == 3
     again.catch_up(4)

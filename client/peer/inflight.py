@@ -180,8 +180,7 @@ class InFlight:
             forecast.contributors,
             len(forecast.trusted or ()),
         )
-        old, self.stand_in = self.stand_in, forecast.delta
-        return [] if old is self.stand_in else [(old, -alpha), (self.stand_in, alpha)]
+        return self._adopt(forecast.delta, alpha)
 
     def _arrivals(self) -> list[SparseDict]:
         """The aggregates applied to θ just now (none once the window is abandoned)."""
@@ -198,8 +197,12 @@ class InFlight:
         self._refreshed = time.monotonic()
         if not forecast.refresh():
             return []
-        old, self.stand_in = self.stand_in, forecast.delta
-        return [(old, -alpha), (self.stand_in, alpha)]
+        return self._adopt(forecast.delta, alpha)
+
+    def _adopt(self, delta: SparseDict, alpha: float) -> Moves:
+        """``delta`` (a newer forecast) replaces the stand-in: the working model moves by the difference."""
+        old, self.stand_in = self.stand_in, delta
+        return [] if old is delta else [(old, -alpha), (delta, alpha)]
 
     def _start_forecast(self, window: int) -> None:
         """``outer.eager``: the forecast of the aggregate θ lacks to open ``window`` (client/forecast.py)."""
