@@ -93,7 +93,9 @@ class Forecast:
         """Fetch the contributions uploaded since the last call; True when Δ̄′ changed. A store
         that fails leaves the forecast as it is (tried again on the next call)."""
         try:
-            keys = self.store.list(layout.contrib_prefix(self.run, self.window))
+            prefix = layout.contrib_prefix(self.run, self.window)
+            # a DHT store decodes only the listing entries of the trusted peers
+            keys = self.store.list(prefix) if self.trusted is None else self.store.list_written_by(prefix, self.trusted)
         except StoreError as exc:
             log.info("forecast of aggregate %d: listing failed (%s)", self.window, exc)
             return False

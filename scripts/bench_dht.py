@@ -2,6 +2,7 @@
 
     python scripts/bench_dht.py            # rich table
     python scripts/bench_dht.py --json     # one JSON object
+    python scripts/bench_dht.py --flood 10000 [--json]   # listings under a flood (below)
 
 Setup: a DHT server node runs in a child process (``python -m protocol.store.dht.serve``); this
 process holds two *client-mode* nodes (they store nothing for others), so every put crosses to the
@@ -13,6 +14,14 @@ Baseline, measured in the same run over the same connection: one hivemind ``DHTN
 record, which every node checks like any other); only possible up to the ~4 MiB message cap, so it
 is absent for larger sizes. Every node runs the run's write rules; the stores sign with a
 throwaway validator key, so ``bench/...`` keys are theirs to write.
+
+``--flood N``: listing work under a flood of valid, self-signed directory entries
+(:mod:`scripts.bench_dht_flood`): 5 honest contributions in one window, then N entries of that
+window in one store RPC (a fresh key each) and ``--fake-folders`` fake window folders. Each
+listing is timed and counted (entries in the records, entries decoded, keys returned) before and
+after the flood, side by side, for the validator's listing (``list_written_by`` the announced
+peers), a plain capped ``list``, and a ``list`` without caps (how every listing worked before the
+caps: the baseline).
 """
 
 from __future__ import annotations
@@ -119,7 +128,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--piece-size", type=int, default=1 << 20)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--flood", type=int, default=0, help="measure listings under a flood of N entries")
+    parser.add_argument("--fake-folders", type=int, default=500)
     args = parser.parse_args()
+    if args.flood:
+        from bench_dht_flood import run_flood
+
+        return run_flood(args.flood, args.fake_folders, args.repeats, args.json, start_server, SIGNER)
     server, maddrs = start_server()
     keys = [SIGNER.public_key]
     try:

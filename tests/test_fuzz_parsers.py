@@ -266,3 +266,113 @@ def test_fuzz_validator_checks_on_raw_bytes(data: bytes, edits: list[Edit], sign
             pass  # a header that cannot be signed again (unknown kind, window out of range)
     screened = bounded(lambda d: checks.screen(PEER.peer_id, d, CTX), data, CODEC_PER_BYTE)
     assert isinstance(screened, checks.Screened) and (screened.reason is None) == all(c.passed for c in screened.checks)
+
+
+# ---------------------------------------------------------------------------------------- DHT directory records
+# A directory record (``<ns>:dir:<folder>``) off the wire: hivemind's msgpack of a dictionary value,
+# every entry checked by the node's validator, then chosen and verified by the reader
+# (protocol.store.dht.listing). Seeds: a record holding file, folder and deleted entries of a peer
+# and of a validator.
+DIR_KEY = "sparseloco:dir:run/contrib/00000007"
+DIR_EXPIRATION = 4e9  # hivemind drops expired entries when it reads a dictionary value
+
+
+def _directory_seeds() -> dict[str, bytes]:
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from protocol.store.dht.policy import DELETED, FILE, entry_subkey
+
+    value = DictionaryDHTValue()
+    for who, marker in ((PEER, FILE), (VALIDATOR, DELETED)):
+        subkey = entry_subkey(who.peer_id, who.peer_id)
+        raw = seal_record(who, key=DIR_KEY, subkey=subkey, expiration=DIR_EXPIRATION, content=marker)
+        value.store(subkey, MSGPackSerializer.dumps(raw), DIR_EXPIRATION)
+    return {"directory": MSGPackSerializer.dumps(value), "empty": MSGPackSerializer.dumps(DictionaryDHTValue())}
+
+
+def _read_directory_off_the_wire(raw: bytes) -> Any:
+    """What a node and then a reader do with a directory record's bytes; a hivemind deserializer
+    failure is how hivemind refuses the answer (a ProtocolError here)."""
+    import hashlib
+    import random
+
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils.serializer import MSGPackSerializer
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    from protocol.errors import MalformedPayload
+    from protocol.store.dht.auth import SignedRecordValidator
+    from protocol.store.dht.listing import choose, read_directory
+
+    try:
+        value = MSGPackSerializer.loads(raw)
+        if not isinstance(value, DictionaryDHTValue):
+            raise MalformedPayload("not a dictionary value")
+        validator = SignedRecordValidator(POLICY)
+        key_id = hashlib.sha1(MSGPackSerializer.dumps(DIR_KEY)).digest()  # the DHT id of DIR_KEY
+        entries: dict[object, object] = {}
+        checked = []
+        for subkey, (value_bytes, expiration) in value.items():
+            checked.append(
+                validator.validate(DHTRecord(key_id, MSGPackSerializer.dumps(subkey), value_bytes, expiration))
+            )
+            entries[subkey] = ValueWithExpiration(MSGPackSerializer.loads(value_bytes), expiration)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack's own errors: hivemind drops such an answer
+        raise MalformedPayload(f"hivemind cannot read it: {type(exc).__name__}") from None
+    rng = random.Random(0)
+    choice = choose(entries, partial="", writers=None, trusted=POLICY.validator_ids, max_entries=64, rng=rng)
+    return read_directory(POLICY, DIR_KEY, entries, choice), checked
+
+
+def test_the_directory_seed_reads_back() -> None:
+    from protocol.store.dht.policy import DELETED, FILE
+
+    listing, checked = bounded(_read_directory_off_the_wire, _directory_seeds()["directory"])
+    assert checked == [True, True]  # what the node's validator said of each entry
+    assert listing.markers == {PEER.peer_id: {FILE}, VALIDATOR.peer_id: {DELETED}}
+    assert listing.trusted_names == {VALIDATOR.peer_id} and listing.stats.malformed == 0
+
+
+@FUZZ
+@given(data=mutated(_directory_seeds()))
+def test_fuzz_dht_directory_records(data: bytes) -> None:
+    bounded(_read_directory_off_the_wire, data)
+
+
+@FUZZ
+@given(
+    items=st.dictionaries(
+        st.one_of(st.text(max_size=60), st.binary(max_size=20), st.integers()),
+        st.tuples(
+            mutated(load("records")) | st.none() | st.integers(),
+            st.one_of(st.floats(allow_nan=True), st.none(), st.text(max_size=4), st.booleans()),
+        ),
+        max_size=12,
+    ),
+    writers=st.none() | st.frozensets(st.sampled_from([PEER.peer_id, "x", ""])),
+    cap=st.integers(1, 8),
+)
+def test_fuzz_directory_entries_of_any_shape(
+    items: dict[object, tuple[object, object]], writers: frozenset[str] | None, cap: int
+) -> None:
+    """Any subkeys with any values and expirations: chosen and verified, counted, never an error."""
+    import random
+    from types import SimpleNamespace
+
+    from protocol.store.dht.listing import choose, read_directory
+
+    entries = {k: SimpleNamespace(value=v, expiration_time=e) for k, (v, e) in items.items()}
+    size = sum(len(v) for v, _ in items.values() if isinstance(v, bytes)) + 64 * len(items)
+
+    def read(_: bytes) -> Any:
+        rng = random.Random(0)
+        choice = choose(entries, partial="", writers=writers, trusted=(), max_entries=cap, rng=rng)
+        return read_directory(POLICY, "sparseloco:dir:run/contrib/00000007", entries, choice)
+
+    listing = bounded(read, b"\0" * size)
+    s = listing.stats
+    assert s.entries == len(entries) and s.decoded <= cap and s.malformed <= len(entries)

@@ -2,7 +2,8 @@
 
 :func:`gather` polls ``contrib/<window>/`` every ``poll_interval_s`` (a local setting). Only keys of announced,
 non-excluded peers are read (``admit``); the others are counted (``unannounced``) or logged
-without a read (``excluded``). Admitted keys wait in a queue and are read on a pool of
+without a read (``excluded``). The listing names the announced peers (``writers``): a DHT store
+decodes no listing entry of anyone else, so a flood of self-signed entries costs it no more. Admitted keys wait in a queue and are read on a pool of
 ``concurrency`` threads (a local setting) in ``priority`` order (the validator puts established peers by
 reputation first, then newcomers in an order derived from its secret), within the window's
 :class:`~validator.budgets.Budgets`: at most ``max_fetches`` reads and ``max_fetch_bytes`` bytes
@@ -91,11 +92,15 @@ class Gathered:
     unannounced: int = 0
 
 
-def list_contributions(store: ObjectStore, run: str, window: int) -> dict[str, str]:
+def list_contributions(
+    store: ObjectStore, run: str, window: int, writers: Collection[str] | None = None
+) -> dict[str, str]:
     """peer id -> key of every well-formed key under ``contrib/<window>/`` (others are ignored:
-    a key that names no peer cannot be attributed to anyone)."""
+    a key that names no peer cannot be attributed to anyone). ``writers``: the peers worth
+    reading (a store that knows who wrote each entry, the DHT, lists only theirs)."""
     out: dict[str, str] = {}
-    for key in store.list(layout.contrib_prefix(run, window)):
+    prefix = layout.contrib_prefix(run, window)
+    for key in store.list(prefix) if writers is None else store.list_written_by(prefix, writers):
         try:
             parsed = layout.parse_key(key, run=run)
         except ProtocolError:
@@ -409,6 +414,7 @@ def gather(
     priority: Callable[[str], Any] = lambda peer: peer,
     budgets: Budgets | None = None,
     on_listed: Callable[[str], None] | None = None,
+    writers: Callable[[], Collection[str]] | None = None,
     stop: threading.Event | None = None,
     clock: Callable[[], float] = time.time,
 ) -> Gathered:
@@ -418,7 +424,8 @@ def gather(
     that have uploaded so far returning them (called on every poll, so peers announcing or
     withdrawing mid-window count). ``admit(peer)``: None
     to read the peer's upload, :data:`UNANNOUNCED` or :data:`EXCLUDED` not to. ``on_listed``:
-    called once per admitted peer when its upload is first listed."""
+    called once per admitted peer when its upload is first listed. ``writers()``: the peers
+    worth listing at each poll (the announced ones; :func:`list_contributions`)."""
     stop = stop or threading.Event()
     budgets = budgets or Budgets()
     f = _Fetcher(store, budgets, max_bytes, concurrency, screen, priority, clock)
@@ -428,7 +435,7 @@ def gather(
         while True:
             f.collect()
             try:
-                listed = list_contributions(store, run, window)
+                listed = list_contributions(store, run, window, None if writers is None else writers())
             except StoreError as exc:
                 log.warning("listing window %d failed: %s", window, exc)
                 listed = {}

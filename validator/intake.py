@@ -176,6 +176,7 @@ class Intake:
             screen=screen,
             priority=priority,
             budgets=self.budgets,
+            writers=lambda: frozenset(registry.announcements),  # a DHT decodes no entry of anyone else
             stop=self.stop,
             clock=self.clock,
         )

@@ -32,6 +32,7 @@ from protocol.identity import Identity
 from protocol.logformat import JsonLogLines
 from protocol.settings import LocalSettings
 from protocol.store import open_from_settings
+from protocol.store.dht.listing import ListBounds
 from protocol.store.presign import Presigner
 
 if TYPE_CHECKING:
@@ -135,7 +136,12 @@ def open_validator(run_path: str, local: LocalSettings, key_path: str, state_dir
     device = resolve_device(local.compute.device, default="cpu")
     # store.grant_url / public_reads are how peers reach the run; the validator holds the credential.
     local = dataclasses.replace(local, store=dataclasses.replace(local.store, grant_url="", public_reads=False))
-    store = open_from_settings(local.store, identity=ident, validator_keys=spec.validator.public_keys)
+    store = open_from_settings(
+        local.store,
+        identity=ident,
+        validator_keys=spec.validator.public_keys,
+        list_bounds=ListBounds.for_run(spec.validator.max_contributors),
+    )
     validator = Validator(spec, store, ident, state_dir, device=device, local=local, emit=emit)
     started = ValidatorStarted(
         peer_id=ident.peer_id,

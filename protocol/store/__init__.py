@@ -42,6 +42,7 @@ from protocol.store.memory import MemoryStore
 if TYPE_CHECKING:
     from protocol.identity import Identity
     from protocol.settings import StoreSettings
+    from protocol.store.dht.listing import ListBounds
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -135,6 +136,7 @@ def open_from_settings(
     *,
     identity: Identity | None = None,
     validator_keys: Sequence[bytes | str] = (),
+    list_bounds: ListBounds | None = None,
     **options: Any,
 ) -> ObjectStore:
     """Open the store of a process's local settings (``settings.store``); ``options`` (credentials,
@@ -143,7 +145,9 @@ def open_from_settings(
     ``s3://``: ``s3_endpoint`` and ``s3_region`` (an endpoint or region in the URL was already
     lifted into them, :func:`protocol.settings.lift_url_settings`). ``dht://``: ``dht_bootstrap``
     are the nodes to join through; ``identity``/``validator_keys`` sign and check its records (see
-    the module doc).
+    the module doc); ``list_bounds`` caps what one listing decodes
+    (:meth:`~protocol.store.dht.listing.ListBounds.for_run`; None: the defaults). Other backends
+    ignore ``list_bounds``.
     """
     scheme = settings.url.partition("://")[0].lower()
     merged: dict[str, Any] = {}
@@ -156,6 +160,8 @@ def open_from_settings(
         merged.update(
             initial_peers=list(settings.dht_bootstrap), identity=identity, validator_keys=list(validator_keys)
         )
+        if list_bounds is not None:
+            merged["list_bounds"] = list_bounds
     merged.update(options)
     return open_store(settings.url, **merged)
 

@@ -11,13 +11,16 @@ backend allows it. ``get_range`` reads a byte range of an object (at most
     blob = store.get("run/contrib/3/abc", max_bytes=64 << 20)
     part = store.get_range("run/data/shard/9f2c", start=4096, length=512)   # bytes [4096, 4608)
     keys = store.list("run/contrib/3/")
+    keys = store.list_written_by("run/contrib/3/", announced)   # the DHT decodes only their entries
     put_once(store, "run/aggregate/3", blob)        # create; the same bytes already there are fine
 """
 
 from __future__ import annotations
 
+import builtins  # list() shadows the builtin in ObjectStore
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 
 from protocol.errors import (
     InvalidKey,
@@ -175,6 +178,13 @@ class ObjectStore(ABC):
     @abstractmethod
     def list(self, prefix: str) -> list[str]:
         """Keys starting with ``prefix``, sorted."""
+
+    def list_written_by(self, prefix: str, writers: Collection[str]) -> builtins.list[str]:
+        """``list(prefix)``, where a backend that records who wrote each listing entry (the DHT)
+        may leave out the entries of writers other than ``writers`` (peer ids) and the run's
+        validators before any per-entry work. This default returns ``list(prefix)``: the caller
+        still checks every key it gets."""
+        return self.list(prefix)
 
     @abstractmethod
     def size(self, key: str) -> int:

@@ -65,6 +65,7 @@ class WritePolicy:
     def __init__(self, namespace: str, validator_keys: Collection[bytes | str] = ()) -> None:
         self.namespace = namespace
         self.validator_keys = frozenset(k if isinstance(k, bytes) else public_key_from_hex(k) for k in validator_keys)
+        self.validator_ids = frozenset(peer_id_of(k) for k in self.validator_keys)  # writers always listed
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, WritePolicy) and (self.namespace, self.validator_keys) == (

@@ -6,6 +6,7 @@
     store.get("run/contrib/00000003/<peer id>", max_bytes=64 << 20)
     store.get_range("run/data/shard/<sha256>", start=4096, length=512)   # only the pieces it covers
     store.list("run/peers/")                             # the announcement index
+    store.list_written_by("run/contrib/00000003/", announced)   # only these writers' entries decoded
     store.close()
 
 How objects map onto DHT records (all under ``namespace``):
@@ -18,7 +19,10 @@ How objects map onto DHT records (all under ``namespace``):
 - ``<ns>:dir:<folder>``  a directory record whose *subkeys* are the entries of ``folder``, one per
   writer and name (``<peer_id>/<name>``): the object names and sub-folder names (with a trailing
   ``/``) — ``list`` walks it like a file tree, so ``list("run/contrib/00000003/")`` reads one record
-  whatever else the run holds.
+  whatever else the run holds. Anyone may add entries of their own, so what one listing decodes is
+  bounded before any entry is decoded (:mod:`protocol.store.dht.listing`: the entries of named
+  writers and of validators, at most ``list_bounds.max_entries`` others per record and
+  ``max_folders`` untrusted sub-folders per walk); ``last_listing`` counts what was ignored.
 
 Write authorization: every record is signed by the writer's Ed25519 key (``identity``, the same
 key as the signed objects) together with its DHT key, subkey and expiration
@@ -49,6 +53,7 @@ import asyncio
 import atexit
 import builtins  # annotations in DHTStore: its list() method shadows the builtin there
 import logging
+import random
 import re
 import threading
 from collections.abc import Awaitable, Callable, Collection, Iterable
@@ -74,6 +79,7 @@ from protocol.store.base import (
     check_range,
     range_past_end,
 )
+from protocol.store.dht.listing import ListBounds, ListStats, choose, read_directory
 from protocol.store.dht.loop import LoopThread
 from protocol.store.dht.pieces import (
     DEFAULT_PIECE_SIZE,
@@ -113,6 +119,8 @@ class DHTStore(ObjectStore):
     ``identity``: the Ed25519 key every record this store writes is signed with (a peer's or the
     validator's key; None: read-only). ``validator_keys``: the run's validator public keys (raw or
     hex), the only keys that may write chain objects; every node of a run must be given the same.
+    ``list_bounds``: how many directory entries and folders one ``list`` decodes at most
+    (:class:`~protocol.store.dht.listing.ListBounds`; ``ListBounds.for_run`` follows the RunSpec).
     A malformed bootstrap address is a ``ConfigError``; peers that do not answer make
     :meth:`start` raise ``StoreError``.
     """
@@ -137,6 +145,7 @@ class DHTStore(ObjectStore):
         identity_path: str | None = None,
         identity: Identity | None = None,
         validator_keys: Collection[bytes | str] = (),
+        list_bounds: ListBounds | None = None,
     ) -> None:
         if expiration_s <= 0 or timeout_s <= 0 or max_concurrency < 1:
             raise ValueError("expiration_s, timeout_s and max_concurrency must be positive")
@@ -156,8 +165,9 @@ class DHTStore(ObjectStore):
         self._loop: LoopThread | None = None
         self._node: Any = None  # hivemind.dht.node.DHTNode once started
         self._maddrs: list[str] = []
-        self._lock = threading.Lock()
-        self._last_expiration = 0.0
+        self._expirations = _Expirations()
+        self.list_bounds = list_bounds or ListBounds()
+        self.last_listing = ListStats()  # what the latest list() read and ignored
         if start:
             self.start()
 
@@ -247,8 +257,34 @@ class DHTStore(ObjectStore):
         return self.manifest(key).size
 
     def list(self, prefix: str) -> list[str]:
+        return self._list(prefix, None)
+
+    def list_written_by(self, prefix: str, writers: Collection[str]) -> builtins.list[str]:
+        """``list(prefix)`` reading only the directory entries of ``writers`` and of the run's
+        validators: every other writer's entries are counted and never decoded."""
+        return self._list(prefix, frozenset(writers))
+
+    def _list(self, prefix: str, writers: frozenset[str] | None) -> builtins.list[str]:
         folder, _, partial = check_prefix(prefix).rpartition("/")
-        return sorted(self._run(self._walk(folder, partial), f"list {prefix!r}"))
+        walk = _Walk(self.list_bounds.max_folders)
+        keys = sorted(self._run(self._walk(folder, partial, writers, walk), f"list {prefix!r}"))
+        self.last_listing = walk.stats
+        if walk.stats.ignored:
+            s = walk.stats
+            log.warning(
+                "DHT list %r: ignored %d of %d directory entries (%d of unknown writers, %d over the cap of %d "
+                "per directory, %d malformed) and %d folders over the cap of %d per walk",
+                prefix,
+                s.unlisted + s.over_cap + s.malformed,
+                s.entries,
+                s.unlisted,
+                s.over_cap,
+                self.list_bounds.max_entries,
+                s.malformed,
+                s.folders_ignored,
+                self.list_bounds.max_folders,
+            )
+        return keys
 
     def delete(self, key: str) -> None:
         self._writer(check_key(key))
@@ -315,29 +351,38 @@ class DHTStore(ObjectStore):
 
         return await self._bounded(fetch, indices)
 
-    async def _walk(self, folder: str, partial: str) -> builtins.list[str]:
+    async def _walk(
+        self, folder: str, partial: str, writers: Collection[str] | None, walk: _Walk
+    ) -> builtins.list[str]:
         dht_key = self._dir_key(folder)
         found = await self._node.get(dht_key, latest=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        markers: dict[str, set[bytes]] = {}
-        for subkey, item in entries.items():
-            if not isinstance(subkey, str) or not isinstance(item.value, bytes):
-                continue  # not a record this store writes
-            record = self._verified(dht_key, subkey, item.value, item.expiration_time)
-            if record is None:
-                continue
-            name = subkey.partition("/")[2]
-            if name.startswith(partial):
-                markers.setdefault(name, set()).add(record.content)
+        bounds = self.list_bounds
+        choice = choose(
+            entries,
+            partial=partial,
+            writers=writers,
+            trusted=self.policy.validator_ids,
+            max_entries=bounds.max_entries,
+            rng=walk.rng,
+        )
+        listing = read_directory(self.policy, dht_key, entries, choice)
+        walk.stats.add(listing.stats)
         keys: list[str] = []
-        subfolders: list[str] = []
-        for name, found_markers in markers.items():  # present while any owner's entry says so
+        trusted: list[str] = []
+        others: list[str] = []
+        for name, found_markers in listing.markers.items():  # present while any owner's entry says so
             path = f"{folder}/{name}" if folder else name
             if FOLDER in found_markers:
-                subfolders.append(path[:-1])
+                (trusted if name in listing.trusted_names else others).append(path[:-1])
             elif FILE in found_markers:
                 keys.append(path)
-        for sub in await self._bounded(lambda folder: self._walk(folder, ""), subfolders):
+        walk.rng.shuffle(others)
+        take = min(len(others), walk.folders_left)
+        walk.folders_left -= take
+        walk.stats.folders_ignored += len(others) - take
+        subfolders = trusted + others[:take]
+        for sub in await self._bounded(lambda sub: self._walk(sub, "", writers, walk), subfolders):
             keys.extend(sub)
         return keys
 
@@ -377,13 +422,7 @@ class DHTStore(ObjectStore):
             raise StoreError(f"DHT {what} failed: {err!r}") from err
 
     def _next_expiration(self) -> float:
-        from hivemind.utils.timed_storage import get_dht_time
-
-        # Strictly increasing: the DHT rejects a record whose expiration is not later than the
-        # one it holds, so a delete right after a put must carry a later time.
-        with self._lock:
-            self._last_expiration = max(get_dht_time() + self.expiration_s, self._last_expiration + 1e-3)
-            return self._last_expiration
+        return self._expirations.next(self.expiration_s)
 
     def _obj_key(self, key: str) -> str:
         return self.policy.dht_key(OBJ, key)
@@ -419,6 +458,31 @@ class DHTStore(ObjectStore):
             log.warning("ignoring DHT record of %s that does not verify: %s", dht_key, exc)
             return None
         return record
+
+
+class _Expirations:
+    """Strictly increasing expiration times: the DHT rejects a record whose expiration is not
+    later than the one it holds, so a delete right after a put must carry a later time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = 0.0
+
+    def next(self, lifetime_s: float) -> float:
+        from hivemind.utils.timed_storage import get_dht_time
+
+        with self._lock:
+            self._last = max(get_dht_time() + lifetime_s, self._last + 1e-3)
+            return self._last
+
+
+class _Walk:
+    """The state one ``list`` shares across the directory records it reads."""
+
+    def __init__(self, max_folders: int) -> None:
+        self.folders_left = max_folders
+        self.stats = ListStats()
+        self.rng = random.Random()  # which untrusted entries a capped listing takes: not predictable
 
 
 def _ancestry(key: str) -> list[tuple[str, str]]:
