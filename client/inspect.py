@@ -23,7 +23,12 @@ The files come from anywhere, so what they make it print is treated as hostile t
 one line of printable text (control characters, escape sequences and bidirectional overrides in
 names, metadata, messages or paths are shown escaped, ``\x1b`` …), so an object can never make its
 line, or another, read as something else — an INVALID object never shows as ``OK``. Objects larger
-than ``max_bytes`` (default :data:`DEFAULT_MAX_BYTES`, ``--max-bytes``) are refused from their size.
+than ``max_bytes`` (default :data:`DEFAULT_MAX_BYTES`, ``--max-bytes``) are refused from their size,
+and objects whose tensor tables declare more decoded memory than ``max_memory`` (default
+:data:`DEFAULT_MAX_MEMORY`, ``--max-memory``; :func:`protocol.wire.footprint.declared_bytes`) from
+their header, before the rest of a file is read: decoding allocates in proportion to what the
+tables declare (at most 96 × the object's size + 1 MiB, the bound the fuzz tests assert), so
+without it one crafted file of the 1 GiB ``--max-bytes`` could cost ~100 GiB.
 """
 
 from __future__ import annotations
@@ -52,9 +57,13 @@ from protocol.wire import (
     dataset_digest,
     decode_object,
 )
+from protocol.wire.footprint import body_end, declared_bytes
+from protocol.wire.frame import FIXED_HEADER_BYTES
 
 #: Far above any object a run accepts (contributions and aggregates are capped at tens of MiB).
 DEFAULT_MAX_BYTES = 256 << 20
+#: Decoded tensors one object may declare (a 1 B-parameter model's full contribution declares ~0.2 GiB).
+DEFAULT_MAX_MEMORY = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -106,8 +115,10 @@ def inspect_bytes(
     max_bytes: int = DEFAULT_MAX_BYTES,
     run_hash: str | None = None,
     allowed_signers: Collection[bytes | str] | None = None,
+    max_memory: int = DEFAULT_MAX_MEMORY,
 ) -> InspectResult:
     try:
+        _check_declared(declared_bytes(data), max_memory)
         obj = decode_object(data, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed_signers)
     except ProtocolError as exc:
         return _invalid(path, exc.reason, exc.args[0] if exc.args else "")
@@ -123,20 +134,34 @@ def inspect_file(
     max_bytes: int = DEFAULT_MAX_BYTES,
     run_hash: str | None = None,
     allowed_signers: Collection[bytes | str] | None = None,
+    max_memory: int = DEFAULT_MAX_MEMORY,
 ) -> InspectResult:
-    """Inspect one file; oversized files are rejected from their size, without reading them."""
+    """Inspect one file; oversized files are rejected from their size, files whose header declares
+    more than ``max_memory`` of decoded tensors from their header, without reading the rest."""
     p = str(path)
     try:
         size = os.stat(p).st_size
         if size > max_bytes:
             raise PayloadTooLarge(f"file is {size} bytes, limit {max_bytes}")
         with open(p, "rb") as f:
-            data = f.read(max_bytes + 1)
+            data = f.read(FIXED_HEADER_BYTES)
+            data += f.read(max(0, min(body_end(data), size) - len(data)))
+            _check_declared(declared_bytes(data), max_memory)
+            data += f.read(max_bytes + 1 - len(data))
     except ProtocolError as exc:
         return _invalid(p, exc.reason, exc.args[0])
     except OSError as exc:
         return _invalid(p, "unreadable", exc.strerror or str(exc))
-    return inspect_bytes(data, p, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed_signers)
+    return inspect_bytes(
+        data, p, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed_signers, max_memory=max_memory
+    )
+
+
+def _check_declared(need: int, max_memory: int) -> None:
+    if need > max_memory:
+        raise PayloadTooLarge(
+            f"its tensor tables declare {need} bytes of decoded tensors, limit {max_memory} (--max-memory)"
+        )
 
 
 def inspect_paths(
@@ -145,13 +170,16 @@ def inspect_paths(
     max_bytes: int = DEFAULT_MAX_BYTES,
     run_hash: str | None = None,
     allowed_signers: Collection[bytes | str] | None = None,
+    max_memory: int = DEFAULT_MAX_MEMORY,
 ) -> Iterator[InspectResult]:
     """Inspect files; a directory stands for every file below it, in sorted order.
 
     Checkpoint weights are safetensors, not signed envelopes: a file that a valid checkpoint manifest
     among the inspected files lists (same folder) is checked against the manifest's size and sha256.
     """
-    check = partial(inspect_file, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed_signers)
+    check = partial(
+        inspect_file, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed_signers, max_memory=max_memory
+    )
     results = [check(f) if isinstance(f, Path) else f for f in _expand(paths)]
     listed = _listed_by_manifests(results)
     for r in results:
@@ -204,6 +232,7 @@ def inspect_store(
     max_bytes: int = DEFAULT_MAX_BYTES,
     run_hash: str | None = None,
     allowed_signers: Collection[bytes | str] | None = None,
+    max_memory: int = DEFAULT_MAX_MEMORY,
 ) -> Iterator[InspectResult]:
     """Inspect every object under ``prefix`` in ``store`` (an exact key is its own prefix), in
     key order; each result's path is ``label/<key>``. Nothing found is one INVALID result."""
@@ -215,7 +244,9 @@ def inspect_store(
     if not keys:
         yield _invalid(f"{label}/{prefix}", "not_found", "no object at this key or under this prefix")
         return
-    check = partial(inspect_bytes, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed_signers)
+    check = partial(
+        inspect_bytes, max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed_signers, max_memory=max_memory
+    )
     results: dict[str, InspectResult] = {}
     for key in keys:
         path = label + key if label.endswith("://") else f"{label.rstrip('/')}/{key}"

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 EXIT_INVALID = 2
 INSPECT_MAX_BYTES = 1 << 30  # client.inspect.DEFAULT_MAX_BYTES (that module loads torch)
+INSPECT_MAX_MEMORY = 4 << 30  # client.inspect.DEFAULT_MAX_MEMORY
 
 
 @click.group()
@@ -45,6 +46,13 @@ def main() -> None:
 @click.command("inspect")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(dir_okay=True, path_type=str))
 @click.option("--max-bytes", type=int, default=INSPECT_MAX_BYTES, show_default=True, help="Size cap per object.")
+@click.option(
+    "--max-memory",
+    type=int,
+    default=INSPECT_MAX_MEMORY,
+    show_default=True,
+    help="Cap on the decoded tensors an object's header declares (refused before its payload is read).",
+)
 @click.option(
     "--run",
     "run_path",
@@ -61,6 +69,7 @@ def main() -> None:
 def inspect_cmd(
     paths: tuple[str, ...],
     max_bytes: int,
+    max_memory: int,
     run_path: str | None,
     run_hash: str | None,
     validator_keys: tuple[str, ...],
@@ -95,13 +104,15 @@ def inspect_cmd(
             raise click.BadParameter(f"{run_path} has run hash {spec.hash()}", param_hint="--run-hash")
         run_hash = spec.hash()
         allowed = [*(allowed or []), *(public_key_from_hex(k) for k in spec.validator.public_keys)]
-    check = Checks(max_bytes, run_hash, allowed)
+    check = Checks(max_bytes, run_hash, allowed, max_memory)
     all_ok = True
     for path in paths:
         if "://" in path:
             results = _inspect_url(path, run_path, spec, tuple(overrides.get("store.dht_bootstrap") or ()), check)
         else:
-            results = inspect_paths([path], max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed)
+            results = inspect_paths(
+                [path], max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed, max_memory=max_memory
+            )
         for result in results:
             click.echo(result.line)
             all_ok &= result.ok
@@ -136,6 +147,7 @@ def _inspect_url(
             max_bytes=check.max_bytes,
             run_hash=check.run_hash,
             allowed_signers=check.allowed_signers,
+            max_memory=check.max_memory,
         )
 
 
@@ -146,6 +158,7 @@ class Checks:
     max_bytes: int
     run_hash: str | None
     allowed_signers: list[bytes] | None
+    max_memory: int
 
 
 def _trust_note(spec: RunSpec | None, run_hash: str | None, allowed: list[bytes] | None) -> None:

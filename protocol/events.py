@@ -256,9 +256,36 @@ class WindowPublished(Event):
 @_event("window_retry")
 @dataclass(frozen=True, kw_only=True)
 class WindowRetry(Event):
-    """A window could not be completed (a store error); the validator retries it."""
+    """A window could not be completed (a store error); the validator retries it after
+    ``wait_s``. ``attempt``: the failures of this window so far, of at most ``limit`` before it
+    gives up (:mod:`validator.retry`)."""
 
     window: int
+    reason: str
+    detail: str = ""
+    attempt: int = 1
+    limit: int = 0
+    wait_s: float = 0.0
+
+
+@_event("checkpoint_skipped")
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSkipped(Event):
+    """The checkpoint of ``window`` could not be published (a store error): the run goes on without
+    it, joiners start from the one before, and the next checkpoint window publishes again."""
+
+    window: int
+    reason: str
+    detail: str = ""
+
+
+@_event("store_object_rejected")
+@dataclass(frozen=True, kw_only=True)
+class StoreObjectRejected(Event):
+    """An object in the store failed verification where the validator relies on it (``key``, why:
+    ``reason``): it is not trusted, and never a reason to delete anything."""
+
+    key: str
     reason: str
     detail: str = ""
 

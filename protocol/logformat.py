@@ -25,13 +25,23 @@ import threading
 import time
 from typing import IO, Any
 
-from protocol.events import Event, Failed, GrantDenied, Resynced, SyncFailed, WindowRetry, describe
+from protocol.events import (
+    CheckpointSkipped,
+    Event,
+    Failed,
+    GrantDenied,
+    Resynced,
+    StoreObjectRejected,
+    SyncFailed,
+    WindowRetry,
+    describe,
+)
 
 __all__ = ["FORMATS", "JsonFormatter", "JsonLogLines", "event_record", "plain_text", "setup_logging"]
 
 FORMATS = ("human", "json")
 HUMAN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-_WARNINGS = (Failed, GrantDenied, Resynced, SyncFailed, WindowRetry)
+_WARNINGS = (Failed, GrantDenied, Resynced, SyncFailed, WindowRetry, CheckpointSkipped, StoreObjectRejected)
 
 
 def iso_time(unix_s: float) -> str:

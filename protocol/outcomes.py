@@ -21,7 +21,10 @@ and a reader trusts it exactly as far as the aggregate that names it::
     table.get(peer_id)                                   # PeerOutcome or None (did not upload)
 
 Reading is strict: bytes that do not hash to the named digest are ``DigestMismatch``, a body that
-does not parse is ``MalformedPayload``.
+does not parse (not JSON, nested deeper than the interpreter's recursion limit, rows of another
+shape) is ``MalformedPayload``. Parsing allocates at most ~24 × the body (a table of empty JSON
+objects, the densest in Python objects; the fuzz tests bound it at 32 ×), and
+:data:`MAX_OUTCOMES_BYTES` caps the body.
 """
 
 from __future__ import annotations
@@ -131,8 +134,10 @@ def decode_outcomes(blob: bytes, *, digest: str, run_hash: str, window: int) -> 
         raise DigestMismatch(f"the outcomes of window {window} do not match the digest their aggregate signed")
     try:
         raw = json.loads(blob)
-    except ValueError as exc:
+    except ValueError as exc:  # UnicodeDecodeError included
         raise MalformedPayload(f"outcomes of window {window} are not JSON: {exc}") from None
+    except RecursionError:  # the rows nest 3 levels deep; the parser stops at the interpreter's limit
+        raise MalformedPayload(f"outcomes of window {window} nest deeper than any outcomes table") from None
     if not isinstance(raw, dict) or raw.get("run_hash") != run_hash or raw.get("window") != window:
         raise MalformedPayload(f"the outcomes object does not name run {run_hash[:16]} window {window}")
     table = raw.get("outcomes")

@@ -227,6 +227,11 @@ class ValidatorSettings:
     retain_checkpoint_every: int = setting(
         0, "With retain_windows: also keep every M-th checkpoint (0: only those catch-up needs)."
     )
+    window_retries: int = setting(
+        10,
+        "Consecutive store failures of one window before the validator gives up on it (exit status 1); "
+        "the waits double from poll_interval_s up to 60 s (243 s in all at the defaults).",
+    )
 
     def __post_init__(self) -> None:
         _require(self.gather_concurrency >= 1, "validator.gather_concurrency must be >= 1")
@@ -240,6 +245,7 @@ class ValidatorSettings:
             "validator.retain_windows must be 0 (keep everything) or >= 2",
         )
         _require(self.retain_checkpoint_every >= 0, "validator.retain_checkpoint_every must be >= 0")
+        _require(self.window_retries >= 1, "validator.window_retries must be >= 1")
 
 
 @dataclass(frozen=True)

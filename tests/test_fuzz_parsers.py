@@ -3,8 +3,10 @@ in bounded time and with allocation proportional to its input.
 
 Targets: the envelope (frame), every object kind (mutated and signed again, so the body and
 payload parsers are reached), codec payloads, DHT piece manifests, signed DHT records (object
-manifests, pieces, directory entries) and the node validator that checks them, and the validator's
-per-contribution checks on raw bytes. Each starts from the committed seed corpus
+manifests, pieces, directory entries) and the node validator that checks them, the validator's
+per-contribution checks on raw bytes, the published outcomes (:mod:`protocol.outcomes`) and
+``inspect`` on raw bytes; and the densest valid contribution (16,384,000 values in ~101 KiB) on
+every decode path, under the same allocation bound. Each starts from the committed seed corpus
 (``tests/fuzz_corpus``, see ``tests/fuzz_seeds.py``) and mutates it with hypothesis.
 
 CI runs a derandomized profile with a modest number of examples (seconds per target); set
@@ -13,13 +15,16 @@ CI runs a derandomized profile with a modest number of examples (seconds per tar
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fuzz_seeds import CODEC_INPUTS, load
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -376,3 +381,120 @@ def test_fuzz_directory_entries_of_any_shape(
     listing = bounded(read, b"\0" * size)
     s = listing.stats
     assert s.entries == len(entries) and s.decoded <= cap and s.malformed <= len(entries)
+
+
+# ---------------------------------------------------------------------------------------- decode allocation, outcomes
+# A valid contribution of ~101 KiB: one tensor of 16,384,000 values, every chunk keeping positions
+# 0–63 (the densest index stream there is: 3 bits per value). Its decoders once allocated 65× its
+# size (the validator's screen ~280× in torch temporaries), and inspect reads files up to 1 GiB.
+CRAFTED_NUMEL = 16_384_000
+
+
+def crafted_contribution(shape: tuple[int, ...]) -> bytes:
+    from protocol.codec import Encoded
+    from protocol.codec.chunking import geometry
+    from protocol.wire import Contribution, encode_contribution
+
+    g = geometry(shape, CODEC)
+    assert g.k_full == g.k_last == 64
+    idx = torch.arange(64).repeat(g.n_chunks)
+    codes = torch.arange(g.nnz, dtype=torch.int64).remainder(4).to(torch.uint8)
+    scales = torch.full((g.n_chunks, 2), 200, dtype=torch.uint8)
+    enc = Encoded(shape, CODEC, idx, codes, scales, 1.0)
+    return encode_contribution(Contribution(RUN, 7, BASE, CODEC, {"w": enc}, {}), PEER)
+
+
+@pytest.mark.parametrize("shape", [(CRAFTED_NUMEL,), (8000, 2048)], ids=["vector", "tiled"])
+def test_the_densest_valid_contribution_decodes_within_the_bound_on_every_path(shape: tuple[int, ...]) -> None:
+    from client.inspect import inspect_bytes
+    from protocol.codec import to_sparse
+
+    data = crafted_contribution(shape)
+    assert 100 << 10 < len(data) < 110 << 10
+    decoded = bounded(_decode, data, CODEC_PER_BYTE)
+    assert not isinstance(decoded, ProtocolError)
+    enc = decoded.value.tensors["w"]
+    idx, vals = bounded(lambda _: to_sparse(enc), data, CODEC_PER_BYTE)
+    assert idx.numel() == 256_000 and bool((idx[1:] > idx[:-1]).all()) and bool(torch.isfinite(vals).all())
+    ctx = dataclasses.replace(CTX, schema={"w": shape})
+    screened = bounded(lambda d: checks.screen(PEER.peer_id, d, ctx), data, CODEC_PER_BYTE)
+    assert screened.reason is None
+    assert bounded(inspect_bytes, data, CODEC_PER_BYTE).ok
+
+
+def test_inspect_refuses_what_a_header_declares_beyond_its_memory_cap(tmp_path: Path) -> None:
+    """The header of the crafted contribution declares ~3 MB of decoded tensors: refused from its
+    header under a 1 MiB cap (the payload is not read), decoded under the default."""
+    from client.inspect import inspect_file
+    from protocol.wire.footprint import declared_bytes
+
+    data = crafted_contribution((CRAFTED_NUMEL,))
+    need = declared_bytes(data)
+    assert 256_000 * 9 < need < 96 * len(data)
+    path = tmp_path / "crafted"
+    path.write_bytes(data)
+    refused = inspect_file(path, max_memory=1 << 20)
+    assert not refused.ok and refused.reason == "too_large" and "--max-memory" in refused.line
+    assert inspect_file(path).ok
+
+
+def test_a_plain_aggregate_of_half_a_tensor_decodes_within_the_bound() -> None:
+    from wire_samples import aggregate
+
+    from protocol.wire import SparseDelta, encode_aggregate
+    from protocol.wire.delta import round_values
+
+    idx = torch.arange(0, 1_638_400, 2)
+    tensors = {"w": SparseDelta((1_638_400,), idx, round_values(torch.full((idx.numel(),), 0.5)))}
+    data = encode_aggregate(dataclasses.replace(aggregate(), tensors=tensors), VALIDATOR)
+    assert not isinstance(bounded(_decode, data), ProtocolError)
+
+
+def _outcomes_seeds() -> dict[str, bytes]:
+    from protocol.outcomes import PeerOutcome, encode_outcomes
+
+    rows = [
+        PeerOutcome(PEER.peer_id, True, None, 0.0125, 0.19),
+        PeerOutcome(VALIDATOR.peer_id, False, "copy", None, 0.0),
+    ]
+    return {
+        "ok": encode_outcomes(RUN, 7, rows),
+        "empty": encode_outcomes(RUN, 7, []),
+        "deep": b"[" * 20_000,
+        "many-empty-objects": b'{"outcomes":['
+        + b"{}," * 50_000
+        + b'{}],"run_hash":"'
+        + RUN.encode()
+        + b'","window":7}',
+    }
+
+
+def _outcomes(data: bytes) -> Any:
+    from protocol.outcomes import decode_outcomes, outcomes_digest
+
+    return decode_outcomes(data, digest=outcomes_digest(data), run_hash=RUN, window=7)
+
+
+def test_the_outcomes_seeds_parse_or_are_refused() -> None:
+    seeds = _outcomes_seeds()
+    assert len(bounded(_outcomes, seeds["ok"]).rows) == 2
+    for name in ("deep", "many-empty-objects"):
+        assert isinstance(bounded(_outcomes, seeds[name]), ProtocolError), name
+
+
+@FUZZ
+@given(data=mutated(_outcomes_seeds()))
+def test_fuzz_outcomes(data: bytes) -> None:
+    """The published outcomes, as a validator's signature vouches for them (the digest matches
+    whatever the bytes are): parsed or refused with a ProtocolError, within the bound."""
+    bounded(_outcomes, data)
+
+
+@FUZZ
+@given(data=mutated(load("objects")))
+def test_fuzz_inspect_bytes(data: bytes) -> None:
+    """``inspect`` on any bytes: one result line, the header's declared footprint read first."""
+    from client.inspect import inspect_bytes
+
+    result = bounded(inspect_bytes, data, CODEC_PER_BYTE)
+    assert result.line.startswith("OK " if result.ok else "INVALID ")

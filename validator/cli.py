@@ -302,7 +302,11 @@ def run(
                          (every few seconds while expected peers are missing)
       window_published   window, accepted, rejected, val_loss, digest, fingerprint,
                          published_at, reasons {reason: count}, seconds {phase: s}
-      window_retry       window, reason, detail       (a store error; retried)
+      window_retry       window, reason, detail, attempt, limit, wait_s
+                         (a store error; retried after wait_s, at most
+                         validator.window_retries times in a row)
+      checkpoint_skipped window, reason, detail       (the store refused it; the run goes on)
+      store_object_rejected  key, reason, detail      (a checkpoint retention cannot verify)
       model_evaluated    window, fingerprint, sequences, loss, perplexity,
                          bits_per_byte, seconds       (--eval-every N)
       grants_served      url                          (--grant-port)
@@ -311,8 +315,8 @@ def run(
       stopped            role, reason (done | stopped | interrupted), window
       failed             role, reason, detail
 
-    Exit status: 0 done, 1 the store failed at start, 2 configuration or identity error, 130 stopped
-    or interrupted.
+    Exit status: 0 done, 1 the store failed at start or failed one window validator.window_retries
+    times in a row, 2 configuration or identity error, 130 stopped or interrupted.
     """
     setup_logging(log_format, verbose=verbose, stream=sys.stderr)
     out = Reporting(event_lines(status_json, log_format), metrics_port, metrics_host)

@@ -34,7 +34,7 @@ from protocol import broadcast, layout
 from protocol.caps import object_caps
 from protocol.config import RunSpec
 from protocol.errors import StoreError
-from protocol.events import Event, WindowPublished
+from protocol.events import CheckpointSkipped, Event, StoreObjectRejected, WindowPublished
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import parameters_of
@@ -90,6 +90,7 @@ class Committer:
         v = local.validator
         self.retention = retention.Retention(v.retain_windows, v.retain_checkpoint_every)
         self._verified_files: set[tuple[str, str]] = set()  # checkpoint files retention has read and verified
+        self._rejections: set[tuple[str, str]] = set()  # (key, reason) retention has reported
         self.max_windows = local.max_windows
         self.clock, self.emit, self.max_late = clock, emit, max_late
         self.state: ValidatorState | None = None
@@ -237,17 +238,7 @@ class Committer:
         )
         checkpoint = is_checkpoint_window(nxt.window, self.spec.windows, self.max_windows)
         if checkpoint:
-            publish.publish_checkpoint(
-                self.store,
-                self.run_id,
-                self.run_hash,
-                nxt.window,
-                aggregate=digest,
-                params=params,
-                identity=self.identity,
-                published_at=nxt.opened_at,
-                launch=st.launch,
-            )
+            self._checkpoint(nxt, digest, params)
         theta = checkpoint or nxt.window - self.theta_window >= THETA_EVERY
         save_state(self.state_dir, nxt, params=theta)
         if theta:
@@ -257,6 +248,35 @@ class Committer:
         prune_feedback(self.state_dir, before=nxt.window)
         self._load(params)
         self.collect(nxt.window)
+
+    def _checkpoint(self, nxt: ValidatorState, digest: str, params: dict[str, torch.Tensor]) -> None:
+        """Publish the checkpoint that opens ``nxt.window``. The aggregate is already out, so a store
+        error skips the checkpoint (CheckpointSkipped) instead of failing the window: retrying the
+        window would adopt the aggregate and fail here again, for as long as the error lasts."""
+        try:
+            publish.publish_checkpoint(
+                self.store,
+                self.run_id,
+                self.run_hash,
+                nxt.window,
+                aggregate=digest,
+                params=params,
+                identity=self.identity,
+                published_at=nxt.opened_at,
+                launch=nxt.launch,
+            )
+        except StoreError as exc:
+            log.warning("checkpoint %d not published, the run goes on without it: %s", nxt.window, exc)
+            self.emit(CheckpointSkipped(window=nxt.window, reason=exc.reason, detail=str(exc)))
+
+    def _rejected(self, key: str, reason: str, detail: str) -> None:
+        """A store object retention could not verify: a warning and a StoreObjectRejected event,
+        once per (key, reason) — retention plans every window and would repeat it."""
+        if (key, reason) in self._rejections:
+            return
+        self._rejections.add((key, reason))
+        log.warning("%s %s: %s", key, reason, detail)
+        self.emit(StoreObjectRejected(key=key, reason=reason, detail=detail))
 
     def collect(self, current: int) -> None:
         """Apply the local retention policy now that window ``current`` is open
@@ -274,6 +294,7 @@ class Committer:
                 signers=self.signers,
                 max_deletes=MAX_DELETES_PER_WINDOW,
                 verified=self._verified_files,
+                rejected=self._rejected,
             )
             deleted = retention.collect(self.store, plan)
         except StoreError as exc:

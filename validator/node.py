@@ -6,7 +6,9 @@
 
 It reports through ``emit`` (:mod:`protocol.events`): WindowOpened when it starts gathering a
 window, WindowWaiting while expected peers have not uploaded (every few seconds, naming them),
-WindowPublished (also ``run_window``'s return value), WindowRetry after a store error and, with
+WindowPublished (also ``run_window``'s return value), WindowRetry after a store error (at most
+``validator.window_retries`` in a row, then :class:`~validator.retry.WindowFailed`:
+:mod:`validator.retry`), CheckpointSkipped and, with
 ``validator.eval_every`` (a local setting), ModelEvaluated (:mod:`validator.evaluation`).
 
 The phases (docs/ARCHITECTURE.md, "One window, end to end"):
@@ -59,7 +61,7 @@ from protocol import layout
 from protocol.config import RunSpec
 from protocol.data.run_data import dataset_of, run_tokenizer
 from protocol.data.tokens import TokenDataset
-from protocol.errors import ConfigError, DataUnavailable, ObjectNotFound, ProtocolError, StoreError
+from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, StoreError
 from protocol.events import Event, ModelEvaluated, WindowOpened, WindowPublished, WindowRetry
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
@@ -76,6 +78,7 @@ from validator.intake import Intake
 from validator.launch import Launcher
 from validator.log import LOG_FILE, ContributionLog
 from validator.reputation import Standing
+from validator.retry import Retries
 from validator.rows import folded
 from validator.state import ValidatorState
 from validator.trial import Aggregator
@@ -190,15 +193,14 @@ class Validator:
         state = self.state or self.resume()
         reports: list[WindowPublished] = []
         limit = self.local.max_windows
+        retries = Retries(self.local.validator.window_retries, self.local.poll_interval_s)
         while not self.stop.is_set() and (windows is None or len(reports) < windows):
             if limit and state.window >= limit:
                 break
             try:
                 report = self.run_window()
             except StoreError as exc:  # a value at the window boundary: retry (or adopt what got out)
-                self.emit(WindowRetry(window=state.window, reason=exc.reason, detail=str(exc)))
-                self.stop.wait(self.local.poll_interval_s)
-                self._adopt_published()
+                self._retry(state.window, exc, retries)  # WindowFailed past validator.window_retries
                 state = self._state()
                 continue
             if report is None:  # stopped mid-window: nothing published, a restart redoes it
@@ -207,6 +209,29 @@ class Validator:
             self._evaluate(report)
             state = self._state()
         return reports
+
+    def _retry(self, window: int, exc: StoreError, retries: Retries) -> None:
+        """Wait before the next attempt of ``window`` (:mod:`validator.retry`), then adopt the
+        aggregate if it got out; a store error while looking for it is one more failure."""
+        while True:
+            wait = retries.failed(window, exc)
+            self.emit(
+                WindowRetry(
+                    window=window,
+                    reason=exc.reason,
+                    detail=str(exc),
+                    attempt=retries.attempts,
+                    limit=retries.limit,
+                    wait_s=wait,
+                )
+            )
+            if self.stop.wait(wait):
+                return
+            try:
+                self._adopt_published()
+                return
+            except StoreError as again:
+                exc = again
 
     def run_window(self) -> WindowPublished | None:
         st, clock = self._state(), PhaseClock()
@@ -230,7 +255,7 @@ class Validator:
             return
         try:
             rec = self.periodic.evaluate(self.model, report.window, report.fingerprint, self.device)
-        except DataUnavailable as exc:  # the next due window tries again; the run goes on
+        except StoreError as exc:  # data or tokenizer unavailable: the next due window tries again
             log.warning("θ after window %d is not evaluated: %s", report.window, exc)
             return
         self.log.record_evaluation(rec)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Collection, Iterable, MutableSet, Sequence
+from collections.abc import Callable, Collection, Iterable, MutableSet, Sequence
 from dataclasses import dataclass
 
 from protocol import layout
@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 MIN_WINDOWS = 2
 
 Signers = Collection[bytes | str]
+#: Told of a store object that failed verification: (key, reason, detail).
+Rejected = Callable[[str, str, str], None]
 
 
 @dataclass(frozen=True)
@@ -106,19 +108,23 @@ def plan_collection(
     signers: Signers,
     max_deletes: int | None = None,
     verified: MutableSet[tuple[str, str]] | None = None,
+    rejected: Rejected | None = None,
 ) -> Plan:
     """The keys ``policy`` deletes from ``store`` when the run is at window ``current`` (see the
     module doc); an empty plan when the policy is off. Reads three listings, the manifests of the
     anchor candidates and the anchor's files (each against its signed size and sha256); deletes
     nothing. ``verified``: (key, sha256) of files already read and verified, kept by a caller that
-    plans every window so that an anchor's files are read once, not once a window."""
+    plans every window so that an anchor's files are read once, not once a window. ``rejected``:
+    called with (key, reason, detail) for every store object that failed verification on the way
+    (a checkpoint manifest, a missing or damaged checkpoint file): never a reason to delete it."""
     horizon = current - policy.windows
     if not policy.enabled or horizon <= 0:
         return Plan(current, max(horizon, 0), 0, (), ())
     contribs = _parsed(store.list(layout.contribs_prefix(run)), run)
     aggregates = _parsed(store.list(layout.aggregate_prefix(run)), run)
     checkpoints = _parsed(store.list(layout.checkpoints_prefix(run)), run)
-    anchor = _anchor(store, run, run_hash, checkpoints, horizon, signers, set() if verified is None else verified)
+    seen = set() if verified is None else verified
+    anchor = _anchor(store, run, run_hash, checkpoints, horizon, signers, seen, rejected or _logged)
     delete: list[str] = [k for w, k in contribs if w < horizon]
     delete += [k for w, k in aggregates if w < anchor]
     delete += _checkpoint_order((w, k) for w, k in checkpoints if w < anchor and not policy.archived(w))
@@ -174,11 +180,13 @@ def _anchor(
     horizon: int,
     signers: Signers,
     verified: MutableSet[tuple[str, str]],
+    rejected: Rejected,
 ) -> int:
     """The newest checkpoint window ``≤ horizon`` whose manifest verifies, belongs to the store's
     launch and whose files all have the size and sha256 it signed; 0 (genesis) when there is none.
     A forged or damaged checkpoint is never an anchor: trusting one — even one whose files are
-    merely present — would delete the aggregates a joiner needs."""
+    merely present — would delete the aggregates a joiner needs. Each object that fails is told to
+    ``rejected``."""
     manifests = sorted(
         {w for w, k in checkpoints if 0 < w <= horizon and k == layout.checkpoint_manifest_key(run, w)}, reverse=True
     )
@@ -188,24 +196,32 @@ def _anchor(
     try:
         launch = read_launch(store, run, run_hash, allowed_signers=signers).digest
     except (ObjectNotFound, ProtocolError) as exc:
-        log.warning("no verified genesis manifest; retention keeps every aggregate: %s", exc)
+        rejected(layout.checkpoint_manifest_key(run, 0), exc.reason, f"no verified genesis manifest: {exc}")
         return 0
     for window in manifests:
+        key = layout.checkpoint_manifest_key(run, window)
         try:
             manifest = read_manifest(store, run, run_hash, window, allowed_signers=signers)
             checkpoint_base(manifest, launch)
         except (ObjectNotFound, ProtocolError) as exc:
-            log.warning("checkpoint %d is not an anchor for retention: %s", window, exc)
+            rejected(key, exc.reason, f"checkpoint {window} is not an anchor for retention: {exc}")
             continue
         files = manifest.value.files
-        if not all(f.key in present for f in files):
-            log.warning("checkpoint %d misses files; not an anchor for retention", window)
+        missing = next((f.key for f in files if f.key not in present), None)
+        if missing is not None:
+            rejected(missing, "not_found", f"checkpoint {window} misses this file; not an anchor for retention")
             continue
         damaged = next((f.key for f in files if not _file_verifies(store, f, verified)), None)
         if damaged is None:
             return window
-        log.warning("checkpoint %d: %s does not match its signed sha256; not an anchor for retention", window, damaged)
+        detail = f"checkpoint {window}: does not match its signed size and sha256; not an anchor for retention"
+        rejected(damaged, "digest_mismatch", detail)
     return 0
+
+
+def _logged(key: str, reason: str, detail: str) -> None:
+    """The default ``rejected``: a warning in the log."""
+    log.warning("%s %s: %s", key, reason, detail)
 
 
 def _file_verifies(store: ObjectStore, f: CheckpointFile, verified: MutableSet[tuple[str, str]]) -> bool:

@@ -188,6 +188,9 @@ def serve(validator: Validator, windows: int | None, emit: Emit) -> int:
     except ConfigError as exc:
         emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
         return EXIT_CONFIG
+    except StoreError as exc:  # a window failed validator.window_retries times (validator.retry): a restart redoes it
+        emit(Failed(role=ROLE, reason=exc.reason, detail=str(exc)))
+        return EXIT_STORE
     except KeyboardInterrupt:  # a second Ctrl-C: the current window is redone on restart
         emit(Stopped(role=ROLE, reason="interrupted", window=_window(validator)))
         return EXIT_INTERRUPTED

@@ -39,6 +39,10 @@ F32 = npt.NDArray[np.float32]
 SKETCH_VALUES = 1 << 17  # entries a sampled contribution keeps at least
 
 
+#: Positions hashed at a time by :meth:`Sketcher.entries` (its temporaries: a few arrays this long).
+BLOCK = 1 << 14
+
+
 def offsets(schema: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
     """Start of every tensor in one global index space (names sorted)."""
     out, pos = {}, 0
@@ -54,8 +58,14 @@ def global_entries(sparse: SparseDict, offs: Mapping[str, int]) -> tuple[I64, F3
     names = sorted(n for n in sparse if n in offs)
     if not names:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
-    idx = np.concatenate([sparse[n][0].numpy().astype(np.int64) + offs[n] for n in names])
-    vals = np.concatenate([sparse[n][1].numpy().astype(np.float32) for n in names])
+    sizes = [len(sparse[n][0]) for n in names]
+    idx = np.empty(sum(sizes), dtype=np.int64)
+    vals = np.empty(sum(sizes), dtype=np.float32)
+    at = 0
+    for name, size in zip(names, sizes):  # written in place: no per-tensor copies to concatenate
+        np.add(sparse[name][0].numpy(), offs[name], out=idx[at : at + size], casting="unsafe")
+        vals[at : at + size] = sparse[name][1].numpy()
+        at += size
     return idx, vals
 
 
@@ -82,12 +92,22 @@ class Sketcher:
             raise ValueError(f"a sample keeps 1 in a power of two positions, not 1 in {self.every}")
 
     def entries(self, sparse: SparseDict) -> tuple[I64, F32]:
-        """The sampled (sorted global indices, values) of one contribution."""
-        idx, vals = global_entries(sparse, self.offsets)
+        """The sampled (sorted global indices, values) of one contribution. Positions are hashed a
+        block at a time (:data:`BLOCK`), so only the sample is ever gathered."""
         if self.every <= 1:
-            return idx, vals
-        keep = self.sampled(idx)
-        return idx[keep], vals[keep]
+            return global_entries(sparse, self.offsets)
+        parts_idx: list[I64] = []
+        parts_vals: list[F32] = []
+        for name in sorted(n for n in sparse if n in self.offsets):
+            idx, vals = sparse[name][0].numpy(), sparse[name][1].numpy()
+            for lo in range(0, idx.size, BLOCK):
+                block = idx[lo : lo + BLOCK].astype(np.int64) + self.offsets[name]
+                keep = self.sampled(block)
+                parts_idx.append(block[keep])
+                parts_vals.append(vals[lo : lo + BLOCK][keep].astype(np.float32))
+        if not parts_idx:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+        return np.concatenate(parts_idx), np.concatenate(parts_vals)
 
     def sampled(self, idx: I64) -> npt.NDArray[np.bool_]:
         """Which global positions are in the sample (a keyed 64-bit mix, splitmix64's finaliser)."""

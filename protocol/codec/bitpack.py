@@ -80,26 +80,45 @@ def unpack_bits(data: bytes | memoryview, count: int, width: int, what: str = "f
         return np.zeros(count, dtype=np.int64)
     if 8 % width == 0:  # whole values per byte: written straight into the result (no uint64 lanes)
         return _unpack_small(np.frombuffer(data, dtype=np.uint8), count, width, what)
-    g = _group(width)
-    if not g:
-        bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
-        if bits[count * width :].any():
-            raise MalformedPayload(f"{what}: non-zero padding bits")
-        fields = bits[: count * width].reshape(count, width).astype(np.int64)
-        values: I64 = fields @ (np.int64(1) << np.arange(width, dtype=np.int64))
-        return values
-    group_bytes = g * width // 8
-    n_groups = -(-count // g)
-    raw = np.zeros((n_groups, 8), dtype=np.uint8)
-    flat = np.zeros(n_groups * group_bytes, dtype=np.uint8)
-    flat[: len(data)] = np.frombuffer(data, dtype=np.uint8)
-    raw[:, :group_bytes] = flat.reshape(n_groups, group_bytes)
-    acc = raw.view("<u8").reshape(n_groups, 1)
-    shifts = (np.arange(g, dtype=np.uint64) * np.uint64(width)).reshape(1, g)
-    unpacked: npt.NDArray[np.uint64] = ((acc >> shifts) & np.uint64((1 << width) - 1)).reshape(-1)
-    if unpacked[count:].any():
+    out = np.empty(count, dtype=np.int64)
+    g = _group(width) or 8  # values per whole-byte group (8 when they do not fit one uint64)
+    per_block = BLOCK_GROUPS * g
+    raw = np.frombuffer(data, dtype=np.uint8)
+    for lo in range(0, count, per_block):
+        n = min(per_block, count - lo)
+        block = raw[lo * width // 8 : -(-(lo + n) * width // 8)]
+        out[lo : lo + n] = _unpack_block(block, n, width, g)
+    if _padding(raw, count, width):
         raise MalformedPayload(f"{what}: non-zero padding bits")
-    return unpacked[:count].astype(np.int64)
+    return out
+
+
+#: Groups of values unpacked at a time: the temporaries of :func:`unpack_bits` are this many words.
+BLOCK_GROUPS = 1 << 11
+
+
+def _unpack_block(block: U8, n: int, width: int, g: int) -> I64:
+    """``n`` values of ``width`` bits from ``block``, which starts on a group boundary."""
+    if _group(width):  # ``g`` values make one little-endian uint64: shift and mask them out
+        group_bytes = g * width // 8
+        n_groups = -(-n // g)
+        lanes = np.zeros((n_groups, 8), dtype=np.uint8)
+        flat = np.zeros(n_groups * group_bytes, dtype=np.uint8)
+        flat[: block.size] = block
+        lanes[:, :group_bytes] = flat.reshape(n_groups, group_bytes)
+        shifts = (np.arange(g, dtype=np.uint64) * np.uint64(width)).reshape(1, g)
+        words = (lanes.view("<u8").reshape(n_groups, 1) >> shifts) & np.uint64((1 << width) - 1)
+        values: I64 = words.reshape(-1)[:n].astype(np.int64)
+        return values
+    bits = np.unpackbits(block, bitorder="little")[: n * width].reshape(n, width).astype(np.int64)
+    values = bits @ (np.int64(1) << np.arange(width, dtype=np.int64))
+    return values
+
+
+def _padding(raw: U8, count: int, width: int) -> bool:
+    """Whether the bits after the last of ``count`` values in ``raw`` are not all zero."""
+    used = count * width % 8
+    return bool(used) and bool(raw[-1] >> used)
 
 
 def _unpack_small(v8: U8, count: int, width: int, what: str) -> I64:

@@ -127,6 +127,17 @@ class Geometry:
         r, c = local // self.tile_c, local % self.tile_c
         return (tr * self.tile_r + r) * self.cols + tc * self.tile_c + c
 
+    def flat_index_np(self, chunk: npt.NDArray[np.int64], local: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """:meth:`flat_index` on numpy arrays (the CPU decoder's blocks)."""
+        if self.tile_r == 1:
+            out: npt.NDArray[np.int64] = chunk * self.chunk_len + local
+            return out
+        tiles_per_row = self.cols // self.tile_c
+        tr, tc = np.divmod(chunk, tiles_per_row)
+        r, c = np.divmod(local, self.tile_c)
+        out = (tr * self.tile_r + r) * self.cols + tc * self.tile_c + c
+        return out
+
 
 def geometry(shape: tuple[int, ...] | torch.Size, cfg: CodecConfig) -> Geometry:
     """The chunk layout of ``shape`` under ``cfg`` (cached: it is pure)."""

@@ -23,7 +23,9 @@ interleaving them (same total size):
      last byte must hold the last terminating one (zero bits after it), so the payload has exactly
      one valid length.
 
-Decoding is ``np.flatnonzero`` on the unary stream plus fixed-width unpacking: no per-index loop.
+Decoding is fixed-width unpacking plus ``np.flatnonzero`` on the unary stream, a block of
+:data:`BLOCK` entries at a time and in place: no per-index loop, and no array of one entry per
+position besides the result (its peak is ~10 bytes per position plus one byte per bit of B·U).
 Encoding looks every per-position quantity (A field, extra bit, unary length) up in tables indexed
 by the gap, cached per ``M``: one difference, three lookups, one running sum, one scatter.
 """
@@ -321,9 +323,12 @@ def _bitstream(extra: npt.NDArray[np.int32], ends: I64) -> bytes:
 def decode_rice(data: bytes | memoryview, ks: I64, sizes: I64, side_bits: int = 0) -> tuple[I64, npt.NDArray[np.uint8]]:
     """Inverse of :func:`encode_rice`: (positions, side values). ``data`` is exactly the section.
 
-    Memory stays a small multiple of the section (a few int64 arrays of one entry per position):
-    the number of unary codes is counted before anything per code is built, so a stream of
-    set bits far longer than the positions it should hold is refused up front."""
+    Memory is the result (8 bytes per position, 1 per side value) plus the unpacked bit stream
+    B·U (one byte per bit of the section) and temporaries of at most :data:`BLOCK` entries: the
+    remainders are unpacked straight into the positions' array, and the long remainders, the
+    unary quotients and the running sums are then worked in place one block at a time. The
+    number of unary codes is counted before anything per code is built, so a stream of set bits
+    far longer than the positions it should hold is refused up front."""
     n = int(ks.sum())
     if len(data) < 2:
         raise MalformedPayload("rice indices: missing parameter")
@@ -335,23 +340,19 @@ def decode_rice(data: bytes | memoryview, ks: I64, sizes: I64, side_bits: int = 
     size_a = packed_size(n, width)
     if len(data) < 2 + size_a:
         raise MalformedPayload("rice indices: truncated remainders")
-    fields = unpack_bits(data[2 : 2 + size_a], n, width, "rice remainders")
-    side = (fields & ((1 << side_bits) - 1)).astype(np.uint8)  # side values are ≤ 8 bits (the codec's: 2)
-    f = np.right_shift(fields, side_bits, out=fields)  # the A field from here on (in place)
-    big = f >= u if m > 1 else np.zeros(n, dtype=bool)
-    n_big = int(np.count_nonzero(big))
+    gaps = unpack_bits(data[2 : 2 + size_a], n, width, "rice remainders")  # the A fields, then gaps, then positions
+    side = np.empty(n, dtype=np.uint8)  # side values are ≤ 8 bits (the codec's: 2)
+    np.bitwise_and(gaps, (1 << side_bits) - 1, out=side, casting="unsafe")
+    gaps >>= side_bits
+    n_big = _count_at_least(gaps, u) if m > 1 else 0
     stream = np.frombuffer(data[2 + size_a :], dtype=np.uint8)
     if stream.size * 8 < n_big or _ones(stream) - _ones(stream, n_big) != n:
         raise MalformedPayload(f"rice indices: the unary stream does not hold exactly {n} codes")
     bits = np.unpackbits(stream, bitorder="little")
-    r = f  # the remainders, in place: r = f, or 2·f + extra bit − u for the big ones
-    r[big] = 2 * f[big] + bits[:n_big] - u
-    del big
-    q = _unary(bits, n_big, n)
+    if n_big:
+        _widen_remainders(gaps, bits[:n_big], u)
+    _add_quotients(gaps, bits, n_big, m)
     del bits
-    gaps = np.multiply(q, m, out=q)
-    gaps += r
-    del r, fields, f
     total = int(gaps.sum())
     local = _positions(gaps, ks)
     if n and (local[np.cumsum(ks)[ks > 0] - 1] >= sizes[ks > 0]).any():  # ascending: the last is the largest
@@ -359,6 +360,53 @@ def decode_rice(data: bytes | memoryview, ks: I64, sizes: I64, side_bits: int = 
     if m != golomb_param(total, n):  # one byte string per index set: equal content, equal digest
         raise MalformedPayload(f"rice indices: parameter {m} is not the canonical {golomb_param(total, n)}")
     return local, side
+
+
+#: Entries per block of the decoder's in-place passes (its temporaries: a few arrays of this many).
+BLOCK = 1 << 14
+
+
+def _count_at_least(values: I64, u: int) -> int:
+    """How many of ``values`` are ``≥ u``, a block at a time."""
+    return sum(int(np.count_nonzero(values[i : i + BLOCK] >= u)) for i in range(0, values.size, BLOCK))
+
+
+def _widen_remainders(f: I64, extra: npt.NDArray[np.uint8], u: int) -> None:
+    """Remainders in place: an A field ``f ≥ u`` becomes ``2·f + its extra bit − u`` (extra bits in order)."""
+    used = 0
+    for i in range(0, f.size, BLOCK):
+        block = f[i : i + BLOCK]
+        big = block >= u
+        count = int(np.count_nonzero(big))
+        if count:
+            block[big] = 2 * block[big] + extra[used : used + count] - u
+            used += count
+
+
+def _add_quotients(r: I64, bits: npt.NDArray[np.uint8], start: int, m: int) -> None:
+    """Gaps in place: ``r += m · q`` with the quotients of the unary codes in ``bits[start:]``, which
+    must hold exactly ``r.size`` codes and end in the last byte (MalformedPayload otherwise). The
+    codes are found a block of bits at a time: ``q_i = one_i − one_{i−1} − 1``."""
+    n, done, prev = r.size, 0, start - 1
+    for lo in range(start, bits.size, BLOCK):
+        ones = np.flatnonzero(bits[lo : lo + BLOCK])
+        if not ones.size:
+            continue
+        if done + ones.size > n:
+            raise MalformedPayload(f"rice indices: more than {n} unary codes")
+        ones += lo
+        last = int(ones[-1])
+        ones[1:] -= ones[:-1].copy()
+        ones[0] -= prev
+        ones -= 1
+        ones *= m
+        r[done : done + ones.size] += ones
+        done += ones.size
+        prev = last
+    if done != n:
+        raise MalformedPayload(f"rice indices: {done} unary codes, expected {n}")
+    if bits.size and prev // 8 + 1 != bits.size // 8:
+        raise MalformedPayload("rice indices: bytes after the last code")
 
 
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
@@ -376,33 +424,24 @@ def _ones(stream: npt.NDArray[np.uint8], first_bits: int | None = None) -> int:
 
 
 def _positions(gaps: I64, ks: I64) -> I64:
-    """:func:`from_gaps`, overwriting ``gaps`` (two arrays of one entry per position instead of four)."""
+    """:func:`from_gaps`, overwriting ``gaps``: one running sum, then each chunk less the total
+    before it (a broadcast over the chunks of one size, no array of one entry per position)."""
     if gaps.size == 0:
         return gaps
     gaps += 1
     run = np.cumsum(gaps, out=gaps)
-    starts = chunk_starts(ks)
-    before = np.concatenate([[0], run[starts[1:] - 1]]) if starts.size else np.zeros(0, np.int64)
-    run -= np.repeat(before, ks)
+    if ks.size > 1:
+        cum = np.cumsum(ks)
+        before = run[cum[:-1] - 1]  # the running total at the end of every chunk but the last
+        k0 = int(ks[0])
+        if k0 and bool((ks[:-1] == k0).all()):
+            body = run[: (ks.size - 1) * k0].reshape(ks.size - 1, k0)
+            body[1:] -= before[:-1, None]
+            run[(ks.size - 1) * k0 :] -= before[-1]
+        else:  # chunks of several sizes (not produced by the codec's geometry)
+            run -= np.repeat(np.concatenate([[0], before]), ks)
     run -= 1
     return run
-
-
-def _unary(bits: npt.NDArray[np.uint8], start: int, n: int) -> I64:
-    """Quotients from the unary codes in ``bits[start:]``, which must end in the last byte."""
-    ones = np.flatnonzero(bits[start:])
-    if ones.size != n:
-        raise MalformedPayload(f"rice indices: {ones.size} unary codes, expected {n}")
-    ones += start
-    last = int(ones[-1]) if n else start - 1
-    if last // 8 + 1 != bits.size // 8 and bits.size:
-        raise MalformedPayload("rice indices: bytes after the last code")
-    # q_i = ones_i − ones_{i−1} − 1 (with ones_{−1} = start − 1), computed in place
-    if n:
-        ones[1:] -= ones[:-1].copy()
-        ones[0] -= start - 1
-        ones -= 1
-    return ones
 
 
 _U16 = struct.Struct("<H")

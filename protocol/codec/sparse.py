@@ -35,13 +35,14 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from torch import Tensor
 
 from protocol.codec.bitpack import pack_bits, packed_size, unpack_bits
 from protocol.codec.chunking import Geometry, geometry
 from protocol.codec.indexcoding import decode_rice, encode_rice, pack12, unpack12
-from protocol.codec.quantizer import SCALES_PER_CHUNK, dequantize, quantize
+from protocol.codec.quantizer import SCALES_PER_CHUNK, dequantize, level_table, quantize
 from protocol.config import CodecConfig
 from protocol.errors import ConfigError, MalformedPayload, NonFiniteValues, UnsupportedVersion
 
@@ -159,10 +160,59 @@ def _empty(g: Geometry, cfg: CodecConfig, dev: torch.device) -> Encoded:
 
 # --------------------------------------------------------------------------- decode
 def to_sparse(e: Encoded) -> tuple[Tensor, Tensor]:
-    """Kept entries as (ascending flat indices into ``e.shape`` (int64), float32 values)."""
+    """Kept entries as (ascending flat indices into ``e.shape`` (int64), float32 values).
+
+    On the CPU the result is the only allocation proportional to the kept values (12 bytes each):
+    flat positions and values are written a block of chunks at a time (:data:`BLOCK` values), and
+    tiled tensors are put in flat order by one in-place sort of (position, value bits) words."""
+    if e.indices.device.type != "cpu" or not e.nnz:
+        return _to_sparse_torch(e)
+    g = e.geometry
+    local, codes, scales = e.indices.numpy(), e.codes.numpy(), e.scale_codes.numpy()
+    table = level_table(e.base).numpy()
+    flat = np.empty(e.nnz, dtype=np.int64)
+    vals = np.empty(e.nnz, dtype=np.float32)
+    per = max(1, BLOCK // g.k_full)  # chunks per block; every chunk but the last keeps k_full
+    for first in range(0, g.n_chunks, per):
+        last = min(first + per, g.n_chunks)
+        lo, hi = first * g.k_full, (last - 1) * g.k_full + (g.k_full if last < g.n_chunks else g.k_last)
+        chunk = np.repeat(np.arange(first, last, dtype=np.int64), g.ks_np[first:last])
+        flat[lo:hi] = g.flat_index_np(chunk, local[lo:hi])
+        c = codes[lo:hi]
+        level = table[scales[chunk, c & 1]]
+        vals[lo:hi] = np.where(c & 2, -level, level)
+    if g.tile_r > 1:  # tiles interleave rows; chunk order is not flat order
+        _sort_pairs(flat, vals)
+    return torch.from_numpy(flat), torch.from_numpy(vals)
+
+
+#: Kept values converted per block of :func:`to_sparse` (its temporaries: a few arrays this long).
+BLOCK = 1 << 14
+
+
+def _sort_pairs(flat: npt.NDArray[np.int64], vals: npt.NDArray[np.float32]) -> None:
+    """Sort ``flat`` ascending and ``vals`` along with it, in place: positions below 2^31 and the
+    value's 32 bits share one int64 word (positions are unique, so the order is that of the
+    positions), sorted in place and split again a block at a time."""
+    if flat.size and int(flat.max()) >= 1 << 31:
+        order = flat.argsort()
+        flat[:], vals[:] = flat[order], vals[order]
+        return
+    bits = vals.view(np.uint32)
+    for lo in range(0, flat.size, BLOCK):
+        flat[lo : lo + BLOCK] <<= 32
+        flat[lo : lo + BLOCK] |= bits[lo : lo + BLOCK]
+    flat.sort()
+    for lo in range(0, flat.size, BLOCK):
+        np.bitwise_and(flat[lo : lo + BLOCK], 0xFFFFFFFF, out=bits[lo : lo + BLOCK], casting="unsafe")
+        flat[lo : lo + BLOCK] >>= 32
+
+
+def _to_sparse_torch(e: Encoded) -> tuple[Tensor, Tensor]:
+    """:func:`to_sparse` with torch ops on ``e``'s device (an encoding made on an accelerator)."""
     flat = e.geometry.flat_index(e.chunk_ids(), e.indices)
     vals = e.values()
-    if e.geometry.tile_r > 1:  # tiles interleave rows; chunk order is not flat order
+    if e.geometry.tile_r > 1:
         order = flat.argsort()
         flat, vals = flat[order], vals[order]
     return flat, vals

@@ -200,7 +200,37 @@ def decode_aggregate(
     env = open_envelope(data, max_bytes=max_bytes, run_hash=run_hash, kind=Kind.AGGREGATE)
     check_signer(env, allowed_signers)
     check_window_sender(env, window, None)
-    r = Reader(env.body, "aggregate header")
+    h = read_header(env.body)
+    check_schema(h.table, schema, partial)
+    for t in h.table:
+        check_dtype(t)
+    if h.codec is None:
+        tensors = _sparse_tensors(h.table, env.payload)
+    else:
+        tensors = _codec_tensors(h.table, env.payload, h.codec)
+    agg = Aggregate(
+        env.run_hash, env.window, h.base, h.alpha, h.fingerprint, h.manifest, tensors, h.published_at, h.metadata
+    )
+    return verified(agg, env)
+
+
+@dataclass(frozen=True)
+class Header:
+    """An aggregate's body: everything but its tensors' payload (``codec`` None: plain encoding)."""
+
+    base: str
+    alpha: float
+    fingerprint: str
+    published_at: float
+    metadata: Metadata
+    manifest: tuple[ManifestEntry, ...]
+    codec: CodecConfig | None
+    table: list[TensorEntry]
+
+
+def read_header(body: bytes | memoryview) -> Header:
+    """Parse an aggregate's body (MalformedPayload and the field readers' errors)."""
+    r = Reader(body, "aggregate header")
     a_base = read_base(r)
     alpha = r.f64()
     fingerprint = r.text(128)
@@ -215,12 +245,7 @@ def decode_aggregate(
     cfg = read_codec(r) if encoding == Encoding.CODEC else None
     table = read_table(r, n_lengths=3 if cfg is None else 1)
     r.end()
-    check_schema(table, schema, partial)
-    for t in table:
-        check_dtype(t)
-    tensors = _sparse_tensors(table, env.payload) if cfg is None else _codec_tensors(table, env.payload, cfg)
-    agg = Aggregate(env.run_hash, env.window, a_base, alpha, fingerprint, manifest, tensors, published_at, metadata)
-    return verified(agg, env)
+    return Header(a_base, alpha, fingerprint, published_at, metadata, manifest, cfg, table)
 
 
 def _sparse_tensors(table: list[TensorEntry], payload: memoryview) -> dict[str, AggregateTensor]:

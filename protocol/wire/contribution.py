@@ -117,12 +117,7 @@ def parse_contribution(
     run and window). Same errors and arguments."""
     if env.kind != Kind.CONTRIBUTION:
         raise UnsupportedVersion(f"expected kind contribution, found {env.kind.label}")
-    r = Reader(env.body, "contribution header")
-    c_base = read_base(r)
-    cfg = read_codec(r)
-    metadata = read_metadata(r)
-    table = read_table(r, n_lengths=1)
-    r.end()
+    c_base, cfg, metadata, table = read_header(env.body)
     if base is not None and c_base != base:
         raise StaleBase(f"trained from {c_base[:16]}, current aggregate is {base[:16]}")
     if codec_cfg is not None and cfg != codec_cfg:
@@ -133,6 +128,17 @@ def parse_contribution(
         check_dtype(t)
         tensors[t.name] = unpack_tensor(t, blob, cfg)
     return verified(Contribution(env.run_hash, env.window, c_base, cfg, tensors, metadata), env)
+
+
+def read_header(body: bytes | memoryview) -> tuple[str, CodecConfig, Metadata, list[TensorEntry]]:
+    """(base, codec, metadata, tensor table) of a contribution's body (MalformedPayload ...)."""
+    r = Reader(body, "contribution header")
+    c_base = read_base(r)
+    cfg = read_codec(r)
+    metadata = read_metadata(r)
+    table = read_table(r, n_lengths=1)
+    r.end()
+    return c_base, cfg, metadata, table
 
 
 def unpack_tensor(t: TensorEntry, blob: memoryview, cfg: CodecConfig) -> Encoded:

@@ -97,7 +97,7 @@ def decode_index_set(coding: int, data: bytes | memoryview, count: int, numel: i
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
     if bits[numel:].any():
         raise MalformedPayload(f"{what}: non-zero bitmap padding")
-    idx = np.flatnonzero(bits[:numel]).astype(np.int64)
+    idx = np.flatnonzero(bits[:numel]).astype(np.int64, copy=False)
     if idx.size != count:
         raise MalformedPayload(f"{what}: bitmap holds {idx.size} positions, the table says {count}")
     if numel <= RICE_MAX_NUMEL and _rice_nbytes(idx) <= size:
