@@ -42,7 +42,7 @@ from protocol.data.assignment import assigned_batches
 from protocol.data.tokens import TokenDataset
 from protocol.errors import DataUnavailable
 from protocol.feedback import FeedbackState
-from protocol.model import eval_loss, fingerprint, param_schema
+from protocol.model import fingerprint, param_schema, sequence_losses
 from protocol.outcomes import PeerOutcome
 from protocol.wire import AggregateTensor
 from validator import randomness, reference, window_checks
@@ -155,7 +155,8 @@ class Decider:
         probation_limits = newcomer_limits(self.spec, limits, reference)
         caps = {p: limits if p in w.established else probation_limits for p in live}
         scores = self.score(w, live, caps, uploads, seed)  # budgeted, on the clipped form
-        screened = window_checks.scores(screened, scores, cfg.eval_harm_tolerance, min_gain(self.spec, w, scores))
+        gain = min_gain(self.spec, w, scores)
+        screened = window_checks.scores(screened, scores, cfg.eval_harm_tolerance, gain, cfg.eval_confidence_z)
         screened = window_checks.probation(screened, w.established, scores)
         nxt_ref: NormReference | None = None
         if reference.empty:  # no history yet: start one
@@ -212,7 +213,7 @@ class Decider:
         except DataUnavailable as exc:  # a damaged dataset never stalls the run, nor is held against a peer
             log.warning("window %d is not scored: its random sequences are unavailable (%s)", w.t, exc)
             return {}
-        rand_before = eval_loss(self.model, rand, self.device)
+        rand_before = sequence_losses(self.model, rand, self.device)
         scale = cfg.eval_scale * self.spec.outer.alpha
         out: dict[str, LossScore] = {}
         for key in sample:  # a peer, or the stages of one pipeline replica (disjoint slices)
