@@ -290,6 +290,9 @@ class ValidatorConfig:
     # estimate: by this many standard errors of the paired per-sequence differences
     # (validator/significance.py). 0: the rule without error bars.
     eval_confidence_z: float = 3.0
+    # A verdict the point estimate fails but the error bar does not is measured again on this many
+    # own and random sequences (0 or <= eval_sequences: never).
+    eval_borderline_sequences: int = 64
     # Norms are compared with the validator's reference (per tensor, from accepted updates of
     # earlier windows; validator/reference.py): above norm_max_ratio × it in any tensor is an
     # outlier, a total below norm_min_ratio × it too small to count.
@@ -318,6 +321,7 @@ class ValidatorConfig:
             math.isfinite(self.eval_confidence_z) and self.eval_confidence_z >= 0,
             "validator.eval_confidence_z must be a finite number >= 0 (0 = no error bars)",
         )
+        _require(self.eval_borderline_sequences >= 0, "validator.eval_borderline_sequences must be >= 0")
         # One run, one hash: key order, duplicates and hex letter case do not make another run.
         keys = tuple(sorted({k.lower() for k in self.public_keys}))
         bad = [k for k in keys if not _HEX_KEY.fullmatch(k)]

@@ -237,3 +237,37 @@ def test_a_verdict_rejects_only_past_the_noise_of_its_measurement(z: float, monk
         assert f"+{margin:.1f} se past (bar {z:g} se)" in (row.detail or "")
     finally:
         sw.close()
+
+
+def test_a_borderline_verdict_is_settled_on_more_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On 8 sequences a peer's own loss rises within noise (not rejected at z = 3); the validator
+    measures it again on 16 and there the rise is clear: rejected, on the second measurement."""
+    vkey = Identity.generate()
+    spec = tiny_spec(vkey, validator={"eval_borderline_sequences": 16})
+    sw = Swarm(spec, 1)
+    try:
+        model = build_model(spec.model)
+        theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
+        (peer,) = sw.peers
+        received = {peer.peer_id: screened_upload(sw, peer, sw.encode(sw.delta(peer, theta, 0), 0))}
+        seen: list[tuple[int, int]] = []
+
+        def score_update(model: Any, update: Any, *, own: Any, random: Any, **kw: Any) -> LossScore:
+            seen.append((sum(len(b) for b in own), sum(len(b) for b in random)))
+            se = 0.02 if len(seen) == 1 else 0.001
+            return LossScore(5.0, 5.01, 5.0, 5.0, own_se=se, random_se=se)
+
+        monkeypatch.setattr(decide_module, "score_update", score_update)
+        window = open_window(
+            0, vkey, spec.hash(), {peer.peer_id: Standing(reputation=0.5, windows=1, passes=1)}, spec.validator
+        )
+        dataset = open_dataset(spec.data)
+        with ThreadPoolExecutor(2) as pool:
+            aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
+            decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
+                window, uploads_of(received), reference=NormReference(), params=theta, feedback=FeedbackState()
+            )
+        assert seen == [(8, 8), (16, 16)]
+        assert decision.rejections == {peer.peer_id: "harmful"}
+    finally:
+        sw.close()

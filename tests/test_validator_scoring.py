@@ -20,7 +20,7 @@ from validator.scoring import (
     scoring_units,
     take_sequences,
 )
-from validator.significance import in_se, paired, verdict
+from validator.significance import borderline, in_se, paired, verdict
 
 
 def _plan(est: list[str], new: list[str], budget: int, slots: int, seed: bytes = b"s") -> list[str]:
@@ -171,6 +171,9 @@ def test_an_honest_but_noisy_update_is_not_rejected_and_a_clearly_harmful_one_is
     v = verdict(weak, tolerance=0.002, min_gain=0.05, z=3.0)
     assert v.reason == "ineffective" and v.margin == pytest.approx(37.0)
     assert verdict(LossScore(5.0, 4.99, 5.0, 4.99, own_se=0.02), tolerance=0.002, min_gain=0.05, z=3.0).reason is None
+    assert borderline(noisy, tolerance=0.002, min_gain=None, z=3.0)  # worth measuring again
+    assert not borderline(harmful, tolerance=0.002, min_gain=None, z=3.0)
+    assert not borderline(noisy, tolerance=0.002, min_gain=None, z=0.0)  # without error bars: nothing to settle
     nan = LossScore(5.0, float("nan"), 5.0, float("nan"), own_se=float("nan"))
     assert verdict(nan, tolerance=0.002, min_gain=None, z=3.0).reason == "harmful"
 

@@ -22,6 +22,13 @@ z = 0 is the rule without error bars (the point estimates alone). With normal no
 rejects one borderline update in 740 per bar; at n = 8 sequences the estimated se itself is noisy
 (a t distribution with 7 degrees of freedom: one in 100).
 
+**Borderline updates are measured again.** When the point estimate fails a bar that the error
+bar does not let it fail (:func:`borderline`), the validator scores that unit once more on
+``eval_borderline_sequences`` (64) own and random sequences of the window — the se shrinks by
+√(64/16) = 2 at the default 16 — and that second measurement decides. An honest update that only
+looked harmful by chance is cleared by it; a weak attack (a held-out rise of 1 %, say) that hid in
+the noise of 8 or 16 sequences no longer does. Only the borderline pay for it.
+
 Each verdict carries its **margin**: how far the effect lies past (> 0, rejected) or short of (≤ 0,
 accepted) the nearest bar, in standard errors (±inf when se = 0), so a log reader sees whether a
 rejection was clear-cut or borderline.
@@ -38,7 +45,7 @@ from torch import Tensor
 if TYPE_CHECKING:  # scoring computes its error bars with paired(): no import cycle at run time
     from validator.scoring import LossScore
 
-__all__ = ["Verdict", "in_se", "paired", "verdict"]
+__all__ = ["Verdict", "borderline", "in_se", "paired", "verdict"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +102,10 @@ def verdict(sc: LossScore, *, tolerance: float, min_gain: float | None, z: float
         margins.append(short)
     nearest = max(margins)
     return Verdict(None, nearest, f"passed, {-nearest:.1f} se short of the nearest bar")
+
+
+def borderline(sc: LossScore, *, tolerance: float, min_gain: float | None, z: float) -> bool:
+    """The point estimate alone fails a bar that the error bar does not let it fail (or fails
+    another): a verdict that more sequences can settle (``eval_borderline_sequences``)."""
+    exact = verdict(sc, tolerance=tolerance, min_gain=min_gain, z=0.0).reason
+    return exact is not None and exact != verdict(sc, tolerance=tolerance, min_gain=min_gain, z=z).reason
