@@ -286,6 +286,13 @@ class ValidatorConfig:
     # An update that lowers the loss on its own data by less than this share of what the
     # established peers' updates achieve in the same window is ineffective.
     eval_min_gain_ratio: float = 0.25
+    # The three harm/effect verdicts reject only when the evidence clears the noise of the loss
+    # estimate: by this many standard errors of the paired per-sequence differences
+    # (validator/significance.py). 0: the rule without error bars.
+    eval_confidence_z: float = 3.0
+    # A verdict the point estimate fails but the error bar does not is measured again on this many
+    # own and random sequences (0 or <= eval_sequences: never).
+    eval_borderline_sequences: int = 64
     # Norms are compared with the validator's reference (per tensor, from accepted updates of
     # earlier windows; validator/reference.py): above norm_max_ratio × it in any tensor is an
     # outlier, a total below norm_min_ratio × it too small to count.
@@ -310,6 +317,11 @@ class ValidatorConfig:
     def __post_init__(self) -> None:
         _require(self.max_contribution_bytes >= 0, "validator.max_contribution_bytes must be >= 0 (0 = derived)")
         _require(self.max_aggregate_bytes >= 0, "validator.max_aggregate_bytes must be >= 0 (0 = derived)")
+        _require(
+            math.isfinite(self.eval_confidence_z) and self.eval_confidence_z >= 0,
+            "validator.eval_confidence_z must be a finite number >= 0 (0 = no error bars)",
+        )
+        _require(self.eval_borderline_sequences >= 0, "validator.eval_borderline_sequences must be >= 0")
         # One run, one hash: key order, duplicates and hex letter case do not make another run.
         keys = tuple(sorted({k.lower() for k in self.public_keys}))
         bad = [k for k in keys if not _HEX_KEY.fullmatch(k)]

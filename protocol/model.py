@@ -36,6 +36,7 @@ __all__ = [
     "lm_loss",
     "param_schema",
     "parameters_of",
+    "sequence_losses",
 ]
 
 
@@ -250,6 +251,31 @@ def eval_loss(model: nn.Module, batches: Iterable[Tensor], device: torch.device 
     if count == 0:
         raise ValueError("eval_loss needs at least one batch")
     return total / count
+
+
+@torch.no_grad()
+def sequence_losses(model: nn.Module, batches: Iterable[Tensor], device: torch.device | str = "cpu") -> Tensor:
+    """Each sequence's mean next-token loss (float64 on the CPU, one entry per sequence of
+    ``batches`` in order): what an error bar on a mean loss, or on a paired difference of two
+    models' losses on the same sequences, is computed from. Its mean is :func:`eval_loss`'s value
+    (every sequence has the same number of tokens), up to rounding."""
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for batch in batches:
+            batch = batch.to(device, non_blocking=True)
+            with autocast_for(torch.device(device)):
+                logits = model(batch[:, :-1])
+            per_token = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
+            )
+            out.append(per_token.view(batch.shape[0], -1).double().mean(dim=1).cpu())
+    finally:
+        model.train(was_training)
+    if not out:
+        raise ValueError("sequence_losses needs at least one batch")
+    return torch.cat(out)
 
 
 def autocast_for(device: torch.device) -> torch.autocast:

@@ -51,6 +51,7 @@ from protocol import codec, layout
 from protocol.aggregate import apply_outer, clip_to_limits, sparse_of
 from protocol.config import RunSpec
 from protocol.data.assignment import assigned_batches, open_dataset, random_batches, validation_batches
+from protocol.data.tokens import TokenDataset
 from protocol.feedback import FeedbackState, compress_step
 from protocol.identity import Identity
 from protocol.model import build_model, lm_loss, parameters_of
@@ -92,12 +93,12 @@ def bench_spec(vkey: Identity, *, max_contributors: int, row_clip: bool = True) 
 class Swarm:
     """The shared store, the announced identities and what every peer needs to build updates."""
 
-    def __init__(self, spec: RunSpec) -> None:
+    def __init__(self, spec: RunSpec, dataset: TokenDataset | None = None) -> None:
         self.spec, self.run_hash = spec, spec.hash()
         self.run = layout.run_id(self.run_hash)
         self.name = f"bench-{uuid.uuid4().hex[:8]}"
         self.store = MemoryStore(self.name)
-        self.dataset = open_dataset(spec.data)
+        self.dataset = dataset or open_dataset(spec.data)  # the peers' copy of the run's data
 
     def announce(self, peer: Identity) -> None:
         blob = encode_announcement(Announcement(self.run_hash, 0, "bench", "cpu"), peer)

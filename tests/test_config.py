@@ -33,6 +33,8 @@ def test_hash_changes_with_any_field() -> None:
         ("[model]\npreset = 'huge'\n", "preset"),
         ("[inner]\nbetas = [0.9]\n", "inner.betas"),
         ("name = = 1\n", "does not parse"),
+        ("[validator]\neval_confidence_z = -1.0\n", "eval_confidence_z"),
+        ("[validator]\neval_confidence_z = inf\n", "eval_confidence_z"),
     ],
 )
 def test_bad_specs_raise_config_error(text: str, fragment: str) -> None:

@@ -31,6 +31,7 @@ from validator.gather import Received
 from validator.intake import Uploads
 from validator.reference import NormReference
 from validator.reputation import Standing
+from validator.scoring import LossScore
 from validator.trial import Aggregator
 from validator.window import open_window
 
@@ -197,5 +198,76 @@ def test_a_peer_whose_data_cannot_be_had_goes_unscored_and_is_never_blamed(monke
             )
         assert set(decision.scores) == set(received) - {damaged}
         assert damaged in decision.accepted and damaged not in decision.rejections
+    finally:
+        sw.close()
+
+
+@pytest.mark.parametrize("z", [0.0, 3.0])
+def test_a_verdict_rejects_only_past_the_noise_of_its_measurement(z: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three established peers scored with fixed losses: one helps, one helps its own data but its
+    held-out loss rises by 0.02 (past 0.002 × 5.0) within a standard error of 0.01, one raises its
+    own loss far beyond noise. Without error bars (z = 0) the noisy one is rejected; at z = 3 it is
+    accepted, and the harmful one is rejected either way, its margin in standard errors in the row."""
+    vkey = Identity.generate()
+    spec = tiny_spec(vkey, validator={"eval_confidence_z": z})
+    sw = Swarm(spec, 3)
+    try:
+        model = build_model(spec.model)
+        theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
+        received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0), 0)) for p in sw.peers}
+        good, noisy, bad = sorted(received)
+        fixed = {
+            good: LossScore(5.0, 4.8, 5.0, 4.95, own_se=0.01, random_se=0.01),
+            noisy: LossScore(5.0, 4.85, 5.0, 5.02, own_se=0.01, random_se=0.01),
+            bad: LossScore(5.0, 5.3, 5.0, 5.0, own_se=0.02, random_se=0.01),
+        }
+        monkeypatch.setattr(Decider, "score", lambda self, *args: dict(fixed))
+        standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}
+        window = open_window(0, vkey, spec.hash(), standing, spec.validator)
+        dataset = open_dataset(spec.data)
+        with ThreadPoolExecutor(2) as pool:
+            aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
+            decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
+                window, uploads_of(received), reference=NormReference(), params=theta, feedback=FeedbackState()
+            )
+        expected = {bad: "harmful"} if z else {noisy: "harmful_general", bad: "harmful"}
+        assert decision.rejections == expected
+        row = next(r for r in decision.rows if r.peer == bad)
+        margin = 0.3 / 0.02 - z
+        assert f"+{margin:.1f} se past (bar {z:g} se)" in (row.detail or "")
+    finally:
+        sw.close()
+
+
+def test_a_borderline_verdict_is_settled_on_more_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On 8 sequences a peer's own loss rises within noise (not rejected at z = 3); the validator
+    measures it again on 16 and there the rise is clear: rejected, on the second measurement."""
+    vkey = Identity.generate()
+    spec = tiny_spec(vkey, validator={"eval_borderline_sequences": 16})
+    sw = Swarm(spec, 1)
+    try:
+        model = build_model(spec.model)
+        theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
+        (peer,) = sw.peers
+        received = {peer.peer_id: screened_upload(sw, peer, sw.encode(sw.delta(peer, theta, 0), 0))}
+        seen: list[tuple[int, int]] = []
+
+        def score_update(model: Any, update: Any, *, own: Any, random: Any, **kw: Any) -> LossScore:
+            seen.append((sum(len(b) for b in own), sum(len(b) for b in random)))
+            se = 0.02 if len(seen) == 1 else 0.001
+            return LossScore(5.0, 5.01, 5.0, 5.0, own_se=se, random_se=se)
+
+        monkeypatch.setattr(decide_module, "score_update", score_update)
+        window = open_window(
+            0, vkey, spec.hash(), {peer.peer_id: Standing(reputation=0.5, windows=1, passes=1)}, spec.validator
+        )
+        dataset = open_dataset(spec.data)
+        with ThreadPoolExecutor(2) as pool:
+            aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
+            decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
+                window, uploads_of(received), reference=NormReference(), params=theta, feedback=FeedbackState()
+            )
+        assert seen == [(8, 8), (16, 16)]
+        assert decision.rejections == {peer.peer_id: "harmful"}
     finally:
         sw.close()

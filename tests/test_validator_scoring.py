@@ -8,7 +8,7 @@ import torch
 from protocol.aggregate import sparse_of
 from protocol.data.assignment import assigned_batches, random_batches
 from protocol.identity import Identity
-from protocol.model import build_model, eval_loss, parameters_of
+from protocol.model import build_model, eval_loss, parameters_of, sequence_losses
 from protocol.wire import PipelineRole
 from tests.validator_fixtures import Swarm, tiny_spec
 from validator.scoring import (
@@ -20,6 +20,7 @@ from validator.scoring import (
     scoring_units,
     take_sequences,
 )
+from validator.significance import borderline, in_se, paired, verdict
 
 
 def _plan(est: list[str], new: list[str], budget: int, slots: int, seed: bytes = b"s") -> list[str]:
@@ -110,14 +111,17 @@ def test_honest_update_helps_its_own_data_and_negated_is_harmful(swarm: Swarm) -
         8,
     )
     rand = take_sequences(random_batches(swarm.dataset, 7, 2, d.batch_size, d.seq_len), 8)
-    rand_before = eval_loss(model, rand)
+    rand_before = sequence_losses(model, rand)
+    assert rand_before.shape == (8,) and float(rand_before.mean()) == pytest.approx(eval_loss(model, rand), rel=1e-6)
     delta = swarm.delta(peer, before, 0)
 
     honest = score_update(
         model, sparse_of(swarm.encode(delta, 0)), own=own, random=rand, random_before=rand_before, scale=1.0
     )
     assert not honest.harmful and honest.loss_own_after < honest.loss_own_before
-    assert honest.loss_random_before == rand_before
+    assert honest.loss_random_before == pytest.approx(float(rand_before.mean()))
+    assert honest.own_se > 0 and honest.random_se > 0  # measured per sequence: every gain has an error bar
+    assert verdict(honest, tolerance=0.002, min_gain=None, z=3.0).reason is None
     assert all(torch.equal(p, before[n]) for n, p in parameters_of(model).items())  # restored bit-exactly
 
     neg = {n: -t for n, t in delta.items()}
@@ -125,10 +129,53 @@ def test_honest_update_helps_its_own_data_and_negated_is_harmful(swarm: Swarm) -
         model, sparse_of(swarm.encode(neg, 0)), own=own, random=rand, random_before=rand_before, scale=1.0
     )
     assert harmful.harmful and harmful.score < honest.score
+    negated = verdict(harmful, tolerance=0.002, min_gain=None, z=3.0)
+    assert negated.reason == "harmful" and negated.margin > 0  # clears its own noise: rejected
     assert all(torch.equal(p, before[n]) for n, p in parameters_of(model).items())
 
     zero = score_update(model, {}, own=own, random=rand, random_before=rand_before, scale=1.0)
     assert zero.harmful and zero.score == 0.0  # doing nothing does not count as helping
+    assert zero.own_se == 0.0 and verdict(zero, tolerance=0.002, min_gain=None, z=3.0).reason == "harmful"
+
+
+def test_paired_differences_cancel_what_the_sequences_contribute() -> None:
+    before = torch.tensor([3.0, 5.0, 7.0, 9.0])  # sequences of very different difficulty
+    after = before - torch.tensor([0.10, 0.12, 0.08, 0.10])  # the same small gain on each
+    gain, se = paired(before, after)
+    assert gain == pytest.approx(0.10)
+    assert se == pytest.approx(float((before - after).std()) / 2.0) and se < 0.02  # unpaired: ~1.3
+    assert paired(torch.tensor([4.0]), torch.tensor([3.5])) == (pytest.approx(0.5), 0.0)  # one sequence: no spread
+    assert in_se(0.3, 0.1) == pytest.approx(3.0) and in_se(0.3, 0.0) == float("inf") and in_se(0.0, 0.0) == 0.0
+
+
+def test_an_honest_but_noisy_update_is_not_rejected_and_a_clearly_harmful_one_is() -> None:
+    # Own loss up by 0.01 and held-out loss up by 0.02 (past 0.002 × 5.0), both within noise.
+    noisy = LossScore(5.0, 5.01, 5.0, 5.02, own_se=0.02, random_se=0.01)
+    assert verdict(noisy, tolerance=0.002, min_gain=None, z=0.0).reason == "harmful"  # without error bars
+    v = verdict(noisy, tolerance=0.002, min_gain=None, z=3.0)
+    # nearest bar: the held-out one, 0.02 − 0.01 − 3 × 0.01 = −0.02 → 2.0 se short of it
+    assert v.reason is None and v.margin == pytest.approx(-2.0) and "2.0 se short" in v.detail
+    general = LossScore(5.0, 4.9, 5.0, 5.02, random_se=0.01)
+    assert verdict(general, tolerance=0.002, min_gain=None, z=0.0).reason == "harmful_general"
+    assert verdict(general, tolerance=0.002, min_gain=None, z=3.0).reason is None
+
+    harmful = LossScore(5.0, 5.5, 5.0, 5.0, own_se=0.02)
+    v = verdict(harmful, tolerance=0.002, min_gain=None, z=3.0)
+    assert v.reason == "harmful" and v.margin == pytest.approx(22.0)  # 0.5 / 0.02 − 3
+    assert "gain -0.5000 ± 0.0200" in v.detail and "+22.0 se past" in v.detail
+    raises = LossScore(5.0, 4.5, 5.0, 5.5, own_se=0.02, random_se=0.01)
+    v = verdict(raises, tolerance=0.002, min_gain=None, z=3.0)
+    assert v.reason == "harmful_general" and v.margin == pytest.approx(46.0)  # (0.5 − 0.01) / 0.01 − 3
+    # even the upper bound of the gain, 0.01 + 3 × 0.001, falls short of what others achieve
+    weak = LossScore(5.0, 4.99, 5.0, 4.99, own_se=0.001)
+    v = verdict(weak, tolerance=0.002, min_gain=0.05, z=3.0)
+    assert v.reason == "ineffective" and v.margin == pytest.approx(37.0)
+    assert verdict(LossScore(5.0, 4.99, 5.0, 4.99, own_se=0.02), tolerance=0.002, min_gain=0.05, z=3.0).reason is None
+    assert borderline(noisy, tolerance=0.002, min_gain=None, z=3.0)  # worth measuring again
+    assert not borderline(harmful, tolerance=0.002, min_gain=None, z=3.0)
+    assert not borderline(noisy, tolerance=0.002, min_gain=None, z=0.0)  # without error bars: nothing to settle
+    nan = LossScore(5.0, float("nan"), 5.0, float("nan"), own_se=float("nan"))
+    assert verdict(nan, tolerance=0.002, min_gain=None, z=3.0).reason == "harmful"
 
 
 def test_pipeline_stages_are_scored_as_one_unit() -> None:

@@ -40,9 +40,9 @@ from torch import nn
 from protocol.config import RunSpec
 from protocol.data.assignment import assigned_batches
 from protocol.data.tokens import TokenDataset
-from protocol.errors import DataUnavailable
+from protocol.errors import ConfigError, DataUnavailable
 from protocol.feedback import FeedbackState
-from protocol.model import eval_loss, fingerprint, param_schema
+from protocol.model import fingerprint, param_schema, sequence_losses
 from protocol.outcomes import PeerOutcome
 from protocol.wire import AggregateTensor
 from validator import randomness, reference, window_checks
@@ -67,6 +67,7 @@ from validator.scoring import (
     suspicion_order,
     take_sequences,
 )
+from validator.significance import borderline
 from validator.sketch import Sketcher, offsets
 from validator.trial import Aggregator, Limits, Trial
 from validator.window import PhaseClock, Window
@@ -155,7 +156,8 @@ class Decider:
         probation_limits = newcomer_limits(self.spec, limits, reference)
         caps = {p: limits if p in w.established else probation_limits for p in live}
         scores = self.score(w, live, caps, uploads, seed)  # budgeted, on the clipped form
-        screened = window_checks.scores(screened, scores, cfg.eval_harm_tolerance, min_gain(self.spec, w, scores))
+        gain = min_gain(self.spec, w, scores)
+        screened = window_checks.scores(screened, scores, cfg.eval_harm_tolerance, gain, cfg.eval_confidence_z)
         screened = window_checks.probation(screened, w.established, scores)
         nxt_ref: NormReference | None = None
         if reference.empty:  # no history yet: start one
@@ -190,8 +192,9 @@ class Decider:
         self, w: Window, live: Mapping[str, Held], caps: Mapping[str, Limits], uploads: Uploads, seed: bytes
     ) -> dict[str, LossScore]:
         """Score a budgeted sample of units, ordered by agreement (on the clipped sampled entries);
-        only the sampled contributions are decoded again."""
-        cfg, data = self.spec.validator, self.spec.data
+        only the sampled contributions are decoded again. Units whose verdict is borderline
+        (:func:`validator.significance.borderline`) are measured again on more sequences."""
+        cfg = self.spec.validator
         units = scoring_units(live, uploads.roles, pipelines=self.spec.pipeline.enabled)
         known = [u for u, ps in units.items() if all(p in w.established for p in ps)]
         sk = uploads.sketch or Sketcher(self.offsets)
@@ -205,32 +208,55 @@ class Decider:
             probation_slots=cfg.eval_probation_peers,
             seed=seed,
         )
-        if not sample:
+        scores = self._measure(w.t, sample, units, live, caps, seed, cfg.eval_sequences)
+        if cfg.eval_borderline_sequences > cfg.eval_sequences:
+            gain = min_gain(self.spec, w, _per_peer(scores, units))
+            z, tolerance = cfg.eval_confidence_z, cfg.eval_harm_tolerance
+            again = [k for k, sc in scores.items() if borderline(sc, tolerance=tolerance, min_gain=gain, z=z)]
+            try:
+                scores.update(self._measure(w.t, again, units, live, caps, seed, cfg.eval_borderline_sequences))
+            except ConfigError as exc:  # a validation split too small for them: the first measurement stands
+                log.warning("window %d: borderline scores are not measured again (%s)", w.t, exc)
+        return _per_peer(scores, units)
+
+    def _measure(
+        self,
+        window: int,
+        keys: Sequence[str],
+        units: Mapping[str, Sequence[str]],
+        live: Mapping[str, Held],
+        caps: Mapping[str, Limits],
+        seed: bytes,
+        n: int,
+    ) -> dict[str, LossScore]:
+        """Loss scores of the units ``keys`` on ``n`` own and ``n`` random sequences of the window."""
+        cfg, data = self.spec.validator, self.spec.data
+        if not keys:
             return {}
         try:
-            rand = scoring_batches(self.dataset, seed, cfg.eval_sequences, data.batch_size, data.seq_len)
+            rand = scoring_batches(self.dataset, seed, n, data.batch_size, data.seq_len)
         except DataUnavailable as exc:  # a damaged dataset never stalls the run, nor is held against a peer
-            log.warning("window %d is not scored: its random sequences are unavailable (%s)", w.t, exc)
+            log.warning("window %d is not scored: its random sequences are unavailable (%s)", window, exc)
             return {}
-        rand_before = eval_loss(self.model, rand, self.device)
+        rand_before = sequence_losses(self.model, rand, self.device)
         scale = cfg.eval_scale * self.spec.outer.alpha
         out: dict[str, LossScore] = {}
-        for key in sample:  # a peer, or the stages of one pipeline replica (disjoint slices)
-            own = self._own_sequences(w.t, key)
+        for key in keys:  # a peer, or the stages of one pipeline replica (disjoint slices)
+            own = self._own_sequences(window, key, n)
             if own is None:
                 continue  # unscored, as if not sampled
             items = [(p, live[p]) for p in units[key]]
             update = {name: v for _, sp in self.aggregator.clipped(items, caps) for name, v in sp.items()}
-            score = score_update(
+            out[key] = score_update(
                 self.model, update, own=own, random=rand, random_before=rand_before, scale=scale, device=self.device
             )
-            out.update((peer, score) for peer in units[key])
         return out
 
-    def _own_sequences(self, window: int, key: str) -> list[torch.Tensor] | None:
-        """The scoring sequences of ``key``'s own assigned data in ``window``; None (and a warning)
+    def _own_sequences(self, window: int, key: str, n: int) -> list[torch.Tensor] | None:
+        """The first ``n`` scoring sequences of ``key``'s own assigned data in ``window`` (all of
+        them when it has fewer); None (and a warning)
         when a block of it cannot be had intact: the unit goes unscored, never blamed."""
-        cfg, data = self.spec.validator, self.spec.data
+        data = self.spec.data
         try:
             batches = assigned_batches(
                 self.dataset,
@@ -245,7 +271,7 @@ class Decider:
         except DataUnavailable as exc:
             log.warning("window %d: %s is not scored: its assigned data is unavailable (%s)", window, key, exc)
             return None
-        return take_sequences(batches, cfg.eval_sequences)
+        return take_sequences(batches, n)
 
     def rows(
         self, w: Window, screened: Sequence[Screened], received: Mapping[str, Received], scores: Mapping[str, LossScore]
@@ -285,6 +311,11 @@ class Decider:
                 )
             )
         return rows
+
+
+def _per_peer(scores: Mapping[str, LossScore], units: Mapping[str, Sequence[str]]) -> dict[str, LossScore]:
+    """Unit scores as every peer's of the unit."""
+    return {peer: sc for key, sc in scores.items() for peer in units[key]}
 
 
 def min_gain(spec: RunSpec, w: Window, scores: Mapping[str, LossScore]) -> float | None:

@@ -16,7 +16,10 @@ does not lower the loss on its own data (``harmful``: noise, sign-flipped, scale
 loss on held-out data by more than ``eval_harm_tolerance`` × ``random_before``
 (``harmful_general``); and *ineffective* when it lowers the loss on its own data by less than
 ``eval_min_gain_ratio`` × the median of what established peers' scored updates achieve in the
-same window (``ineffective``: noise at a plausible norm helps a little, by chance).
+same window (``ineffective``: noise at a plausible norm helps a little, by chance). Every loss
+is measured per sequence, so each gain comes with the standard error of its paired differences,
+and each verdict rejects only past its bar by ``eval_confidence_z`` of them
+(:mod:`validator.significance`).
 
 **What peers cannot know.** The sample and the random sequences are drawn from the window's seed
 (:mod:`validator.randomness`), fixed only once uploads are closed: a peer cannot tell whether it
@@ -48,8 +51,9 @@ from torch.func import functional_call
 
 from protocol.aggregate import SparseDict, apply_outer
 from protocol.data.assignment import TokenDataset, pipeline_data_key, random_batches
-from protocol.model import eval_loss, parameters_of
+from protocol.model import parameters_of, sequence_losses
 from protocol.wire import PipelineRole
+from validator.significance import paired
 
 __all__ = [
     "LossScore",
@@ -67,10 +71,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LossScore:
+    """Mean losses before/after one update on its own and on the random sequences, and the
+    standard errors of the two gains (paired per-sequence differences, :func:`validator.significance.paired`;
+    0: not measured, the point estimates alone)."""
+
     loss_own_before: float
     loss_own_after: float
     loss_random_before: float
     loss_random_after: float
+    own_se: float = 0.0
+    random_se: float = 0.0
 
     @property
     def own_gain(self) -> float:
@@ -87,7 +97,8 @@ class LossScore:
 
     @property
     def harmful(self) -> bool:
-        """Does not lower the loss on the peer's own data (NaN included)."""
+        """Does not lower the loss on the peer's own data (NaN included); the point estimate, without
+        the error bar the score check applies (:func:`validator.significance.verdict`)."""
         return not self.loss_own_after < self.loss_own_before
 
     def harms_general(self, tolerance: float) -> bool:
@@ -191,20 +202,32 @@ def score_update(
     *,
     own: Sequence[Tensor],
     random: Sequence[Tensor],
-    random_before: float,
+    random_before: Tensor,
     scale: float,
     device: torch.device | str = "cpu",
 ) -> LossScore:
-    """Loss before/after applying ``scale · update`` alone. The update is applied to copies of the
-    tensors it touches (:func:`with_parameters`): ``model``'s parameters are never written."""
+    """Loss before/after applying ``scale · update`` alone, per sequence (``random_before``: θ_t's
+    per-sequence losses on ``random``, :func:`protocol.model.sequence_losses`, measured once per
+    window), summarised as means and the standard errors of the paired gains. The update is applied
+    to copies of the tensors it touches (:func:`with_parameters`): ``model``'s parameters are never
+    written."""
     params = parameters_of(model)
     moved = {name: params[name].detach().clone() for name in update}
     apply_outer(moved, update, scale)
-    own_before = eval_loss(model, own, device)
+    own_before = sequence_losses(model, own, device)
     after = with_parameters(model, moved)
-    own_after = eval_loss(after, own, device)
-    random_after = eval_loss(after, random, device)
-    return LossScore(own_before, own_after, random_before, random_after)
+    own_after = sequence_losses(after, own, device)
+    random_after = sequence_losses(after, random, device)
+    _, own_se = paired(own_before, own_after)
+    _, random_se = paired(random_before, random_after)
+    return LossScore(
+        float(own_before.mean()),
+        float(own_after.mean()),
+        float(random_before.mean()),
+        float(random_after.mean()),
+        own_se=own_se,
+        random_se=random_se,
+    )
 
 
 def with_parameters(model: nn.Module, params: Mapping[str, Tensor]) -> nn.Module:

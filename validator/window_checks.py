@@ -17,6 +17,7 @@ from validator.log import CheckRow
 from validator.reasons import MUTATED, NON_FINITE_RESULT, OVER_CAPACITY, PROBATION
 from validator.reference import NormReference, check_norms
 from validator.scoring import LossScore
+from validator.significance import verdict
 from validator.sketch import global_entries, offsets
 
 __all__ = [
@@ -107,26 +108,21 @@ def scores(
     loss_scores: Mapping[str, LossScore],
     tolerance: float,
     min_gain: float | None = None,
+    z: float = 0.0,
 ) -> list[Screened]:
     """Reject scored contributions whose update does not lower the loss on the peer's own data
     (``harmful``), raises it on held-out data (``harmful_general``), or lowers it by less than
     ``min_gain`` (``ineffective``: the validator passes a share of what established peers'
-    updates achieve in this window; noise at a plausible norm lowers it a little, by chance)."""
+    updates achieve in this window; noise at a plausible norm lowers it a little, by chance) —
+    each only by more than ``z`` standard errors of its measurement (:mod:`validator.significance`;
+    the detail gives the margin in standard errors)."""
     out = []
     for s in screened:
         sc = loss_scores.get(s.peer)
         if s.reason is None and sc is not None:
-            if sc.harmful:
-                detail = f"own loss {sc.loss_own_before:.4f} -> {sc.loss_own_after:.4f}"
-                s = with_row(s, checks.fail("score", "harmful"), detail)
-            elif sc.harms_general(tolerance):
-                detail = f"held-out loss {sc.loss_random_before:.4f} -> {sc.loss_random_after:.4f}"
-                s = with_row(s, checks.fail("score", "harmful_general"), detail)
-            elif min_gain is not None and sc.own_gain < min_gain:
-                detail = f"own loss lowered by {sc.own_gain:.4f}, less than {min_gain:.4f}"
-                s = with_row(s, checks.fail("score", "ineffective"), detail)
-            else:
-                s = with_row(s, checks.ok("score"))
+            v = verdict(sc, tolerance=tolerance, min_gain=min_gain, z=z)
+            row = checks.ok("score") if v.reason is None else checks.fail("score", v.reason)
+            s = with_row(s, row, v.detail)
         out.append(s)
     return out
 
