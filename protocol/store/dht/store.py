@@ -271,7 +271,10 @@ class DHTStore(ObjectStore):
         self.last_listing = walk.stats
         if walk.stats.ignored:
             s = walk.stats
-            log.warning(
+            # entries of writers not asked for are routine (peers not announced yet); caps reached are not
+            level = logging.WARNING if s.over_cap or s.malformed or s.folders_ignored else logging.INFO
+            log.log(
+                level,
                 "DHT list %r: ignored %d of %d directory entries (%d of unknown writers, %d over the cap of %d "
                 "per directory, %d malformed) and %d folders over the cap of %d per walk",
                 prefix,
