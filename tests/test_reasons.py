@@ -151,6 +151,9 @@ def test_every_reason_a_check_writes_is_in_the_table_at_that_check() -> None:
         ("excluded", gather.EXCLUDED),
         ("deadline", reputation.LATE),
     }
+    # the score check writes the reason of its verdict (validator/significance.py)
+    verdict = re.compile(r"Verdict\(\"([a-z_]+)\"")
+    found |= {("score", name) for name in verdict.findall((ROOT / "validator" / "significance.py").read_text())}
     assert len(found) > 20
     for check, name in found:
         assert check in reasons.reason(name).checks, (check, name)
