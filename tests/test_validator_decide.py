@@ -26,14 +26,14 @@ from protocol.model import build_model, fingerprint, parameters_of
 from tests.validator_fixtures import Swarm, tiny_spec
 from validator import checks, window_checks
 from validator import decide as decide_module
-from validator.decide import Decider
+from validator.decide import Decider, WindowDecision
 from validator.gather import Received
 from validator.intake import Uploads
 from validator.reference import NormReference
 from validator.reputation import Standing
 from validator.scoring import LossScore
 from validator.trial import Aggregator
-from validator.window import open_window
+from validator.window import Window, open_window
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -69,6 +69,22 @@ def uploads_of(received: Mapping[str, Received]) -> Uploads:
     )
 
 
+def decided(
+    spec: RunSpec,
+    model: torch.nn.Module,
+    window: Window,
+    received: Mapping[str, Received],
+    theta: Mapping[str, torch.Tensor],
+) -> WindowDecision:
+    """``window`` decided on ``received`` from θ_t = ``theta`` with an empty reference and feedback."""
+    dataset = open_dataset(spec.data)
+    with ThreadPoolExecutor(2) as pool:
+        aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
+        return Decider(spec, model, dataset, aggregator, device=CPU).decide(
+            window, uploads_of(received), reference=NormReference(), params=theta, feedback=FeedbackState()
+        )
+
+
 @pytest.fixture()
 def run() -> Iterator[tuple[RunSpec, Identity, Swarm]]:
     vkey = Identity.generate()
@@ -95,12 +111,7 @@ def test_a_window_is_decided_from_held_contributions_and_a_non_finite_one_is_bis
     standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}  # all past probation
     window = open_window(0, vkey, spec.hash(), standing, spec.validator)
 
-    dataset = open_dataset(spec.data)
-    with ThreadPoolExecutor(2) as pool:
-        aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
-        decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
-            window, uploads_of(received), reference=NormReference(), params=theta, feedback=FeedbackState()
-        )
+    decision = decided(spec, model, window, received, theta)
 
     honest = tuple(sorted(p.peer_id for p in sw.peers))
     assert decision.accepted == honest and decision.weights == dict.fromkeys(honest, 1.0)
@@ -154,12 +165,7 @@ def test_newcomers_are_scored_without_writing_the_model_and_the_first_window_sta
         theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
         received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0), 0)) for p in sw.peers}
         window = open_window(0, vkey, spec.hash(), {}, spec.validator)  # nobody has a record yet
-        dataset = open_dataset(spec.data)
-        with ThreadPoolExecutor(2) as pool:
-            aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
-            decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
-                window, uploads_of(received), reference=NormReference(), params=theta, feedback=FeedbackState()
-            )
+        decision = decided(spec, model, window, received, theta)
         assert set(decision.scores) == set(received) and decision.accepted == tuple(sorted(received))
         assert not decision.reference.empty  # started at the best scored update
         assert all(torch.equal(p, theta[n]) for n, p in parameters_of(model).items())  # measured, never written
@@ -190,12 +196,7 @@ def test_a_peer_whose_data_cannot_be_had_goes_unscored_and_is_never_blamed(monke
             return real(dataset, seed, key, *args, **kw)
 
         monkeypatch.setattr(decide_module, "assigned_batches", assigned)
-        dataset = open_dataset(spec.data)
-        with ThreadPoolExecutor(2) as pool:
-            aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
-            decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
-                window, uploads_of(received), reference=NormReference(), params=theta, feedback=FeedbackState()
-            )
+        decision = decided(spec, model, window, received, theta)
         assert set(decision.scores) == set(received) - {damaged}
         assert damaged in decision.accepted and damaged not in decision.rejections
     finally:
@@ -224,12 +225,7 @@ def test_a_verdict_rejects_only_past_the_noise_of_its_measurement(z: float, monk
         monkeypatch.setattr(Decider, "score", lambda self, *args: dict(fixed))
         standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}
         window = open_window(0, vkey, spec.hash(), standing, spec.validator)
-        dataset = open_dataset(spec.data)
-        with ThreadPoolExecutor(2) as pool:
-            aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
-            decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
-                window, uploads_of(received), reference=NormReference(), params=theta, feedback=FeedbackState()
-            )
+        decision = decided(spec, model, window, received, theta)
         expected = {bad: "harmful"} if z else {noisy: "harmful_general", bad: "harmful"}
         assert decision.rejections == expected
         row = next(r for r in decision.rows if r.peer == bad)
@@ -261,12 +257,7 @@ def test_a_borderline_verdict_is_settled_on_more_sequences(monkeypatch: pytest.M
         window = open_window(
             0, vkey, spec.hash(), {peer.peer_id: Standing(reputation=0.5, windows=1, passes=1)}, spec.validator
         )
-        dataset = open_dataset(spec.data)
-        with ThreadPoolExecutor(2) as pool:
-            aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
-            decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
-                window, uploads_of(received), reference=NormReference(), params=theta, feedback=FeedbackState()
-            )
+        decision = decided(spec, model, window, received, theta)
         assert seen == [(8, 8), (16, 16)]
         assert decision.rejections == {peer.peer_id: "harmful"}
     finally:
