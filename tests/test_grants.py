@@ -303,11 +303,11 @@ def test_rate_limits_per_peer_and_per_address() -> None:
     key = layout.aggregate_key(RUN, 1)
     for _ in range(3):
         d.ask(read("get", key), ALICE, "198.51.100.1")
-    refusal = d.refused(read("get", key), ALICE, "198.51.100.2")
+    refusal = d.refused(read("get", key), ALICE, "203.0.113.2")  # the peer's budget, from any network
     assert refusal.reason == "rate_limited" and refusal.status == 429 and 0 < refusal.retry_after_s <= 1
     d.ask(read("get", key), BOB, "198.51.100.1")  # another peer at the same address: its own budget
     d.ask(read("get", key), BOB, "198.51.100.1")
-    assert d.refused(read("get", key), BOB, "198.51.100.1").reason == "rate_limited"  # the address's 5
+    assert d.refused(read("get", key), BOB, "198.51.100.9").reason == "rate_limited"  # the /24's 5
     d.now += 1.0  # a token comes back every second
     d.ask(read("get", key, at=d.now), ALICE, "198.51.100.3")
 
@@ -366,8 +366,10 @@ def test_the_http_endpoint_answers_grants_and_refusals_with_statuses() -> None:
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(server.url + "/elsewhere", timeout=10)
         assert err.value.code == 404
-    assert [e.kind for e in d.events] == ["granted", "grant_denied", "grant_denied", "grant_denied"]
-    assert isinstance(d.events[-1], GrantDenied) and d.events[-1].peer_id == ""  # never verified
+    assert [e.kind for e in d.events] == ["granted"] + ["grant_denied"] * 4
+    malformed, elsewhere = d.events[-2:]
+    assert isinstance(malformed, GrantDenied) and malformed.peer_id == ""  # never verified
+    assert isinstance(elsewhere, GrantDenied) and elsewhere.reason == "not_found"  # the server's own refusal
 
 
 def test_grants_over_https(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -262,9 +262,12 @@ class GrantedStore(ObjectStore):
         check_key(key)
         body = bytes(data)
 
+        granted: list[Presigned] = []  # a retried upload reuses its grant while it is valid
+
         def once() -> None:
-            grant = self._ask_once(GrantRequest.put(self.run_hash, key, len(body), if_absent=if_absent))
-            self._send(grant, key, body=body).close()
+            if not granted or granted[0].expires_at - _STALE_MARGIN_S <= time.time():
+                granted[:] = [self._ask_once(GrantRequest.put(self.run_hash, key, len(body), if_absent=if_absent))]
+            self._send(granted[0], key, body=body).close()
 
         self._attempts(f"put {key!r}", once, regrant=False)
         self.stats.bytes_uploaded += len(body)

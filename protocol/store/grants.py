@@ -79,12 +79,17 @@ STATUS = {
     "stale": 401,
     "replayed": 401,
     "forbidden": 403,
+    "not_announced": 403,
     "not_found": 404,
+    "too_slow": 408,
     "wrong_run": 409,
     "window_closed": 409,
+    "already_granted": 409,
     "too_large": 413,
     "rate_limited": 429,
+    "server_error": 500,
     "unavailable": 503,
+    "busy": 503,
 }
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
