@@ -148,7 +148,7 @@ class GrantServer:
         self._loop = loop
         try:
             loop.run_until_complete(self._run(ready))
-        except BaseException as exc:  # noqa: BLE001 - reported to start(), which raises ConfigError
+        except BaseException as exc:  # reported to start(), which raises ConfigError
             failure.append(exc)
         finally:
             ready.set()
@@ -216,10 +216,12 @@ async def _body(request: web.BaseRequest) -> bytes:
     if declared is not None and declared > limit:
         raise GrantRefused("malformed", f"a grant request has at most {limit} bytes, not {declared}")
     try:
-        body = await request.content.read(limit + 1) if declared is None else await request.content.readexactly(declared)
+        body = (
+            await request.content.read(limit + 1) if declared is None else await request.content.readexactly(declared)
+        )
         while declared is None and len(body) <= limit and (more := await request.content.read(limit + 1 - len(body))):
             body += more
-    except asyncio.IncompleteReadError:
+    except (asyncio.IncompleteReadError, ConnectionResetError):  # the client closed its side early
         raise GrantRefused("malformed", "the request's body ended before its Content-Length") from None
     if len(body) > limit:
         raise GrantRefused("malformed", f"a grant request has at most {limit} bytes")
@@ -358,7 +360,7 @@ class _Server(web.Server):
             handler,
             access_log=None,
             logger=_event_logger(owner.desk),
-            keepalive_timeout=limits.timeout_s,
+            keepalive_timeout=2 * limits.timeout_s,  # a backstop: the deadline of _Connection cuts first
             max_line_size=limits.max_header_bytes,
             max_field_size=limits.max_header_bytes,
             max_headers=32,
@@ -370,9 +372,7 @@ class _Server(web.Server):
         return _Connection(self, loop=self._loop, **self._kwargs)
 
     def _make_request(self, message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
-        return web.BaseRequest(
-            message, payload, protocol, writer, task, self._loop, client_max_size=MAX_REQUEST_BYTES
-        )
+        return web.BaseRequest(message, payload, protocol, writer, task, self._loop, client_max_size=MAX_REQUEST_BYTES)
 
 
 class _EventLog(logging.Handler):

@@ -27,6 +27,8 @@ A contribution grant is create-only, so one identity writes at most one contribu
 whatever it is granted; the few grants more are for an honest peer whose answer was lost or that
 restarted (a retried upload reuses its grant). The nonce table holds at most ``max_nonces``
 (the oldest expire first); a full table refuses (``busy``, with when to retry) rather than grow.
+Unannounced identities have a nonce table of their own, so that their flood never fills the one of
+the announced peers.
 
 * ``put`` of its contribution to the *open* window, create-only, at most
   the contribution cap (:func:`protocol.caps.object_caps`): the URL expires at the window's upload deadline;
@@ -255,7 +257,10 @@ class GrantDesk:
         self._peers = TokenBuckets(p.peer_rate, p.peer_burst, max_names=p.max_rate_names)
         self._addresses = TokenBuckets(p.address_rate, p.address_burst, max_names=p.max_rate_names)
         self._unannounced = TokenBuckets(p.unannounced_rate, p.unannounced_burst, max_names=p.max_rate_names)
-        self._nonces = _Nonces(2 * p.max_skew_s, p.max_nonces)  # a timestamp is accepted max_skew_s either way
+        # A timestamp is accepted max_skew_s either way. Unannounced keys have a table of their own:
+        # a flood of fresh keys fills theirs, never the one of the peers the validator knows.
+        self._nonces = _Nonces(2 * p.max_skew_s, p.max_nonces)
+        self._strangers = _Nonces(2 * p.max_skew_s, p.max_nonces)
         self._contributions = _Contributions(p.contribution_grants, p.max_rate_names)
         self._reads = (f"{self.run_id}/", *p.read_prefixes)
 
@@ -270,9 +275,11 @@ class GrantDesk:
             self._fresh(signed.request, now)
             if self._announced(signed.peer_id):
                 self._within_rate(self._peers, signed.peer_id, now, f"peer {signed.peer_id}")
+                nonces = self._nonces
             else:
                 self._within_rate(self._unannounced, prefix, now, f"unannounced keys of network {prefix}")
-            if not self._nonces.first_use(signed.request.nonce, now):
+                nonces = self._strangers
+            if not nonces.first_use(signed.request.nonce, now):
                 raise GrantRefused("replayed", "this request (its nonce) was already used")
             grant = self._grant(signed, now)
         except GrantRefused as refusal:
@@ -320,6 +327,7 @@ class GrantDesk:
         """How many entries each of the desk's tables holds (all capped)."""
         return {
             "nonces": len(self._nonces),
+            "unannounced_nonces": len(self._strangers),
             "peers": len(self._peers),
             "networks": len(self._addresses),
             "unannounced_networks": len(self._unannounced),
@@ -377,7 +385,9 @@ class GrantDesk:
         if parsed.kind != "contrib":
             cap = self.policy.announcement_max_bytes if parsed.kind == "peers" else self.policy.probe_max_bytes
             self._size(req.size, cap, "an announcement" if parsed.kind == "peers" else "a probe")
-            return self.presigner.presign_put(req.key, req.size, if_absent=req.if_absent, expires_s=self.policy.write_expiry_s)
+            return self.presigner.presign_put(
+                req.key, req.size, if_absent=req.if_absent, expires_s=self.policy.write_expiry_s
+            )
         assert parsed.window is not None  # a contribution key always names its window
         expires = self._contribution_expiry(parsed.window, req, now)
         self._in_standing(peer_id, parsed.window)

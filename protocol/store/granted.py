@@ -30,7 +30,6 @@ expired, the validator restarted with new credentials) is replaced once.
 from __future__ import annotations
 
 import http.client
-import json
 import threading
 import time
 import urllib.error
@@ -63,9 +62,11 @@ from protocol.store.base import (
 from protocol.store.grants import (
     GRANT_PATH,
     INFO_PATH,
+    MAX_GRANT_BYTES,
     GrantRefused,
     GrantRequest,
     decode_grant,
+    decode_info,
     decode_refusal,
     encode_request,
 )
@@ -162,16 +163,12 @@ class GrantedStore(ObjectStore):
         def once() -> dict[str, Any]:
             try:
                 with urllib.request.urlopen(self.grant_url + INFO_PATH, timeout=self.timeout_s) as resp:
-                    raw = json.loads(resp.read(64 << 10))
+                    answer = resp.read(MAX_GRANT_BYTES + 1)
             except urllib.error.HTTPError as exc:
                 raise self._refusal(exc) from None
             except (OSError, http.client.HTTPException) as exc:
                 raise _Retry(f"grant server {self.grant_url} unreachable: {exc}") from None
-            except ValueError:
-                raise GrantRefused("malformed", f"{self.grant_url}{INFO_PATH} did not answer JSON") from None
-            if not isinstance(raw, dict):
-                raise GrantRefused("malformed", f"{self.grant_url}{INFO_PATH} did not answer a JSON object")
-            return raw
+            return decode_info(answer)  # bounded in size and depth: the desk may be hostile too
 
         return self._attempts("grant server info", once, regrant=False)
 
@@ -180,7 +177,7 @@ class GrantedStore(ObjectStore):
         http_request = urllib.request.Request(self.grant_url + GRANT_PATH, data=body, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(http_request, timeout=self.timeout_s) as resp:
-                answer = resp.read(1 << 20)
+                answer = resp.read(MAX_GRANT_BYTES + 1)
         except urllib.error.HTTPError as exc:
             raise self._refusal(exc) from None
         except (OSError, http.client.HTTPException) as exc:
