@@ -24,7 +24,7 @@ import pytest
 
 from protocol import layout
 from protocol.config import RunSpec
-from protocol.events import Event, GrantDenied, Granted
+from protocol.events import Event, GrantDenied
 from protocol.identity import Identity
 from protocol.store.grants import GRANT_PATH, SIGNATURE_HEADER, GrantRequest, decode_grant, encode_request
 from protocol.store.s3 import S3Store
