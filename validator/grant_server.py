@@ -13,8 +13,8 @@ Answers are JSON: a grant (200), the run's info (200), or ``{"error": reason, "d
 with the refusal's status (``Retry-After`` on 429 and 503). What a connection may cost
 (:class:`ServerLimits`):
 
-* one request per connection, which arrives in full (TLS handshake, headers and body) within
-  ``timeout_s`` of the connection's start; a slower one (a trickling "slowloris" client, a
+* one request per connection: the TLS handshake within ``timeout_s``, then the whole request
+  (headers and body) within ``timeout_s``; a slower one (a trickling "slowloris" client, a
   truncated body) is cut off with a ``too_slow`` event;
 * at most ``max_connections`` open connections, and ``max_prefix_connections`` from one network
   prefix (:func:`validator.netprefix.network_prefix`); one over a cap is closed at once with a
@@ -94,7 +94,8 @@ class GrantServer:
         self._tls = _tls_context(tls_cert, tls_key) if tls_cert else None
         self.scheme = "https" if self._tls else "http"
         try:
-            self._sock = socket.create_server((host, port), backlog=self.limits.backlog, reuse_port=False)
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._sock = socket.create_server((host, port), family=family, backlog=self.limits.backlog)
         except OSError as exc:
             raise ConfigError(f"the grant server cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
         self._host = host

@@ -182,6 +182,10 @@ class _Nonces:
     def __len__(self) -> int:
         return len(self._seen)
 
+    def __contains__(self, nonce: str) -> bool:
+        with self._lock:
+            return nonce in self._seen
+
     def first_use(self, nonce: str, now: float) -> bool:
         with self._lock:
             while self._seen and next(iter(self._seen.values())) < now - self.keep_s:
@@ -273,14 +277,7 @@ class GrantDesk:
             self._within_rate(self._addresses, prefix, now, f"network {prefix}")
             signed = read_request(body, signature)
             self._fresh(signed.request, now)
-            if self._announced(signed.peer_id):
-                self._within_rate(self._peers, signed.peer_id, now, f"peer {signed.peer_id}")
-                nonces = self._nonces
-            else:
-                self._within_rate(self._unannounced, prefix, now, f"unannounced keys of network {prefix}")
-                nonces = self._strangers
-            if not nonces.first_use(signed.request.nonce, now):
-                raise GrantRefused("replayed", "this request (its nonce) was already used")
+            self._admit(signed, prefix, now)
             grant = self._grant(signed, now)
         except GrantRefused as refusal:
             self._report_refusal(refusal, signed, address)
@@ -343,9 +340,20 @@ class GrantDesk:
         if wait > 0:
             raise GrantRefused("rate_limited", f"{who} asks too often; retry in {wait:.1f} s", retry_after_s=wait)
 
+    def _admit(self, signed: SignedRequest, prefix: str, now: float) -> None:
+        """Within the rate of the peer (announced) or of its network's unannounced keys, and a
+        nonce never seen (checked after the rates, so that refused requests do not fill its table)."""
+        if self._announced(signed.peer_id):
+            self._within_rate(self._peers, signed.peer_id, now, f"peer {signed.peer_id}")
+            nonces, other = self._nonces, self._strangers
+        else:
+            self._within_rate(self._unannounced, prefix, now, f"unannounced keys of network {prefix}")
+            nonces, other = self._strangers, self._nonces
+        if signed.request.nonce in other or not nonces.first_use(signed.request.nonce, now):  # other: a peer
+            raise GrantRefused("replayed", "this request (its nonce) was already used")  # that just (un)announced
+
     def _fresh(self, req: GrantRequest, now: float) -> None:
-        """A timestamp within max_skew_s and this run's hash (the nonce is checked after the rates,
-        so that refused requests do not fill its table)."""
+        """A timestamp within max_skew_s and this run's hash."""
         skew = req.timestamp - now
         if abs(skew) > self.policy.max_skew_s:
             raise GrantRefused(
