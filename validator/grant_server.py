@@ -98,7 +98,6 @@ class GrantServer:
             self._sock = socket.create_server((host, port), family=family, backlog=self.limits.backlog)
         except OSError as exc:
             raise ConfigError(f"the grant server cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
-        self._host = host
         self.connections = _Connections(self.limits, desk)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -179,7 +178,7 @@ class GrantServer:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         address = request.remote or ""
         try:
-            body = await self._arrived(request, address)
+            body = await self._arrived(request)
         except GrantRefused as refusal:  # the server's own refusals: reported here
             self.desk.refused(refusal, address)
             return _refusal(refusal)
@@ -192,7 +191,7 @@ class GrantServer:
         except GrantRefused as refusal:
             return _refusal(refusal)
 
-    async def _arrived(self, request: web.BaseRequest, address: str) -> bytes | None:
+    async def _arrived(self, request: web.BaseRequest) -> bytes | None:
         """The body of a grant request, or None for an info request, read in full."""
         if request.method == "POST" and request.path == GRANT_PATH:
             body = await _body(request)
