@@ -180,7 +180,9 @@ class GrantServer:
         try:
             body = await self._arrived(request)
         except GrantRefused as refusal:  # the server's own refusals: reported here
-            self.desk.refused(refusal, address)
+            protocol = request.protocol
+            if not (isinstance(protocol, _Connection) and protocol.cut):  # a cut one is reported already
+                self.desk.refused(refusal, address)
             return _refusal(refusal)
         try:  # the desk reports its decisions itself
             if body is None:
@@ -313,6 +315,7 @@ class _Connection(RequestHandler):
         self._address = ""
         self._deadline: asyncio.TimerHandle | None = None
         self._admitted = False
+        self.cut = False  # too slow: cut off, and reported
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -335,6 +338,7 @@ class _Connection(RequestHandler):
 
     def _too_slow(self, transport: asyncio.BaseTransport) -> None:
         self._deadline = None
+        self.cut = True
         self._book.too_slow(self._address)
         self.force_close()
         if isinstance(transport, asyncio.Transport):
