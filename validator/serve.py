@@ -167,16 +167,22 @@ def open_validator(run_path: str, local: LocalSettings, key_path: str, state_dir
 def grant_server(validator: Validator, local: LocalSettings, windows_open: OpenWindows, emit: Emit) -> GrantServer:
     """The started grant server of ``validator`` (its store signs the grants); GrantsServed says where."""
     from validator.grant_server import GrantServer
-    from validator.grants import GrantDesk
+    from validator.grants import GrantDesk, GrantPolicy
 
     if not isinstance(validator.store, Presigner):
         raise ConfigError(
             f"--grant-port hands out presigned S3 requests: it needs an s3:// store, not {local.store.url}"
         )
-    desk = GrantDesk(
-        validator.spec, validator.store, windows_open.current, emit=emit, roster=ValidatorRoster(validator)
-    )
     settings = local.validator
+    policy = GrantPolicy(prefix_v4=settings.grant_prefix_v4, prefix_v6=settings.grant_prefix_v6)
+    desk = GrantDesk(
+        validator.spec,
+        validator.store,
+        windows_open.current,
+        policy=policy,
+        emit=emit,
+        roster=ValidatorRoster(validator),
+    )
     server = GrantServer(
         desk, settings.grant_host, settings.grant_port, tls_cert=settings.tls_cert, tls_key=settings.tls_key
     ).start()
