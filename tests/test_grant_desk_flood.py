@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -26,6 +26,7 @@ from protocol import layout
 from protocol.config import RunSpec
 from protocol.events import Event, GrantDenied
 from protocol.identity import Identity
+from protocol.store.granted import GrantedStore
 from protocol.store.grants import GRANT_PATH, SIGNATURE_HEADER, GrantRequest, decode_grant, encode_request
 from protocol.store.s3 import S3Store
 from validator.grant_server import GrantServer, ServerLimits
@@ -331,3 +332,30 @@ def test_slowloris_connections_are_cut_while_peers_are_served(
     assert len(s.events.denied("too_slow")) == len(sockets)
     assert _eventually(lambda: s.server.connections.open == 0)
     assert capfd.readouterr().err == ""
+
+
+def test_a_peer_over_the_connection_cap_retries_and_gets_in(served: Served) -> None:
+    s = served
+    patient = replace(LIMITS, timeout_s=WAIT_S)  # the idle connections stay until they are closed
+    with GrantServer(s.desk, "127.0.0.1", 0, limits=patient) as server:
+        host, port = server._sock.getsockname()[:2]
+        idle = []
+        for i in range(patient.max_prefix_connections):  # 127.0.0.0/24 at its cap
+            sock = socket.socket()
+            sock.bind((f"127.0.0.{10 + i}", 0))
+            sock.connect((host, port))
+            idle.append(sock)
+        assert _eventually(lambda: server.connections.open == len(idle))
+        waits: list[float] = []
+
+        def sleep(seconds: float) -> None:  # the peer's backoff: the idle connections go meanwhile
+            waits.append(seconds)
+            for sock in idle:
+                sock.close()
+            assert _eventually(lambda: server.connections.open == 0)
+
+        store = GrantedStore(f"http://{host}:{port}", ALICE, RUN_HASH, retries=2, sleep=sleep)
+        assert store.info()["run_hash"] == RUN_HASH
+        # 503 busy with Retry-After: 1 (or a reset, when the request reached a closed socket): one retry
+        assert len(waits) == 1 and waits[0] in (1.0, store.backoff_s)
+        assert len(s.events.denied("busy", "127.0.0.1")) == 1

@@ -188,7 +188,7 @@ class GrantedStore(ObjectStore):
     def _refusal(self, exc: urllib.error.HTTPError) -> Exception:
         refusal = decode_refusal(exc.code, exc.read(1 << 16), retry_after=exc.headers.get("Retry-After"))
         exc.close()
-        if refusal.reason in ("rate_limited", "unavailable"):
+        if refusal.reason in ("rate_limited", "unavailable", "busy", "server_error"):  # transient
             return _Retry(f"grant server {self.grant_url}: {refusal}", refusal.retry_after_s)
         return refusal
 
