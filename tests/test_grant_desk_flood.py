@@ -4,7 +4,7 @@ needs no S3 server), attacked from many source addresses of 127.0.0.0/8.
 Fresh keys from one network share one budget, while keys from many networks fill only the table
 of strangers; a JSON bomb, oversized, chunked and truncated bodies are refused; trickling
 ("slowloris") connections are cut at the deadline and connections over the per-network cap are
-refused at once. Throughout, an announced peer keeps getting its grants, every refusal is an event
+refused at once (a peer told so retries and gets in once connections free up). Throughout, an announced peer keeps getting its grants, every refusal is an event
 (counted here), the desk's tables stay within their caps, and nothing leaks (threads, connections)
 or reaches stderr. Waits are bounded waits for events or for the server to close a socket.
 """
