@@ -324,6 +324,14 @@ class Preflight:
         size = self._contribution_bytes or 1
         try:
             store.ask(GrantRequest.put(self.run_hash, key, size, if_absent=True))
+        except GrantNotGiven as exc:
+            if exc.refusal != "not_announced":
+                return _failed("grant", _reason(exc), f"no upload grant for {key}: {exc}")
+            return _ok(  # every check but the announcement passed: a peer that has not joined yet
+                "grant",
+                f"{store.grant_url} grants this peer's contribution to window {window} once its announcement is read",
+                window=window,
+            )
         except (ProtocolError, StoreError) as exc:
             return _failed("grant", _reason(exc), f"no upload grant for {key}: {exc}")
         return _ok("grant", f"{store.grant_url} grants this peer's contribution to window {window}", window=window)

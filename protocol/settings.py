@@ -219,6 +219,12 @@ class ValidatorSettings:
     grant_host: str = setting("0.0.0.0", "Address the grant server binds.")
     tls_cert: str = setting("", "PEM certificate: serve grants over HTTPS (with tls_key).")
     tls_key: str = setting("", "PEM private key of tls_cert.")
+    grant_prefix_v4: int = setting(
+        24, "The grant server's rate limits count all IPv4 addresses of one /N network together."
+    )
+    grant_prefix_v6: int = setting(
+        48, "The grant server's rate limits count all IPv6 addresses of one /N network together."
+    )
     retain_windows: int = setting(
         0,
         "After each publish, delete contributions and aggregates older than the last K windows, keeping "
@@ -240,6 +246,8 @@ class ValidatorSettings:
         _require(self.eval_sequences >= 1, "validator.eval_sequences must be >= 1")
         _require(0 <= self.grant_port <= 65535, "validator.grant_port must be in 0..65535")
         _require(bool(self.tls_cert) == bool(self.tls_key), "validator.tls_cert and validator.tls_key go together")
+        _require(8 <= self.grant_prefix_v4 <= 32, "validator.grant_prefix_v4 must be in 8..32")
+        _require(16 <= self.grant_prefix_v6 <= 128, "validator.grant_prefix_v6 must be in 16..128")
         _require(
             self.retain_windows == 0 or self.retain_windows >= 2,
             "validator.retain_windows must be 0 (keep everything) or >= 2",

@@ -4,8 +4,9 @@ in bounded time and with allocation proportional to its input.
 Targets: the envelope (frame), every object kind (mutated and signed again, so the body and
 payload parsers are reached), codec payloads, DHT piece manifests, signed DHT records (object
 manifests, pieces, directory entries) and the node validator that checks them, the validator's
-per-contribution checks on raw bytes, the published outcomes (:mod:`protocol.outcomes`) and
-``inspect`` on raw bytes; and the densest valid contribution (16,384,000 values in ~101 KiB) on
+per-contribution checks on raw bytes, the published outcomes (:mod:`protocol.outcomes`),
+``inspect`` on raw bytes, the grant desk's request parser and a peer's parses of the grant
+server's answers (a grant, a refusal, the run info); and the densest valid contribution (16,384,000 values in ~101 KiB) on
 every decode path, under the same allocation bound. Each starts from the committed seed corpus
 (``tests/fuzz_corpus``, see ``tests/fuzz_seeds.py``) and mutates it with hypothesis.
 
@@ -498,3 +499,70 @@ def test_fuzz_inspect_bytes(data: bytes) -> None:
 
     result = bounded(inspect_bytes, data, CODEC_PER_BYTE)
     assert result.line.startswith("OK " if result.ok else "INVALID ")
+
+
+# ---------------------------------------------------------------------------------------- grants
+def _grant_seeds() -> dict[str, bytes]:
+    from protocol.store.grants import GrantRefused, GrantRequest, encode_grant, encode_refusal, encode_request
+    from protocol.store.presign import Presigned
+
+    run_hash = "ab" * 32
+    put, _ = encode_request(
+        GrantRequest.put(run_hash, f"{RUN}/contrib/00000003/{PEER.peer_id}", 100, if_absent=True), PEER
+    )
+    listing, _ = encode_request(GrantRequest.listing(run_hash, f"{RUN}/peers/", "tok"), PEER)
+    grant = encode_grant(Presigned("PUT", "https://s3.example/k?X-Amz-Signature=00", 1.7e9, {"Content-Length": "100"}))
+    return {
+        "put": put,
+        "list": listing,
+        "grant": grant,
+        "refusal": encode_refusal(GrantRefused("rate_limited", "slow down", retry_after_s=2)),
+        "info": b'{"run_id": "r", "run_hash": "' + run_hash.encode() + b'", "window": 3, "upload_deadline": 1.7e9}',
+        "deep": b"[" * 4000,
+        "deep-in-object": b'{"a":' * 2000,
+    }
+
+
+def _grant_request(data: bytes) -> Any:
+    """A request as the validator reads it, signed again so that its fields are checked too."""
+    from protocol.store.grants import DOMAIN, read_request
+
+    return read_request(data, PEER.sign(DOMAIN + data).hex())
+
+
+def _grant_answers(data: bytes) -> Any:
+    """Every parse a peer makes of a grant server's answers (a hostile desk is possible too)."""
+    from protocol.store.grants import GrantRefused, decode_grant, decode_info, decode_refusal
+
+    for status in (400, 429, 503):
+        assert isinstance(decode_refusal(status, data, retry_after="1e999"), GrantRefused)
+    for decode in (decode_grant, decode_info):
+        try:
+            decode(data)
+        except GrantRefused:
+            pass
+    return None
+
+
+def test_the_grant_seeds_parse_or_are_refused() -> None:
+    seeds = _grant_seeds()
+    assert bounded(_grant_request, seeds["put"]).peer_id == PEER.peer_id
+    for name in ("deep", "deep-in-object", "grant"):
+        assert isinstance(bounded(_grant_request, seeds[name]), ProtocolError), name
+    for data in seeds.values():
+        bounded(_grant_answers, data)
+
+
+@FUZZ
+@given(data=mutated(_grant_seeds()))
+def test_fuzz_grant_requests(data: bytes) -> None:
+    """The grant desk's parse of a request body (with a signature that verifies): a request or a
+    ``malformed`` refusal, within the bound."""
+    bounded(_grant_request, data)
+
+
+@FUZZ
+@given(data=mutated(_grant_seeds()))
+def test_fuzz_grant_answers(data: bytes) -> None:
+    """A peer's parses of a grant, a refusal and the run info, on any bytes, within the bound."""
+    bounded(_grant_answers, data)

@@ -42,7 +42,8 @@ from protocol.store.grants import (
 )
 from protocol.store.presign import Presigned
 from validator.grant_server import GrantServer
-from validator.grants import GrantDesk, GrantPolicy, OpenWindow, OpenWindows, TokenBuckets
+from validator.grants import GrantDesk, GrantPolicy, OpenWindow, OpenWindows, Roster, TokenBuckets
+from validator.netprefix import network_prefix
 
 VALIDATOR = Identity.from_seed(b"v" * 32)
 ALICE = Identity.from_seed(b"a" * 32)
@@ -82,13 +83,19 @@ class FakePresigner:
 class Desk:
     """A desk at a settable time, window 3 open since NOW − 10 s, and the events it reported."""
 
-    def __init__(self, policy: GrantPolicy | None = None) -> None:
+    def __init__(self, policy: GrantPolicy | None = None, roster: Roster | None = None) -> None:
         self.now = NOW
         self.events: list[Event] = []
         self.open: OpenWindow | None = OpenWindow(3, NOW - 10)
         self.presigner = FakePresigner()
         self.desk = GrantDesk(
-            SPEC, self.presigner, lambda: self.open, policy=policy, emit=self.events.append, clock=lambda: self.now
+            SPEC,
+            self.presigner,
+            lambda: self.open,
+            policy=policy,
+            emit=self.events.append,
+            clock=lambda: self.now,
+            roster=roster,
         )
 
     def ask(self, request: GrantRequest, who: Identity = ALICE, address: str = "198.51.100.1") -> Presigned:
@@ -303,13 +310,82 @@ def test_rate_limits_per_peer_and_per_address() -> None:
     key = layout.aggregate_key(RUN, 1)
     for _ in range(3):
         d.ask(read("get", key), ALICE, "198.51.100.1")
-    refusal = d.refused(read("get", key), ALICE, "198.51.100.2")
+    refusal = d.refused(read("get", key), ALICE, "203.0.113.2")  # the peer's budget, from any network
     assert refusal.reason == "rate_limited" and refusal.status == 429 and 0 < refusal.retry_after_s <= 1
     d.ask(read("get", key), BOB, "198.51.100.1")  # another peer at the same address: its own budget
     d.ask(read("get", key), BOB, "198.51.100.1")
-    assert d.refused(read("get", key), BOB, "198.51.100.1").reason == "rate_limited"  # the address's 5
+    assert d.refused(read("get", key), BOB, "198.51.100.9").reason == "rate_limited"  # the /24's 5
     d.now += 1.0  # a token comes back every second
     d.ask(read("get", key, at=d.now), ALICE, "198.51.100.3")
+
+
+class Known:
+    """Announced peers and the windows each is excluded from (the validator's registry and standings)."""
+
+    def __init__(self, announced: set[str], excluded: dict[str, int] | None = None) -> None:
+        self.peers, self.excluded_until = announced, excluded or {}
+
+    def announced(self, peer_id: str) -> bool:
+        return peer_id in self.peers
+
+    def excluded(self, peer_id: str, window: int) -> bool:
+        return window < self.excluded_until.get(peer_id, 0)
+
+
+def test_contributions_go_to_announced_peers_in_good_standing_a_few_times_a_window() -> None:
+    known = Known({ALICE.peer_id}, {BOB.peer_id: 4})
+    d = Desk(GrantPolicy(contribution_grants=2), known)
+    contrib = lambda who: put(layout.contrib_key(RUN, 3, who.peer_id))  # noqa: E731
+    assert d.refused(contrib(BOB), BOB).reason == "not_announced"
+    d.ask(put(layout.peer_key(RUN, BOB.peer_id), if_absent=False), BOB)  # announcing needs no standing
+    known.peers.add(BOB.peer_id)
+    refusal = d.refused(contrib(BOB), BOB)  # announced, but excluded until window 4
+    assert (refusal.reason, refusal.status) == ("forbidden", 403) and "excluded" in str(refusal)
+    d.ask(contrib(ALICE))
+    d.ask(contrib(ALICE))  # a retry after a lost answer
+    assert d.refused(contrib(ALICE)).reason == "already_granted"
+    d.open = OpenWindow(4, NOW - 5)  # the next window: a new count, and BOB's exclusion is over
+    d.ask(put(layout.contrib_key(RUN, 4, ALICE.peer_id)))
+    d.ask(put(layout.contrib_key(RUN, 4, BOB.peer_id)), BOB)
+    reasons = [e.reason for e in d.events if isinstance(e, GrantDenied)]
+    assert reasons == ["not_announced", "forbidden", "already_granted"]
+
+
+def test_unannounced_keys_share_one_budget_per_network() -> None:
+    d = Desk(GrantPolicy(unannounced_rate=1.0, unannounced_burst=3), Known({ALICE.peer_id}))
+    key = layout.aggregate_key(RUN, 1)
+    strangers = [Identity.from_seed(bytes([100 + i]) * 32) for i in range(6)]
+    for who in strangers[:3]:
+        d.ask(read("get", key), who, "198.51.100.7")
+    assert d.refused(read("get", key), strangers[3], "198.51.100.200").reason == "rate_limited"  # same /24
+    d.ask(read("get", key), strangers[4], "203.0.113.1")  # another network: its own budget
+    for _ in range(5):
+        d.ask(read("get", key), ALICE, "198.51.100.7")  # an announced peer: its own budget
+    for who in strangers[:3]:
+        d.ask(read("get", key), who, "2001:db8:1:2::5")
+    assert d.refused(read("get", key), strangers[5], "2001:db8:1:ffff::9").reason == "rate_limited"  # same /48
+    assert d.desk.tables()["unannounced_networks"] == 3
+
+
+def test_a_full_nonce_table_refuses_and_frees_as_nonces_expire() -> None:
+    d = Desk(GrantPolicy(max_nonces=3, max_skew_s=10.0))
+    key = layout.aggregate_key(RUN, 1)
+    for i in range(3):
+        d.ask(read("get", key), ALICE, f"198.51.{i}.1")
+    refusal = d.refused(read("get", key), ALICE, "198.51.9.1")
+    assert (refusal.reason, refusal.status) == ("busy", 503) and refusal.retry_after_s >= 1
+    assert d.desk.tables()["nonces"] == 3
+    d.now += 21  # past twice the skew: the oldest expire first
+    d.ask(read("get", key, at=d.now), ALICE, "198.51.9.1")
+    assert d.desk.tables()["nonces"] == 1
+
+
+def test_network_prefixes() -> None:
+    assert network_prefix("203.0.113.7") == "203.0.113.0/24"
+    assert network_prefix("2001:db8:1:2::5") == "2001:db8:1::/48"
+    assert network_prefix("::ffff:203.0.113.7") == "203.0.113.0/24"  # IPv4-mapped: its IPv4 network
+    assert network_prefix("203.0.113.7", v4_bits=32) == "203.0.113.7/32"
+    assert network_prefix("not an address") == "not an address"
 
 
 def test_token_buckets_refill_and_forget_idle_names() -> None:
@@ -366,8 +442,10 @@ def test_the_http_endpoint_answers_grants_and_refusals_with_statuses() -> None:
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(server.url + "/elsewhere", timeout=10)
         assert err.value.code == 404
-    assert [e.kind for e in d.events] == ["granted", "grant_denied", "grant_denied", "grant_denied"]
-    assert isinstance(d.events[-1], GrantDenied) and d.events[-1].peer_id == ""  # never verified
+    assert [e.kind for e in d.events] == ["granted"] + ["grant_denied"] * 4
+    malformed, elsewhere = d.events[-2:]
+    assert isinstance(malformed, GrantDenied) and malformed.peer_id == ""  # never verified
+    assert isinstance(elsewhere, GrantDenied) and elsewhere.reason == "not_found"  # the server's own refusal
 
 
 def test_grants_over_https(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,7 +40,17 @@ if TYPE_CHECKING:
     from validator.grants import OpenWindows
     from validator.node import Validator
 
-__all__ = ["EXIT_CONFIG", "EXIT_INTERRUPTED", "EXIT_STORE", "ROLE", "Node", "Reporting", "event_lines", "validate"]
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_INTERRUPTED",
+    "EXIT_STORE",
+    "ROLE",
+    "Node",
+    "Reporting",
+    "ValidatorRoster",
+    "event_lines",
+    "validate",
+]
 
 ROLE = "validator"
 EXIT_STORE = 1
@@ -157,19 +167,47 @@ def open_validator(run_path: str, local: LocalSettings, key_path: str, state_dir
 def grant_server(validator: Validator, local: LocalSettings, windows_open: OpenWindows, emit: Emit) -> GrantServer:
     """The started grant server of ``validator`` (its store signs the grants); GrantsServed says where."""
     from validator.grant_server import GrantServer
-    from validator.grants import GrantDesk
+    from validator.grants import GrantDesk, GrantPolicy
 
     if not isinstance(validator.store, Presigner):
         raise ConfigError(
             f"--grant-port hands out presigned S3 requests: it needs an s3:// store, not {local.store.url}"
         )
-    desk = GrantDesk(validator.spec, validator.store, windows_open.current, emit=emit)
     settings = local.validator
+    policy = GrantPolicy(prefix_v4=settings.grant_prefix_v4, prefix_v6=settings.grant_prefix_v6)
+    desk = GrantDesk(
+        validator.spec,
+        validator.store,
+        windows_open.current,
+        policy=policy,
+        emit=emit,
+        roster=ValidatorRoster(validator),
+    )
     server = GrantServer(
         desk, settings.grant_host, settings.grant_port, tls_cert=settings.tls_cert, tls_key=settings.tls_key
     ).start()
     emit(GrantsServed(url=server.url))
     return server
+
+
+class ValidatorRoster:
+    """The grant desk's :class:`~validator.grants.Roster`: the peers whose announcement ``validator``
+    has read (and not withdrawn), and their standing before the open window (read from the grant
+    server's threads; the validator replaces these objects, never mutates them half-way)."""
+
+    def __init__(self, validator: Validator) -> None:
+        self.validator = validator
+
+    def announced(self, peer_id: str) -> bool:
+        registry = self.validator.registry
+        return peer_id in registry.announcements and peer_id not in registry.withdrawn
+
+    def excluded(self, peer_id: str, window: int) -> bool:
+        from validator.reputation import is_excluded
+
+        state = self.validator.state
+        standing = (state.standings or {}).get(peer_id) if state is not None and state.window == window else None
+        return standing is not None and is_excluded(standing, window)
 
 
 def wait_for_peers(validator: Validator, count: int) -> None:

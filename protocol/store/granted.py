@@ -30,7 +30,6 @@ expired, the validator restarted with new credentials) is replaced once.
 from __future__ import annotations
 
 import http.client
-import json
 import threading
 import time
 import urllib.error
@@ -63,9 +62,11 @@ from protocol.store.base import (
 from protocol.store.grants import (
     GRANT_PATH,
     INFO_PATH,
+    MAX_GRANT_BYTES,
     GrantRefused,
     GrantRequest,
     decode_grant,
+    decode_info,
     decode_refusal,
     encode_request,
 )
@@ -162,16 +163,12 @@ class GrantedStore(ObjectStore):
         def once() -> dict[str, Any]:
             try:
                 with urllib.request.urlopen(self.grant_url + INFO_PATH, timeout=self.timeout_s) as resp:
-                    raw = json.loads(resp.read(64 << 10))
+                    answer = resp.read(MAX_GRANT_BYTES + 1)
             except urllib.error.HTTPError as exc:
                 raise self._refusal(exc) from None
             except (OSError, http.client.HTTPException) as exc:
                 raise _Retry(f"grant server {self.grant_url} unreachable: {exc}") from None
-            except ValueError:
-                raise GrantRefused("malformed", f"{self.grant_url}{INFO_PATH} did not answer JSON") from None
-            if not isinstance(raw, dict):
-                raise GrantRefused("malformed", f"{self.grant_url}{INFO_PATH} did not answer a JSON object")
-            return raw
+            return decode_info(answer)  # bounded in size and depth: the desk may be hostile too
 
         return self._attempts("grant server info", once, regrant=False)
 
@@ -180,7 +177,7 @@ class GrantedStore(ObjectStore):
         http_request = urllib.request.Request(self.grant_url + GRANT_PATH, data=body, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(http_request, timeout=self.timeout_s) as resp:
-                answer = resp.read(1 << 20)
+                answer = resp.read(MAX_GRANT_BYTES + 1)
         except urllib.error.HTTPError as exc:
             raise self._refusal(exc) from None
         except (OSError, http.client.HTTPException) as exc:
@@ -191,7 +188,7 @@ class GrantedStore(ObjectStore):
     def _refusal(self, exc: urllib.error.HTTPError) -> Exception:
         refusal = decode_refusal(exc.code, exc.read(1 << 16), retry_after=exc.headers.get("Retry-After"))
         exc.close()
-        if refusal.reason in ("rate_limited", "unavailable"):
+        if refusal.reason in ("rate_limited", "unavailable", "busy", "server_error"):  # transient
             return _Retry(f"grant server {self.grant_url}: {refusal}", refusal.retry_after_s)
         return refusal
 
@@ -262,9 +259,12 @@ class GrantedStore(ObjectStore):
         check_key(key)
         body = bytes(data)
 
+        granted: list[Presigned] = []  # a retried upload reuses its grant while it is valid
+
         def once() -> None:
-            grant = self._ask_once(GrantRequest.put(self.run_hash, key, len(body), if_absent=if_absent))
-            self._send(grant, key, body=body).close()
+            if not granted or granted[0].expires_at - _STALE_MARGIN_S <= time.time():
+                granted[:] = [self._ask_once(GrantRequest.put(self.run_hash, key, len(body), if_absent=if_absent))]
+            self._send(granted[0], key, body=body).close()
 
         self._attempts(f"put {key!r}", once, regrant=False)
         self.stats.bytes_uploaded += len(body)

@@ -43,6 +43,7 @@ __all__ = [
     "DOMAIN",
     "GRANT_PATH",
     "INFO_PATH",
+    "MAX_GRANT_BYTES",
     "MAX_REQUEST_BYTES",
     "MAX_SKEW_S",
     "OPS",
@@ -53,6 +54,7 @@ __all__ = [
     "GrantRequest",
     "SignedRequest",
     "decode_grant",
+    "decode_info",
     "decode_refusal",
     "encode_grant",
     "encode_refusal",
@@ -79,12 +81,17 @@ STATUS = {
     "stale": 401,
     "replayed": 401,
     "forbidden": 403,
+    "not_announced": 403,
     "not_found": 404,
+    "too_slow": 408,
     "wrong_run": 409,
     "window_closed": 409,
+    "already_granted": 409,
     "too_large": 413,
     "rate_limited": 429,
+    "server_error": 500,
     "unavailable": 503,
+    "busy": 503,
 }
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -254,10 +261,10 @@ def decode_refusal(status: int, body: bytes, *, retry_after: str | None = None) 
     """The refusal a grant server answered with ``status`` (any body: a proxy may answer too)."""
     reason, detail = "", ""
     try:
-        raw: Any = json.loads(body[:MAX_GRANT_BYTES])
+        raw: Any = _bounded_json(body[:MAX_GRANT_BYTES], MAX_GRANT_BYTES, "the grant server's refusal")
         if isinstance(raw, dict):
-            reason, detail = str(raw.get("error", "")), str(raw.get("detail", ""))
-    except (ValueError, UnicodeDecodeError):
+            reason, detail = str(raw.get("error", ""))[:64], str(raw.get("detail", ""))[:1000]
+    except GrantRefused:
         detail = body[:200].decode("utf-8", "replace")
     if reason not in STATUS:
         reason = next((r for r, s in STATUS.items() if s == status), "unavailable" if status >= 500 else "malformed")
@@ -265,23 +272,51 @@ def decode_refusal(status: int, body: bytes, *, retry_after: str | None = None) 
         wait = float(retry_after) if retry_after else 0.0
     except ValueError:
         wait = 0.0
-    return GrantRefused(reason, f"HTTP {status}: {detail or 'no detail'}", retry_after_s=wait)
+    wait = wait if math.isfinite(wait) else 0.0
+    return GrantRefused(reason, f"HTTP {status}: {detail or 'no detail'}", retry_after_s=min(max(wait, 0.0), 3600.0))
+
+
+#: What ``GET /v1/info`` answers: the run, the open window (or None) and its upload deadline.
+_INFO_TYPES: dict[str, tuple[type, ...]] = {
+    "run_id": (str,),
+    "run_hash": (str,),
+    "window": (int, type(None)),
+    "upload_deadline": (int, float, type(None)),
+}
+
+
+def decode_info(body: bytes) -> dict[str, Any]:
+    """A grant server's ``/v1/info`` answer; :class:`GrantRefused` ``malformed`` when it is not one."""
+    raw = _json_object(body, MAX_GRANT_BYTES, set(_INFO_TYPES), "the grant server's info", "run info")
+    for name, types in _INFO_TYPES.items():
+        value = raw[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise GrantRefused("malformed", f"the grant server's info has a {name} of the wrong type")
+    if isinstance(raw["upload_deadline"], float) and not math.isfinite(raw["upload_deadline"]):
+        raise GrantRefused("malformed", "the grant server's info has an upload_deadline that is not finite")
+    return raw
 
 
 def _json_object(body: bytes, limit: int, keys: set[str], what: str, kind: str) -> dict[str, Any]:
     """``body`` as a JSON object with exactly ``keys``, at most ``limit`` bytes; else
     :class:`GrantRefused` ``malformed`` (``what``/``kind`` name it in the message)."""
+    raw = _bounded_json(body, limit, what)
+    if not isinstance(raw, dict) or set(raw) != keys:
+        raise GrantRefused("malformed", f"a {kind} is a JSON object with exactly {', '.join(sorted(keys))}")
+    return raw
+
+
+def _bounded_json(body: bytes, limit: int, what: str) -> Any:
+    """``body`` parsed as JSON when it has at most ``limit`` bytes and nests at most
+    :data:`MAX_JSON_DEPTH` levels (checked before parsing); else :class:`GrantRefused` ``malformed``."""
     if len(body) > limit:
         raise GrantRefused("malformed", f"{what} over {limit} bytes")
     if _nesting(body) > MAX_JSON_DEPTH:
         raise GrantRefused("malformed", f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
     try:
-        raw = json.loads(body)
+        return json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise GrantRefused("malformed", f"{what} is not JSON") from None
-    if not isinstance(raw, dict) or set(raw) != keys:
-        raise GrantRefused("malformed", f"a {kind} is a JSON object with exactly {', '.join(sorted(keys))}")
-    return raw
 
 
 def _nesting(body: bytes) -> int:
