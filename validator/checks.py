@@ -177,6 +177,7 @@ class Screened:
     detail: str | None = None
     held: Held | None = None
     overlap: float | None = None  # largest Top-k index overlap with an earlier upload
+    weight: float = 1.0  # share of influence left after the copy check (validator.copies.influence)
 
 
 def screen(peer: str, data: bytes, ctx: Context) -> Screened:

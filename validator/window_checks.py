@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from validator import checks
-from validator.copies import CopyRule, scan
+from validator.copies import CopyRule, assess
 from validator.log import CheckRow
 from validator.reasons import MUTATED, NON_FINITE_RESULT, OVER_CAPACITY, PROBATION
 from validator.reference import NormReference, check_norms
@@ -81,19 +81,27 @@ def copies(
 ) -> list[Screened]:
     """Reject the later of two near-identical contributions as ``copied`` (see
     :mod:`validator.copies`: ``read_at``, ``listed_at``), compared on their sampled entries
-    (:mod:`validator.sketch`). A pair whose order is unknown is a tie: neither is rejected (the
-    original must never lose one); the row says so."""
+    (:mod:`validator.sketch`), and give a contribution similar to an earlier one a ``weight``
+    below 1 (:func:`validator.copies.influence`). A pair whose order is unknown is a tie: neither
+    is rejected (the original must never lose one) and a similar pair shares one unit of
+    influence; the row says so."""
     entries = {s.peer: s.held.sketch for s in screened if s.reason is None and s.held is not None}
-    verdicts, best = scan(entries, read_at, rule, listed_at)
+    found = assess(entries, read_at, rule, listed_at)
+    verdicts, best = found.verdicts, found.best
     out = []
     for s in screened:
         if s.reason is None:
             v = verdicts.get(s.peer)
-            s = replace(s, overlap=best.get(s.peer))
+            s = replace(s, overlap=best.get(s.peer), weight=found.weights.get(s.peer, 1.0))
             if v is None:
                 s = with_row(s, checks.ok("copy"))
+                if s.weight < 1.0:
+                    s = replace(s, detail=f"similar to an earlier or same-poll upload: weight {s.weight:.3f}")
             elif v.tie:
-                note = f"near-identical to {v.original[:12]}, read in the same poll: order unknown, neither is a copy"
+                note = (
+                    f"near-identical to {v.original[:12]}, read in the same poll: order unknown, neither is a copy;"
+                    f" weight {s.weight:.3f}"
+                )
                 s = replace(with_row(s, checks.ok("copy")), detail=note)
             else:
                 sim = v.similarity
