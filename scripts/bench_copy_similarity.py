@@ -17,6 +17,14 @@ worst case), and each copy level's similarity and weight.
 
     python scripts/bench_copy_similarity.py --quick          # 4 configurations × 2 corpora
     python scripts/bench_copy_similarity.py --json           # the full grid, one JSON object on stdout
+    python scripts/bench_copy_similarity.py --cost 256       # the copy check's cost at 256 peers
+
+``--cost N`` times the copy check of one window of N synthetic samples of
+:data:`validator.sketch.SKETCH_VALUES` entries each (what every upload of a 1B model is sampled
+to; positions drawn from 8 × that many, so that pairs overlap ~12 %, and every eighth upload a
+near-copy of another at a share from 0.2 to 0.9): the whole check with weights
+(:func:`validator.copies.assess`), beside, in the same run, its pass without them (the rare-position
+pairs and the candidates' exact similarity, what the check cost before weights).
 """
 
 from __future__ import annotations
@@ -42,9 +50,18 @@ from protocol.config import RunSpec
 from protocol.data.tokenizer import load_tokenizer
 from protocol.identity import Identity
 from protocol.model import param_schema
-from validator.copies import MIN_BACKGROUND, CopyRule, Similarity, _rare_pairs, influence, similarity
+from validator.copies import (
+    MIN_BACKGROUND,
+    CopyRule,
+    Similarity,
+    _candidates,
+    _rare_pairs,
+    assess,
+    influence,
+    similarity,
+)
 from validator.dataset import BuiltDataset, build_dataset
-from validator.sketch import global_entries, offsets
+from validator.sketch import SKETCH_VALUES, global_entries, offsets
 
 torch.set_num_threads(1)
 
@@ -144,6 +161,45 @@ def summary(
     }
 
 
+def cost(n: int, values: int = SKETCH_VALUES, repeats: int = 3) -> dict[str, Any]:
+    """CPU seconds of the copy check on ``n`` synthetic samples (least of ``repeats``)."""
+    rng = np.random.default_rng(0)
+    universe = 8 * values
+    entries: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for i in range(n):
+        if i % 8 == 7:  # a near-copy of the upload before it: a share of its positions, its signs
+            src_idx, src_val = entries[f"p{i - 1:04d}"]
+            share = 0.2 + 0.7 * rng.random()
+            keep = rng.random(len(src_idx)) < share
+            fresh = rng.choice(universe, size=int((~keep).sum()), replace=False)
+            idx = np.concatenate([src_idx[keep], fresh])
+            val = np.concatenate([src_val[keep], rng.standard_normal(len(fresh)).astype(np.float32)])
+        else:
+            idx = rng.choice(universe, size=values, replace=False)
+            val = rng.standard_normal(values).astype(np.float32)
+        idx, first = np.unique(idx, return_index=True)
+        entries[f"p{i:04d}"] = (idx.astype(np.int64), val[first])
+    read_at = {p: float(i) for i, p in enumerate(entries)}
+    peers = sorted(entries, key=lambda p: read_at[p])
+    with_w, without = [], []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        shared, rare_of = _rare_pairs(peers, entries)
+        _candidates(peers, entries, shared, rare_of)
+        without.append(time.thread_time() - t0)
+        t0 = time.thread_time()
+        found = assess(entries, read_at, rule_of(RunSpec()))
+        with_w.append(time.thread_time() - t0)
+    return {
+        "peers": n,
+        "values_per_peer": values,
+        "check_s": round(min(with_w), 3),
+        "pass_without_weights_s": round(min(without), 3),
+        "copiers": sum(not v.tie for v in found.verdicts.values()),
+        "weighted": sum(0.0 < w < 1.0 for w in found.weights.values()),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="bench_honest.py's quick grid")
@@ -151,7 +207,18 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=6, help="windows per configuration (default 6)")
     ap.add_argument("--honest", type=int, default=6, help="honest peers (default 6)")
     ap.add_argument("--corpora", default=",".join(CORPORA), help="comma-separated: demo, repetitive")
+    ap.add_argument("--cost", type=int, default=0, help="time the copy check at this many peers instead")
     args = ap.parse_args()
+    if args.cost:
+        c = cost(args.cost)
+        t = Table(title=f"copy check, one window: {c['peers']} peers × {c['values_per_peer']} sampled entries")
+        for col in ("check with weights, CPU s", "pass without weights, CPU s", "copiers", "weighted"):
+            t.add_column(col, justify="right")
+        t.add_row(f"{c['check_s']:.3f}", f"{c['pass_without_weights_s']:.3f}", str(c["copiers"]), str(c["weighted"]))
+        Console(file=sys.stderr if args.json else sys.stdout).print(t)
+        if args.json:
+            print(json.dumps(c, indent=1))
+        return
     corpora = args.corpora.split(",")
     grid = QUICK if args.quick else FULL
     ids = [Identity.generate() for _ in range(args.honest)]

@@ -306,3 +306,10 @@ def test_a_same_poll_copy_shares_one_unit_of_influence_with_its_original(run: tu
     assert {r.peer: r.weight for r in shared.rows} == shared.weights
     for name, p in shared.trial.params.items():
         assert torch.allclose(p, alone.trial.params[name], atol=1e-6)
+    # all at weight 1, the weighted sum is the unweighted one bit for bit: honest runs are unchanged
+    with ThreadPoolExecutor(2) as pool:
+        held = {p: r.screened.held for p, r in received.items() if r.screened is not None and r.screened.held}
+        plain = Aggregator(spec, model, dataset, pool, workers=2, device=CPU).aggregate(
+            theta, FeedbackState(), held, {p: alone.caps[p] for p in held}, window=0
+        )
+    assert all(torch.equal(plain.params[n], p) for n, p in alone.trial.params.items())
