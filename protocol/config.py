@@ -310,8 +310,8 @@ class ValidatorConfig:
     # these lower bounds (above what honest peers share; scripts/bench_copy_similarity.py) to 0
     # at copy_overlap_threshold / copy_rare_threshold (validator/copies.py). A bound at or above
     # its threshold: full weight up to the threshold.
-    copy_overlap_lower: float = 0.55
-    copy_rare_lower: float = 0.27
+    copy_overlap_lower: float = 0.57
+    copy_rare_lower: float = 0.28
     reputation_decay: float = 0.9
     exclude_after_failures: int = 3
     exclude_windows: int = 5

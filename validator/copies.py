@@ -78,8 +78,8 @@ class CopyRule:
     overlap: float = 0.6
     rare: float = 0.3
     signs: float = 0.8
-    overlap_lower: float = 0.55
-    rare_lower: float = 0.27
+    overlap_lower: float = 0.57
+    rare_lower: float = 0.28
 
 
 @dataclass(frozen=True)
