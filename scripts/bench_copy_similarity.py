@@ -21,8 +21,9 @@ worst case), and each copy level's similarity and weight.
 
 ``--cost N`` times the copy check of one window of N synthetic samples of
 :data:`validator.sketch.SKETCH_VALUES` entries each (what every upload of a 1B model is sampled
-to; positions drawn from 8 × that many, so that pairs overlap ~12 %, and every eighth upload a
-near-copy of another at a share from 0.2 to 0.9): the whole check with weights
+to; positions drawn from 64 × that many, the density of a 1B contribution's Top-k, 1.6 %, so that
+a position is selected by 4 of 256 uploads on average; every eighth upload a near-copy of another
+at a share from 0.2 to 0.9): the whole check with weights
 (:func:`validator.copies.assess`), beside, in the same run, its pass without them (the rare-position
 pairs and the candidates' exact similarity, what the check cost before weights).
 """
@@ -164,7 +165,7 @@ def summary(
 def cost(n: int, values: int = SKETCH_VALUES, repeats: int = 3) -> dict[str, Any]:
     """CPU seconds of the copy check on ``n`` synthetic samples (least of ``repeats``)."""
     rng = np.random.default_rng(0)
-    universe = 8 * values
+    universe = 64 * values
     entries: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for i in range(n):
         if i % 8 == 7:  # a near-copy of the upload before it: a share of its positions, its signs
