@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from protocol.aggregate import SparseSum, aggregate
-from validator.copies import CopyRule, Similarity, assess, influence
+from validator.copies import CopyRule, Similarity, assess, influence, settle
 
 RULE = CopyRule(overlap=0.6, rare=0.3, signs=0.8, overlap_lower=0.5, rare_lower=0.2)
 
@@ -74,17 +74,22 @@ def test_weights_are_order_free_and_same_poll_pairs_share_one_unit() -> None:
     rule = CopyRule(overlap=0.6, rare=0.6, signs=0.8, overlap_lower=0.3, rare_lower=0.3)
     same_poll = {p: 1.0 for p in entries}
     found = assess(entries, same_poll, rule)
-    w = found.weights
-    assert set(w) == {"h0", "c"} and w["h0"] == w["c"] and 0.5 < w["c"] < 1.0  # (1 + share) / 2 each
+    w = settle(found.weights, found.ties, entries)
+    assert found.weights == {} and set(found.ties) == {"h0", "c"}
+    assert w["h0"] == w["c"] and 0.5 < w["c"] < 1.0 and all(w[f"h{i}"] == 1.0 for i in range(1, 6))  # (1 + share) / 2
     shuffled = dict(reversed(list(entries.items())))
-    assert assess(shuffled, dict(reversed(list(same_poll.items()))), rule).weights == w
+    again = assess(shuffled, dict(reversed(list(same_poll.items()))), rule)
+    assert settle(again.weights, again.ties, list(reversed(list(entries)))) == w
+    # the partner rejected later (a copier on probation, say): the other keeps its whole weight
+    assert settle(found.weights, found.ties, [p for p in entries if p != "c"])["h0"] == 1.0
     # an exact copy in the same poll: half each, so that the pair counts as the original alone
     a = np.arange(50)
     found = assess({"x": _entry(a), "y": _entry(a)}, {"x": 1.01, "y": 1.02}, rule, {"x": 1.0, "y": 1.0})
-    assert found.weights == {"x": 0.5, "y": 0.5} and all(v.tie for v in found.verdicts.values())
+    assert settle(found.weights, found.ties, "xy") == {"x": 0.5, "y": 0.5}
+    assert all(v.tie for v in found.verdicts.values())
     # once the order is proven the later one is the copier and the original keeps all its weight
     found = assess({"x": _entry(a), "y": _entry(a)}, {"x": 1.01, "y": 2.02}, rule, {"x": 1.0, "y": 2.0})
-    assert found.weights == {"y": 0.0} and not found.verdicts["y"].tie
+    assert found.weights == {"y": 0.0} and found.ties == {} and not found.verdicts["y"].tie
 
 
 def test_a_copy_of_a_tied_upload_is_still_a_copy() -> None:
@@ -94,7 +99,7 @@ def test_a_copy_of_a_tied_upload_is_still_a_copy() -> None:
     listed = {p: 1.0 for p in entries} | {"z": 2.0}
     found = assess(entries, listed | {"z": 3.0}, RULE, listed)
     assert not found.verdicts["z"].tie and found.weights["z"] == 0.0
-    assert found.weights["x"] == found.weights["y"] == 0.5
+    assert settle(found.weights, found.ties, "xy") == {"x": 0.5, "y": 0.5}
 
 
 def _contribs(seed: int, n: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:

@@ -313,3 +313,18 @@ def test_a_same_poll_copy_shares_one_unit_of_influence_with_its_original(run: tu
             theta, FeedbackState(), held, {p: alone.caps[p] for p in held}, window=0
         )
     assert all(torch.equal(plain.params[n], p) for n, p in alone.trial.params.items())
+    # the copier on probation and unscored is rejected: the original keeps its whole weight
+    del standing[copier.peer_id]
+    with ThreadPoolExecutor(2) as pool:
+        decider = Decider(
+            spec, model, dataset, Aggregator(spec, model, dataset, pool, workers=2, device=CPU), device=CPU
+        )
+        probation = decider.decide(
+            open_window(0, vkey, spec.hash(), standing, spec.validator),
+            uploads_of(with_copy),
+            reference=NormReference(),
+            params=theta,
+            feedback=FeedbackState(),
+        )
+    assert probation.rejections == {copier.peer_id: "probation"}
+    assert probation.weights == dict.fromkeys(received, 1.0) and probation.fingerprint == alone.fingerprint

@@ -23,7 +23,10 @@ similar to an earlier one keeps only a share of its weight in the aggregate (:fu
 1 up to ``copy_overlap_lower`` / ``copy_rare_lower`` (above what honest peers share, measured by
 ``scripts/bench_copy_similarity.py``), falling linearly to 0 at the copy thresholds, where it is
 ``copied``. The share is the contribution's weight in the weighted mean of Δ̄, in its log row and
-in the aggregate's manifest (:mod:`validator.trial`).
+in the aggregate's manifest (:mod:`validator.trial`). Its clip caps are not scaled as well: the
+weighted mean already scales its share of Δ̄ (and of every coordinate's divisor, so that a
+down-weighted copy does not dilute the others either); scaling both would count the weight twice.
+Peers apply the published Δ̄, so they never need to re-derive it from the weights.
 
 **Cost.** All index sets are sorted together once; positions selected by at most ``m`` peers
 yield their pairs (at most m − 1 per entry), so counting shared rare positions is linear in the
@@ -38,14 +41,14 @@ a peer matching an earlier, not-itself-copied peer that provably came first is t
 neither provably came first (listed in the same poll, say) the pair is a *tie*: neither is a
 copier and neither is held to blame; a tied pair that is similar shares one unit of influence,
 each keeping (1 + share) / 2 — ½ each for an exact same-poll copy, so that the pair counts as the
-original alone would (:func:`_weights`; :mod:`validator.window_checks`). A copier cannot appear first by uploading placeholder bytes early
+original alone would — while both are accepted (:func:`settle`). A copier cannot appear first by uploading placeholder bytes early
 and swapping them: the bytes it is judged by are the ones read.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +63,7 @@ __all__ = [
     "assess",
     "influence",
     "scan",
+    "settle",
     "similarity",
 ]
 
@@ -92,12 +96,14 @@ class Similarity:
 @dataclass(frozen=True)
 class CopyScan:
     """What one pass found: ``verdicts`` (copiers and ties), each peer's largest index overlap
-    with a candidate (``best``) and each peer's share of influence (``weights``, 1.0 when absent;
-    see :func:`influence`)."""
+    with a candidate (``best``), each peer's share of influence after the earlier uploads it
+    resembles (``weights``, 1.0 when absent; see :func:`influence`) and, per peer, the similar
+    uploads of unknown order with the weight the pair leaves each (``ties``; :func:`settle`)."""
 
     verdicts: dict[str, CopyVerdict]
     best: dict[str, float]
     weights: dict[str, float]
+    ties: dict[str, dict[str, float]]
 
 
 @dataclass(frozen=True)
@@ -147,7 +153,7 @@ def assess(
     listed = read_at if listed_at is None else listed_at
     peers = sorted(entries, key=lambda p: (read_at.get(p, math.inf), p))
     if len(peers) < 2:
-        return CopyScan({}, {p: 0.0 for p in peers}, {})
+        return CopyScan({}, {p: 0.0 for p in peers}, {}, {})
     shared, rare_of = _rare_pairs(peers, entries)
     sims = _candidates(peers, entries, shared, rare_of)
     best = {p: 0.0 for p in peers}
@@ -171,8 +177,18 @@ def assess(
         if tie:
             verdicts[orig] = CopyVerdict(orig, peer, sim, tie=True)
     copiers = {p for p, v in verdicts.items() if not v.tie}
-    weights = _weights(sims, read_at, listed, rule, background, copiers)
-    return CopyScan(verdicts, best, weights)
+    weights, ties = _weights(sims, read_at, listed, rule, background, copiers)
+    return CopyScan(verdicts, best, weights, ties)
+
+
+def settle(
+    weights: Mapping[str, float], ties: Mapping[str, Mapping[str, float]], accepted: Collection[str]
+) -> dict[str, float]:
+    """The final weight of each ``accepted`` peer: its own (``weights``), and the share of a
+    same-poll pair only while the partner is accepted too — a tie with an upload that was then
+    rejected (a copier on probation, say) leaves the other its whole weight, so that re-uploading
+    someone's update in the same poll never takes influence from it."""
+    return {p: min([weights.get(p, 1.0), *(w for q, w in ties.get(p, {}).items() if q in accepted)]) for p in accepted}
 
 
 def influence(s: Similarity, rule: CopyRule, background: bool = True) -> float:
@@ -210,13 +226,16 @@ def _weights(
     rule: CopyRule,
     background: bool,
     copiers: set[str],
-) -> dict[str, float]:
-    """Each peer's share of influence (peers at 1.0 left out): the smallest over its compared
-    pairs with a peer not itself a copier. Of an ordered pair only the later upload loses (its
-    :func:`influence`); a pair whose order is unknown shares one unit between them in proportion,
-    each keeping (1 + influence) / 2 — ½ each for a same-poll copy, so that the two count as one
-    update (a weighted mean of two equal updates at ½ each is that update). Copiers get none."""
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """(each peer's share of influence, peers at 1.0 left out; the ties). The share is the
+    smallest over its compared pairs with a peer not itself a copier; of an ordered pair only the
+    later upload loses (its :func:`influence`). A pair whose order is unknown shares one unit
+    between them in proportion, each keeping (1 + influence) / 2 — ½ each for a same-poll copy, so
+    that the two count as one update (a weighted mean of two equal updates at ½ each is that
+    update) — recorded as a tie, applied by :func:`settle` only if both are accepted. Copiers get
+    none."""
     out: dict[str, float] = {p: 0.0 for p in copiers}
+    ties: dict[str, dict[str, float]] = {}
     for (a, b), s in sorted(sims.items()):
         if a in copiers or b in copiers:
             continue
@@ -230,9 +249,8 @@ def _weights(
         elif b_first:
             out[a] = min(out.get(a, 1.0), share)
         else:
-            for p in (a, b):
-                out[p] = min(out.get(p, 1.0), 0.5 * (1.0 + share))
-    return out
+            ties.setdefault(a, {})[b] = ties.setdefault(b, {})[a] = 0.5 * (1.0 + share)
+    return out, ties
 
 
 def _pair(a: str, b: str) -> tuple[str, str]:

@@ -172,6 +172,7 @@ class Decider:
                 caps = {p: first_caps for p in live}
             nxt_ref = first if not first.empty else None
         screened = window_checks.capacity(screened, rank(w, scores, seed), cfg.max_contributors)
+        screened = window_checks.shared(screened)  # same-poll pairs share a unit only while both stand
         clock.lap("scoring")
         accepted = sorted(s.peer for s in screened if s.reason is None)  # order-free Δ̄
         weights = {s.peer: s.weight for s in screened if s.reason is None}  # < 1: near an earlier upload
