@@ -15,8 +15,10 @@ B copies A when ``overlap ≥ copy_overlap_threshold``, or when the window has a
 :data:`MIN_BACKGROUND` contributions (so that popular positions can be told apart) and
 ``rare × f(signs) ≥ copy_rare_threshold``, where f is 1 when signs agree at least
 ``copy_sign_agreement`` and falls linearly to 0 at chance agreement (½). Measured on the test
-model: honest pairs have rare similarity 0.0–0.2 (index overlap 0.1–0.3), a copy of the top 55 % of
-an upload plus noise 0.4–0.55 (index overlap 0.45) — values count too: a copy keeps the signs.
+model over batch sizes, inner steps and a small repetitive corpus: honest pairs have rare
+similarity mostly 0.1–0.2 and at most 0.28, index overlap mostly 0.15–0.3 and at most 0.56; a copy
+of the top 30 % of an upload plus noise 0.3, of the top 55 % 0.4–0.55 — values count too: a copy
+keeps the signs.
 
 **Influence falls smoothly.** A hard threshold invites sitting just under it, so a later upload
 similar to an earlier one keeps only a share of its weight in the aggregate (:func:`influence`):
@@ -41,8 +43,8 @@ a peer matching an earlier, not-itself-copied peer that provably came first is t
 neither provably came first (listed in the same poll, say) the pair is a *tie*: neither is a
 copier and neither is held to blame; a tied pair that is similar shares one unit of influence,
 each keeping (1 + share) / 2 — ½ each for an exact same-poll copy, so that the pair counts as the
-original alone would — while both are accepted (:func:`settle`). A copier cannot appear first by uploading placeholder bytes early
-and swapping them: the bytes it is judged by are the ones read.
+original alone would — while both are accepted (:func:`settle`). A copier cannot appear first by
+uploading placeholder bytes early and swapping them: the bytes it is judged by are the ones read.
 """
 
 from __future__ import annotations
