@@ -3,12 +3,18 @@ weighted mean it enters (protocol.aggregate.SparseSum)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from protocol.aggregate import SparseSum, aggregate
+from validator import checks, window_checks
 from validator.copies import CopyRule, Similarity, assess, influence, settle
+from validator.held import hold
+from validator.log import CheckRow
+from validator.sketch import Sketcher
 
 RULE = CopyRule(overlap=0.6, rare=0.3, signs=0.8, overlap_lower=0.5, rare_lower=0.2)
 
@@ -146,3 +152,26 @@ def test_a_weighted_mean_weighs_each_contribution_and_a_halved_pair_counts_once(
         assert torch.equal(i, once[name][0]) and torch.allclose(v, once[name][1], atol=1e-7)
     with pytest.raises(ValueError):
         pair.add([cs[0]], weights=[0.0])
+
+
+def _screened(peer: str, idx: np.ndarray) -> checks.Screened:
+    sparse = {"w": (torch.from_numpy(idx.astype(np.int64)), torch.ones(len(idx), dtype=torch.float32))}
+    held = hold(b"", peer, sparse, {"w": (8192, 1024)}, Sketcher({"w": 0}))
+    return checks.Screened(peer=peer, checks=(CheckRow("size", True),), reason=None, held=held)
+
+
+def test_the_copy_check_gives_a_later_near_copy_a_weight_and_same_poll_pairs_a_shared_one() -> None:
+    rng = np.random.default_rng(1)
+    orig = np.sort(rng.choice(1 << 22, 400, replace=False))
+    near = np.sort(np.concatenate([orig[:220], rng.choice(np.arange(1 << 22, 1 << 23), 180, replace=False)]))
+    ups = [_screened("a", orig), _screened("b", np.sort(rng.choice(1 << 22, 400, replace=False))), _screened("c", near)]
+    rule = CopyRule(overlap=0.6, rare=0.9, signs=0.8, overlap_lower=0.5, rare_lower=0.9)
+    out = window_checks.shared(window_checks.copies(ups, {"a": 1.0, "b": 1.5, "c": 2.0}, rule))
+    assert [s.reason for s in out] == [None, None, None]
+    assert out[0].weight == out[1].weight == 1.0 and out[2].weight == pytest.approx((0.6 - 0.55) / 0.1)
+    assert "weight 0.500" in (out[2].detail or "")
+    # the same pair listed in the same poll: they share, (1 + ½) / 2 each, while both stand
+    same = window_checks.copies(ups, {"a": 1.0, "b": 1.0, "c": 1.0}, rule)
+    assert [s.weight for s in window_checks.shared(same)] == pytest.approx([0.75, 1.0, 0.75])
+    gone = [same[0], same[1], replace(same[2], reason="probation")]
+    assert [s.weight for s in window_checks.shared(gone)[:2]] == [1.0, 1.0]  # the original keeps it all
