@@ -205,31 +205,51 @@ class SparseSum:
         delta = total.mean("contributors")      # == aggregate(all_contribs, "contributors", "none")
 
     Memory: a dense float64 sum and an int32 count for every tensor any contribution touched
-    (12 bytes per parameter), whatever the number of contributions."""
+    (12 bytes per parameter), whatever the number of contributions.
+
+    **Weights.** ``add(batch, pool, weights=[…])`` gives each contribution a weight in (0, 1]: its
+    values enter the sum times its weight and it counts as ``weight`` contributors, so the mean is
+    a weighted mean (per coordinate Σ wᵢvᵢ / Σ wᵢ over its contributors, or over all). A
+    contribution at weight 1 takes exactly the unweighted path: contributions all at weight 1 give
+    the same bytes as without weights. A weight below 1 adds a float64 *deficit* (1 − w per
+    touched coordinate) for the tensors it touches; the divisor is the count minus the deficit."""
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
         self.shapes = shapes
         self.n = 0
+        self.deficit = 0.0  # Σ (1 − w) over the contributions added: "all" divides by n − deficit
         self._sums: dict[str, Tensor] = {}
         self._counts: dict[str, Tensor] = {}
+        self._deficits: dict[str, Tensor] = {}
 
-    def add(self, contribs: Sequence[SparseDict], pool: Executor | None = None) -> None:
-        """Add ``contribs`` in order; with ``pool`` every tensor is summed on its own thread."""
+    def add(
+        self, contribs: Sequence[SparseDict], pool: Executor | None = None, weights: Sequence[float] | None = None
+    ) -> None:
+        """Add ``contribs`` in order, each at its weight in (0, 1] (default 1); with ``pool`` every
+        tensor is summed on its own thread."""
+        ws = [1.0] * len(contribs) if weights is None else [float(w) for w in weights]
+        if len(ws) != len(contribs) or not all(0.0 < w <= 1.0 for w in ws):
+            raise ValueError(f"one weight in (0, 1] per contribution, got {ws!r} for {len(contribs)}")
         names = sorted({n for c in contribs for n in c})
         for name in names:  # allocated here, so that the threads only add
             if name not in self._sums:
                 numel = math.prod(self.shapes[name])
                 self._sums[name] = torch.zeros(numel, dtype=torch.float64)
                 self._counts[name] = torch.zeros(numel, dtype=torch.int32)
+            if name not in self._deficits and any(w < 1.0 and name in c for c, w in zip(contribs, ws)):
+                self._deficits[name] = torch.zeros(math.prod(self.shapes[name]), dtype=torch.float64)
 
         def one(name: str) -> None:
             sums, counts = self._sums[name], self._counts[name]
-            for c in contribs:
+            for c, w in zip(contribs, ws):
                 if name in c:
                     idx, vals = c[name]
                     idx = idx.to("cpu", torch.int64)
-                    sums.index_add_(0, idx, vals.to("cpu", torch.float64))
+                    v = vals.to("cpu", torch.float64)
+                    sums.index_add_(0, idx, v if w == 1.0 else v * w)
                     counts.index_add_(0, idx, torch.ones(len(idx), dtype=torch.int32))
+                    if w < 1.0:
+                        self._deficits[name].index_add_(0, idx, torch.full((len(idx),), 1.0 - w, dtype=torch.float64))
 
         if pool is None:
             for name in names:
@@ -237,10 +257,12 @@ class SparseSum:
         else:
             list(pool.map(one, names))
         self.n += len(contribs)
+        self.deficit += sum(1.0 - w for w in ws)
 
     def mean(self, mode: str = "contributors") -> SparseDict:
-        """Δ̄ so far: per coordinate the sum over the contributions that selected it divided by
-        their number (``contributors``) or by all contributions added (``all``)."""
+        """Δ̄ so far: per coordinate the (weighted) sum over the contributions that selected it
+        divided by their (weighted) number (``contributors``) or by all contributions added
+        (``all``)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         out: SparseDict = {}
@@ -248,8 +270,13 @@ class SparseSum:
             counts = self._counts[name]
             idx = torch.nonzero(counts).squeeze(1)
             sums = self._sums[name][idx]
-            div = counts[idx].double() if mode == "contributors" else float(self.n)
-            out[name] = (idx, (sums / div).float())
+            if mode == "contributors":
+                div = counts[idx].double()
+                if name in self._deficits:
+                    div = div - self._deficits[name][idx]
+                out[name] = (idx, (sums / div).float())
+            else:
+                out[name] = (idx, (sums / (float(self.n) - self.deficit if self.deficit else float(self.n))).float())
         return out
 
 

@@ -306,6 +306,12 @@ class ValidatorConfig:
     # others), with signs agreeing at least copy_sign_agreement, is a copy.
     copy_rare_threshold: float = 0.3
     copy_sign_agreement: float = 0.8
+    # Below the copy thresholds a later upload's weight in the aggregate falls linearly from 1 at
+    # these lower bounds (above what honest peers share; scripts/bench_copy_similarity.py) to 0
+    # at copy_overlap_threshold / copy_rare_threshold (validator/copies.py). A bound at or above
+    # its threshold: full weight up to the threshold.
+    copy_overlap_lower: float = 0.57
+    copy_rare_lower: float = 0.28
     reputation_decay: float = 0.9
     exclude_after_failures: int = 3
     exclude_windows: int = 5
@@ -322,6 +328,9 @@ class ValidatorConfig:
             "validator.eval_confidence_z must be a finite number >= 0 (0 = no error bars)",
         )
         _require(self.eval_borderline_sequences >= 0, "validator.eval_borderline_sequences must be >= 0")
+        for name in ("copy_overlap_lower", "copy_rare_lower"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and 0.0 <= value <= 1.0, f"validator.{name} must be in [0, 1]")
         # One run, one hash: key order, duplicates and hex letter case do not make another run.
         keys = tuple(sorted({k.lower() for k in self.public_keys}))
         bad = [k for k in keys if not _HEX_KEY.fullmatch(k)]

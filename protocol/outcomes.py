@@ -1,7 +1,7 @@
 """What the validator decided about every contribution of a window, published for the peers.
 
-An aggregate's manifest lists the accepted contributions only, each with weight 1.0: it tells a
-peer neither its score nor why it was rejected. So with every aggregate the validator publishes
+An aggregate's manifest lists the accepted contributions only, each with its weight (1.0 but for
+near-copies of earlier uploads): it tells a peer neither its score nor why it was rejected. So with every aggregate the validator publishes
 the window's *outcomes* at ``<run>/outcomes/<window>``: one row per announced peer that uploaded
 (accepted or not, its rejection reason, its loss score when it was scored, its reputation after
 the window), as canonical JSON sorted by peer id::

@@ -343,6 +343,19 @@ class HarmsGeneral(Established):
         return {n: t - 1.5 * other[n] for n, t in delta.items()}
 
 
+def near_copy(params: Params, enc: dict[str, codec.Encoded], share: float, gen: torch.Generator) -> Params:
+    """The largest ``share`` of an upload's values, plus noise (0.3 × its mean |value|) at every
+    position, dense: what a copier re-encodes and signs."""
+    dense = {}
+    for n, (idx, vals) in sparse_of(enc).items():
+        keep = torch.argsort(vals.abs(), descending=True)[: int(share * len(vals))]
+        t = torch.zeros(params[n].numel())
+        t[idx[keep]] = vals[keep]
+        t += torch.randn(t.shape, generator=gen) * float(vals.abs().mean()) * 0.3
+        dense[n] = t.view(params[n].shape)
+    return dense
+
+
 class PerturbedCopy(Attacker):
     """Copies the largest 55 % of an honest upload, adds noise, re-encodes and signs it; uploads
     after the original was read (``delay``), or in the same poll (``delay=0``, exact re-signed copy)."""
@@ -359,13 +372,28 @@ class PerturbedCopy(Attacker):
             if self.exact:
                 out.append((i.peer_id, self.sw.sign(i, w.t, w.base, dict(enc)), 0.0))
                 continue
-            dense = {}
-            for n, (idx, vals) in sparse_of(enc).items():
-                keep = torch.argsort(vals.abs(), descending=True)[: int(0.55 * len(vals))]
-                t = torch.zeros(w.params[n].numel())
-                t[idx[keep]] = vals[keep]
-                t += torch.randn(t.shape, generator=self.gen) * float(vals.abs().mean()) * 0.3
-                dense[n] = t.view(w.params[n].shape)
+            dense = near_copy(w.params, enc, 0.55, self.gen)
+            out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(dense, w.t)), 0.3))
+        return out
+
+
+class NearCopies(Attacker):
+    """One identity per level of ``levels``: each copies the largest ``level`` share of an honest
+    upload plus noise (:func:`near_copy`), after the original was read. The report gives each
+    level's index overlap and weight."""
+
+    LEVELS = (0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.7, 0.9)
+
+    def __init__(self, sw: Swarm, levels: tuple[float, ...] = LEVELS) -> None:
+        super().__init__(sw, len(levels))
+        self.levels = {i.peer_id: lvl for i, lvl in zip(self.ids, levels)}
+        self.gen = torch.Generator().manual_seed(3)
+
+    def uploads(self, w: Window) -> list[Upload]:
+        victims = sorted(w.honest)
+        out = []
+        for k, i in enumerate(self.ids):
+            dense = near_copy(w.params, w.honest[victims[k % len(victims)]], self.levels[i.peer_id], self.gen)
             out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(dense, w.t)), 0.3))
         return out
 
@@ -444,6 +472,7 @@ def scenarios(quick: bool) -> list[Scenario]:
         Scenario("targeted_row_no_row_cap", lambda sw, h, a: [TargetedRow(sw, 1, a)], row_clip=False),
         Scenario("perturbed_copy", lambda sw, h, a: [PerturbedCopy(sw, 2, exact=False)]),
         Scenario("same_poll_copy", lambda sw, h, a: [PerturbedCopy(sw, 2, exact=True)]),
+        Scenario("near_copy_series", lambda sw, h, a: [NearCopies(sw)]),
         Scenario("crowding", lambda sw, h, a: [Noise(sw, 16)], max_contributors=8, newcomer=True),
         Scenario(
             "junk_flood",
@@ -571,6 +600,9 @@ def run_scenario(
         gather_s=round(sum(gather_s) / max(1, len(gather_s)), 3),
     )
     out["target_prob"] = _target_prob(v, sw)
+    levels = {p: lvl for a in attackers if isinstance(a, NearCopies) for p, lvl in a.levels.items()}
+    if levels:
+        out["copy_levels"] = _copy_levels(v, levels, windows)
     pushes = [p for a in attackers if isinstance(a, TargetedRow) for p in a.pushes]
     if pushes:  # geometric means over the attack windows
         out["row_push_capped"] = round(math.exp(sum(math.log(c) for c, _ in pushes) / len(pushes)), 3)
@@ -622,6 +654,26 @@ def _measure(v: Validator, sw: Swarm, honest: list[Honest], attackers: list[Atta
         "honest_reasons": reasons,
         "bad_reasons": bad_reasons,
     }
+
+
+def _copy_levels(v: Validator, levels: dict[str, float], windows: int) -> dict[str, dict[str, Any]]:
+    """Per copy level: mean index overlap with the closest candidate, uploads accepted / copied,
+    mean weight of the accepted ones and the level's share of all accepted weight."""
+    rows = v.log.rows(windows=(0, windows - 1))
+    total = sum(r.weight for r in rows if r.accepted)
+    out = {}
+    for peer, lvl in sorted(levels.items(), key=lambda kv: kv[1]):
+        mine = [r for r in rows if r.peer == peer]
+        overlaps = [r.overlap for r in mine if r.overlap is not None]
+        acc = [r for r in mine if r.accepted]
+        out[f"{lvl:g}"] = {
+            "overlap": round(sum(overlaps) / len(overlaps), 3) if overlaps else None,
+            "accepted": len(acc),
+            "copied": sum(r.reason == "copied" for r in mine),
+            "weight": round(sum(r.weight for r in acc) / len(acc), 3) if acc else None,
+            "weight_share": round(sum(r.weight for r in acc) / max(1.0, total), 4),
+        }
+    return out
 
 
 def _target_prob(v: Validator, sw: Swarm) -> float:
@@ -710,6 +762,7 @@ def table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Table:
         "RSS MB",
         "gather s",
         "target p ×",
+        "copy level: overlap → weight",
     ]
     for c in cols:
         t.add_column(c, justify="left" if c == "scenario" else "right")
@@ -728,6 +781,10 @@ def table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Table:
             f"{r['validator_peak_rss_mb']:.1f}",
             f"{r['gather_s']:.2f}",
             f"{r['target_prob_ratio']:.2f}" if r["target_prob_ratio"] is not None else "–",
+            " ".join(
+                f"{lvl}: {c['overlap'] or 0:.2f}→{c['weight'] if c['weight'] is not None else '–'}"
+                for lvl, c in r.get("copy_levels", {}).items()
+            ),
         )
     return t
 

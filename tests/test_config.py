@@ -35,6 +35,8 @@ def test_hash_changes_with_any_field() -> None:
         ("name = = 1\n", "does not parse"),
         ("[validator]\neval_confidence_z = -1.0\n", "eval_confidence_z"),
         ("[validator]\neval_confidence_z = inf\n", "eval_confidence_z"),
+        ("[validator]\ncopy_overlap_lower = 1.5\n", "copy_overlap_lower"),
+        ("[validator]\ncopy_rare_lower = -0.1\n", "copy_rare_lower"),
     ],
 )
 def test_bad_specs_raise_config_error(text: str, fragment: str) -> None:

@@ -262,3 +262,60 @@ def test_a_borderline_verdict_is_settled_on_more_sequences(monkeypatch: pytest.M
         assert decision.rejections == {peer.peer_id: "harmful"}
     finally:
         sw.close()
+
+
+def test_a_same_poll_copy_shares_one_unit_of_influence_with_its_original(run: tuple[RunSpec, Identity, Swarm]) -> None:
+    """An exact copy read in the same poll as its original: order unknown, so neither is rejected;
+    each gets weight ½ in the rows, the manifest weights and Δ̄, which is then the window without
+    the copy (the original's update keeps exactly its influence)."""
+    spec, vkey, sw = run
+    model = build_model(spec.model)
+    theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
+    encoded = {p.peer_id: sw.encode(sw.delta(p, theta, 0), 0) for p in sw.peers}
+    received = {p.peer_id: screened_upload(sw, p, encoded[p.peer_id]) for p in sw.peers}
+    original, copier = sw.peers[0].peer_id, Identity.generate()
+    with_copy = {**received, copier.peer_id: screened_upload(sw, copier, encoded[original])}
+    standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in with_copy}
+    dataset = open_dataset(spec.data)
+    with ThreadPoolExecutor(2) as pool:
+        decider = Decider(
+            spec, model, dataset, Aggregator(spec, model, dataset, pool, workers=2, device=CPU), device=CPU
+        )
+        shared, alone = (
+            decider.decide(
+                open_window(0, vkey, spec.hash(), standing, spec.validator),
+                uploads_of(ups),
+                reference=NormReference(),
+                params=theta,
+                feedback=FeedbackState(),
+            )
+            for ups in (with_copy, received)
+        )
+    honest = {p.peer_id for p in sw.peers[1:]}
+    assert shared.weights == {original: 0.5, copier.peer_id: 0.5} | dict.fromkeys(honest, 1.0)
+    assert alone.weights == dict.fromkeys(received, 1.0)  # honest uploads keep full weight
+    assert {r.peer: r.weight for r in shared.rows} == shared.weights
+    for name, p in shared.trial.params.items():
+        assert torch.allclose(p, alone.trial.params[name], atol=1e-6)
+    # all at weight 1, the weighted sum is the unweighted one bit for bit: honest runs are unchanged
+    with ThreadPoolExecutor(2) as pool:
+        held = {p: r.screened.held for p, r in received.items() if r.screened is not None and r.screened.held}
+        plain = Aggregator(spec, model, dataset, pool, workers=2, device=CPU).aggregate(
+            theta, FeedbackState(), held, {p: alone.caps[p] for p in held}, window=0
+        )
+    assert all(torch.equal(plain.params[n], p) for n, p in alone.trial.params.items())
+    # the copier on probation and unscored is rejected: the original keeps its whole weight
+    del standing[copier.peer_id]
+    with ThreadPoolExecutor(2) as pool:
+        decider = Decider(
+            spec, model, dataset, Aggregator(spec, model, dataset, pool, workers=2, device=CPU), device=CPU
+        )
+        probation = decider.decide(
+            open_window(0, vkey, spec.hash(), standing, spec.validator),
+            uploads_of(with_copy),
+            reference=NormReference(),
+            params=theta,
+            feedback=FeedbackState(),
+        )
+    assert probation.rejections == {copier.peer_id: "probation"}
+    assert probation.weights == dict.fromkeys(received, 1.0) and probation.fingerprint == alone.fingerprint

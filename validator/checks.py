@@ -177,6 +177,8 @@ class Screened:
     detail: str | None = None
     held: Held | None = None
     overlap: float | None = None  # largest Top-k index overlap with an earlier upload
+    weight: float = 1.0  # share of influence left after the copy check (validator.copies.influence)
+    ties: tuple[tuple[str, float], ...] = ()  # similar uploads of unknown order: (peer, pair's weight)
 
 
 def screen(peer: str, data: bytes, ctx: Context) -> Screened:

@@ -146,7 +146,13 @@ class Decider:
         screened = window_checks.norms(
             uploads.screened, reference, max_ratio=cfg.norm_max_ratio, min_ratio=cfg.norm_min_ratio
         )
-        rule = CopyRule(cfg.copy_overlap_threshold, cfg.copy_rare_threshold, cfg.copy_sign_agreement)
+        rule = CopyRule(
+            cfg.copy_overlap_threshold,
+            cfg.copy_rare_threshold,
+            cfg.copy_sign_agreement,
+            cfg.copy_overlap_lower,
+            cfg.copy_rare_lower,
+        )
         screened = window_checks.copies(screened, uploads.read_at, rule, uploads.listed_at)
         clock.lap("checks")
         live = {s.peer: s.held for s in screened if s.reason is None and s.held is not None}
@@ -166,9 +172,13 @@ class Decider:
                 caps = {p: first_caps for p in live}
             nxt_ref = first if not first.empty else None
         screened = window_checks.capacity(screened, rank(w, scores, seed), cfg.max_contributors)
+        screened = window_checks.shared(screened)  # same-poll pairs share a unit only while both stand
         clock.lap("scoring")
         accepted = sorted(s.peer for s in screened if s.reason is None)  # order-free Δ̄
-        trial = self.aggregator.aggregate(params, feedback, {p: live[p] for p in accepted}, caps, window=w.t)
+        weights = {s.peer: s.weight for s in screened if s.reason is None}  # < 1: near an earlier upload
+        trial = self.aggregator.aggregate(
+            params, feedback, {p: live[p] for p in accepted}, caps, window=w.t, weights=weights
+        )
         screened = window_checks.stable(screened, trial.dropped)
         clock.lap("aggregate")
         return WindowDecision(
@@ -306,7 +316,7 @@ class Decider:
                     loss_random_after=sc.loss_random_after if sc else None,
                     score=sc.score if sc else None,
                     reputation=st.reputation,
-                    weight=1.0 if accepted else 0.0,
+                    weight=s.weight if accepted else 0.0,
                     checks=s.checks,
                 )
             )

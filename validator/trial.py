@@ -94,13 +94,17 @@ class Aggregator:
         caps: Mapping[str, Limits],
         *,
         window: int,
+        weights: Mapping[str, float] | None = None,
     ) -> Trial:
-        """Δ̄ of ``window``'s ``held`` contributions on θ_t = ``params``, each clipped to its ``caps``, with
-        the re-compression buffer ``feedback``; the culprits of a non-finite θ_{t+1} or loss are
-        found by bisection and left out (all of them when only together they break it)."""
+        """Δ̄ of ``window``'s ``held`` contributions on θ_t = ``params``, each clipped to its ``caps``
+        and weighted by its ``weights`` entry (default 1: the weighted mean of
+        :class:`~protocol.aggregate.SparseSum`), with the re-compression buffer ``feedback``; the
+        culprits of a non-finite θ_{t+1} or loss are found by bisection and left out (all of them
+        when only together they break it)."""
+        weight = weights or {}
 
         def attempt(peers: Sequence[str], require_loss: bool = True) -> Trial | None:
-            return self._try(params, feedback, held, caps, peers, require_loss, window)
+            return self._try(params, feedback, held, caps, peers, require_loss, window, weight)
 
         full = attempt(sorted(held))
         if full is not None:
@@ -129,16 +133,19 @@ class Aggregator:
         peers: Sequence[str],
         require_loss: bool,
         window: int,
+        weight: Mapping[str, float],
     ) -> Trial | None:
         o = self.spec.outer
         total = SparseSum(self.schema)
         batch: list[SparseDict] = []
-        for _, sparse in self.clipped([(p, held[p]) for p in peers], caps):  # decoded a few at a time
+        ws: list[float] = []
+        for peer, sparse in self.clipped([(p, held[p]) for p in peers], caps):  # decoded a few at a time
             batch.append(sparse)
+            ws.append(weight.get(peer, 1.0))
             if len(batch) >= self.workers:
-                total.add(batch, self.pool)
-                batch = []
-        total.add(batch, self.pool)
+                total.add(batch, self.pool, ws)
+                batch, ws = [], []
+        total.add(batch, self.pool, ws)
         delta = total.mean(o.aggregation)
         if not all(bool(torch.isfinite(v).all()) for _, v in delta.values()):
             return None

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from validator import checks
-from validator.copies import CopyRule, scan
+from validator.copies import CopyRule, assess, settle
 from validator.log import CheckRow
 from validator.reasons import MUTATED, NON_FINITE_RESULT, OVER_CAPACITY, PROBATION
 from validator.reference import NormReference, check_norms
@@ -33,6 +33,7 @@ __all__ = [
     "offsets",
     "probation",
     "scores",
+    "shared",
     "stable",
 ]
 
@@ -81,17 +82,25 @@ def copies(
 ) -> list[Screened]:
     """Reject the later of two near-identical contributions as ``copied`` (see
     :mod:`validator.copies`: ``read_at``, ``listed_at``), compared on their sampled entries
-    (:mod:`validator.sketch`). A pair whose order is unknown is a tie: neither is rejected (the
-    original must never lose one); the row says so."""
+    (:mod:`validator.sketch`), and give a contribution similar to an earlier one a ``weight``
+    below 1 (:func:`validator.copies.influence`). A pair whose order is unknown is a tie: neither
+    is rejected (the original must never lose one) and a similar pair shares one unit of
+    influence; the row says so."""
     entries = {s.peer: s.held.sketch for s in screened if s.reason is None and s.held is not None}
-    verdicts, best = scan(entries, read_at, rule, listed_at)
+    found = assess(entries, read_at, rule, listed_at)
+    verdicts, best = found.verdicts, found.best
     out = []
     for s in screened:
         if s.reason is None:
             v = verdicts.get(s.peer)
-            s = replace(s, overlap=best.get(s.peer))
+            ties = tuple(sorted(found.ties.get(s.peer, {}).items()))
+            s = replace(s, overlap=best.get(s.peer), weight=found.weights.get(s.peer, 1.0), ties=ties)
             if v is None:
                 s = with_row(s, checks.ok("copy"))
+                if s.weight < 1.0:
+                    s = replace(s, detail=f"similar to an earlier upload: weight {s.weight:.3f}")
+                elif ties:
+                    s = replace(s, detail=f"similar to {ties[0][0][:12]}, read in the same poll: they share one unit")
             elif v.tie:
                 note = f"near-identical to {v.original[:12]}, read in the same poll: order unknown, neither is a copy"
                 s = replace(with_row(s, checks.ok("copy")), detail=note)
@@ -101,6 +110,14 @@ def copies(
                 s = with_row(s, checks.fail("copy", "copied"), detail)
         out.append(s)
     return out
+
+
+def shared(screened: Sequence[Screened]) -> list[Screened]:
+    """Settle the weights of the contributions still standing (:func:`validator.copies.settle`):
+    a similar pair of unknown order shares one unit only while both stand."""
+    live = {s.peer for s in screened if s.reason is None}
+    final = settle({s.peer: s.weight for s in screened}, {s.peer: dict(s.ties) for s in screened}, live)
+    return [replace(s, weight=final[s.peer]) if s.peer in final else s for s in screened]
 
 
 def scores(
