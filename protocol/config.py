@@ -299,6 +299,14 @@ class ValidatorConfig:
     norm_max_ratio: float = 10.0
     norm_min_ratio: float = 0.1
     reference_step: float = 2.0  # the reference moves by at most this factor per window
+    # Only the clipped norms of senior peers move the reference: established for at least this many
+    # windows in which they uploaded (new or recently established keys cannot move it).
+    reference_seniority: int = 2
+    # The reference stays within this factor of its long-horizon baseline, a geometric moving
+    # average of the reference over about reference_horizon windows: however many windows a group
+    # pushes, it drifts by at most this factor plus what the slow baseline follows.
+    reference_epoch_factor: float = 2.0
+    reference_horizon: int = 16
     clip_headroom: float = 2.0  # clip caps lie between the reference and headroom × it
     row_clip: bool = True  # cap every row of a matrix too, not only the whole tensor
     copy_overlap_threshold: float = 0.6
@@ -310,8 +318,9 @@ class ValidatorConfig:
     exclude_after_failures: int = 3
     exclude_windows: int = 5
     # A new identity is on probation until this many of its updates were scored and accepted:
-    # until then only its scored, helpful updates count.
-    probation_passes: int = 1
+    # until then only its scored, helpful updates count. Accepted windows in which it was not
+    # scored neither count as a pass nor clear a failure.
+    probation_passes: int = 3
     max_contributors: int = 64
 
     def __post_init__(self) -> None:
@@ -322,6 +331,12 @@ class ValidatorConfig:
             "validator.eval_confidence_z must be a finite number >= 0 (0 = no error bars)",
         )
         _require(self.eval_borderline_sequences >= 0, "validator.eval_borderline_sequences must be >= 0")
+        _require(self.reference_seniority >= 0, "validator.reference_seniority must be >= 0")
+        _require(
+            math.isfinite(self.reference_epoch_factor) and self.reference_epoch_factor >= 1.0,
+            "validator.reference_epoch_factor must be a finite number >= 1",
+        )
+        _require(self.reference_horizon >= 1, "validator.reference_horizon must be >= 1")
         # One run, one hash: key order, duplicates and hex letter case do not make another run.
         keys = tuple(sorted({k.lower() for k in self.public_keys}))
         bad = [k for k in keys if not _HEX_KEY.fullmatch(k)]

@@ -27,9 +27,10 @@ relative to the honest run's). ``sybil_cost``: what the attackers paid per accep
 in honestly trained uploads sent to earn a record (each ``inner.steps`` steps of compute): the
 ``cost/accepted`` column (∞: no attack upload was accepted).
 
-``patient_sybil`` and ``reference_drift`` are groups of four identities that stay honest until
-all four are established (they read the validator's standings, a generous oracle), then
-sign-flip together, or send honest directions scaled to 8× the validator's current norm reference.
+``patient_sybil`` (four identities) and ``reference_drift`` (two more than the honest peers: a
+majority) are groups that stay honest until all of them are established (they read the
+validator's standings, a generous oracle), then sign-flip (×2) together, or send honest
+directions scaled to 8× the validator's current norm reference, tensor by tensor.
 """
 
 from __future__ import annotations
@@ -401,28 +402,29 @@ class PatientSybil(Established):
 
 
 class ReferenceDrift(PatientSybil):
-    """An established group sending honest directions scaled to ``factor`` × the validator's
-    current norm reference every window: dragging the reference up (and honest updates below
-    ``norm_min_ratio`` of it)."""
+    """An established group sending honest directions scaled, tensor by tensor, to ``factor`` × the
+    validator's current norm reference every window (below ``norm_max_ratio``): dragging the
+    reference up, and honest updates below ``norm_min_ratio`` of it."""
 
     factor = 8.0
 
     def __init__(self, sw: Swarm, n: int, attack_from: int) -> None:
         super().__init__(sw, n, attack_from)
-        self.reference = 0.0
+        self.reference: dict[str, float] = {}
 
     def observe(self, v: Validator) -> None:
         super().observe(v)
         st = v.state
         if st is not None:
-            self.reference = math.sqrt(sum(t.norm**2 for t in st.reference.tensors.values()))
+            self.reference = {n: t.norm for n, t in st.reference.tensors.items()}
 
     def attack(self, i: Identity, w: Window, delta: Params) -> Params:
-        enc = self.sw.encode(delta, w.t)
-        norm = math.sqrt(sum(float(v.double().pow(2).sum()) for _, (_, v) in sparse_of(enc).items()))
-        if self.reference <= 0.0 or norm <= 0.0:
-            return delta
-        return {n: t * (self.factor * self.reference / norm) for n, t in delta.items()}
+        sent = sparse_of(self.sw.encode(delta, w.t))
+        out = {}
+        for n, t in delta.items():
+            norm, ref = float(sent[n][1].double().norm()), self.reference.get(n, 0.0)
+            out[n] = t * (self.factor * ref / norm) if norm > 0.0 and ref > 0.0 else t
+        return out
 
 
 class PerturbedCopy(Every):
@@ -552,7 +554,7 @@ def scenarios(quick: bool) -> list[Scenario]:
             ],
         ),
         Scenario("patient_sybil", lambda sw, h, a: [PatientSybil(sw, 4, a)]),
-        Scenario("reference_drift", lambda sw, h, a: [ReferenceDrift(sw, 4, a)]),
+        Scenario("reference_drift", lambda sw, h, a: [ReferenceDrift(sw, h + 2, a)]),
     ]
 
 

@@ -92,7 +92,7 @@ def test_a_window_is_decided_from_held_contributions_and_a_non_finite_one_is_bis
     dense.view(-1)[:64] = -3e38  # logits overflow: θ_{t+1} is finite, its loss is not
     poisoner = Identity.generate()
     received[poisoner.peer_id] = screened_upload(sw, poisoner, sw.encode({out: dense}, 0))
-    standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}  # all past probation
+    standing = {p: Standing(reputation=0.5, windows=3, passes=3) for p in received}  # all past probation
     window = open_window(0, vkey, spec.hash(), standing, spec.validator)
 
     dataset = open_dataset(spec.data)
@@ -120,7 +120,7 @@ def test_the_decision_is_a_function_of_its_inputs(run: tuple[RunSpec, Identity, 
     model = build_model(spec.model)
     theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
     received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0), 0)) for p in sw.peers}
-    standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}
+    standing = {p: Standing(reputation=0.5, windows=3, passes=3) for p in received}
     newcomer = sw.peers[0].peer_id
     del standing[newcomer]  # on probation and unscored: it does not count yet
     window = open_window(0, vkey, spec.hash(), standing, spec.validator)
@@ -179,7 +179,7 @@ def test_a_peer_whose_data_cannot_be_had_goes_unscored_and_is_never_blamed(monke
         model = build_model(spec.model)
         theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
         received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0), 0)) for p in sw.peers}
-        standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}
+        standing = {p: Standing(reputation=0.5, windows=3, passes=3) for p in received}
         window = open_window(0, vkey, spec.hash(), standing, spec.validator)
         damaged = sw.peers[1].peer_id
         real = decide_module.assigned_batches
@@ -222,7 +222,7 @@ def test_a_verdict_rejects_only_past_the_noise_of_its_measurement(z: float, monk
             bad: LossScore(5.0, 5.3, 5.0, 5.0, own_se=0.02, random_se=0.01),
         }
         monkeypatch.setattr(Decider, "score", lambda self, *args: dict(fixed))
-        standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}
+        standing = {p: Standing(reputation=0.5, windows=3, passes=3) for p in received}
         window = open_window(0, vkey, spec.hash(), standing, spec.validator)
         dataset = open_dataset(spec.data)
         with ThreadPoolExecutor(2) as pool:
@@ -259,7 +259,7 @@ def test_a_borderline_verdict_is_settled_on_more_sequences(monkeypatch: pytest.M
 
         monkeypatch.setattr(decide_module, "score_update", score_update)
         window = open_window(
-            0, vkey, spec.hash(), {peer.peer_id: Standing(reputation=0.5, windows=1, passes=1)}, spec.validator
+            0, vkey, spec.hash(), {peer.peer_id: Standing(reputation=0.5, windows=3, passes=3)}, spec.validator
         )
         dataset = open_dataset(spec.data)
         with ThreadPoolExecutor(2) as pool:

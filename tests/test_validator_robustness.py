@@ -172,8 +172,11 @@ def test_fetch_failures_and_foreign_objects_are_not_held_against_the_peer() -> N
     # junk from identities without a standing does not grow the table
     junk = [PeerOutcome(f"j{i}", False, "store_error", window=0, check="fetch") for i in range(100)]
     assert standings(junk, cfg) == {}
-    passed = update(Standing(), PeerOutcome("p", True, None, 0.01, window=0), cfg)
-    assert passed.passes == 1 and is_established(passed, cfg) and not is_established(Standing(), cfg)
+    passed = Standing()
+    for w in range(cfg.probation_passes):
+        assert not is_established(passed, cfg)
+        passed = update(passed, PeerOutcome("p", True, None, 0.01, window=w), cfg)
+    assert passed.passes == cfg.probation_passes and is_established(passed, cfg)
 
 
 def test_a_foreign_object_at_a_peers_key_is_not_that_peers_bad_signature(

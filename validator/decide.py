@@ -179,7 +179,9 @@ class Decider:
             caps=caps,
             trial=trial,
             fingerprint=fingerprint(trial.params),
-            reference=advanced(self.spec, reference, screened, w.established) if nxt_ref is None else nxt_ref,
+            reference=(
+                advanced(self.spec, reference, screened, w.established, w.senior, caps) if nxt_ref is None else nxt_ref
+            ),
             seed=seed,
             metadata={
                 randomness.SECRET: w.secret.hex(),

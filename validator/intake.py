@@ -126,7 +126,11 @@ class Intake:
     def gather(self, w: Window, opened_at: float, ctx: checks.Context) -> Gathered:
         """Until the deadline, or until every expected peer (:func:`validator.gather.expected_peers`)
         uploaded. Identities without an upload in the previous window (newcomers) hold the window
-        open only for ``budgets.newcomer_wait`` of the upload deadline."""
+        open only for ``budgets.newcomer_wait`` of the upload deadline; window 0 too, where every
+        peer is a newcomer, once some contribution has come in: a window nobody uploaded to yet
+        waits for every announced peer (first windows are slow: the model is built and the data
+        opened), while one free announcement cannot hold the first aggregate back. A peer slower
+        than that on its first window misses it (``late``, neutral) and is waited for in the next."""
         t, registry, deadline = w.t, self.registry, self.spec.windows.upload_deadline_s
         prev = self.log.rows(windows=(t - 1, t - 1)) if t > 0 else []
         uploaded_last = {r.peer for r in prev if shows_activity(r)}  # forged or foreign uploads prove nothing
@@ -143,7 +147,7 @@ class Intake:
             awaited = registry.expected(uploaded_last, since) - uploaded
             registry.recheck(awaited | registry.withdrawn, RECHECK_S)
             want = registry.expected(uploaded_last, since) - ctx.excluded
-            if since is not None and self.clock() >= newcomers_until:
+            if (since is not None or (t == 0 and uploaded)) and self.clock() >= newcomers_until:
                 want = frozenset(p for p in want if p in uploaded_last or p in uploaded)
             waiting.report(want - uploaded, len(uploaded))
             return want

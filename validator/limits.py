@@ -7,8 +7,11 @@
 * :func:`bootstrap`: the first window with no history starts the reference at the scored, accepted
   update that lowered the loss on its own data most (caps at it, without headroom); without one,
   no reference yet, and caps at the accepted updates' lower median.
-* :func:`advanced`: the reference after the window, moved towards the updates accepted from
-  established peers (all accepted ones when none is established yet).
+* :func:`advanced`: the reference after the window, moved towards the clipped norms of the
+  updates accepted from senior peers (:func:`validator.reputation.is_senior`), within
+  ``reference_epoch_factor`` of its long-horizon baseline. Until some peer is senior (the first
+  windows of a run), the established ones move it, and until some is established, every
+  accepted one; once one is senior, a window without a senior upload leaves it where it is.
 """
 
 from __future__ import annotations
@@ -77,13 +80,42 @@ def bootstrap(
 
 
 def advanced(
-    spec: RunSpec, ref: NormReference, screened: Sequence[Screened], established: Collection[str]
+    spec: RunSpec,
+    ref: NormReference,
+    screened: Sequence[Screened],
+    established: Collection[str],
+    senior: Collection[str],
+    caps: Mapping[str, Mapping[str, NormLimit] | None],
 ) -> NormReference:
-    """The reference after the window: moved towards the accepted updates of ``established`` peers
-    (all accepted ones when none is established yet); unchanged while empty."""
-    accepted = [s for s in screened if s.reason is None]
-    known = [s for s in accepted if s.peer in established] or accepted
-    if not known or ref.empty:
+    """The reference after the window: moved towards the clipped norms (``caps``: each peer's) of
+    the accepted updates of ``senior`` peers; while nobody is senior, of ``established`` ones,
+    and while nobody is established either, of all accepted ones. Unchanged while empty."""
+    cfg = spec.validator
+    accepted = [s for s in screened if s.reason is None and s.held is not None]
+    if senior:
+        movers = [s for s in accepted if s.peer in senior]
+    else:
+        movers = [s for s in accepted if s.peer in established] or accepted
+    if not movers or ref.empty:
         return ref
-    value = reference.window_value([s.held.norms.tensors for s in known if s.held is not None])
-    return reference.advance(ref, value, spec.validator.reference_step)
+    value = reference.window_value([_clipped(s.held.norms.tensors, caps.get(s.peer)) for s in movers if s.held])
+    return reference.advance(
+        ref, value, cfg.reference_step, factor=cfg.reference_epoch_factor, horizon=cfg.reference_horizon
+    )
+
+
+def _clipped(
+    norms: Mapping[str, reference.TensorNorms], caps: Mapping[str, NormLimit] | None
+) -> dict[str, reference.TensorNorms]:
+    """A contribution's norms as its caps leave them (at most; row caps may take off more)."""
+    if caps is None:
+        return dict(norms)
+    out = {}
+    for name, t in norms.items():
+        lim = caps.get(name)
+        if lim is None:
+            out[name] = t
+            continue
+        row = min(t.row, lim.row) if lim.row > 0.0 else t.row
+        out[name] = reference.TensorNorms(min(t.norm, lim.norm), row)
+    return out
