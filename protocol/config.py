@@ -321,6 +321,9 @@ class ValidatorConfig:
     # until then only its scored, helpful updates count. Accepted windows in which it was not
     # scored neither count as a pass nor clear a failure.
     probation_passes: int = 3
+    # An identity on probation with a pass and no scored failure since counts in windows it is
+    # not scored in too, at this share of the newcomer caps (≤ the reference); 0: it does not.
+    probation_partial: float = 1.0
     max_contributors: int = 64
 
     def __post_init__(self) -> None:
@@ -331,6 +334,7 @@ class ValidatorConfig:
             "validator.eval_confidence_z must be a finite number >= 0 (0 = no error bars)",
         )
         _require(self.eval_borderline_sequences >= 0, "validator.eval_borderline_sequences must be >= 0")
+        _require(0.0 <= self.probation_partial <= 1.0, "validator.probation_partial must be in [0, 1]")
         _require(self.reference_seniority >= 0, "validator.reference_seniority must be >= 0")
         _require(
             math.isfinite(self.reference_epoch_factor) and self.reference_epoch_factor >= 1.0,

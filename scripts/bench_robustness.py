@@ -30,7 +30,10 @@ in honestly trained uploads sent to earn a record (each ``inner.steps`` steps of
 ``patient_sybil`` (four identities) and ``reference_drift`` (two more than the honest peers: a
 majority) are groups that stay honest until all of them are established (they read the
 validator's standings, a generous oracle), then sign-flip (×2) together, or send honest
-directions scaled to 8× the validator's current norm reference, tensor by tensor.
+directions scaled to 8× the validator's current norm reference, tensor by tensor;
+``patient_sybil_early`` sign-flips as soon as its identities count unscored (provisional, one
+pass). ``honest_probation_1`` and ``honest_no_partial`` are the honest run with one scored pass to
+establish, and without provisional identities counting unscored: what probation costs.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ from validator.budgets import Budgets
 from validator.logview import LogView
 from validator.node import Validator
 from validator.reference import clip_limits, measured
-from validator.reputation import is_established
+from validator.reputation import is_established, is_provisional
 
 torch.set_num_threads(1)
 
@@ -80,7 +83,9 @@ TARGET_TOKEN = ord("$")  # the token the targeted-row attacker promotes (3e-5 of
 Params = dict[str, torch.Tensor]
 
 
-def bench_spec(vkey: Identity, *, max_contributors: int, row_clip: bool = True) -> RunSpec:
+def bench_spec(
+    vkey: Identity, *, max_contributors: int, row_clip: bool = True, validator: dict[str, Any] | None = None
+) -> RunSpec:
     return RunSpec().replace(
         model=MODEL,
         data={"seq_len": 32, "batch_size": 4},
@@ -94,6 +99,7 @@ def bench_spec(vkey: Identity, *, max_contributors: int, row_clip: bool = True) 
             "max_contributors": max_contributors,
             "max_contribution_bytes": 1 << 20,
             "row_clip": row_clip,
+            **(validator or {}),
         },
     )
 
@@ -384,15 +390,16 @@ class PatientSybil(Established):
     """A group honest until every one of its identities is established (read from the validator's
     standings), then all sign-flipping (×2) together in the same windows."""
 
-    def __init__(self, sw: Swarm, n: int, attack_from: int) -> None:
+    def __init__(self, sw: Swarm, n: int, attack_from: int, *, early: bool = False) -> None:
         super().__init__(sw, n, attack_from)
-        self.ready = False
+        self.ready, self.early = False, early  # early: attack once counted unscored (provisional)
 
     def observe(self, v: Validator) -> None:
-        st = v.state
+        st, cfg = v.state, self.sw.spec.validator
         if st is not None and not self.ready:
             standing = v._standings(st.window)
-            self.ready = all(is_established(standing.get(p), self.sw.spec.validator) for p in self.peer_ids)
+            ready = lambda s: is_established(s, cfg) or (self.early and s is not None and is_provisional(s, cfg))  # noqa: E731
+            self.ready = all(ready(standing.get(p)) for p in self.peer_ids)
 
     def attacking(self, w: Window) -> bool:
         return self.ready and w.t >= self.attack_from
@@ -504,6 +511,7 @@ class Scenario:
     max_contributors: int = 32
     row_clip: bool = True
     newcomer: bool = False  # an honest peer joins when the attack starts
+    validator: dict[str, Any] = field(default_factory=dict)  # validator settings other than the bench's
     budgets: Budgets = field(
         default_factory=lambda: Budgets(max_fetches=64, max_fetch_bytes=8 << 20, fetch_timeout_s=5.0)
     )
@@ -553,7 +561,11 @@ def scenarios(quick: bool) -> list[Scenario]:
                 Replays(sw, 3),
             ],
         ),
+        # what a longer probation costs honest peers: the honest run with one scored pass to establish
+        Scenario("honest_probation_1", lambda sw, h, a: [], validator={"probation_passes": 1}),
+        Scenario("honest_no_partial", lambda sw, h, a: [], validator={"probation_partial": 0.0}),
         Scenario("patient_sybil", lambda sw, h, a: [PatientSybil(sw, 4, a)]),
+        Scenario("patient_sybil_early", lambda sw, h, a: [PatientSybil(sw, 4, a, early=True)]),
         Scenario("reference_drift", lambda sw, h, a: [ReferenceDrift(sw, h + 2, a)]),
     ]
 
@@ -592,7 +604,7 @@ class LaunchClock:
 def run_scenario(
     sc: Scenario, *, honest_ids: list[Identity], vkey: Identity, windows: int, attack_from: int
 ) -> dict[str, Any]:
-    spec = bench_spec(vkey, max_contributors=sc.max_contributors, row_clip=sc.row_clip)
+    spec = bench_spec(vkey, max_contributors=sc.max_contributors, row_clip=sc.row_clip, validator=sc.validator)
     sw = Swarm(spec)
     state_dir = tempfile.mkdtemp(prefix="bench-robust-")
     honest = [Honest(i) for i in honest_ids]

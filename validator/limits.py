@@ -3,7 +3,8 @@
 * :func:`window_limits`: the caps of established peers, from the reference and the window's
   established uploads (None: no reference yet, or the run does not clip, ``outer.clip``).
 * :func:`newcomer_limits`: the caps of identities on probation: the window's, but never above the
-  reference (no headroom until they have a record).
+  reference (no headroom until they have a record); :func:`partial_limits`: a share of those, for
+  an identity on probation counted in a window it was not scored in.
 * :func:`bootstrap`: the first window with no history starts the reference at the scored, accepted
   update that lowered the loss on its own data most (caps at it, without headroom); without one,
   no reference yet, and caps at the accepted updates' lower median.
@@ -27,7 +28,7 @@ from validator.held import Held
 from validator.reference import NormReference
 from validator.scoring import LossScore
 
-__all__ = ["advanced", "bootstrap", "newcomer_limits", "window_limits"]
+__all__ = ["advanced", "bootstrap", "newcomer_limits", "partial_limits", "window_limits"]
 
 Schema = Mapping[str, tuple[int, ...]]
 
@@ -54,6 +55,16 @@ def newcomer_limits(
         r = ref.tensors[name]
         rows = None if lim.rows is None else lim.rows / spec.validator.clip_headroom
         out[name] = replace(lim, norm=min(lim.norm, r.norm), row=min(lim.row, r.row), rows=rows)
+    return out
+
+
+def partial_limits(limits: Mapping[str, NormLimit], share: float) -> dict[str, NormLimit]:
+    """``limits`` scaled by ``share`` (in (0, 1]): the caps of an identity on probation counted
+    without being scored in the window."""
+    out = {}
+    for name, lim in limits.items():
+        rows = None if lim.rows is None else lim.rows * share
+        out[name] = replace(lim, norm=lim.norm * share, row=lim.row * share, rows=rows)
     return out
 
 
@@ -85,11 +96,11 @@ def advanced(
     screened: Sequence[Screened],
     established: Collection[str],
     senior: Collection[str],
-    caps: Mapping[str, Mapping[str, NormLimit] | None],
 ) -> NormReference:
-    """The reference after the window: moved towards the clipped norms (``caps``: each peer's) of
-    the accepted updates of ``senior`` peers; while nobody is senior, of ``established`` ones,
-    and while nobody is established either, of all accepted ones. Unchanged while empty."""
+    """The reference after the window: moved towards the norms of the accepted updates of
+    ``senior`` peers, each clipped to ``clip_headroom`` × the reference (the most an update can
+    count for in the aggregate); while nobody is senior, of ``established`` ones, and while
+    nobody is established either, of all accepted ones. Unchanged while empty."""
     cfg = spec.validator
     accepted = [s for s in screened if s.reason is None and s.held is not None]
     if senior:
@@ -98,24 +109,20 @@ def advanced(
         movers = [s for s in accepted if s.peer in established] or accepted
     if not movers or ref.empty:
         return ref
-    value = reference.window_value([_clipped(s.held.norms.tensors, caps.get(s.peer)) for s in movers if s.held])
+    value = reference.window_value([_clipped(s.held.norms.tensors, ref, cfg.clip_headroom) for s in movers if s.held])
     return reference.advance(
         ref, value, cfg.reference_step, factor=cfg.reference_epoch_factor, horizon=cfg.reference_horizon
     )
 
 
 def _clipped(
-    norms: Mapping[str, reference.TensorNorms], caps: Mapping[str, NormLimit] | None
+    norms: Mapping[str, reference.TensorNorms], ref: NormReference, headroom: float
 ) -> dict[str, reference.TensorNorms]:
-    """A contribution's norms as its caps leave them (at most; row caps may take off more)."""
-    if caps is None:
-        return dict(norms)
+    """A contribution's norms clipped to ``headroom`` × the reference, tensor by tensor."""
     out = {}
     for name, t in norms.items():
-        lim = caps.get(name)
-        if lim is None:
-            out[name] = t
-            continue
-        row = min(t.row, lim.row) if lim.row > 0.0 else t.row
-        out[name] = reference.TensorNorms(min(t.norm, lim.norm), row)
+        r = ref.tensors.get(name)
+        out[name] = (
+            t if r is None else reference.TensorNorms(min(t.norm, headroom * r.norm), min(t.row, headroom * r.row))
+        )
     return out

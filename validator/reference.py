@@ -105,9 +105,7 @@ class NormReference:
         tensors, baseline = {}, {}
         for name, values in raw.items():
             if not (
-                isinstance(values, list)
-                and len(values) in (2, 4)
-                and all(isinstance(x, (int, float)) for x in values)
+                isinstance(values, list) and len(values) in (2, 4) and all(isinstance(x, (int, float)) for x in values)
             ):
                 raise ValueError(f"norm reference of {name!r} is not [norm, row, baseline norm, baseline row]")
             xs = [float(x) for x in values]

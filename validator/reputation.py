@@ -27,7 +27,9 @@ there.
 **Probation.** A peer is *established* once ``probation_passes`` of its updates were scored and
 accepted, i.e. lowered the loss on its own data without raising it on held-out data
 (``Standing.passes``); until then only its scored, helpful updates count
-(validator/window_checks.py, ``probation``). Standing costs work: each pass is a window of
+(validator/window_checks.py, ``probation``), but for a *provisional* identity
+(:func:`is_provisional`: a pass and no scored failure since), whose unscored updates count at a
+share of the newcomer caps (``probation_partial``). Standing costs work: each pass is a window of
 honest training that the validator happened to score, and unscored windows count for nothing.
 
 **Seniority.** ``Standing.tenure`` counts the decided windows a peer uploaded in since it was
@@ -61,6 +63,7 @@ __all__ = [
     "Standing",
     "is_established",
     "is_excluded",
+    "is_provisional",
     "is_senior",
     "is_neutral",
     "standings",
@@ -97,6 +100,13 @@ def is_excluded(standing: Standing, window: int) -> bool:
 def is_established(standing: Standing | None, cfg: ValidatorConfig) -> bool:
     """Past probation: enough of its updates were scored and helped."""
     return standing is not None and standing.passes >= cfg.probation_passes
+
+
+def is_provisional(standing: Standing, cfg: ValidatorConfig) -> bool:
+    """On probation with a record so far: at least one scored, accepted update and no scored
+    failure since the last one. Its unscored updates count at ``probation_partial`` of the newcomer
+    caps (:mod:`validator.decide`)."""
+    return not is_established(standing, cfg) and standing.passes > 0 and standing.failures == 0
 
 
 def is_senior(standing: Standing | None, cfg: ValidatorConfig) -> bool:
