@@ -322,8 +322,9 @@ class ValidatorConfig:
     # scored neither count as a pass nor clear a failure.
     probation_passes: int = 3
     # An identity on probation with a pass and no scored failure since counts in windows it is
-    # not scored in too, at this share of the newcomer caps (≤ the reference); 0: it does not.
-    probation_partial: float = 1.0
+    # not scored in too, at this share of the newcomer caps (≤ the reference); 0: it does not
+    # (BENCHMARKS.md: it lets noise that once passed a score in).
+    probation_partial: float = 0.0
     max_contributors: int = 64
 
     def __post_init__(self) -> None:

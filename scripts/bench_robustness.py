@@ -32,8 +32,10 @@ majority) are groups that stay honest until all of them are established (they re
 validator's standings, a generous oracle), then sign-flip (×2) together, or send honest
 directions scaled to 8× the validator's current norm reference, tensor by tensor;
 ``patient_sybil_early`` sign-flips as soon as its identities count unscored (provisional, one
-pass). ``honest_probation_1`` and ``honest_no_partial`` are the honest run with one scored pass to
-establish, and without provisional identities counting unscored: what probation costs.
+pass, with ``probation_partial``). ``honest_probation_1`` / ``honest_probation_2`` are the honest
+run with one or two scored passes to establish, ``honest_partial`` / ``crowding_partial`` those
+runs with provisional identities counted unscored at the newcomer caps: what probation costs,
+and what counting identities on probation sooner lets in.
 """
 
 from __future__ import annotations
@@ -563,9 +565,21 @@ def scenarios(quick: bool) -> list[Scenario]:
         ),
         # what a longer probation costs honest peers: the honest run with one scored pass to establish
         Scenario("honest_probation_1", lambda sw, h, a: [], validator={"probation_passes": 1}),
-        Scenario("honest_no_partial", lambda sw, h, a: [], validator={"probation_partial": 0.0}),
+        Scenario("honest_probation_2", lambda sw, h, a: [], validator={"probation_passes": 2}),
+        Scenario("honest_partial", lambda sw, h, a: [], validator={"probation_partial": 1.0}),
+        Scenario(
+            "crowding_partial",
+            lambda sw, h, a: [Noise(sw, 16)],
+            max_contributors=8,
+            newcomer=True,
+            validator={"probation_partial": 1.0},
+        ),
         Scenario("patient_sybil", lambda sw, h, a: [PatientSybil(sw, 4, a)]),
-        Scenario("patient_sybil_early", lambda sw, h, a: [PatientSybil(sw, 4, a, early=True)]),
+        Scenario(
+            "patient_sybil_early",
+            lambda sw, h, a: [PatientSybil(sw, 4, a, early=True)],
+            validator={"probation_partial": 1.0},
+        ),
         Scenario("reference_drift", lambda sw, h, a: [ReferenceDrift(sw, h + 2, a)]),
     ]
 

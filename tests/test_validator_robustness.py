@@ -385,7 +385,8 @@ def test_peers_slow_on_their_first_window_are_all_waited_for(vkey: Identity, tmp
 def test_new_identities_count_only_when_scored_and_cannot_crowd_out_known_peers(
     vkey: Identity, tmp_path: object
 ) -> None:
-    spec = tiny_spec(vkey, validator={"max_contributors": 3, "eval_peers_per_window": 3, "eval_probation_peers": 1})
+    validator = {"max_contributors": 3, "eval_peers_per_window": 3, "eval_probation_peers": 1, "probation_passes": 1}
+    spec = tiny_spec(vkey, validator=validator)  # the known peers are established after one window
     sw = Swarm(spec, 9)
     known, newcomers = sw.peers[:3], sw.peers[3:]
     for p in known:
