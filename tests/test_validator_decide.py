@@ -271,3 +271,42 @@ def test_a_borderline_verdict_is_settled_on_more_sequences(monkeypatch: pytest.M
         assert decision.rejections == {peer.peer_id: "harmful"}
     finally:
         sw.close()
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_a_provisional_identity_counts_unscored_only_at_a_share_of_the_newcomer_caps(share: float) -> None:
+    """With ``probation_partial``, an identity on probation with a pass and no scored failure since
+    counts in a window it is not scored in, at that share of the newcomer caps; one without a pass,
+    or with a scored failure since, does not; with 0 none does."""
+    from validator.limits import newcomer_limits, window_limits
+    from validator.reference import bootstrap as start_reference
+
+    vkey = Identity.generate()
+    spec = tiny_spec(vkey, validator={"eval_peers_per_window": 0, "probation_partial": share})
+    sw = Swarm(spec, 3)
+    try:
+        model = build_model(spec.model)
+        theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
+        received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0), 0)) for p in sw.peers}
+        provisional, failed, fresh = (p.peer_id for p in sw.peers)
+        standing = {provisional: Standing(passes=1, windows=1), failed: Standing(failures=1, passes=1, windows=2)}
+        window = open_window(0, vkey, spec.hash(), standing, spec.validator)
+        held = received[fresh].screened.held  # type: ignore[union-attr]
+        assert held is not None
+        reference = start_reference(held.norms.tensors)
+        dataset = open_dataset(spec.data)
+        with ThreadPoolExecutor(2) as pool:
+            aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
+            decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
+                window, uploads_of(received), reference=reference, params=theta, feedback=FeedbackState()
+            )
+        counted = (provisional,) if share > 0 else ()
+        assert decision.accepted == counted and not decision.scores
+        assert decision.rejections == {p: "probation" for p in received if p not in counted}
+        if share > 0:
+            full = newcomer_limits(spec, window_limits(spec, reference, [], sw.schema), reference)
+            caps = decision.caps[provisional]
+            assert full is not None and caps is not None
+            assert all(caps[n].norm == pytest.approx(share * full[n].norm) for n in full)
+    finally:
+        sw.close()

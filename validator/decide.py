@@ -159,9 +159,11 @@ class Decider:
         scores = self.score(w, live, caps, uploads, seed)  # budgeted, on the clipped form
         gain = min_gain(self.spec, w, scores)
         screened = window_checks.scores(screened, scores, cfg.eval_harm_tolerance, gain, cfg.eval_confidence_z)
-        partial = self.partial(w, live, scores) if probation_limits is not None else {}
-        for p, share in partial.items():  # on probation, a record so far, unscored: counts for less
-            caps[p] = partial_limits(probation_limits, share)
+        partial: dict[str, float] = {}
+        if probation_limits is not None:  # on probation, a record so far, unscored: counts for less
+            partial = self.partial(w, live, scores)
+            for p, share in partial.items():
+                caps[p] = partial_limits(probation_limits, share)
         screened = window_checks.probation(screened, w.established | set(partial), scores)
         nxt_ref: NormReference | None = None
         if reference.empty:  # no history yet: start one

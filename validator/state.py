@@ -5,8 +5,9 @@ Two files in the state directory:
 * ``state.json`` — the commit point, replaced atomically (temp file, fsync, rename) after every
   published aggregate: the window now open, the digest of the aggregate it trained from, when it
   opened, the run hash, the launch (the digest and time of the genesis manifest this chain grows
-  from), the norm reference learned from accepted updates (:mod:`validator.reference`) and every
-  peer's standing (:mod:`validator.reputation`), folded once per window, so that neither a window
+  from), the norm reference learned from accepted updates with its long-horizon baseline
+  (:mod:`validator.reference`) and every peer's standing with its tenure
+  (:mod:`validator.reputation`), folded once per window, so that neither a window
   nor a restart reads the contribution log's history. A few hundred bytes per peer.
 * ``state.safetensors`` — θ at some window ``w₀ ≤ t`` (its metadata says which, and the base of
   ``w₀``): written at genesis and at every checkpoint window, when θ is published anyway, never
