@@ -225,7 +225,7 @@ class Decider:
         unit_agree = {u: min(agree.get(p, 0.5) for p in ps) for u, ps in units.items()}
         sample = plan_sample(
             established=suspicion_order(known, unit_agree, seed),
-            probation=probation_order([u for u in units if u not in known], unit_agree, seed),
+            probation=probation_order([u for u in units if u not in known], unit_agree, seed, progress(w, units)),
             budget=cfg.eval_peers_per_window,
             probation_slots=cfg.eval_probation_peers,
             seed=seed,
@@ -333,6 +333,16 @@ class Decider:
                 )
             )
         return rows
+
+
+def progress(w: Window, units: Mapping[str, Sequence[str]]) -> dict[str, int]:
+    """Per unit on probation, its passes so far without a scored failure since (the least of its
+    peers'): the order in which probation slots go (:func:`validator.scoring.probation_order`)."""
+    out = {}
+    for key, peers in units.items():
+        sts = [w.standing.get(p) for p in peers]
+        out[key] = min((st.passes if st is not None and st.failures == 0 else 0) for st in sts)
+    return out
 
 
 def _per_peer(scores: Mapping[str, LossScore], units: Mapping[str, Sequence[str]]) -> dict[str, LossScore]:

@@ -134,10 +134,16 @@ def plan_sample(
     return sorted(new[:n_new] + first + rest[: n_est - len(first)])
 
 
-def probation_order(units: Collection[str], agreement: Mapping[str, float], seed: bytes) -> list[str]:
-    """Units on probation in the order they are scored: highest agreement with the window's
-    established uploads first (:mod:`validator.consensus`), then by the window's seed."""
-    return sorted(units, key=lambda u: (-agreement.get(u, 0.5), _draw(seed, "probation", u)))
+def probation_order(
+    units: Collection[str], agreement: Mapping[str, float], seed: bytes, progress: Mapping[str, int] | None = None
+) -> list[str]:
+    """Units on probation in the order they are scored: most ``progress`` first (passes so far
+    without a scored failure since: who started probation earlier finishes it first, so a flood of
+    identities arriving later cannot keep earlier ones from being established), then highest
+    agreement with the window's established uploads (:mod:`validator.consensus`), then by the
+    window's seed."""
+    done = progress or {}
+    return sorted(units, key=lambda u: (-done.get(u, 0), -agreement.get(u, 0.5), _draw(seed, "probation", u)))
 
 
 def suspicion_order(units: Collection[str], agreement: Mapping[str, float], seed: bytes) -> list[str]:
