@@ -28,8 +28,8 @@ from the held-out split, which nobody trains on (:func:`scoring_batches`).
 
 **Budget.** At most ``eval_peers_per_window`` updates are scored (:func:`plan_sample`), whatever
 the number of peers: up to ``eval_probation_peers`` identities on probation (their updates count
-only when scored; those agreeing most with the window's established uploads first,
-:func:`probation_order`) and established peers in the remaining slots (half to those agreeing
+only when scored; those with most passes so far first, then those agreeing most with the
+window's established uploads, :func:`probation_order`) and established peers in the remaining slots (half to those agreeing
 least with the others, :func:`suspicion_order`, half drawn at random); slots one group cannot
 use go to the other, so a flood of new identities never takes the slots of known peers.
 
