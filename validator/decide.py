@@ -15,8 +15,8 @@ In order (docs/ARCHITECTURE.md, "Validator"): the norm check against the referen
 check (:mod:`validator.window_checks`); the window's seed, from its secret and the digests of the
 contributions still standing (:mod:`validator.randomness`); the clip caps (:mod:`validator.limits`);
 loss scores of a budgeted sample, in the clipped form (:mod:`validator.scoring`); harm and effect by
-score, probation (identities with a record so far count unscored at a share of the newcomer caps),
-the first window's reference, capacity; the aggregate of the accepted ones, with
+score, probation (with ``probation_partial``, identities with a record so far count unscored at a
+share of the newcomer caps), the first window's reference, capacity; the aggregate of the accepted ones, with
 the culprits of a non-finite result left out; one contribution-log row per upload, with the
 reputation after it.
 
