@@ -299,6 +299,14 @@ class ValidatorConfig:
     norm_max_ratio: float = 10.0
     norm_min_ratio: float = 0.1
     reference_step: float = 2.0  # the reference moves by at most this factor per window
+    # Only the clipped norms of senior peers move the reference: established for at least this many
+    # windows in which they uploaded (new or recently established keys cannot move it).
+    reference_seniority: int = 2
+    # The reference stays within this factor of its long-horizon baseline, a geometric moving
+    # average of the reference over about reference_horizon windows: however many windows a group
+    # pushes, it drifts by at most this factor plus what the slow baseline follows.
+    reference_epoch_factor: float = 2.0
+    reference_horizon: int = 16
     clip_headroom: float = 2.0  # clip caps lie between the reference and headroom × it
     row_clip: bool = True  # cap every row of a matrix too, not only the whole tensor
     copy_overlap_threshold: float = 0.6
@@ -316,8 +324,13 @@ class ValidatorConfig:
     exclude_after_failures: int = 3
     exclude_windows: int = 5
     # A new identity is on probation until this many of its updates were scored and accepted:
-    # until then only its scored, helpful updates count.
-    probation_passes: int = 1
+    # until then only its scored, helpful updates count. Accepted windows in which it was not
+    # scored neither count as a pass nor clear a failure.
+    probation_passes: int = 3
+    # An identity on probation with a pass and no scored failure since counts in windows it is
+    # not scored in too, at this share of the newcomer caps (≤ the reference); 0: it does not
+    # (BENCHMARKS.md: it lets noise that once passed a score in).
+    probation_partial: float = 0.0
     max_contributors: int = 64
 
     def __post_init__(self) -> None:
@@ -331,6 +344,13 @@ class ValidatorConfig:
         for name in ("copy_overlap_lower", "copy_rare_lower"):
             value = getattr(self, name)
             _require(math.isfinite(value) and 0.0 <= value <= 1.0, f"validator.{name} must be in [0, 1]")
+        _require(0.0 <= self.probation_partial <= 1.0, "validator.probation_partial must be in [0, 1]")
+        _require(self.reference_seniority >= 0, "validator.reference_seniority must be >= 0")
+        _require(
+            math.isfinite(self.reference_epoch_factor) and self.reference_epoch_factor >= 1.0,
+            "validator.reference_epoch_factor must be a finite number >= 1",
+        )
+        _require(self.reference_horizon >= 1, "validator.reference_horizon must be >= 1")
         # One run, one hash: key order, duplicates and hex letter case do not make another run.
         keys = tuple(sorted({k.lower() for k in self.public_keys}))
         bad = [k for k in keys if not _HEX_KEY.fullmatch(k)]

@@ -22,7 +22,20 @@ uploads rejected for any reason but ``probation``; ``honest_deferred`` counts th
 ``validator_peak_rss_mb`` (largest growth of the process RSS during a window: what the validator
 holds; the memory store's contents are in place before the window opens), and scenario extras
 (``target_prob_ratio``: probability of the attacked token relative to the honest run;
-``gather_s``: mean gather time).
+``gather_s``: mean gather time; ``reference_vs_honest``: the validator's final norm reference
+relative to the honest run's). ``sybil_cost``: what the attackers paid per accepted attack upload,
+in honestly trained uploads sent to earn a record (each ``inner.steps`` steps of compute): the
+``cost/accepted`` column (∞: no attack upload was accepted).
+
+``patient_sybil`` (four identities) and ``reference_drift`` (two more than the honest peers: a
+majority) are groups that stay honest until all of them are established (they read the
+validator's standings, a generous oracle), then sign-flip (×2) together, or send honest
+directions scaled to 8× the validator's current norm reference, tensor by tensor;
+``patient_sybil_early`` sign-flips as soon as its identities count unscored (provisional, one
+pass, with ``probation_partial``). ``honest_probation_1`` / ``honest_probation_2`` are the honest
+run with one or two scored passes to establish, ``honest_partial`` / ``crowding_partial`` those
+runs with provisional identities counted unscored at the newcomer caps: what probation costs,
+and what counting identities on probation sooner lets in.
 """
 
 from __future__ import annotations
@@ -62,6 +75,7 @@ from validator.budgets import Budgets
 from validator.logview import LogView
 from validator.node import Validator
 from validator.reference import clip_limits, measured
+from validator.reputation import is_established, is_provisional
 
 torch.set_num_threads(1)
 
@@ -71,7 +85,9 @@ TARGET_TOKEN = ord("$")  # the token the targeted-row attacker promotes (3e-5 of
 Params = dict[str, torch.Tensor]
 
 
-def bench_spec(vkey: Identity, *, max_contributors: int, row_clip: bool = True) -> RunSpec:
+def bench_spec(
+    vkey: Identity, *, max_contributors: int, row_clip: bool = True, validator: dict[str, Any] | None = None
+) -> RunSpec:
     return RunSpec().replace(
         model=MODEL,
         data={"seq_len": 32, "batch_size": 4},
@@ -85,6 +101,7 @@ def bench_spec(vkey: Identity, *, max_contributors: int, row_clip: bool = True) 
             "max_contributors": max_contributors,
             "max_contribution_bytes": 1 << 20,
             "row_clip": row_clip,
+            **(validator or {}),
         },
     )
 
@@ -174,13 +191,22 @@ Upload = tuple[str, bytes, float]
 
 
 class Attacker:
-    """Base class: ``identities`` to announce (``announce``=False: never announced), uploads per window."""
+    """Base class: ``identities`` to announce (``announce``=False: never announced), uploads per window.
+
+    What the attack cost: ``honest_uploads`` (honestly trained uploads sent to earn a record, each
+    ``inner.steps`` steps of compute) and ``attacks`` (the (window, peer) of every attack upload)."""
 
     announce = True
 
     def __init__(self, sw: Swarm, n: int) -> None:
         self.sw = sw
         self.ids = [Identity.generate() for _ in range(n)]
+        self.honest_uploads = 0
+        self.attacks: set[tuple[int, str]] = set()
+
+    def observe(self, v: Validator) -> None:
+        """What the attacker learns of the validator before a window (the bench's attackers may read
+        its standings and reference: a generous oracle)."""
 
     def uploads(self, w: Window) -> list[Upload]:
         return []
@@ -188,6 +214,18 @@ class Attacker:
     @property
     def peer_ids(self) -> set[str]:
         return {i.peer_id for i in self.ids}
+
+
+class Every(Attacker):
+    """Every upload is an attack (nothing honest was paid for it)."""
+
+    def uploads(self, w: Window) -> list[Upload]:
+        out = self.attack_uploads(w)
+        self.attacks.update((w.t, peer) for peer, _, _ in out)
+        return out
+
+    def attack_uploads(self, w: Window) -> list[Upload]:
+        return []
 
 
 def _honest_norm(w: Window) -> float:
@@ -202,14 +240,14 @@ def _noise(sw: Swarm, params: Params, norm: float, gen: torch.Generator, window:
     return {n: t * (norm / cur) for n, t in raw.items()}
 
 
-class Noise(Attacker):
+class Noise(Every):
     """Gaussian noise with the norm of an honest update (``scale`` × it)."""
 
     def __init__(self, sw: Swarm, n: int, scale: float = 1.0) -> None:
         super().__init__(sw, n)
         self.scale, self.gen = scale, torch.Generator().manual_seed(1)
 
-    def uploads(self, w: Window) -> list[Upload]:
+    def attack_uploads(self, w: Window) -> list[Upload]:
         norm = _honest_norm(w) * self.scale
         return [
             (
@@ -221,14 +259,14 @@ class Noise(Attacker):
         ]
 
 
-class Scaled(Attacker):
+class Scaled(Every):
     """Trains honestly, then multiplies its update by ``factor`` (−1: sign-flipped)."""
 
     def __init__(self, sw: Swarm, n: int, factor: float) -> None:
         super().__init__(sw, n)
         self.factor = factor
 
-    def uploads(self, w: Window) -> list[Upload]:
+    def attack_uploads(self, w: Window) -> list[Upload]:
         out = []
         for i in self.ids:
             delta = {n: t * self.factor for n, t in self.sw.train(i.peer_id, w.params, w.t).items()}
@@ -236,10 +274,10 @@ class Scaled(Attacker):
         return out
 
 
-class Huge(Attacker):
+class Huge(Every):
     """Free identities sending ×1e30 updates (finite in float32)."""
 
-    def uploads(self, w: Window) -> list[Upload]:
+    def attack_uploads(self, w: Window) -> list[Upload]:
         out = []
         gen = torch.Generator().manual_seed(w.t)
         for i in self.ids:
@@ -260,13 +298,20 @@ class Established(Attacker):
     def uploads(self, w: Window) -> list[Upload]:
         out = []
         for i in self.ids:
-            delta = self.sw.train(i.peer_id, w.params, w.t)
-            if w.t >= self.attack_from:
-                delta = self.attack(i, w, delta)
+            honest = self.sw.train(i.peer_id, w.params, w.t)
+            delta = self.attack(i, w, honest) if self.attacking(w) else honest
+            if delta is honest:
+                self.honest_uploads += 1
+            else:
+                self.attacks.add((w.t, i.peer_id))
             out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(delta, w.t)), 0.0))
         return out
 
+    def attacking(self, w: Window) -> bool:
+        return w.t >= self.attack_from
+
     def attack(self, i: Identity, w: Window, delta: Params) -> Params:
+        """The update sent in an attack window (``delta`` itself: an honest one)."""
         return delta
 
 
@@ -356,7 +401,55 @@ def near_copy(params: Params, enc: dict[str, codec.Encoded], share: float, gen: 
     return dense
 
 
-class PerturbedCopy(Attacker):
+class PatientSybil(Established):
+    """A group honest until every one of its identities is established (read from the validator's
+    standings), then all sign-flipping (×2) together in the same windows."""
+
+    def __init__(self, sw: Swarm, n: int, attack_from: int, *, early: bool = False) -> None:
+        super().__init__(sw, n, attack_from)
+        self.ready, self.early = False, early  # early: attack once counted unscored (provisional)
+
+    def observe(self, v: Validator) -> None:
+        st, cfg = v.state, self.sw.spec.validator
+        if st is not None and not self.ready:
+            standing = v._standings(st.window)
+            ready = lambda s: is_established(s, cfg) or (self.early and s is not None and is_provisional(s, cfg))  # noqa: E731
+            self.ready = all(ready(standing.get(p)) for p in self.peer_ids)
+
+    def attacking(self, w: Window) -> bool:
+        return self.ready and w.t >= self.attack_from
+
+    def attack(self, i: Identity, w: Window, delta: Params) -> Params:
+        return {n: -2.0 * t for n, t in delta.items()}
+
+
+class ReferenceDrift(PatientSybil):
+    """An established group sending honest directions scaled, tensor by tensor, to ``factor`` × the
+    validator's current norm reference every window (below ``norm_max_ratio``): dragging the
+    reference up, and honest updates below ``norm_min_ratio`` of it."""
+
+    factor = 8.0
+
+    def __init__(self, sw: Swarm, n: int, attack_from: int) -> None:
+        super().__init__(sw, n, attack_from)
+        self.reference: dict[str, float] = {}
+
+    def observe(self, v: Validator) -> None:
+        super().observe(v)
+        st = v.state
+        if st is not None:
+            self.reference = {n: t.norm for n, t in st.reference.tensors.items()}
+
+    def attack(self, i: Identity, w: Window, delta: Params) -> Params:
+        sent = sparse_of(self.sw.encode(delta, w.t))
+        out = {}
+        for n, t in delta.items():
+            norm, ref = float(sent[n][1].double().norm()), self.reference.get(n, 0.0)
+            out[n] = t * (self.factor * ref / norm) if norm > 0.0 and ref > 0.0 else t
+        return out
+
+
+class PerturbedCopy(Every):
     """Copies the largest 55 % of an honest upload, adds noise, re-encodes and signs it; uploads
     after the original was read (``delay``), or in the same poll (``delay=0``, exact re-signed copy)."""
 
@@ -364,7 +457,7 @@ class PerturbedCopy(Attacker):
         super().__init__(sw, n)
         self.exact, self.gen = exact, torch.Generator().manual_seed(2)
 
-    def uploads(self, w: Window) -> list[Upload]:
+    def attack_uploads(self, w: Window) -> list[Upload]:
         out = []
         victims = sorted(w.honest)
         for k, i in enumerate(self.ids):
@@ -377,7 +470,7 @@ class PerturbedCopy(Attacker):
         return out
 
 
-class NearCopies(Attacker):
+class NearCopies(Every):
     """One identity per level of ``levels``: each copies the largest ``level`` share of an honest
     upload plus noise (:func:`near_copy`), after the original was read. The report gives each
     level's index overlap and weight."""
@@ -389,7 +482,7 @@ class NearCopies(Attacker):
         self.levels = {i.peer_id: lvl for i, lvl in zip(self.ids, levels)}
         self.gen = torch.Generator().manual_seed(3)
 
-    def uploads(self, w: Window) -> list[Upload]:
+    def attack_uploads(self, w: Window) -> list[Upload]:
         victims = sorted(w.honest)
         out = []
         for k, i in enumerate(self.ids):
@@ -398,14 +491,14 @@ class NearCopies(Attacker):
         return out
 
 
-class Junk(Attacker):
+class Junk(Every):
     """Large random bytes: under unannounced ids (``announce=False``) or announced ones."""
 
     def __init__(self, sw: Swarm, n: int, nbytes: int, *, announced: bool) -> None:
         super().__init__(sw, n)
         self.nbytes, self.announce = nbytes, announced
 
-    def uploads(self, w: Window) -> list[Upload]:
+    def attack_uploads(self, w: Window) -> list[Upload]:
         return [(i.peer_id, os.urandom(self.nbytes), 0.0) for i in self.ids]
 
 
@@ -420,14 +513,14 @@ class AnnounceOnly(Attacker):
         return []
 
 
-class Replays(Attacker):
+class Replays(Every):
     """Replayed older contributions, objects of another run, and objects signed by another key."""
 
     def __init__(self, sw: Swarm, n: int) -> None:
         super().__init__(sw, max(3, n))
         self.old: bytes | None = None
 
-    def uploads(self, w: Window) -> list[Upload]:
+    def attack_uploads(self, w: Window) -> list[Upload]:
         replay, other, forged = self.ids[:3]
         enc = next(iter(w.honest.values()))
         out = [
@@ -448,6 +541,7 @@ class Scenario:
     max_contributors: int = 32
     row_clip: bool = True
     newcomer: bool = False  # an honest peer joins when the attack starts
+    validator: dict[str, Any] = field(default_factory=dict)  # validator settings other than the bench's
     budgets: Budgets = field(
         default_factory=lambda: Budgets(max_fetches=64, max_fetch_bytes=8 << 20, fetch_timeout_s=5.0)
     )
@@ -498,6 +592,24 @@ def scenarios(quick: bool) -> list[Scenario]:
                 Replays(sw, 3),
             ],
         ),
+        # what a longer probation costs honest peers: the honest run with one scored pass to establish
+        Scenario("honest_probation_1", lambda sw, h, a: [], validator={"probation_passes": 1}),
+        Scenario("honest_probation_2", lambda sw, h, a: [], validator={"probation_passes": 2}),
+        Scenario("honest_partial", lambda sw, h, a: [], validator={"probation_partial": 1.0}),
+        Scenario(
+            "crowding_partial",
+            lambda sw, h, a: [Noise(sw, 16)],
+            max_contributors=8,
+            newcomer=True,
+            validator={"probation_partial": 1.0},
+        ),
+        Scenario("patient_sybil", lambda sw, h, a: [PatientSybil(sw, 4, a)]),
+        Scenario(
+            "patient_sybil_early",
+            lambda sw, h, a: [PatientSybil(sw, 4, a, early=True)],
+            validator={"probation_partial": 1.0},
+        ),
+        Scenario("reference_drift", lambda sw, h, a: [ReferenceDrift(sw, h + 2, a)]),
     ]
 
 
@@ -535,7 +647,7 @@ class LaunchClock:
 def run_scenario(
     sc: Scenario, *, honest_ids: list[Identity], vkey: Identity, windows: int, attack_from: int
 ) -> dict[str, Any]:
-    spec = bench_spec(vkey, max_contributors=sc.max_contributors, row_clip=sc.row_clip)
+    spec = bench_spec(vkey, max_contributors=sc.max_contributors, row_clip=sc.row_clip, validator=sc.validator)
     sw = Swarm(spec)
     state_dir = tempfile.mkdtemp(prefix="bench-robust-")
     honest = [Honest(i) for i in honest_ids]
@@ -567,6 +679,8 @@ def run_scenario(
                 sw.upload(h.identity.peer_id, t, blob)
                 encoded[h.identity.peer_id] = enc
         w = Window(t, st.params, st.base, encoded, public_sample(spec, t))
+        for a in attackers:
+            a.observe(v)
         delayed: list[Upload] = []
         for a in attackers:
             if t >= attack_from or (a in early and t >= attack_from - 1):
@@ -603,6 +717,9 @@ def run_scenario(
     levels = {p: lvl for a in attackers if isinstance(a, NearCopies) for p, lvl in a.levels.items()}
     if levels:
         out["copy_levels"] = _copy_levels(v, levels, windows)
+    out["sybil_cost"] = _cost(v, spec, attackers, windows)
+    assert v.state is not None
+    out["reference_norm"] = math.sqrt(sum(t.norm**2 for t in v.state.reference.tensors.values()))
     pushes = [p for a in attackers if isinstance(a, TargetedRow) for p in a.pushes]
     if pushes:  # geometric means over the attack windows
         out["row_push_capped"] = round(math.exp(sum(math.log(c) for c, _ in pushes) / len(pushes)), 3)
@@ -611,6 +728,20 @@ def run_scenario(
     sw.close()
     shutil.rmtree(state_dir, ignore_errors=True)
     return out
+
+
+def _cost(v: Validator, spec: RunSpec, attackers: list[Attacker], windows: int) -> dict[str, Any]:
+    """What the attackers paid per accepted attack upload: honest uploads (and their inner steps)."""
+    accepted = {(r.window, r.peer) for r in v.log.rows(windows=(0, windows - 1)) if r.accepted}
+    honest = sum(a.honest_uploads for a in attackers)
+    hits = sum(len(a.attacks & accepted) for a in attackers)
+    return {
+        "honest_uploads": honest,
+        "inner_steps": honest * spec.inner.steps,
+        "attacks": sum(len(a.attacks) for a in attackers),
+        "accepted_attacks": hits,
+        "per_accepted": round(honest / hits, 2) if hits else None,
+    }
 
 
 def _feed(sw: Swarm, t: int, delayed: list[Upload]) -> None:
@@ -730,6 +861,9 @@ def main() -> None:
     for r in results.values():
         r["honest_val_loss"] = base["final_val_loss"]
         r["target_prob_ratio"] = round(r.pop("target_prob") / base_prob, 3) if base_prob else None
+        r["reference_vs_honest"] = (
+            round(r["reference_norm"] / base["reference_norm"], 3) if base["reference_norm"] else None
+        )
         r["loss_vs_honest"] = (
             round(r["final_val_loss"] / base["final_val_loss"] - 1.0, 4) if r["final_val_loss"] else None
         )
@@ -763,6 +897,7 @@ def table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Table:
         "gather s",
         "target p ×",
         "copy level: overlap → weight",
+        "cost/accepted",
     ]
     for c in cols:
         t.add_column(c, justify="left" if c == "scenario" else "right")
@@ -785,8 +920,18 @@ def table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Table:
                 f"{lvl}: {c['overlap'] or 0:.2f}→{c['weight'] if c['weight'] is not None else '–'}"
                 for lvl, c in r.get("copy_levels", {}).items()
             ),
+            _cost_cell(r["sybil_cost"]),
         )
     return t
+
+
+def _cost_cell(cost: dict[str, Any]) -> str:
+    """Honest uploads paid per accepted attack upload (∞: none accepted; –: no attack sent)."""
+    if not cost["attacks"]:
+        return "–"
+    if cost["per_accepted"] is None:
+        return f"∞ ({cost['honest_uploads']}/0)"
+    return f"{cost['per_accepted']:.1f} ({cost['honest_uploads']}/{cost['accepted_attacks']})"
 
 
 if __name__ == "__main__":

@@ -189,7 +189,7 @@ def established_validator(sw: Swarm, vkey: Identity, state_dir: str, local: Loca
     """A validator whose state says every peer of ``sw`` is past probation."""
     v = Validator(sw.spec, MemoryStore(sw.name), vkey, state_dir, local=local)
     st = v.resume()
-    known = {p.peer_id: Standing(reputation=0.1, windows=1, passes=1) for p in sw.peers}
+    known = {p.peer_id: Standing(reputation=0.1, windows=3, passes=3) for p in sw.peers}
     save_state(state_dir, replace(st, standings=known), params=False)
     v.close()
     v = Validator(sw.spec, MemoryStore(sw.name), vkey, state_dir, local=local)

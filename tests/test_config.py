@@ -37,6 +37,10 @@ def test_hash_changes_with_any_field() -> None:
         ("[validator]\neval_confidence_z = inf\n", "eval_confidence_z"),
         ("[validator]\ncopy_overlap_lower = 1.5\n", "copy_overlap_lower"),
         ("[validator]\ncopy_rare_lower = -0.1\n", "copy_rare_lower"),
+        ("[validator]\nreference_epoch_factor = 0.5\n", "reference_epoch_factor"),
+        ("[validator]\nreference_horizon = 0\n", "reference_horizon"),
+        ("[validator]\nreference_seniority = -1\n", "reference_seniority"),
+        ("[validator]\nprobation_partial = 2.0\n", "probation_partial"),
     ],
 )
 def test_bad_specs_raise_config_error(text: str, fragment: str) -> None:

@@ -16,9 +16,10 @@ from protocol.windows import gather_close, is_checkpoint_window, should_close, u
 from protocol.wire import GENESIS, Contribution, encode_contribution
 from validator import checks
 from validator.copies import CopyRule, scan, similarity
-from validator.held import decode, hold
+from validator.held import Held, decode, hold
 from validator.log import CheckRow
-from validator.reputation import EXCLUDED, Standing, is_excluded, standings, update
+from validator.reference import Measured, TensorNorms
+from validator.reputation import EXCLUDED, Standing, is_established, is_excluded, is_senior, standings, update
 from validator.sketch import Sketcher
 
 SCHEMA = {"w": (64, 64), "b": (64,)}
@@ -117,6 +118,54 @@ def test_reference_moves_at_a_bounded_rate_and_round_trips() -> None:
     small = {"w": (torch.tensor([0]), torch.tensor([0.01]))}
     caps = clip_limits(ref, [measured(small, {"w": (4, 8)})], {"w": (4, 8)}, headroom=2.0, rows=False)
     assert caps["w"].norm == 1.0 and caps["w"].row == 0.0 and caps["w"].rows is None
+
+
+EMPTY_SKETCH = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
+
+
+def _held(norm: float) -> Held:
+    """What the reference needs of a contribution to a (4, 8) tensor ``w`` with this norm (rows equal)."""
+    rows = torch.full((4,), norm / 2.0, dtype=torch.float64)
+    return Held("d", b"", 32, Measured({"w": TensorNorms(norm, norm / 2.0)}, {"w": rows}), EMPTY_SKETCH)
+
+
+def _drift(spec: RunSpec, *, senior: bool, windows: int = 6) -> float:
+    """The reference of ``w`` after ``windows`` windows in which 6 honest senior peers send norm 1
+    and 10 established sybils (senior or not) send 8 x the current reference."""
+    from validator.limits import advanced
+    from validator.reference import NormReference
+
+    ref = NormReference({"w": TensorNorms(1.0, 0.5)})
+    honest, sybils = [f"h{i}" for i in range(6)], [f"s{i}" for i in range(10)]
+    established = set(honest + sybils)
+    seniors = set(honest) | (set(sybils) if senior else set())
+    for _ in range(windows):
+        held = {p: _held(1.0) for p in honest} | {p: _held(8.0 * ref.tensors["w"].norm) for p in sybils}
+        screened = [checks.Screened(peer=p, checks=(), reason=None, held=h) for p, h in held.items()]
+        ref = advanced(spec, ref, screened, established, seniors)
+    return ref.tensors["w"].norm
+
+
+def test_established_sybils_cannot_drag_the_reference() -> None:
+    """Six windows of x8 pushes by a majority of established identities: those not yet senior do
+    not move the reference at all; senior ones only to within the epoch bound of its baseline
+    (x2 of a baseline that follows over 16 windows), not the x2 per window they would get from
+    unclipped norms without the bound."""
+    spec = RunSpec()
+    cfg = spec.validator
+    assert _drift(spec, senior=False) == pytest.approx(1.0)
+    bound = cfg.reference_epoch_factor ** (1.0 + 6 / cfg.reference_horizon)  # 2.59
+    assert 2.0 <= _drift(spec, senior=True) <= bound
+    unbounded = spec.replace(validator={"reference_epoch_factor": 1e9})
+    assert _drift(unbounded, senior=True) == pytest.approx(2.0**6)  # what the bound prevents
+    # honest norms that change slowly are followed: x1.5 over a few windows is inside the band
+    from validator.reference import NormReference, advance
+
+    ref = NormReference({"w": TensorNorms(1.0, 0.5)})
+    for _ in range(3):
+        ref = advance(ref, {"w": TensorNorms(1.5, 0.75)}, 2.0, factor=2.0, horizon=16)
+    assert ref.tensors["w"] == TensorNorms(1.5, 0.75)
+    assert NormReference.from_json(ref.to_json()) == ref and ref.baseline["w"].norm > 1.0
 
 
 def test_rows_for_error_name_the_failing_check() -> None:
@@ -269,6 +318,38 @@ def test_reputation_moving_average_and_exclusion() -> None:
     assert update(s, PeerOutcome("p", False, EXCLUDED, window=4), cfg) == s  # exclusion does not extend itself
     assert update(s, PeerOutcome("p", False, "late", window=4), cfg) == s  # neither do late or surplus uploads
     assert update(s, PeerOutcome("p", False, "over_capacity", window=4), cfg) == s
+
+
+def test_only_scored_windows_clear_failures_or_count_as_passes() -> None:
+    """An identity that fails whenever it is scored is excluded at its third scored failure, however
+    many accepted, unscored windows it slips through in between; those never count as passes."""
+    cfg = ValidatorConfig(exclude_after_failures=3, exclude_windows=5, probation_passes=3)
+    s, w = Standing(), 0
+    for failure in range(3):
+        assert not is_excluded(s, w)
+        for _ in range(4):  # accepted while nobody looked
+            s = update(s, PeerOutcome("p", True, score=None, window=w), cfg)
+            w += 1
+        assert s.failures == failure and s.passes == 0
+        s = update(s, PeerOutcome("p", False, "harmful", 0.0, window=w), cfg)
+        w += 1
+    assert is_excluded(s, w) and s.excluded_until == w + cfg.exclude_windows
+    # a scored, accepted window clears the count
+    s = update(Standing(failures=2), PeerOutcome("p", True, score=0.1, window=0), cfg)
+    assert s.failures == 0 and s.passes == 1
+
+
+def test_seniority_counts_windows_since_establishment() -> None:
+    cfg = ValidatorConfig(probation_passes=3, reference_seniority=2)
+    s = Standing()
+    for w in range(3):
+        s = update(s, PeerOutcome("p", True, score=0.1, window=w), cfg)
+    assert is_established(s, cfg) and s.tenure == 0 and not is_senior(s, cfg)  # just established
+    s = update(s, PeerOutcome("p", True, score=None, window=3), cfg)
+    assert s.tenure == 1 and not is_senior(s, cfg)
+    s = update(s, PeerOutcome("p", True, score=None, window=4), cfg)
+    assert s.tenure == 2 and is_senior(s, cfg)
+    assert update(s, PeerOutcome("p", False, "late", window=5), cfg) == s  # neutral: no tenure
 
 
 def test_standings_fold_is_order_independent_and_respects_before() -> None:

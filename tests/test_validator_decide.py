@@ -108,7 +108,7 @@ def test_a_window_is_decided_from_held_contributions_and_a_non_finite_one_is_bis
     dense.view(-1)[:64] = -3e38  # logits overflow: θ_{t+1} is finite, its loss is not
     poisoner = Identity.generate()
     received[poisoner.peer_id] = screened_upload(sw, poisoner, sw.encode({out: dense}, 0))
-    standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}  # all past probation
+    standing = {p: Standing(reputation=0.5, windows=3, passes=3) for p in received}  # all past probation
     window = open_window(0, vkey, spec.hash(), standing, spec.validator)
 
     decision = decided(spec, model, window, received, theta)
@@ -131,7 +131,7 @@ def test_the_decision_is_a_function_of_its_inputs(run: tuple[RunSpec, Identity, 
     model = build_model(spec.model)
     theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
     received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0), 0)) for p in sw.peers}
-    standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}
+    standing = {p: Standing(reputation=0.5, windows=3, passes=3) for p in received}
     newcomer = sw.peers[0].peer_id
     del standing[newcomer]  # on probation and unscored: it does not count yet
     window = open_window(0, vkey, spec.hash(), standing, spec.validator)
@@ -185,7 +185,7 @@ def test_a_peer_whose_data_cannot_be_had_goes_unscored_and_is_never_blamed(monke
         model = build_model(spec.model)
         theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
         received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0), 0)) for p in sw.peers}
-        standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}
+        standing = {p: Standing(reputation=0.5, windows=3, passes=3) for p in received}
         window = open_window(0, vkey, spec.hash(), standing, spec.validator)
         damaged = sw.peers[1].peer_id
         real = decide_module.assigned_batches
@@ -223,7 +223,7 @@ def test_a_verdict_rejects_only_past_the_noise_of_its_measurement(z: float, monk
             bad: LossScore(5.0, 5.3, 5.0, 5.0, own_se=0.02, random_se=0.01),
         }
         monkeypatch.setattr(Decider, "score", lambda self, *args: dict(fixed))
-        standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in received}
+        standing = {p: Standing(reputation=0.5, windows=3, passes=3) for p in received}
         window = open_window(0, vkey, spec.hash(), standing, spec.validator)
         decision = decided(spec, model, window, received, theta)
         expected = {bad: "harmful"} if z else {noisy: "harmful_general", bad: "harmful"}
@@ -255,7 +255,7 @@ def test_a_borderline_verdict_is_settled_on_more_sequences(monkeypatch: pytest.M
 
         monkeypatch.setattr(decide_module, "score_update", score_update)
         window = open_window(
-            0, vkey, spec.hash(), {peer.peer_id: Standing(reputation=0.5, windows=1, passes=1)}, spec.validator
+            0, vkey, spec.hash(), {peer.peer_id: Standing(reputation=0.5, windows=3, passes=3)}, spec.validator
         )
         decision = decided(spec, model, window, received, theta)
         assert seen == [(8, 8), (16, 16)]
@@ -275,7 +275,7 @@ def test_a_same_poll_copy_shares_one_unit_of_influence_with_its_original(run: tu
     received = {p.peer_id: screened_upload(sw, p, encoded[p.peer_id]) for p in sw.peers}
     original, copier = sw.peers[0].peer_id, Identity.generate()
     with_copy = {**received, copier.peer_id: screened_upload(sw, copier, encoded[original])}
-    standing = {p: Standing(reputation=0.5, windows=1, passes=1) for p in with_copy}
+    standing = {p: Standing(reputation=0.5, windows=3, passes=3) for p in with_copy}
     dataset = open_dataset(spec.data)
     with ThreadPoolExecutor(2) as pool:
         decider = Decider(
@@ -319,3 +319,42 @@ def test_a_same_poll_copy_shares_one_unit_of_influence_with_its_original(run: tu
         )
     assert probation.rejections == {copier.peer_id: "probation"}
     assert probation.weights == dict.fromkeys(received, 1.0) and probation.fingerprint == alone.fingerprint
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_a_provisional_identity_counts_unscored_only_at_a_share_of_the_newcomer_caps(share: float) -> None:
+    """With ``probation_partial``, an identity on probation with a pass and no scored failure since
+    counts in a window it is not scored in, at that share of the newcomer caps; one without a pass,
+    or with a scored failure since, does not; with 0 none does."""
+    from validator.limits import newcomer_limits, window_limits
+    from validator.reference import bootstrap as start_reference
+
+    vkey = Identity.generate()
+    spec = tiny_spec(vkey, validator={"eval_peers_per_window": 0, "probation_partial": share})
+    sw = Swarm(spec, 3)
+    try:
+        model = build_model(spec.model)
+        theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
+        received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0), 0)) for p in sw.peers}
+        provisional, failed, fresh = (p.peer_id for p in sw.peers)
+        standing = {provisional: Standing(passes=1, windows=1), failed: Standing(failures=1, passes=1, windows=2)}
+        window = open_window(0, vkey, spec.hash(), standing, spec.validator)
+        held = received[fresh].screened.held  # type: ignore[union-attr]
+        assert held is not None
+        reference = start_reference(held.norms.tensors)
+        dataset = open_dataset(spec.data)
+        with ThreadPoolExecutor(2) as pool:
+            aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
+            decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
+                window, uploads_of(received), reference=reference, params=theta, feedback=FeedbackState()
+            )
+        counted = (provisional,) if share > 0 else ()
+        assert decision.accepted == counted and not decision.scores
+        assert decision.rejections == {p: "probation" for p in received if p not in counted}
+        if share > 0:
+            full = newcomer_limits(spec, window_limits(spec, reference, [], sw.schema), reference)
+            caps = decision.caps[provisional]
+            assert full is not None and caps is not None
+            assert all(caps[n].norm == pytest.approx(share * full[n].norm) for n in full)
+    finally:
+        sw.close()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,8 +73,8 @@ def scaled(sw: Swarm, signer: Identity, v: Validator, factor: float) -> bytes:
 
 @pytest.fixture()
 def established(vkey: Identity, tmp_path: object) -> Iterator[tuple[Swarm, Validator, list[Identity]]]:
-    """Three honest peers with one accepted, scored window behind them."""
-    sw = Swarm(tiny_spec(vkey), 3)
+    """Three honest peers with one accepted, scored window behind them (established after one)."""
+    sw = Swarm(tiny_spec(vkey, validator={"probation_passes": 1}), 3)
     sw.announce_all()
     v = make_validator(sw, vkey, tmp_path)
     honest_window(sw, v, sw.peers)
@@ -172,8 +174,11 @@ def test_fetch_failures_and_foreign_objects_are_not_held_against_the_peer() -> N
     # junk from identities without a standing does not grow the table
     junk = [PeerOutcome(f"j{i}", False, "store_error", window=0, check="fetch") for i in range(100)]
     assert standings(junk, cfg) == {}
-    passed = update(Standing(), PeerOutcome("p", True, None, 0.01, window=0), cfg)
-    assert passed.passes == 1 and is_established(passed, cfg) and not is_established(Standing(), cfg)
+    passed = Standing()
+    for w in range(cfg.probation_passes):
+        assert not is_established(passed, cfg)
+        passed = update(passed, PeerOutcome("p", True, None, 0.01, window=w), cfg)
+    assert passed.passes == cfg.probation_passes and is_established(passed, cfg)
 
 
 def test_a_foreign_object_at_a_peers_key_is_not_that_peers_bad_signature(
@@ -306,11 +311,82 @@ def test_announce_only_identities_hold_a_window_open_only_briefly(vkey: Identity
     sw.close()
 
 
+class _Polls(MemoryStore):
+    """The validator's handle on the store, telling the test each time a window's uploads are listed."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.listed = threading.Semaphore(0)
+
+    def list(self, prefix: str) -> list[str]:
+        out = super().list(prefix)
+        if "/contrib/" in prefix:
+            self.listed.release()
+        return out
+
+
+class _Clock:
+    """Wall time plus an offset the test moves (the validator's clock)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+
+def test_an_announce_only_identity_does_not_hold_window_0_open(vkey: Identity, tmp_path: object) -> None:
+    """Every peer is a newcomer in window 0; once the honest uploads are in, a free announcement
+    that never uploads holds the window only for ``newcomer_wait`` of the deadline."""
+    deadline = 8.0
+    sw = Swarm(tiny_spec(vkey, windows={"upload_deadline_s": deadline}), 2)
+    sw.announce_all()
+    sw.announce(Identity.generate())  # announce, never upload
+    v = make_validator(sw, vkey, tmp_path, budgets=Budgets(newcomer_wait=0.1))
+    honest_window(sw, v, sw.peers)
+    report = v.run_window()
+    assert report is not None and report.window == 0 and report.accepted + report.reasons.get("probation", 0) == 2
+    assert report.seconds["gather"] < deadline / 2, report.seconds
+    v.close()
+    sw.close()
+
+
+def test_peers_slow_on_their_first_window_are_all_waited_for(vkey: Identity, tmp_path: object) -> None:
+    """Window 0 counts the newcomers' share of the deadline from its first upload: peers that all
+    start late (past ``newcomer_wait`` of the deadline) and upload one after another are all in."""
+    deadline = 60.0
+    sw = Swarm(tiny_spec(vkey, windows={"upload_deadline_s": deadline}), 3)
+    sw.announce_all()
+    clock, store = _Clock(), _Polls(sw.name)
+    v = make_validator(sw, vkey, tmp_path, store=store, clock=clock, budgets=Budgets(newcomer_wait=0.25))
+    st = v.state
+    assert st is not None
+    blobs = [(p.peer_id, sw.honest(p, st.params, 0, st.base)) for p in sw.peers]
+    clock.offset = 0.5 * deadline  # the window opened half a deadline ago: past newcomer_wait
+
+    def slow_peers() -> None:
+        for peer, blob in blobs:
+            assert store.listed.acquire(timeout=deadline)  # the validator polled without it
+            sw.upload(peer, 0, blob)
+
+    feeder = threading.Thread(target=slow_peers)
+    feeder.start()
+    report = v.run_window()
+    feeder.join()
+    rows = v.log.rows(windows=(0, 0))
+    assert report is not None and {r.peer for r in rows} == {p.peer_id for p in sw.peers}
+    assert all(r.reason != "late" for r in rows), rows
+    assert report.seconds["gather"] < deadline / 4  # closed once all were in, not at the deadline
+    v.close()
+    sw.close()
+
+
 # ------------------------------------------------------------------ probation and capacity
 def test_new_identities_count_only_when_scored_and_cannot_crowd_out_known_peers(
     vkey: Identity, tmp_path: object
 ) -> None:
-    spec = tiny_spec(vkey, validator={"max_contributors": 3, "eval_peers_per_window": 3, "eval_probation_peers": 1})
+    validator = {"max_contributors": 3, "eval_peers_per_window": 3, "eval_probation_peers": 1, "probation_passes": 1}
+    spec = tiny_spec(vkey, validator=validator)  # the known peers are established after one window
     sw = Swarm(spec, 9)
     known, newcomers = sw.peers[:3], sw.peers[3:]
     for p in known:
@@ -372,14 +448,28 @@ def test_a_row_cap_bounds_what_one_contributor_does_to_one_row() -> None:
 
 
 def test_the_reference_survives_a_restart(tmp_path: object, vkey: Identity) -> None:
-    ref = NormReference({"w": TensorNorms(1.5, 0.25)})
+    """The reference, its baseline and every standing (with its tenure) come back as they were."""
+    ref = NormReference({"w": TensorNorms(1.5, 0.25)}, baseline={"w": TensorNorms(1.0, 0.2)})
+    standing = {"p": Standing(0.3, 1, 0, 7, 3, tenure=4)}
     launch = "cd" * 32
     state = ValidatorState(
-        "ab" * 32, 3, GENESIS, 1.0, {"w": torch.zeros(2)}, launch, 0.5, previous_base="ef" * 32, reference=ref
+        "ab" * 32,
+        3,
+        GENESIS,
+        1.0,
+        {"w": torch.zeros(2)},
+        launch,
+        0.5,
+        previous_base="ef" * 32,
+        reference=ref,
+        standings=standing,
     )
     save_state(str(tmp_path), state)
     loaded = load_state(str(tmp_path), "ab" * 32)
     assert loaded is not None and loaded.reference == ref and loaded.previous_base == "ef" * 32
+    assert loaded.reference.baseline["w"] == TensorNorms(1.0, 0.2) and loaded.standings == standing
+    # a reference written before baselines were kept starts its baseline at itself
+    assert NormReference.from_json('{"w":[1.5,0.25]}') == NormReference({"w": TensorNorms(1.5, 0.25)})
 
 
 def test_genesis_window_accepts_only_scored_newcomers(vkey: Identity, tmp_path: object) -> None:

@@ -48,6 +48,11 @@ def test_plan_sample_reserves_slots_so_new_identities_cannot_starve_known_ones()
     assert "k5" in _plan(["k5", *known[:5]], [], 2, 0) and "k5" in _plan(["k5", *known[:5]], [], 1, 0)
     order = probation_order(["a", "b", "c"], {"a": 0.5, "b": 0.9, "c": 0.1}, b"s")
     assert order == ["b", "a", "c"]  # most agreement with established uploads first
+    # but passes so far come first: a flood arriving later cannot keep earlier identities on probation
+    assert probation_order(["a", "b", "c"], {"a": 0.5, "b": 0.9, "c": 0.1}, b"s", {"c": 2, "a": 1}) == ["c", "a", "b"]
+    flood = [f"s{i}" for i in range(1000)]
+    order = probation_order(["early", *flood], dict.fromkeys(flood, 1.0), b"s", {"early": 1})
+    assert order[0] == "early" and "early" in _plan([], order, 2, 2)  # scored despite agreeing least
 
 
 def test_scoring_batches_come_from_the_held_out_split_and_follow_the_seed(swarm: Swarm) -> None:

@@ -15,7 +15,8 @@ In order (docs/ARCHITECTURE.md, "Validator"): the norm check against the referen
 check (:mod:`validator.window_checks`); the window's seed, from its secret and the digests of the
 contributions still standing (:mod:`validator.randomness`); the clip caps (:mod:`validator.limits`);
 loss scores of a budgeted sample, in the clipped form (:mod:`validator.scoring`); harm and effect by
-score, probation, the first window's reference, capacity; the aggregate of the accepted ones, with
+score, probation (with ``probation_partial``, identities with a record so far count unscored at a
+share of the newcomer caps), the first window's reference, capacity; the aggregate of the accepted ones, with
 the culprits of a non-finite result left out; one contribution-log row per upload, with the
 reputation after it.
 
@@ -52,10 +53,10 @@ from validator.copies import CopyRule
 from validator.gather import Received
 from validator.held import Held, clipped_entries
 from validator.intake import Uploads
-from validator.limits import advanced, bootstrap, newcomer_limits, window_limits
+from validator.limits import advanced, bootstrap, newcomer_limits, partial_limits, window_limits
 from validator.log import ContributionRecord
 from validator.reference import NormReference
-from validator.reputation import Standing, update
+from validator.reputation import Standing, is_provisional, update
 from validator.rows import failed_check
 from validator.scoring import (
     LossScore,
@@ -164,7 +165,12 @@ class Decider:
         scores = self.score(w, live, caps, uploads, seed)  # budgeted, on the clipped form
         gain = min_gain(self.spec, w, scores)
         screened = window_checks.scores(screened, scores, cfg.eval_harm_tolerance, gain, cfg.eval_confidence_z)
-        screened = window_checks.probation(screened, w.established, scores)
+        partial: dict[str, float] = {}
+        if probation_limits is not None:  # on probation, a record so far, unscored: counts for less
+            partial = self.partial(w, live, scores)
+            for p, share in partial.items():
+                caps[p] = partial_limits(probation_limits, share)
+        screened = window_checks.probation(screened, w.established | set(partial), scores)
         nxt_ref: NormReference | None = None
         if reference.empty:  # no history yet: start one
             first, first_caps = bootstrap(self.spec, screened, scores, live, self.schema)
@@ -189,7 +195,9 @@ class Decider:
             caps=caps,
             trial=trial,
             fingerprint=fingerprint(trial.params),
-            reference=advanced(self.spec, reference, screened, w.established) if nxt_ref is None else nxt_ref,
+            reference=(
+                advanced(self.spec, reference, screened, w.established, w.senior) if nxt_ref is None else nxt_ref
+            ),
             seed=seed,
             metadata={
                 randomness.SECRET: w.secret.hex(),
@@ -197,6 +205,20 @@ class Decider:
                 randomness.ROOT: root,
             },
         )
+
+    def partial(self, w: Window, live: Mapping[str, Held], scores: Mapping[str, LossScore]) -> dict[str, float]:
+        """The unscored identities on probation that count anyway, each with its share of the
+        newcomer caps (``probation_partial``): those with a scored, accepted update and no scored
+        failure since (:func:`is_provisional`)."""
+        cfg = self.spec.validator
+        if cfg.probation_partial <= 0.0:
+            return {}
+        out = {}
+        for p in live:
+            st = w.standing.get(p)
+            if p not in w.established and p not in scores and st is not None and is_provisional(st, cfg):
+                out[p] = cfg.probation_partial
+        return out
 
     def score(
         self, w: Window, live: Mapping[str, Held], caps: Mapping[str, Limits], uploads: Uploads, seed: bytes
@@ -213,7 +235,7 @@ class Decider:
         unit_agree = {u: min(agree.get(p, 0.5) for p in ps) for u, ps in units.items()}
         sample = plan_sample(
             established=suspicion_order(known, unit_agree, seed),
-            probation=probation_order([u for u in units if u not in known], unit_agree, seed),
+            probation=probation_order([u for u in units if u not in known], unit_agree, seed, progress(w, units)),
             budget=cfg.eval_peers_per_window,
             probation_slots=cfg.eval_probation_peers,
             seed=seed,
@@ -321,6 +343,16 @@ class Decider:
                 )
             )
         return rows
+
+
+def progress(w: Window, units: Mapping[str, Sequence[str]]) -> dict[str, int]:
+    """Per unit on probation, its passes so far without a scored failure since (the least of its
+    peers'): the order in which probation slots go (:func:`validator.scoring.probation_order`)."""
+    out = {}
+    for key, peers in units.items():
+        sts = [w.standing.get(p) for p in peers]
+        out[key] = min((st.passes if st is not None and st.failures == 0 else 0) for st in sts)
+    return out
 
 
 def _per_peer(scores: Mapping[str, LossScore], units: Mapping[str, Sequence[str]]) -> dict[str, LossScore]:

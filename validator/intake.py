@@ -126,24 +126,33 @@ class Intake:
     def gather(self, w: Window, opened_at: float, ctx: checks.Context) -> Gathered:
         """Until the deadline, or until every expected peer (:func:`validator.gather.expected_peers`)
         uploaded. Identities without an upload in the previous window (newcomers) hold the window
-        open only for ``budgets.newcomer_wait`` of the upload deadline."""
+        open only for ``budgets.newcomer_wait`` of the upload deadline. In window 0 every peer is
+        a newcomer and first windows are slow (the model is built, the data opened), so there that
+        share of the deadline counts from the first contribution that came in: peers that start
+        late together are all waited for, while one free announcement cannot hold the first
+        aggregate back. A peer slower than that misses the window (``late``, neutral) and is
+        waited for in the next."""
         t, registry, deadline = w.t, self.registry, self.spec.windows.upload_deadline_s
         prev = self.log.rows(windows=(t - 1, t - 1)) if t > 0 else []
         uploaded_last = {r.peer for r in prev if shows_activity(r)}  # forged or foreign uploads prove nothing
         opened_last = self.log.window(t - 1) if t > 0 else None
         since = opened_last.opened_at if opened_last is not None else None
         registry.make_room(uploaded_last | w.established, IDLE_WINDOWS * deadline)
-        newcomers_until = opened_at + self.budgets.newcomer_wait * deadline
+        wait = self.budgets.newcomer_wait * deadline
+        newcomers_until = opened_at + wait if t > 0 else math.inf  # window 0: from its first upload
         waiting = _WaitingReport(t, gather_close(opened_at, self.spec.windows), self.clock, self.emit)
 
         def expected(uploaded: frozenset[str]) -> frozenset[str]:
+            nonlocal newcomers_until
+            if t == 0 and uploaded and math.isinf(newcomers_until):
+                newcomers_until = self.clock() + wait
             registry.refresh()
             # Re-read the announcements of the peers still awaited (a withdrawal ends the wait) and
             # of the withdrawn ones (a peer that comes back is expected again).
             awaited = registry.expected(uploaded_last, since) - uploaded
             registry.recheck(awaited | registry.withdrawn, RECHECK_S)
             want = registry.expected(uploaded_last, since) - ctx.excluded
-            if since is not None and self.clock() >= newcomers_until:
+            if (since is not None or t == 0) and self.clock() >= newcomers_until:
                 want = frozenset(p for p in want if p in uploaded_last or p in uploaded)
             waiting.report(want - uploaded, len(uploaded))
             return want

@@ -16,9 +16,16 @@ windows and persisted in its state file:
   matrix is capped by what established peers do to *that* row in the window (a rare token's row
   barely moves), so one contributor cannot spend its norm on one row.
 * **advance** (:func:`advance`): after a window, each tensor's reference moves towards the lower
-  median of the updates accepted from established peers, by at most a factor ``reference_step``
-  (honest norms grow while error feedback fills up and shrink as the learning rate decays; an
-  attacker needs many windows to drag the reference anywhere).
+  median of the *clipped* norms of the updates accepted from *senior* peers (established for
+  ``reference_seniority`` windows, :func:`validator.reputation.is_senior`), by at most a factor
+  ``reference_step``, and never further than ``reference_epoch_factor`` from its *baseline*: a
+  geometric moving average of the reference over about ``reference_horizon`` windows, kept per
+  tensor next to it (O(1) per tensor, persisted with it). Honest norms grow while error feedback
+  fills up and shrink as the learning rate decays, slowly, and the reference follows them; a group
+  pushing every window gets it to the edge of the band, after which it drifts only as fast as
+  the baseline follows: by at most ``factor ** (1 / horizon)`` per window. An update above the
+  clip cap counts as its cap, so however large the pushes, one window moves the reference by at
+  most ``clip_headroom``.
 
 The first window has no history: nothing is rejected for its norm, and the reference starts at the
 update that lowered the loss on its own data most among those scored and accepted
@@ -64,32 +71,49 @@ class TensorNorms:
 
 @dataclass(frozen=True)
 class NormReference:
-    """Per tensor, the typical norms of an accepted update; empty before the first window."""
+    """Per tensor, the typical norms of an accepted update (``tensors``; empty before the first
+    window) and their long-horizon ``baseline`` (a tensor without one: its reference is its
+    baseline)."""
 
     tensors: Mapping[str, TensorNorms] = field(default_factory=dict)
+    baseline: Mapping[str, TensorNorms] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # one baseline per tensor of the reference, and none for any other
+        object.__setattr__(self, "baseline", {n: self.baseline.get(n, t) for n, t in self.tensors.items()})
 
     @property
     def empty(self) -> bool:
         return not self.tensors
 
+    def base(self, name: str) -> TensorNorms:
+        """The baseline of tensor ``name`` (which the reference holds)."""
+        return self.baseline[name]
+
     def to_json(self) -> str:
-        return json.dumps({n: [t.norm, t.row] for n, t in sorted(self.tensors.items())}, separators=(",", ":"))
+        """Per tensor ``[norm, row, baseline norm, baseline row]``."""
+        out = {n: [t.norm, t.row, self.base(n).norm, self.base(n).row] for n, t in sorted(self.tensors.items())}
+        return json.dumps(out, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> NormReference:
-        """Raises ValueError unless ``text`` is what :meth:`to_json` writes (finite, non-negative)."""
+        """Raises ValueError unless ``text`` is what :meth:`to_json` writes (finite, non-negative);
+        ``[norm, row]`` alone (written before baselines were kept) starts the baseline there."""
         raw = json.loads(text)
         if not isinstance(raw, dict):
             raise ValueError("a norm reference is a JSON object")
-        tensors = {}
-        for name, pair in raw.items():
-            if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, (int, float)) for x in pair)):
-                raise ValueError(f"norm reference of {name!r} is not [norm, row]")
-            norm, row = float(pair[0]), float(pair[1])
-            if not (math.isfinite(norm) and math.isfinite(row) and norm >= 0.0 and row >= 0.0):
+        tensors, baseline = {}, {}
+        for name, values in raw.items():
+            if not (
+                isinstance(values, list) and len(values) in (2, 4) and all(isinstance(x, (int, float)) for x in values)
+            ):
+                raise ValueError(f"norm reference of {name!r} is not [norm, row, baseline norm, baseline row]")
+            xs = [float(x) for x in values]
+            if not all(math.isfinite(x) and x >= 0.0 for x in xs):
                 raise ValueError(f"norm reference of {name!r} is not finite and non-negative")
-            tensors[str(name)] = TensorNorms(norm, row)
-        return cls(tensors)
+            tensors[str(name)] = TensorNorms(xs[0], xs[1])
+            baseline[str(name)] = TensorNorms(xs[-2], xs[-1])
+        return cls(tensors, baseline)
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,22 +192,47 @@ def bootstrap(best: Mapping[str, TensorNorms]) -> NormReference:
     return NormReference({n: t for n, t in best.items() if math.isfinite(t.norm) and math.isfinite(t.row)})
 
 
-def advance(ref: NormReference, value: Mapping[str, TensorNorms], step: float) -> NormReference:
-    """Move every tensor's reference towards ``value``, by at most a factor ``step``; a tensor new to
-    the reference takes ``value`` as it is."""
-    out = dict(ref.tensors)
+def advance(
+    ref: NormReference, value: Mapping[str, TensorNorms], step: float, *, factor: float = math.inf, horizon: int = 1
+) -> NormReference:
+    """Move every tensor's reference towards ``value``, by at most a factor ``step`` and to within
+    ``factor`` of its baseline; then move the baseline a ``1 / horizon`` share of the way (in
+    log space) to the new reference. A tensor new to the reference takes ``value`` as it is, as
+    its baseline too."""
+    out, base = dict(ref.tensors), {n: ref.base(n) for n in ref.tensors}
     for name, v in value.items():
         if not (math.isfinite(v.norm) and math.isfinite(v.row)):
             continue
         old = ref.tensors.get(name)
-        out[name] = v if old is None else TensorNorms(_toward(old.norm, v.norm, step), _toward(old.row, v.row, step))
-    return NormReference(out)
+        if old is None:
+            out[name] = base[name] = v
+            continue
+        b = base[name]
+        norm = _within(_toward(old.norm, v.norm, step), b.norm, factor)
+        row = _within(_toward(old.row, v.row, step), b.row, factor)
+        out[name] = TensorNorms(norm, row)
+        base[name] = TensorNorms(_follow(b.norm, norm, horizon), _follow(b.row, row, horizon))
+    return NormReference(out, base)
 
 
 def _toward(old: float, new: float, step: float) -> float:
     if old <= 0.0:
         return new
     return min(max(new, old / step), old * step)
+
+
+def _within(x: float, baseline: float, factor: float) -> float:
+    """``x`` kept within ``factor`` of ``baseline`` (a zero baseline bounds nothing)."""
+    if baseline <= 0.0 or math.isinf(factor):
+        return x
+    return min(max(x, baseline / factor), baseline * factor)
+
+
+def _follow(baseline: float, x: float, horizon: int) -> float:
+    """One step of the geometric moving average over about ``horizon`` windows."""
+    if baseline <= 0.0 or x <= 0.0:
+        return x
+    return math.exp(math.log(baseline) + (math.log(x) - math.log(baseline)) / horizon)
 
 
 def row_norms(sparse: SparseDict, schema: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:

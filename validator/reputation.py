@@ -9,7 +9,10 @@ accepted windows leave it unchanged (no evidence either way)::
 
 ``exclude_after_failures`` consecutive rejections exclude the peer for the next
 ``exclude_windows`` windows; its uploads in those windows are logged with reason ``excluded`` and
-neither count as new failures nor extend the exclusion.
+neither count as new failures nor extend the exclusion. Only a scored, accepted window clears the
+count: an accepted window in which the peer was not scored is no evidence that it behaves, so an
+identity that fails whenever it is scored is excluded at its ``exclude_after_failures``-th scored
+failure however many unscored windows it slips through in between.
 
 Only what the peer provably did counts against it. Neutral (no evidence either way): late uploads
 (``late``), contributions beyond ``max_contributors`` (``over_capacity``) or the window's fetch
@@ -24,7 +27,15 @@ there.
 **Probation.** A peer is *established* once ``probation_passes`` of its updates were scored and
 accepted, i.e. lowered the loss on its own data without raising it on held-out data
 (``Standing.passes``); until then only its scored, helpful updates count
-(validator/window_checks.py, ``probation``).
+(validator/window_checks.py, ``probation``), but for a *provisional* identity
+(:func:`is_provisional`: a pass and no scored failure since), whose unscored updates count at a
+share of the newcomer caps (``probation_partial``). Standing costs work: each pass is a window of
+honest training that the validator happened to score, and unscored windows count for nothing.
+
+**Seniority.** ``Standing.tenure`` counts the decided windows a peer uploaded in since it was
+established; it is *senior* once that reaches ``reference_seniority``. Only senior peers move
+the norm reference (:mod:`validator.limits`), so a group of keys that has just been established
+cannot steer it.
 
 The neutral reasons and checks are marked in the table of :mod:`validator.reasons`. An outcome
 is a :class:`protocol.outcomes.PeerOutcome` with its ``window`` and ``check`` (a log row's
@@ -52,6 +63,8 @@ __all__ = [
     "Standing",
     "is_established",
     "is_excluded",
+    "is_provisional",
+    "is_senior",
     "is_neutral",
     "standings",
     "update",
@@ -77,6 +90,7 @@ class Standing:
     excluded_until: int = 0  # excluded for windows < excluded_until
     windows: int = 0
     passes: int = 0  # windows in which an update was scored and accepted
+    tenure: int = 0  # decided windows since it was established
 
 
 def is_excluded(standing: Standing, window: int) -> bool:
@@ -86,6 +100,18 @@ def is_excluded(standing: Standing, window: int) -> bool:
 def is_established(standing: Standing | None, cfg: ValidatorConfig) -> bool:
     """Past probation: enough of its updates were scored and helped."""
     return standing is not None and standing.passes >= cfg.probation_passes
+
+
+def is_provisional(standing: Standing, cfg: ValidatorConfig) -> bool:
+    """On probation with a record so far: at least one scored, accepted update and no scored
+    failure since the last one. Its unscored updates count at ``probation_partial`` of the newcomer
+    caps (:mod:`validator.decide`)."""
+    return not is_established(standing, cfg) and standing.passes > 0 and standing.failures == 0
+
+
+def is_senior(standing: Standing | None, cfg: ValidatorConfig) -> bool:
+    """Established for at least ``reference_seniority`` decided windows: may move the reference."""
+    return is_established(standing, cfg) and standing is not None and standing.tenure >= cfg.reference_seniority
 
 
 def update(prev: Standing, outcome: PeerOutcome, cfg: ValidatorConfig) -> Standing:
@@ -102,12 +128,14 @@ def update(prev: Standing, outcome: PeerOutcome, cfg: ValidatorConfig) -> Standi
     rep = prev.reputation
     if indicator is not None:
         rep = cfg.reputation_decay * rep + (1.0 - cfg.reputation_decay) * indicator
-    failures = prev.failures + 1 if failed else 0
+    scored = outcome.accepted and outcome.score is not None
+    # only a scored, accepted window clears the count: unscored windows are no evidence either way
+    failures = prev.failures + 1 if failed else (0 if scored else prev.failures)
     excluded_until = prev.excluded_until
     if cfg.exclude_after_failures > 0 and failures >= cfg.exclude_after_failures:
         excluded_until = _window(outcome) + 1 + cfg.exclude_windows
         failures = 0
-    passed = outcome.accepted and outcome.score is not None  # scored and it helped (not harmful)
+    passed = scored  # scored and it helped (not harmful)
     return replace(
         prev,
         reputation=rep,
@@ -115,6 +143,7 @@ def update(prev: Standing, outcome: PeerOutcome, cfg: ValidatorConfig) -> Standi
         excluded_until=excluded_until,
         windows=prev.windows + 1,
         passes=prev.passes + int(passed),
+        tenure=prev.tenure + int(is_established(prev, cfg)),
     )
 
 

@@ -28,8 +28,8 @@ from the held-out split, which nobody trains on (:func:`scoring_batches`).
 
 **Budget.** At most ``eval_peers_per_window`` updates are scored (:func:`plan_sample`), whatever
 the number of peers: up to ``eval_probation_peers`` identities on probation (their updates count
-only when scored; those agreeing most with the window's established uploads first,
-:func:`probation_order`) and established peers in the remaining slots (half to those agreeing
+only when scored; those with most passes so far first, then those agreeing most with the
+window's established uploads, :func:`probation_order`) and established peers in the remaining slots (half to those agreeing
 least with the others, :func:`suspicion_order`, half drawn at random); slots one group cannot
 use go to the other, so a flood of new identities never takes the slots of known peers.
 
@@ -134,10 +134,16 @@ def plan_sample(
     return sorted(new[:n_new] + first + rest[: n_est - len(first)])
 
 
-def probation_order(units: Collection[str], agreement: Mapping[str, float], seed: bytes) -> list[str]:
-    """Units on probation in the order they are scored: highest agreement with the window's
-    established uploads first (:mod:`validator.consensus`), then by the window's seed."""
-    return sorted(units, key=lambda u: (-agreement.get(u, 0.5), _draw(seed, "probation", u)))
+def probation_order(
+    units: Collection[str], agreement: Mapping[str, float], seed: bytes, progress: Mapping[str, int] | None = None
+) -> list[str]:
+    """Units on probation in the order they are scored: most ``progress`` first (passes so far
+    without a scored failure since: who started probation earlier finishes it first, so a flood of
+    identities arriving later cannot keep earlier ones from being established), then highest
+    agreement with the window's established uploads (:mod:`validator.consensus`), then by the
+    window's seed."""
+    done = progress or {}
+    return sorted(units, key=lambda u: (-done.get(u, 0), -agreement.get(u, 0.5), _draw(seed, "probation", u)))
 
 
 def suspicion_order(units: Collection[str], agreement: Mapping[str, float], seed: bytes) -> list[str]:

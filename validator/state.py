@@ -5,8 +5,9 @@ Two files in the state directory:
 * ``state.json`` — the commit point, replaced atomically (temp file, fsync, rename) after every
   published aggregate: the window now open, the digest of the aggregate it trained from, when it
   opened, the run hash, the launch (the digest and time of the genesis manifest this chain grows
-  from), the norm reference learned from accepted updates (:mod:`validator.reference`) and every
-  peer's standing (:mod:`validator.reputation`), folded once per window, so that neither a window
+  from), the norm reference learned from accepted updates with its long-horizon baseline
+  (:mod:`validator.reference`) and every peer's standing with its tenure
+  (:mod:`validator.reputation`), folded once per window, so that neither a window
   nor a restart reads the contribution log's history. A few hundred bytes per peer.
 * ``state.safetensors`` — θ at some window ``w₀ ≤ t`` (its metadata says which, and the base of
   ``w₀``): written at genesis and at every checkpoint window, when θ is published anyway, never
@@ -233,7 +234,10 @@ def _from_progress(raw: Any, params: dict[str, torch.Tensor], meta: dict[str, st
 
 
 def _standings_json(standings: dict[str, Standing]) -> dict[str, list[float | int]]:
-    return {p: [s.reputation, s.failures, s.excluded_until, s.windows, s.passes] for p, s in sorted(standings.items())}
+    return {
+        p: [s.reputation, s.failures, s.excluded_until, s.windows, s.passes, s.tenure]
+        for p, s in sorted(standings.items())
+    }
 
 
 def _standings_of(raw: Any) -> dict[str, Standing]:
@@ -241,7 +245,11 @@ def _standings_of(raw: Any) -> dict[str, Standing]:
         raise ValueError("standings are a JSON object")
     out = {}
     for peer, v in raw.items():
-        if not (isinstance(v, list) and len(v) == 5):
-            raise ValueError(f"standing of {peer!r} is not [reputation, failures, excluded_until, windows, passes]")
-        out[str(peer)] = Standing(float(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]))
+        # five fields: written before tenure was kept (no peer is senior until it uploads again)
+        if not (isinstance(v, list) and len(v) in (5, 6)):
+            raise ValueError(
+                f"standing of {peer!r} is not [reputation, failures, excluded_until, windows, passes, tenure]"
+            )
+        tenure = int(v[5]) if len(v) == 6 else 0
+        out[str(peer)] = Standing(float(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]), tenure)
     return out
