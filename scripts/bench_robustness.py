@@ -28,6 +28,7 @@ holds; the memory store's contents are in place before the window opens), and sc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -38,9 +39,10 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
+from unittest import mock
 
 import torch
 from rich.console import Console
@@ -58,6 +60,7 @@ from protocol.model import build_model, lm_loss, parameters_of
 from protocol.settings import LocalSettings
 from protocol.store.memory import MemoryStore
 from protocol.wire import Announcement, Contribution, encode_announcement, encode_contribution
+from validator import concentration, decide
 from validator.budgets import Budgets
 from validator.logview import LogView
 from validator.node import Validator
@@ -71,7 +74,21 @@ TARGET_TOKEN = ord("$")  # the token the targeted-row attacker promotes (3e-5 of
 Params = dict[str, torch.Tensor]
 
 
-def bench_spec(vkey: Identity, *, max_contributors: int, row_clip: bool = True) -> RunSpec:
+@contextlib.contextmanager
+def baseline_rules() -> Iterator[None]:
+    """The validator without the row-excess check and the ``targeted`` verdict
+    (:mod:`validator.concentration`), as if ``row_excess_ratio`` and ``eval_target_tolerance`` were
+    0, under the same RunSpec (same run hash, same window secrets): ``--baseline``."""
+    with (
+        mock.patch.object(decide, "_target_tolerance", lambda spec: None),
+        mock.patch.object(concentration, "row_excess", lambda norms, typical: concentration.Excess()),
+    ):
+        yield
+
+
+def bench_spec(
+    vkey: Identity, *, max_contributors: int, row_clip: bool = True, validator: dict[str, Any] | None = None
+) -> RunSpec:
     return RunSpec().replace(
         model=MODEL,
         data={"seq_len": 32, "batch_size": 4},
@@ -85,6 +102,7 @@ def bench_spec(vkey: Identity, *, max_contributors: int, row_clip: bool = True) 
             "max_contributors": max_contributors,
             "max_contribution_bytes": 1 << 20,
             "row_clip": row_clip,
+            **(validator or {}),
         },
     )
 
@@ -256,13 +274,16 @@ class Established(Attacker):
         self.attack_from = attack_from
         self.pushes: list[tuple[float, float]] = []
         self.last: dict[str, codec.Encoded] | None = None
+        self.attacked: set[tuple[int, str]] = set()  # (window, peer) of the uploads that attacked
 
     def uploads(self, w: Window) -> list[Upload]:
         out = []
         for i in self.ids:
             delta = self.sw.train(i.peer_id, w.params, w.t)
             if w.t >= self.attack_from:
-                delta = self.attack(i, w, delta)
+                honest, delta = delta, self.attack(i, w, delta)
+                if delta is not honest:
+                    self.attacked.add((w.t, i.peer_id))
             out.append((i.peer_id, self.sw.sign(i, w.t, w.base, self.sw.encode(delta, w.t)), 0.0))
         return out
 
@@ -323,6 +344,29 @@ class TargetedRow(Established):
             out.append(_target_prob_at(self.sw, params) / _target_prob_at(self.sw, st.params))
         self.pushes.append((out[0], out[1]))
         self.last = None
+
+
+class TargetedRowTimed(TargetedRow):
+    """The targeted row edit from several established identities, each attacking only in windows
+    where the public scoring formula says it is not scored, and in at most ``share`` of those (the
+    rest honest): it trades influence for a lower chance of being scored while it attacks."""
+
+    def __init__(self, sw: Swarm, n: int, attack_from: int, share: float = 1.0) -> None:
+        super().__init__(sw, n, attack_from)
+        self.share = share
+        self.unscored: dict[str, int] = {}
+        self.edits: dict[str, int] = {}
+
+    def attack(self, i: Identity, w: Window, delta: Params) -> Params:
+        live = sorted({*w.honest, *self.peer_ids})
+        if i.peer_id in w.scored_guess(live):
+            return delta
+        seen = self.unscored[i.peer_id] = self.unscored.get(i.peer_id, 0) + 1
+        done = self.edits.get(i.peer_id, 0)
+        if done + 1 > self.share * seen:
+            return delta
+        self.edits[i.peer_id] = done + 1
+        return super().attack(i, w, delta)
 
 
 def _final_hidden(model: Any, tokens: torch.Tensor) -> torch.Tensor:
@@ -420,9 +464,14 @@ class Scenario:
     max_contributors: int = 32
     row_clip: bool = True
     newcomer: bool = False  # an honest peer joins when the attack starts
+    validator: dict[str, Any] = field(default_factory=dict)  # validator settings over the bench's
+    baseline: bool = False  # under baseline_rules()
     budgets: Budgets = field(
         default_factory=lambda: Budgets(max_fetches=64, max_fetch_bytes=8 << 20, fetch_timeout_s=5.0)
     )
+
+
+FEW_SCORED = {"eval_peers_per_window": 2, "eval_probation_peers": 1}
 
 
 def scenarios(quick: bool) -> list[Scenario]:
@@ -442,6 +491,11 @@ def scenarios(quick: bool) -> list[Scenario]:
         Scenario("harms_general", lambda sw, h, a: [HarmsGeneral(sw, 1, a)]),
         Scenario("targeted_row", lambda sw, h, a: [TargetedRow(sw, 1, a)]),
         Scenario("targeted_row_no_row_cap", lambda sw, h, a: [TargetedRow(sw, 1, a)], row_clip=False),
+        Scenario("targeted_row_multi", lambda sw, h, a: [TargetedRowTimed(sw, 3, a)]),
+        # scoring a third of the uploads at most (budget 2, 2 more for concentrated ones), closer to
+        # a large swarm where most accepted updates are never scored
+        Scenario("honest_few_scored", lambda sw, h, a: [], validator=FEW_SCORED),
+        Scenario("targeted_row_few_scored", lambda sw, h, a: [TargetedRow(sw, 1, a)], validator=FEW_SCORED),
         Scenario("perturbed_copy", lambda sw, h, a: [PerturbedCopy(sw, 2, exact=False)]),
         Scenario("same_poll_copy", lambda sw, h, a: [PerturbedCopy(sw, 2, exact=True)]),
         Scenario("crowding", lambda sw, h, a: [Noise(sw, 16)], max_contributors=8, newcomer=True),
@@ -506,7 +560,14 @@ class LaunchClock:
 def run_scenario(
     sc: Scenario, *, honest_ids: list[Identity], vkey: Identity, windows: int, attack_from: int
 ) -> dict[str, Any]:
-    spec = bench_spec(vkey, max_contributors=sc.max_contributors, row_clip=sc.row_clip)
+    with baseline_rules() if sc.baseline else contextlib.nullcontext():
+        return _run_scenario(sc, honest_ids=honest_ids, vkey=vkey, windows=windows, attack_from=attack_from)
+
+
+def _run_scenario(
+    sc: Scenario, *, honest_ids: list[Identity], vkey: Identity, windows: int, attack_from: int
+) -> dict[str, Any]:
+    spec = bench_spec(vkey, max_contributors=sc.max_contributors, row_clip=sc.row_clip, validator=sc.validator)
     sw = Swarm(spec)
     state_dir = tempfile.mkdtemp(prefix="bench-robust-")
     honest = [Honest(i) for i in honest_ids]
@@ -571,6 +632,11 @@ def run_scenario(
         gather_s=round(sum(gather_s) / max(1, len(gather_s)), 3),
     )
     out["target_prob"] = _target_prob(v, sw)
+    attacked = set().union(*(a.attacked for a in attackers if isinstance(a, Established)))
+    if attacked:  # the attacking uploads (not the honest windows of an established attacker)
+        rows = {(r.window, r.peer): r for r in v.log.rows(windows=(0, windows - 1))}
+        out["edits_accepted"] = sum(1 for k in attacked if k in rows and rows[k].accepted)
+        out["edits"] = len(attacked)
     pushes = [p for a in attackers if isinstance(a, TargetedRow) for p in a.pushes]
     if pushes:  # geometric means over the attack windows
         out["row_push_capped"] = round(math.exp(sum(math.log(c) for c, _ in pushes) / len(pushes)), 3)
@@ -650,6 +716,11 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=None, help="windows per scenario (quick 8, full 12)")
     ap.add_argument("--honest", type=int, default=None, help="honest peers (quick 6, full 8)")
     ap.add_argument("--attack-from", type=int, default=2, help="first window with attackers (>= 1)")
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run every scenario without the row-excess check and the targeted verdict ('<name> before')",
+    )
     args = ap.parse_args()
     if args.attack_from < 1:
         ap.error("--attack-from must be at least 1: attackers that earn a record first join a window earlier")
@@ -662,6 +733,8 @@ def main() -> None:
         if unknown:
             ap.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
         chosen = [s for s in chosen if s.name in names or s.name == "honest"]
+    if args.baseline:
+        chosen = [v for s in chosen for v in (s, replace(s, name=f"{s.name} before", baseline=True))]
     honest_ids = [Identity.generate() for _ in range(n_honest)]
     vkey = Identity.generate()  # one validator key: the same secrets in every scenario
     results: dict[str, dict[str, Any]] = {}
@@ -673,11 +746,12 @@ def main() -> None:
         )
         results[sc.name]["seconds"] = round(time.monotonic() - t0, 1)
         print(f"{sc.name}: {results[sc.name]['seconds']} s", file=sys.stderr)
-    base = results["honest"]
-    base_prob = base["target_prob"]
-    for r in results.values():
+    probs = {name: r.pop("target_prob") for name, r in results.items()}
+    for name, r in results.items():
+        honest = "honest before" if name.endswith(" before") else "honest"  # the honest run, same rules
+        base, base_prob = results[honest], probs[honest]
         r["honest_val_loss"] = base["final_val_loss"]
-        r["target_prob_ratio"] = round(r.pop("target_prob") / base_prob, 3) if base_prob else None
+        r["target_prob_ratio"] = round(probs[name] / base_prob, 3) if base_prob else None
         r["loss_vs_honest"] = (
             round(r["final_val_loss"] / base["final_val_loss"] - 1.0, 4) if r["final_val_loss"] else None
         )
@@ -710,6 +784,8 @@ def table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Table:
         "RSS MB",
         "gather s",
         "target p ×",
+        "edits acc",
+        "row push ×",
     ]
     for c in cols:
         t.add_column(c, justify="left" if c == "scenario" else "right")
@@ -728,6 +804,8 @@ def table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Table:
             f"{r['validator_peak_rss_mb']:.1f}",
             f"{r['gather_s']:.2f}",
             f"{r['target_prob_ratio']:.2f}" if r["target_prob_ratio"] is not None else "–",
+            f"{r['edits_accepted']}/{r['edits']}" if "edits" in r else "",
+            f"{r['row_push_capped']:.2f}" if "row_push_capped" in r else "",
         )
     return t
 

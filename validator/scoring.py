@@ -46,12 +46,13 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
 from protocol.aggregate import SparseDict, apply_outer
 from protocol.data.assignment import TokenDataset, pipeline_data_key, random_batches
-from protocol.model import parameters_of, sequence_losses
+from protocol.model import autocast_for, parameters_of, sequence_losses
 from protocol.wire import PipelineRole
 from validator.significance import paired
 
@@ -65,6 +66,7 @@ __all__ = [
     "scoring_units",
     "score_update",
     "take_sequences",
+    "token_losses",
     "with_parameters",
 ]
 
@@ -81,6 +83,13 @@ class LossScore:
     loss_random_after: float
     own_se: float = 0.0
     random_se: float = 0.0
+    # The tokens whose rows the update is most concentrated on (validator.concentration) and, for
+    # each, on the random sequences, the binary log-loss of "the next token is it" before and after
+    # the update, with the standard error of the paired difference (empty: not measured).
+    tokens: tuple[int, ...] = ()
+    token_before: tuple[float, ...] = ()
+    token_after: tuple[float, ...] = ()
+    token_se: tuple[float, ...] = ()
 
     @property
     def own_gain(self) -> float:
@@ -205,21 +214,39 @@ def score_update(
     random_before: Tensor,
     scale: float,
     device: torch.device | str = "cpu",
+    tokens: Sequence[int] = (),
+    tokens_before: Tensor | None = None,
 ) -> LossScore:
     """Loss before/after applying ``scale · update`` alone, per sequence (``random_before``: θ_t's
     per-sequence losses on ``random``, :func:`protocol.model.sequence_losses`, measured once per
-    window), summarised as means and the standard errors of the paired gains. The update is applied
-    to copies of the tensors it touches (:func:`with_parameters`): ``model``'s parameters are never
-    written."""
+    window), summarised as means and the standard errors of the paired gains. With ``tokens`` and
+    ``tokens_before`` (θ_t's per-sequence, per-token binary log-losses on ``random``,
+    :func:`token_losses`), also the binary log-loss of those tokens before and after, from the
+    same forward pass. The update is applied to copies of the tensors it touches
+    (:func:`with_parameters`): ``model``'s parameters are never written."""
     params = parameters_of(model)
     moved = {name: params[name].detach().clone() for name in update}
     apply_outer(moved, update, scale)
     own_before = sequence_losses(model, own, device)
     after = with_parameters(model, moved)
     own_after = sequence_losses(after, own, device)
-    random_after = sequence_losses(after, random, device)
+    measure_tokens = bool(tokens) and tokens_before is not None
+    if measure_tokens:
+        random_after, per_token = token_losses(after, random, device)
+    else:
+        random_after = sequence_losses(after, random, device)
     _, own_se = paired(own_before, own_after)
     _, random_se = paired(random_before, random_after)
+    ids: tuple[int, ...] = ()
+    t_before: tuple[float, ...] = ()
+    t_after: tuple[float, ...] = ()
+    t_se: tuple[float, ...] = ()
+    if measure_tokens:
+        assert tokens_before is not None
+        ids = tuple(int(t) for t in tokens)
+        t_before = tuple(float(tokens_before[:, t].mean()) for t in ids)
+        t_after = tuple(float(per_token[:, t].mean()) for t in ids)
+        t_se = tuple(paired(tokens_before[:, t], per_token[:, t])[1] for t in ids)
     return LossScore(
         float(own_before.mean()),
         float(own_after.mean()),
@@ -227,7 +254,41 @@ def score_update(
         float(random_after.mean()),
         own_se=own_se,
         random_se=random_se,
+        tokens=ids,
+        token_before=t_before,
+        token_after=t_after,
+        token_se=t_se,
     )
+
+
+@torch.no_grad()
+def token_losses(
+    model: nn.Module, batches: Sequence[Tensor], device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor]:
+    """Per sequence of ``batches``: its mean next-token loss (as :func:`protocol.model.sequence_losses`)
+    and, for every token v, the mean binary log-loss of "the next token is v",
+    ``−[y log p_v + (1 − y) log(1 − p_v)]`` over its positions ([sequences, vocab], float64 on the
+    CPU). A token the model promotes everywhere raises its binary loss wherever it is not next,
+    however little that moves the mean loss."""
+    was_training = model.training
+    model.eval()
+    losses, per_token = [], []
+    try:
+        for batch in batches:
+            batch = batch.to(device, non_blocking=True)
+            with autocast_for(torch.device(device)):
+                logits = model(batch[:, :-1])
+            logp = F.log_softmax(logits.float(), dim=-1)
+            target = batch[:, 1:]
+            losses.append((-logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)).double().mean(dim=1).cpu())
+            hit = F.one_hot(target, logp.shape[-1]).bool()
+            miss = torch.log1p(-logp.exp().clamp(max=1.0 - 1e-7))
+            per_token.append((-torch.where(hit, logp, miss)).double().mean(dim=1).cpu())
+    finally:
+        model.train(was_training)
+    if not losses:
+        raise ValueError("token_losses needs at least one batch")
+    return torch.cat(losses), torch.cat(per_token)
 
 
 def with_parameters(model: nn.Module, params: Mapping[str, Tensor]) -> nn.Module:
