@@ -16,7 +16,12 @@ does not lower the loss on its own data (``harmful``: noise, sign-flipped, scale
 loss on held-out data by more than ``eval_harm_tolerance`` × ``random_before``
 (``harmful_general``); and *ineffective* when it lowers the loss on its own data by less than
 ``eval_min_gain_ratio`` × the median of what established peers' scored updates achieve in the
-same window (``ineffective``: noise at a plausible norm helps a little, by chance). Every loss
+same window (``ineffective``: noise at a plausible norm helps a little, by chance). It is
+*targeted* when, on the random sequences, the binary log-loss of "the next token is v" rises by
+more than ``eval_target_tolerance`` × its level for one of the tokens v whose rows the update
+crowds most (:func:`validator.concentration.moved_tokens`; :func:`token_losses` measures every
+token's in the same forward pass as the loss): a row edit promoting one token everywhere lowers
+the mean loss a little and multiplies that token's probability. Every loss
 is measured per sequence, so each gain comes with the standard error of its paired differences,
 and each verdict rejects only past its bar by ``eval_confidence_z`` of them
 (:mod:`validator.significance`).
@@ -31,7 +36,9 @@ the number of peers: up to ``eval_probation_peers`` identities on probation (the
 only when scored; those agreeing most with the window's established uploads first,
 :func:`probation_order`) and established peers in the remaining slots (half to those agreeing
 least with the others, :func:`suspicion_order`, half drawn at random); slots one group cannot
-use go to the other, so a flood of new identities never takes the slots of known peers.
+use go to the other, so a flood of new identities never takes the slots of known peers. Established
+units with an update concentrated on a row (:mod:`validator.concentration`) are scored beyond
+the sample, up to ``eval_peers_per_window`` more, the most concentrated first.
 
 **Units.** A pipeline replica's stages trained one model jointly on one data key, so they are
 scored as one update (:func:`scoring_units`) — but only in a run with ``pipeline.enabled`` and
