@@ -157,15 +157,12 @@ class Decider:
         seed = randomness.window_seed(w.secret, root)
         limits = window_limits(self.spec, reference, [h for p, h in live.items() if p in w.established], self.schema)
         probation_limits = newcomer_limits(self.spec, limits, reference)
-        caps = {p: limits if p in w.established else probation_limits for p in live}
+        caps: dict[str, Limits] = {p: limits if p in w.established else probation_limits for p in live}
         typical = concentration.typical_counts([h.norms for p, h in live.items() if p in w.established])
         excess = {p: concentration.row_excess(h.norms, typical) for p, h in live.items()}
         concentrated = {p for p, e in excess.items() if cfg.row_excess_ratio and e.ratio > cfg.row_excess_ratio}
         scores = self.score(w, live, caps, uploads, seed, typical=typical, excess=excess, concentrated=concentrated)
-        caps = {
-            p: self.unscored_caps(c, live[p], typical) if p in concentrated - set(scores) else c
-            for p, c in caps.items()
-        }
+        caps.update({p: self.unscored_caps(caps[p], live[p], typical) for p in sorted(concentrated - set(scores))})
         gain = min_gain(self.spec, w, scores)
         screened = window_checks.scores(
             screened, scores, cfg.eval_harm_tolerance, gain, cfg.eval_confidence_z, _target_tolerance(self.spec)

@@ -237,11 +237,11 @@ def score_update(
     own_before = sequence_losses(model, own, device)
     after = with_parameters(model, moved)
     own_after = sequence_losses(after, own, device)
-    measure_tokens = bool(tokens) and tokens_before is not None
-    if measure_tokens:
+    if tokens_before is not None:  # the same measurement as random_before's
         random_after, per_token = token_losses(after, random, device)
     else:
         random_after = sequence_losses(after, random, device)
+    measure_tokens = bool(tokens) and tokens_before is not None
     _, own_se = paired(own_before, own_after)
     _, random_se = paired(random_before, random_after)
     ids: tuple[int, ...] = ()
@@ -285,12 +285,15 @@ def token_losses(
             batch = batch.to(device, non_blocking=True)
             with autocast_for(torch.device(device)):
                 logits = model(batch[:, :-1])
-            logp = F.log_softmax(logits.float(), dim=-1)
             target = batch[:, 1:]
-            losses.append((-logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)).double().mean(dim=1).cpu())
-            hit = F.one_hot(target, logp.shape[-1]).bool()
-            miss = torch.log1p(-logp.exp().clamp(max=1.0 - 1e-7))
-            per_token.append((-torch.where(hit, logp, miss)).double().mean(dim=1).cpu())
+            for row, y in zip(logits.float(), target, strict=True):  # one sequence at a time: [T, V]
+                logp = F.log_softmax(row, dim=-1)
+                hit = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)  # log p of the next token
+                miss = torch.log1p(-logp.exp().clamp(max=1.0 - 1e-7))  # log(1 − p_v) everywhere
+                total = miss.double().sum(dim=0)
+                total.index_add_(0, y, (hit - miss.gather(-1, y.unsqueeze(-1)).squeeze(-1)).double())
+                losses.append(-hit.double().mean().reshape(1).cpu())
+                per_token.append((-total / len(y)).reshape(1, -1).cpu())
     finally:
         model.train(was_training)
     if not losses:
