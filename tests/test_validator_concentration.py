@@ -95,9 +95,10 @@ def test_token_losses_are_the_sequence_losses_and_a_binary_loss_per_token() -> N
     torch.manual_seed(0)
     model = build_model(ModelConfig(**{**TINY_MODEL, "vocab_size": 16}))  # type: ignore[arg-type]
     batches = [torch.randint(0, 16, (2, 9)), torch.randint(0, 16, (3, 9))]
-    losses, per_token = token_losses(model, batches)
+    losses, per_token, probs = token_losses(model, batches)
     assert torch.allclose(losses, sequence_losses(model, batches), atol=1e-5)
-    assert per_token.shape == (5, 16) and bool((per_token > 0).all())
+    assert per_token.shape == probs.shape == (5, 16) and bool((per_token > 0).all())
+    assert torch.allclose(probs.sum(dim=1), torch.ones(5, dtype=torch.float64))
     with torch.no_grad():
         batch = batches[0]
         p = model(batch[:, :-1]).softmax(-1)[0, :, 3].double()

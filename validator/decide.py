@@ -79,6 +79,7 @@ __all__ = ["Decider", "WindowDecision"]
 log = logging.getLogger(__name__)
 
 TARGET_ROWS = 4  # tokens whose rows the targeted verdict measures, per scored unit
+EXPLAINED = 2.0  # a token next in a unit's own data more than this × θ_t's expectation is not measured
 
 
 @dataclass(frozen=True)
@@ -275,21 +276,26 @@ class Decider:
         except DataUnavailable as exc:  # a damaged dataset never stalls the run, nor is held against a peer
             log.warning("window %d is not scored: its random sequences are unavailable (%s)", window, exc)
             return {}
-        targeted = _target_tolerance(self.spec) is not None
         tokens_before: torch.Tensor | None = None
-        if targeted:
-            rand_before, tokens_before = token_losses(self.model, rand, self.device)
+        expected: torch.Tensor | None = None
+        if _target_tolerance(self.spec) is not None:
+            rand_before, tokens_before, probs = token_losses(self.model, rand, self.device)
+            expected = probs.mean(dim=0)  # θ_t's mean probability of each token, on held-out data
         else:
             rand_before = sequence_losses(self.model, rand, self.device)
         scale = cfg.eval_scale * self.spec.outer.alpha
         out: dict[str, LossScore] = {}
         for key in keys:  # a peer, or the stages of one pipeline replica (disjoint slices)
-            own = self._own_sequences(window, key, n)
-            if own is None:
+            batches = self._own_batches(window, key)
+            if batches is None:
                 continue  # unscored, as if not sampled
+            own = take_sequences(batches, n)  # the first n (all when it has fewer)
             items = [(p, live[p]) for p in units[key]]
             update = {name: v for _, sp in self.aggregator.clipped(items, caps) for name, v in sp.items()}
-            tokens = _moved_tokens([live[p] for p in units[key]], typical or {}, self.spec) if targeted else ()
+            tokens: tuple[int, ...] = ()
+            if expected is not None:
+                moved = _moved_tokens([live[p] for p in units[key]], typical or {}, self.spec)
+                tokens = unexplained(moved, batches, expected)[:TARGET_ROWS]
             out[key] = score_update(
                 self.model,
                 update,
@@ -303,10 +309,9 @@ class Decider:
             )
         return out
 
-    def _own_sequences(self, window: int, key: str, n: int) -> list[torch.Tensor] | None:
-        """The first ``n`` scoring sequences of ``key``'s own assigned data in ``window`` (all of
-        them when it has fewer); None (and a warning)
-        when a block of it cannot be had intact: the unit goes unscored, never blamed."""
+    def _own_batches(self, window: int, key: str) -> list[torch.Tensor] | None:
+        """``key``'s own assigned batches in ``window``; None (and a warning) when a block of it
+        cannot be had intact: the unit goes unscored, never blamed."""
         data = self.spec.data
         try:
             batches = assigned_batches(
@@ -322,7 +327,7 @@ class Decider:
         except DataUnavailable as exc:
             log.warning("window %d: %s is not scored: its assigned data is unavailable (%s)", window, key, exc)
             return None
-        return take_sequences(batches, n)
+        return list(batches)
 
     def rows(
         self, w: Window, screened: Sequence[Screened], received: Mapping[str, Received], scores: Mapping[str, LossScore]
@@ -380,14 +385,30 @@ def forced_units(
 
 
 def _moved_tokens(held: Sequence[Held], typical: concentration.Typical, spec: RunSpec) -> tuple[int, ...]:
-    """The tokens whose rows the unit's contributions are most concentrated on
+    """The tokens whose rows the unit's contributions are concentrated on, most first
     (:func:`concentration.moved_tokens`)."""
     out: list[int] = []
+    vocab = spec.model.vocab_size
     for h in held:
-        for t in concentration.moved_tokens(h.norms, typical, spec.model.vocab_size, TARGET_ROWS):
+        for t in concentration.moved_tokens(h.norms, typical, vocab, vocab):
             if t not in out:
                 out.append(t)
-    return tuple(out[:TARGET_ROWS])
+    return tuple(out)
+
+
+def unexplained(tokens: Sequence[int], batches: Sequence[torch.Tensor], expected: torch.Tensor) -> tuple[int, ...]:
+    """Of ``tokens``, those the unit's own assigned data gives no reason to promote: next in it at
+    most ``EXPLAINED`` × as often as θ_t expects (``expected``: its mean probability on held-out
+    data). A peer whose data holds a token more often than the model predicts raises that token's
+    probability by training honestly; one that raises it without such data does not."""
+    counts = torch.zeros(len(expected), dtype=torch.float64)
+    total = 0
+    for b in batches:
+        nxt = b[:, 1:].reshape(-1).to(torch.int64)
+        counts.index_add_(0, nxt.clamp(0, len(expected) - 1), torch.ones(len(nxt), dtype=torch.float64))
+        total += len(nxt)
+    freq = counts / max(total, 1)
+    return tuple(t for t in tokens if float(freq[t]) <= EXPLAINED * float(expected[t]))
 
 
 def _target_tolerance(spec: RunSpec) -> float | None:

@@ -238,7 +238,7 @@ def score_update(
     after = with_parameters(model, moved)
     own_after = sequence_losses(after, own, device)
     if tokens_before is not None:  # the same measurement as random_before's
-        random_after, per_token = token_losses(after, random, device)
+        random_after, per_token, _ = token_losses(after, random, device)
     else:
         random_after = sequence_losses(after, random, device)
     measure_tokens = bool(tokens) and tokens_before is not None
@@ -271,15 +271,15 @@ def score_update(
 @torch.no_grad()
 def token_losses(
     model: nn.Module, batches: Sequence[Tensor], device: torch.device | str = "cpu"
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per sequence of ``batches``: its mean next-token loss (as :func:`protocol.model.sequence_losses`)
     and, for every token v, the mean binary log-loss of "the next token is v",
-    ``−[y log p_v + (1 − y) log(1 − p_v)]`` over its positions ([sequences, vocab], float64 on the
-    CPU). A token the model promotes everywhere raises its binary loss wherever it is not next,
+    ``−[y log p_v + (1 − y) log(1 − p_v)]``, and the mean probability p_v over its positions
+    ([sequences, vocab] each, float64 on the CPU). A token the model promotes everywhere raises its binary loss wherever it is not next,
     however little that moves the mean loss."""
     was_training = model.training
     model.eval()
-    losses, per_token = [], []
+    losses, per_token, probs = [], [], []
     try:
         for batch in batches:
             batch = batch.to(device, non_blocking=True)
@@ -289,16 +289,18 @@ def token_losses(
             for row, y in zip(logits.float(), target, strict=True):  # one sequence at a time: [T, V]
                 logp = F.log_softmax(row, dim=-1)
                 hit = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)  # log p of the next token
-                miss = torch.log1p(-logp.exp().clamp(max=1.0 - 1e-7))  # log(1 − p_v) everywhere
+                p = logp.exp()
+                miss = torch.log1p(-p.clamp(max=1.0 - 1e-7))  # log(1 − p_v) everywhere
                 total = miss.double().sum(dim=0)
                 total.index_add_(0, y, (hit - miss.gather(-1, y.unsqueeze(-1)).squeeze(-1)).double())
                 losses.append(-hit.double().mean().reshape(1).cpu())
                 per_token.append((-total / len(y)).reshape(1, -1).cpu())
+                probs.append(p.double().mean(dim=0).reshape(1, -1).cpu())
     finally:
         model.train(was_training)
     if not losses:
         raise ValueError("token_losses needs at least one batch")
-    return torch.cat(losses), torch.cat(per_token)
+    return torch.cat(losses), torch.cat(per_token), torch.cat(probs)
 
 
 def with_parameters(model: nn.Module, params: Mapping[str, Tensor]) -> nn.Module:
