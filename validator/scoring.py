@@ -63,7 +63,12 @@ from protocol.model import autocast_for, parameters_of, sequence_losses
 from protocol.wire import PipelineRole
 from validator.significance import paired
 
+# A token's binary loss is judged from at least this share of the uniform probability (1 / vocab):
+# tokens the model has all but ruled out move by large factors at no cost to anyone.
+TOKEN_FLOOR = 0.2
+
 __all__ = [
+    "TOKEN_FLOOR",
     "LossScore",
     "data_key",
     "plan_sample",
@@ -97,6 +102,7 @@ class LossScore:
     token_before: tuple[float, ...] = ()
     token_after: tuple[float, ...] = ()
     token_se: tuple[float, ...] = ()
+    token_floor: float = 0.0  # the least level a token's binary loss is judged from (TOKEN_FLOOR / vocab)
 
     @property
     def own_gain(self) -> float:
@@ -265,6 +271,7 @@ def score_update(
         token_before=t_before,
         token_after=t_after,
         token_se=t_se,
+        token_floor=TOKEN_FLOOR / tokens_before.shape[1] if tokens_before is not None else 0.0,
     )
 
 

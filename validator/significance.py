@@ -16,7 +16,8 @@ threshold by more than ``z = eval_confidence_z`` (3.0) standard errors:
 - ``targeted``: the binary log-loss of "the next token is v", on the held-out sequences, for the
   tokens v whose rows the update moves most against their typical change
   (:func:`validator.concentration.moved_tokens`), rises by more than ``eval_target_tolerance`` ×
-  its level ``+ z · se_target``. A row edit that promotes one token everywhere (a backdoor the
+  its level ``+ z · se_target`` (the level at least a fifth of the uniform probability, 0.2 / vocab:
+  the binary loss of a token the model has all but ruled out moves by large factors at no cost). A row edit that promotes one token everywhere (a backdoor the
   mean loss barely sees: that token is rarely next) multiplies its probability wherever it is not
   next, and with it that loss; an honest update moves those probabilities by far less.
 - ``ineffective``: even the upper confidence bound of the own gain, ``own_gain + z · se_own``,
@@ -124,7 +125,7 @@ def _worst_token(sc: LossScore, tolerance: float, z: float) -> tuple[int, float,
     standard errors, allowed binary loss)."""
     worst: tuple[int, float, float] | None = None
     for token, before, after, se in zip(sc.tokens, sc.token_before, sc.token_after, sc.token_se, strict=True):
-        limit = before * (1.0 + tolerance)
+        limit = max(before, sc.token_floor) * (1.0 + tolerance)
         margin = in_se(after - limit - z * se, se) if math.isfinite(after) else math.inf
         if worst is None or not margin <= worst[1]:
             worst = (token, margin, limit)
