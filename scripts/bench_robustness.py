@@ -13,6 +13,7 @@ key, the same honest identities), so differences come from the attacks.
     python scripts/bench_robustness.py --quick             # a few minutes on 2 CPU cores
     python scripts/bench_robustness.py --quick --json      # one JSON object on stdout
     python scripts/bench_robustness.py --scenarios honest,tiny_75 --windows 12
+    python scripts/bench_robustness.py --quick --baseline --scenarios honest,targeted_row  # and '<name> before'
 
 Per scenario: ``final_val_loss`` (the validator's after the last window), ``honest_val_loss`` (the
 honest-only run, same peers and windows), ``bad_accepted`` / ``bad_rejected`` (attacker rows),
@@ -21,8 +22,11 @@ uploads rejected for any reason but ``probation``; ``honest_deferred`` counts th
 (honest peers ever excluded), ``crashes`` (exceptions out of ``run_window``),
 ``validator_peak_rss_mb`` (largest growth of the process RSS during a window: what the validator
 holds; the memory store's contents are in place before the window opens), and scenario extras
-(``target_prob_ratio``: probability of the attacked token relative to the honest run;
-``gather_s``: mean gather time).
+(``target_prob_ratio``: probability of the attacked token relative to the honest run under the
+same rules; ``edits_accepted`` / ``edits``: the uploads in which an established attacker attacked,
+accepted / made; ``gather_s``: mean gather time). ``--baseline`` runs every scenario a second time
+as ``<name> before``, without the row-excess check and the ``targeted`` verdict
+(:func:`baseline_rules`), under the same RunSpec.
 """
 
 from __future__ import annotations
