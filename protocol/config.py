@@ -309,6 +309,13 @@ class ValidatorConfig:
     reference_horizon: int = 16
     clip_headroom: float = 2.0  # clip caps lie between the reference and headroom × it
     row_clip: bool = True  # cap every row of a matrix too, not only the whole tensor
+    # A contribution with a row above this × the row's typical change in the window (as sent,
+    # validator/concentration.py) is concentrated: scored whenever up to eval_peers_per_window more
+    # slots allow, its row caps without clip_headroom when it is not. 0: off.
+    row_excess_ratio: float = 4.0
+    # A scored update that raises the held-out binary log-loss of the tokens whose rows it moves most
+    # by more than this share (+ eval_confidence_z standard errors) is targeted. 0: off.
+    eval_target_tolerance: float = 0.5
     copy_overlap_threshold: float = 0.6
     # A later upload sharing this share of an earlier one's rare positions (selected by few
     # others), with signs agreeing at least copy_sign_agreement, is a copy.
@@ -351,6 +358,14 @@ class ValidatorConfig:
             "validator.reference_epoch_factor must be a finite number >= 1",
         )
         _require(self.reference_horizon >= 1, "validator.reference_horizon must be >= 1")
+        _require(
+            math.isfinite(self.row_excess_ratio) and self.row_excess_ratio >= 0,
+            "validator.row_excess_ratio must be a finite number >= 0 (0 = off)",
+        )
+        _require(
+            math.isfinite(self.eval_target_tolerance) and self.eval_target_tolerance >= 0,
+            "validator.eval_target_tolerance must be a finite number >= 0 (0 = off)",
+        )
         # One run, one hash: key order, duplicates and hex letter case do not make another run.
         keys = tuple(sorted({k.lower() for k in self.public_keys}))
         bad = [k for k in keys if not _HEX_KEY.fullmatch(k)]

@@ -13,6 +13,7 @@ key, the same honest identities), so differences come from the attacks.
     python scripts/bench_robustness.py --quick             # a few minutes on 2 CPU cores
     python scripts/bench_robustness.py --quick --json      # one JSON object on stdout
     python scripts/bench_robustness.py --scenarios honest,tiny_75 --windows 12
+    python scripts/bench_robustness.py --quick --baseline --scenarios honest,targeted_row  # and '<name> before'
 
 Per scenario: ``final_val_loss`` (the validator's after the last window), ``honest_val_loss`` (the
 honest-only run, same peers and windows), ``bad_accepted`` / ``bad_rejected`` (attacker rows),
@@ -21,9 +22,10 @@ uploads rejected for any reason but ``probation``; ``honest_deferred`` counts th
 (honest peers ever excluded), ``crashes`` (exceptions out of ``run_window``),
 ``validator_peak_rss_mb`` (largest growth of the process RSS during a window: what the validator
 holds; the memory store's contents are in place before the window opens), and scenario extras
-(``target_prob_ratio``: probability of the attacked token relative to the honest run;
-``gather_s``: mean gather time; ``reference_vs_honest``: the validator's final norm reference
-relative to the honest run's). ``sybil_cost``: what the attackers paid per accepted attack upload,
+(``target_prob_ratio``: probability of the attacked token relative to the honest run under the
+same rules; ``edits_accepted`` / ``edits``: the uploads in which an established attacker attacked,
+accepted / made; ``gather_s``: mean gather time; ``reference_vs_honest``: the validator's final
+norm reference relative to the honest run's). ``sybil_cost``: what the attackers paid per accepted attack upload,
 in honestly trained uploads sent to earn a record (each ``inner.steps`` steps of compute): the
 ``cost/accepted`` column (∞: no attack upload was accepted).
 
@@ -36,11 +38,16 @@ pass, with ``probation_partial``). ``honest_probation_1`` / ``honest_probation_2
 run with one or two scored passes to establish, ``honest_partial`` / ``crowding_partial`` those
 runs with provisional identities counted unscored at the newcomer caps: what probation costs,
 and what counting identities on probation sooner lets in.
+
+``--baseline`` runs every scenario a second time
+as ``<name> before``, without the row-excess check and the ``targeted`` verdict
+(:func:`baseline_rules`), under the same RunSpec.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -51,9 +58,10 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
+from unittest import mock
 
 import torch
 from rich.console import Console
@@ -71,6 +79,7 @@ from protocol.model import build_model, lm_loss, parameters_of
 from protocol.settings import LocalSettings
 from protocol.store.memory import MemoryStore
 from protocol.wire import Announcement, Contribution, encode_announcement, encode_contribution
+from validator import concentration, decide
 from validator.budgets import Budgets
 from validator.logview import LogView
 from validator.node import Validator
@@ -83,6 +92,18 @@ MODEL = {"dim": 64, "n_layers": 1, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 
 LOCAL = LocalSettings(poll_interval_s=0.02)
 TARGET_TOKEN = ord("$")  # the token the targeted-row attacker promotes (3e-5 of the corpus)
 Params = dict[str, torch.Tensor]
+
+
+@contextlib.contextmanager
+def baseline_rules() -> Iterator[None]:
+    """The validator without the row-excess check and the ``targeted`` verdict
+    (:mod:`validator.concentration`), as if ``row_excess_ratio`` and ``eval_target_tolerance`` were
+    0, under the same RunSpec (same run hash, same window secrets): ``--baseline``."""
+    with (
+        mock.patch.object(decide, "_target_tolerance", lambda spec: None),
+        mock.patch.object(concentration, "row_excess", lambda norms, typical: concentration.Excess()),
+    ):
+        yield
 
 
 def bench_spec(
@@ -370,6 +391,29 @@ class TargetedRow(Established):
         self.last = None
 
 
+class TargetedRowTimed(TargetedRow):
+    """The targeted row edit from several established identities, each attacking only in windows
+    where the public scoring formula says it is not scored, and in at most ``share`` of those (the
+    rest honest): it trades influence for a lower chance of being scored while it attacks."""
+
+    def __init__(self, sw: Swarm, n: int, attack_from: int, share: float = 1.0) -> None:
+        super().__init__(sw, n, attack_from)
+        self.share = share
+        self.unscored: dict[str, int] = {}
+        self.edits: dict[str, int] = {}
+
+    def attack(self, i: Identity, w: Window, delta: Params) -> Params:
+        live = sorted({*w.honest, *self.peer_ids})
+        if i.peer_id in w.scored_guess(live):
+            return delta
+        seen = self.unscored[i.peer_id] = self.unscored.get(i.peer_id, 0) + 1
+        done = self.edits.get(i.peer_id, 0)
+        if done + 1 > self.share * seen:
+            return delta
+        self.edits[i.peer_id] = done + 1
+        return super().attack(i, w, delta)
+
+
 def _final_hidden(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     """The normalised hidden state the output matrix reads (what ``logits`` multiplies)."""
     captured: list[torch.Tensor] = []
@@ -541,10 +585,14 @@ class Scenario:
     max_contributors: int = 32
     row_clip: bool = True
     newcomer: bool = False  # an honest peer joins when the attack starts
-    validator: dict[str, Any] = field(default_factory=dict)  # validator settings other than the bench's
+    validator: dict[str, Any] = field(default_factory=dict)  # validator settings over the bench's
+    baseline: bool = False  # under baseline_rules()
     budgets: Budgets = field(
         default_factory=lambda: Budgets(max_fetches=64, max_fetch_bytes=8 << 20, fetch_timeout_s=5.0)
     )
+
+
+FEW_SCORED = {"eval_peers_per_window": 2, "eval_probation_peers": 1}
 
 
 def scenarios(quick: bool) -> list[Scenario]:
@@ -564,6 +612,11 @@ def scenarios(quick: bool) -> list[Scenario]:
         Scenario("harms_general", lambda sw, h, a: [HarmsGeneral(sw, 1, a)]),
         Scenario("targeted_row", lambda sw, h, a: [TargetedRow(sw, 1, a)]),
         Scenario("targeted_row_no_row_cap", lambda sw, h, a: [TargetedRow(sw, 1, a)], row_clip=False),
+        Scenario("targeted_row_multi", lambda sw, h, a: [TargetedRowTimed(sw, 3, a)]),
+        # scoring a third of the uploads at most (budget 2, 2 more for concentrated ones), closer to
+        # a large swarm where most accepted updates are never scored
+        Scenario("honest_few_scored", lambda sw, h, a: [], validator=FEW_SCORED),
+        Scenario("targeted_row_few_scored", lambda sw, h, a: [TargetedRow(sw, 1, a)], validator=FEW_SCORED),
         Scenario("perturbed_copy", lambda sw, h, a: [PerturbedCopy(sw, 2, exact=False)]),
         Scenario("same_poll_copy", lambda sw, h, a: [PerturbedCopy(sw, 2, exact=True)]),
         Scenario("near_copy_series", lambda sw, h, a: [NearCopies(sw)]),
@@ -647,6 +700,13 @@ class LaunchClock:
 def run_scenario(
     sc: Scenario, *, honest_ids: list[Identity], vkey: Identity, windows: int, attack_from: int
 ) -> dict[str, Any]:
+    with baseline_rules() if sc.baseline else contextlib.nullcontext():
+        return _run_scenario(sc, honest_ids=honest_ids, vkey=vkey, windows=windows, attack_from=attack_from)
+
+
+def _run_scenario(
+    sc: Scenario, *, honest_ids: list[Identity], vkey: Identity, windows: int, attack_from: int
+) -> dict[str, Any]:
     spec = bench_spec(vkey, max_contributors=sc.max_contributors, row_clip=sc.row_clip, validator=sc.validator)
     sw = Swarm(spec)
     state_dir = tempfile.mkdtemp(prefix="bench-robust-")
@@ -720,6 +780,11 @@ def run_scenario(
     out["sybil_cost"] = _cost(v, spec, attackers, windows)
     assert v.state is not None
     out["reference_norm"] = math.sqrt(sum(t.norm**2 for t in v.state.reference.tensors.values()))
+    attacked = set().union(*(a.attacks for a in attackers if isinstance(a, Established)))
+    if attacked:  # the attacking uploads (not the honest windows of an established attacker)
+        rows = {(r.window, r.peer): r for r in v.log.rows(windows=(0, windows - 1))}
+        out["edits_accepted"] = sum(1 for k in attacked if k in rows and rows[k].accepted)
+        out["edits"] = len(attacked)
     pushes = [p for a in attackers if isinstance(a, TargetedRow) for p in a.pushes]
     if pushes:  # geometric means over the attack windows
         out["row_push_capped"] = round(math.exp(sum(math.log(c) for c, _ in pushes) / len(pushes)), 3)
@@ -833,6 +898,11 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=None, help="windows per scenario (quick 8, full 12)")
     ap.add_argument("--honest", type=int, default=None, help="honest peers (quick 6, full 8)")
     ap.add_argument("--attack-from", type=int, default=2, help="first window with attackers (>= 1)")
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run every scenario without the row-excess check and the targeted verdict ('<name> before')",
+    )
     args = ap.parse_args()
     if args.attack_from < 1:
         ap.error("--attack-from must be at least 1: attackers that earn a record first join a window earlier")
@@ -845,6 +915,8 @@ def main() -> None:
         if unknown:
             ap.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
         chosen = [s for s in chosen if s.name in names or s.name == "honest"]
+    if args.baseline:
+        chosen = [v for s in chosen for v in (s, replace(s, name=f"{s.name} before", baseline=True))]
     honest_ids = [Identity.generate() for _ in range(n_honest)]
     vkey = Identity.generate()  # one validator key: the same secrets in every scenario
     results: dict[str, dict[str, Any]] = {}
@@ -856,11 +928,12 @@ def main() -> None:
         )
         results[sc.name]["seconds"] = round(time.monotonic() - t0, 1)
         print(f"{sc.name}: {results[sc.name]['seconds']} s", file=sys.stderr)
-    base = results["honest"]
-    base_prob = base["target_prob"]
-    for r in results.values():
+    probs = {name: r.pop("target_prob") for name, r in results.items()}
+    for name, r in results.items():
+        honest = "honest before" if name.endswith(" before") else "honest"  # the honest run, same rules
+        base, base_prob = results[honest], probs[honest]
         r["honest_val_loss"] = base["final_val_loss"]
-        r["target_prob_ratio"] = round(r.pop("target_prob") / base_prob, 3) if base_prob else None
+        r["target_prob_ratio"] = round(probs[name] / base_prob, 3) if base_prob else None
         r["reference_vs_honest"] = (
             round(r["reference_norm"] / base["reference_norm"], 3) if base["reference_norm"] else None
         )
@@ -898,6 +971,8 @@ def table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Table:
         "target p ×",
         "copy level: overlap → weight",
         "cost/accepted",
+        "edits acc",
+        "row push ×",
     ]
     for c in cols:
         t.add_column(c, justify="left" if c == "scenario" else "right")
@@ -921,6 +996,8 @@ def table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Table:
                 for lvl, c in r.get("copy_levels", {}).items()
             ),
             _cost_cell(r["sybil_cost"]),
+            f"{r['edits_accepted']}/{r['edits']}" if "edits" in r else "",
+            f"{r['row_push_capped']:.2f}" if "row_push_capped" in r else "",
         )
     return t
 

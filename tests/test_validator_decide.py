@@ -18,14 +18,15 @@ import torch
 from protocol import codec, layout
 from protocol.caps import object_caps
 from protocol.config import RunSpec
-from protocol.data.assignment import open_dataset
+from protocol.data.assignment import open_dataset, validation_batches
 from protocol.errors import DataUnavailable
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model, fingerprint, parameters_of
 from tests.validator_fixtures import Swarm, tiny_spec
-from validator import checks, window_checks
+from validator import checks, concentration, window_checks
 from validator import decide as decide_module
+from validator import reference as norm_reference
 from validator.decide import Decider, WindowDecision
 from validator.gather import Received
 from validator.intake import Uploads
@@ -105,7 +106,9 @@ def test_a_window_is_decided_from_held_contributions_and_a_non_finite_one_is_bis
     received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0), 0)) for p in sw.peers}
     out = "head.output.weight"
     dense = torch.zeros(sw.schema[out])
-    dense.view(-1)[:64] = -3e38  # logits overflow: θ_{t+1} is finite, its loss is not
+    # logits overflow: θ_{t+1} is finite, its loss is not (one value in each of 64 rows: all 64 in one
+    # row would be an unscored concentrated row, held back before it reached the aggregate)
+    dense[:64, 0] = -3e38
     poisoner = Identity.generate()
     received[poisoner.peer_id] = screened_upload(sw, poisoner, sw.encode({out: dense}, 0))
     standing = {p: Standing(reputation=0.5, windows=3, passes=3) for p in received}  # all past probation
@@ -222,7 +225,7 @@ def test_a_verdict_rejects_only_past_the_noise_of_its_measurement(z: float, monk
             noisy: LossScore(5.0, 4.85, 5.0, 5.02, own_se=0.01, random_se=0.01),
             bad: LossScore(5.0, 5.3, 5.0, 5.0, own_se=0.02, random_se=0.01),
         }
-        monkeypatch.setattr(Decider, "score", lambda self, *args: dict(fixed))
+        monkeypatch.setattr(Decider, "score", lambda self, *args, **kw: dict(fixed))
         standing = {p: Standing(reputation=0.5, windows=3, passes=3) for p in received}
         window = open_window(0, vkey, spec.hash(), standing, spec.validator)
         decision = decided(spec, model, window, received, theta)
@@ -269,6 +272,9 @@ def test_a_same_poll_copy_shares_one_unit_of_influence_with_its_original(run: tu
     each gets weight ½ in the rows, the manifest weights and Δ̄, which is then the window without
     the copy (the original's update keeps exactly its influence)."""
     spec, vkey, sw = run
+    # The copy also counts among the established uploads a window's typical row change is taken
+    # from (validator/concentration.py), which moves what is held back; off here, to compare Δ̄.
+    spec = spec.replace(validator={"row_excess_ratio": 0.0})
     model = build_model(spec.model)
     theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
     encoded = {p.peer_id: sw.encode(sw.delta(p, theta, 0), 0) for p in sw.peers}
@@ -356,5 +362,117 @@ def test_a_provisional_identity_counts_unscored_only_at_a_share_of_the_newcomer_
             caps = decision.caps[provisional]
             assert full is not None and caps is not None
             assert all(caps[n].norm == pytest.approx(share * full[n].norm) for n in full)
+    finally:
+        sw.close()
+
+
+TARGET = ord("$")  # a rare byte of the corpus: the token the row edit promotes
+OUT = "head.output.weight"
+
+
+def row_edit(
+    spec: RunSpec, theta: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor], share: float
+) -> dict[str, Any]:
+    """``delta`` plus an edit of TARGET's output row along the mean final hidden state (its logit
+    rises everywhere), with ``share`` × the norm of the whole output update: the rest stays honest."""
+    model = build_model(spec.model)
+    with torch.no_grad():
+        for n, p in parameters_of(model).items():
+            p.copy_(theta[n])
+        seen: list[torch.Tensor] = []
+        handle = model.head.output.register_forward_hook(lambda mod, inp, out: seen.append(inp[0]))
+        for batch in validation_batches(open_dataset(spec.data), 8, spec.data.batch_size, spec.data.seq_len):
+            model(batch[:, :-1])
+        handle.remove()
+    direction = torch.cat([h.reshape(-1, h.shape[-1]) for h in seen]).mean(0)
+    edit = delta[OUT].clone()
+    edit[TARGET] = -share * float(delta[OUT].norm()) * direction / direction.norm()  # θ ← θ − α·Δ̄
+    return {**delta, OUT: edit}
+
+
+def target_prob(spec: RunSpec, params: Mapping[str, torch.Tensor]) -> float:
+    model = build_model(spec.model)
+    with torch.no_grad():
+        for n, p in parameters_of(model).items():
+            p.copy_(params[n])
+        batches = validation_batches(open_dataset(spec.data), 16, spec.data.batch_size, spec.data.seq_len)
+        return float(torch.stack([model(b[:, :-1]).softmax(-1)[..., TARGET].mean() for b in batches]).mean())
+
+
+def decide_row_edit(spec: RunSpec, vkey: Identity, sw: Swarm, bad: Identity | None, share: float = 1.0) -> Any:
+    """Window 0 with the swarm's honest peers (and an established attacker's row edit), every
+    identity established, clipped to a reference started at one honest update."""
+    model = build_model(spec.model)
+    theta = {n: p.detach().clone() for n, p in parameters_of(model).items()}
+    received = {p.peer_id: screened_upload(sw, p, sw.encode(sw.delta(p, theta, 0), 0)) for p in sw.peers}
+    first = received[sw.peers[0].peer_id].screened
+    assert first is not None and first.held is not None
+    ref = norm_reference.bootstrap(first.held.norms.tensors)
+    if bad is not None:
+        received[bad.peer_id] = screened_upload(
+            sw, bad, sw.encode(row_edit(spec, theta, sw.delta(bad, theta, 0), share), 0)
+        )
+    standing = {p: Standing(reputation=0.5, windows=3, passes=3) for p in received}
+    window = open_window(0, vkey, spec.hash(), standing, spec.validator)
+    dataset = open_dataset(spec.data)
+    with ThreadPoolExecutor(2) as pool:
+        aggregator = Aggregator(spec, model, dataset, pool, workers=2, device=CPU)
+        decision = Decider(spec, model, dataset, aggregator, device=CPU).decide(
+            window, uploads_of(received), reference=ref, params=theta, feedback=FeedbackState()
+        )
+    return decision
+
+
+@pytest.mark.parametrize("scored", [True, False])
+def test_a_row_edit_is_rejected_when_scored_and_held_back_when_not(
+    scored: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An established peer's honest update plus an edit of one token's output row. Scored, it is
+    rejected as ``targeted`` (the token's held-out binary log-loss rises far past its bar) while
+    the honest updates pass (a run without clip caps: the edit at its full norm). Not scored (no scoring budget), it is accepted, but the row it is
+    concentrated on is held back: the token's probability after the window stays near the honest
+    window's, where without the row-excess check it rises well beyond."""
+    vkey = Identity.generate()
+    budget = {"eval_peers_per_window": 8 if scored else 0}
+    # scored: the edit as sent (a run that does not clip); unscored: clipped as a running swarm clips
+    spec = tiny_spec(vkey, validator=budget, outer={"clip": "none"} if scored else {})
+    sw = Swarm(spec, 3)
+    try:
+        attacker = Identity.generate()
+        # unclipped (scored), half the output update's norm on the row: helps its own data all the same
+        decision, bad = decide_row_edit(spec, vkey, sw, attacker, 0.5 if scored else 1.0), attacker.peer_id
+        honest = sorted(p.peer_id for p in sw.peers)
+        if scored:
+            assert decision.rejections == {bad: "targeted"}
+            row = next(r for r in decision.rows if r.peer == bad)
+            assert f"binary loss of token {TARGET}" in (row.detail or "") and "se past" in (row.detail or "")
+            assert all(decision.scores[p].tokens for p in honest)  # everyone's moved tokens were measured
+            return
+        assert bad in decision.accepted and not decision.scores
+        caps = decision.caps[bad]
+        assert caps is not None and caps[OUT].rows is not None and float(caps[OUT].rows[TARGET]) == 0.0
+        p_held = target_prob(spec, decision.trial.params)
+        p_honest = target_prob(spec, decide_row_edit(spec, vkey, sw, None).trial.params)
+        monkeypatch.setattr(concentration, "row_excess", lambda norms, typical: concentration.Excess())
+        p_unchecked = target_prob(spec, decide_row_edit(spec, vkey, sw, attacker).trial.params)
+        # the edit moves the token when nothing holds it back; held back, only the honest rest counts
+        assert p_unchecked > 1.1 * p_honest, (p_unchecked, p_honest)
+        assert abs(p_held - p_honest) < 0.25 * (p_unchecked - p_honest), (p_held, p_honest, p_unchecked)
+    finally:
+        sw.close()
+
+
+def test_an_honest_window_has_nothing_rejected_or_held_back() -> None:
+    """Honest updates only, all scored: none is rejected (``targeted`` included) and every one keeps
+    the window's caps."""
+    vkey = Identity.generate()
+    spec = tiny_spec(vkey)
+    sw = Swarm(spec, 4)
+    try:
+        decision = decide_row_edit(spec, vkey, sw, None)
+        assert decision.rejections == {} and len(decision.accepted) == 4
+        caps = list(decision.caps.values())
+        assert all(c is not None and c[OUT].rows is not None for c in caps)
+        assert all(bool((c[OUT].rows > 0).all()) for c in caps if c is not None and c[OUT].rows is not None)
     finally:
         sw.close()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,7 @@ from protocol.feedback import FeedbackState
 from protocol.model import fingerprint, param_schema, sequence_losses
 from protocol.outcomes import PeerOutcome
 from protocol.wire import AggregateTensor
-from validator import randomness, reference, window_checks
+from validator import concentration, randomness, reference, window_checks
 from validator.checks import Screened
 from validator.consensus import agreement
 from validator.copies import CopyRule
@@ -67,6 +67,7 @@ from validator.scoring import (
     scoring_units,
     suspicion_order,
     take_sequences,
+    token_losses,
 )
 from validator.significance import borderline
 from validator.sketch import Sketcher, offsets
@@ -77,6 +78,9 @@ __all__ = ["Decider", "WindowDecision"]
 
 
 log = logging.getLogger(__name__)
+
+TARGET_ROWS = 4  # tokens whose rows the targeted verdict measures, per scored unit
+EXPLAINED = 2.0  # a token next in a unit's own data more than this × θ_t's expectation is not measured
 
 
 @dataclass(frozen=True)
@@ -161,10 +165,16 @@ class Decider:
         seed = randomness.window_seed(w.secret, root)
         limits = window_limits(self.spec, reference, [h for p, h in live.items() if p in w.established], self.schema)
         probation_limits = newcomer_limits(self.spec, limits, reference)
-        caps = {p: limits if p in w.established else probation_limits for p in live}
-        scores = self.score(w, live, caps, uploads, seed)  # budgeted, on the clipped form
+        caps: dict[str, Limits] = {p: limits if p in w.established else probation_limits for p in live}
+        typical = concentration.typical_counts([h.norms for p, h in live.items() if p in w.established])
+        excess = {p: concentration.row_excess(h.norms, typical) for p, h in live.items()}
+        concentrated = {p for p, e in excess.items() if cfg.row_excess_ratio and e.ratio > cfg.row_excess_ratio}
+        scores = self.score(w, live, caps, uploads, seed, typical=typical, excess=excess, concentrated=concentrated)
+        caps.update({p: self.unscored_caps(caps[p], live[p], typical) for p in sorted(concentrated - set(scores))})
         gain = min_gain(self.spec, w, scores)
-        screened = window_checks.scores(screened, scores, cfg.eval_harm_tolerance, gain, cfg.eval_confidence_z)
+        screened = window_checks.scores(
+            screened, scores, cfg.eval_harm_tolerance, gain, cfg.eval_confidence_z, _target_tolerance(self.spec)
+        )
         partial: dict[str, float] = {}
         if probation_limits is not None:  # on probation, a record so far, unscored: counts for less
             partial = self.partial(w, live, scores)
@@ -220,11 +230,30 @@ class Decider:
                 out[p] = cfg.probation_partial
         return out
 
+    def unscored_caps(self, caps: Limits, held: Held, typical: concentration.Typical) -> Limits:
+        """The caps of a concentrated contribution that was not scored: its concentrated rows at their
+        typical change, without ``clip_headroom`` (:mod:`validator.concentration`)."""
+        cfg = self.spec.validator
+        rows = concentration.concentrated_rows(held.norms, typical, cfg.row_excess_ratio)
+        return concentration.held_back(caps, rows, {n: reference.row_length(self.schema[n]) for n in rows})
+
     def score(
-        self, w: Window, live: Mapping[str, Held], caps: Mapping[str, Limits], uploads: Uploads, seed: bytes
+        self,
+        w: Window,
+        live: Mapping[str, Held],
+        caps: Mapping[str, Limits],
+        uploads: Uploads,
+        seed: bytes,
+        *,
+        typical: concentration.Typical | None = None,
+        excess: Mapping[str, concentration.Excess] | None = None,
+        concentrated: Collection[str] = (),
     ) -> dict[str, LossScore]:
         """Score a budgeted sample of units, ordered by agreement (on the clipped sampled entries);
-        only the sampled contributions are decoded again. Units whose verdict is borderline
+        only the sampled contributions are decoded again, in the clipped form; ``limits`` (the window's
+        caps of established peers) say which token rows each moves most. Established units with a ``concentrated``
+        contribution (:mod:`validator.concentration`) are scored too, up to
+        ``eval_peers_per_window`` more, largest ``excess`` first. Units whose verdict is borderline
         (:func:`validator.significance.borderline`) are measured again on more sequences."""
         cfg = self.spec.validator
         units = scoring_units(live, uploads.roles, pipelines=self.spec.pipeline.enabled)
@@ -240,13 +269,20 @@ class Decider:
             probation_slots=cfg.eval_probation_peers,
             seed=seed,
         )
-        scores = self._measure(w.t, sample, units, live, caps, seed, cfg.eval_sequences)
+        sample = sorted({*sample, *forced_units(known, units, excess or {}, concentrated, cfg.eval_peers_per_window)})
+        scores = self._measure(w.t, sample, units, live, caps, seed, cfg.eval_sequences, typical)
         if cfg.eval_borderline_sequences > cfg.eval_sequences:
             gain = min_gain(self.spec, w, _per_peer(scores, units))
-            z, tolerance = cfg.eval_confidence_z, cfg.eval_harm_tolerance
-            again = [k for k, sc in scores.items() if borderline(sc, tolerance=tolerance, min_gain=gain, z=z)]
+            z, tolerance, target = cfg.eval_confidence_z, cfg.eval_harm_tolerance, _target_tolerance(self.spec)
+            again = [
+                k
+                for k, sc in scores.items()
+                if borderline(sc, tolerance=tolerance, min_gain=gain, z=z, target_tolerance=target)
+            ]
             try:
-                scores.update(self._measure(w.t, again, units, live, caps, seed, cfg.eval_borderline_sequences))
+                scores.update(
+                    self._measure(w.t, again, units, live, caps, seed, cfg.eval_borderline_sequences, typical)
+                )
             except ConfigError as exc:  # a validation split too small for them: the first measurement stands
                 log.warning("window %d: borderline scores are not measured again (%s)", w.t, exc)
         return _per_peer(scores, units)
@@ -260,8 +296,10 @@ class Decider:
         caps: Mapping[str, Limits],
         seed: bytes,
         n: int,
+        typical: concentration.Typical | None = None,
     ) -> dict[str, LossScore]:
-        """Loss scores of the units ``keys`` on ``n`` own and ``n`` random sequences of the window."""
+        """Loss scores of the units ``keys`` on ``n`` own and ``n`` random sequences of the window
+        (with the binary log-loss of the tokens each moves most against ``limits``' typical rows)."""
         cfg, data = self.spec.validator, self.spec.data
         if not keys:
             return {}
@@ -270,24 +308,42 @@ class Decider:
         except DataUnavailable as exc:  # a damaged dataset never stalls the run, nor is held against a peer
             log.warning("window %d is not scored: its random sequences are unavailable (%s)", window, exc)
             return {}
-        rand_before = sequence_losses(self.model, rand, self.device)
+        tokens_before: torch.Tensor | None = None
+        expected: torch.Tensor | None = None
+        if _target_tolerance(self.spec) is not None:
+            rand_before, tokens_before, probs = token_losses(self.model, rand, self.device)
+            expected = probs.mean(dim=0)  # θ_t's mean probability of each token, on held-out data
+        else:
+            rand_before = sequence_losses(self.model, rand, self.device)
         scale = cfg.eval_scale * self.spec.outer.alpha
         out: dict[str, LossScore] = {}
         for key in keys:  # a peer, or the stages of one pipeline replica (disjoint slices)
-            own = self._own_sequences(window, key, n)
-            if own is None:
+            batches = self._own_batches(window, key)
+            if batches is None:
                 continue  # unscored, as if not sampled
+            own = take_sequences(batches, n)  # the first n (all when it has fewer)
             items = [(p, live[p]) for p in units[key]]
             update = {name: v for _, sp in self.aggregator.clipped(items, caps) for name, v in sp.items()}
+            tokens: tuple[int, ...] = ()
+            if expected is not None:
+                moved = _moved_tokens([live[p] for p in units[key]], typical or {}, self.spec)
+                tokens = unexplained(moved, batches, expected)[:TARGET_ROWS]
             out[key] = score_update(
-                self.model, update, own=own, random=rand, random_before=rand_before, scale=scale, device=self.device
+                self.model,
+                update,
+                own=own,
+                random=rand,
+                random_before=rand_before,
+                scale=scale,
+                device=self.device,
+                tokens=tokens,
+                tokens_before=tokens_before,
             )
         return out
 
-    def _own_sequences(self, window: int, key: str, n: int) -> list[torch.Tensor] | None:
-        """The first ``n`` scoring sequences of ``key``'s own assigned data in ``window`` (all of
-        them when it has fewer); None (and a warning)
-        when a block of it cannot be had intact: the unit goes unscored, never blamed."""
+    def _own_batches(self, window: int, key: str) -> list[torch.Tensor] | None:
+        """``key``'s own assigned batches in ``window``; None (and a warning) when a block of it
+        cannot be had intact: the unit goes unscored, never blamed."""
         data = self.spec.data
         try:
             batches = assigned_batches(
@@ -303,7 +359,7 @@ class Decider:
         except DataUnavailable as exc:
             log.warning("window %d: %s is not scored: its assigned data is unavailable (%s)", window, key, exc)
             return None
-        return take_sequences(batches, n)
+        return list(batches)
 
     def rows(
         self, w: Window, screened: Sequence[Screened], received: Mapping[str, Received], scores: Mapping[str, LossScore]
@@ -353,6 +409,54 @@ def progress(w: Window, units: Mapping[str, Sequence[str]]) -> dict[str, int]:
         sts = [w.standing.get(p) for p in peers]
         out[key] = min((st.passes if st is not None and st.failures == 0 else 0) for st in sts)
     return out
+
+
+def forced_units(
+    known: Sequence[str],
+    units: Mapping[str, Sequence[str]],
+    excess: Mapping[str, concentration.Excess],
+    concentrated: Collection[str],
+    extra: int,
+) -> list[str]:
+    """The established units with a concentrated contribution, largest row excess first, at most
+    ``extra`` of them: scored beyond the sample, so that an update concentrated on few rows is
+    measured whenever the budget allows."""
+    hit = [u for u in known if any(p in concentrated for p in units[u])]
+    worst = {u: max(excess[p].ratio for p in units[u] if p in excess) for u in hit}
+    return sorted(hit, key=lambda u: (-worst[u], u))[: max(0, extra)]
+
+
+def _moved_tokens(held: Sequence[Held], typical: concentration.Typical, spec: RunSpec) -> tuple[int, ...]:
+    """The tokens whose rows the unit's contributions are concentrated on, most first
+    (:func:`concentration.moved_tokens`)."""
+    out: list[int] = []
+    vocab = spec.model.vocab_size
+    for h in held:
+        for t in concentration.moved_tokens(h.norms, typical, vocab, vocab):
+            if t not in out:
+                out.append(t)
+    return tuple(out)
+
+
+def unexplained(tokens: Sequence[int], batches: Sequence[torch.Tensor], expected: torch.Tensor) -> tuple[int, ...]:
+    """Of ``tokens``, those the unit's own assigned data gives no reason to promote: next in it at
+    most ``EXPLAINED`` × as often as θ_t expects (``expected``: its mean probability on held-out
+    data). A peer whose data holds a token more often than the model predicts raises that token's
+    probability by training honestly; one that raises it without such data does not."""
+    counts = torch.zeros(len(expected), dtype=torch.float64)
+    total = 0
+    for b in batches:
+        nxt = b[:, 1:].reshape(-1).to(torch.int64)
+        counts.index_add_(0, nxt.clamp(0, len(expected) - 1), torch.ones(len(nxt), dtype=torch.float64))
+        total += len(nxt)
+    freq = counts / max(total, 1)
+    return tuple(t for t in tokens if float(freq[t]) <= EXPLAINED * float(expected[t]))
+
+
+def _target_tolerance(spec: RunSpec) -> float | None:
+    """The ``targeted`` bar's tolerance (None: the verdict is off)."""
+    tolerance = spec.validator.eval_target_tolerance
+    return tolerance if tolerance > 0 else None
 
 
 def _per_peer(scores: Mapping[str, LossScore], units: Mapping[str, Sequence[str]]) -> dict[str, LossScore]:

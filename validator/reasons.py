@@ -154,6 +154,7 @@ REASONS: tuple[Reason, ...] = (
     ),
     Reason("harmful", ("score",), False, "does not lower the loss on the peer's own data"),
     Reason("harmful_general", ("score",), False, "raises the loss on held-out data"),
+    Reason("targeted", ("score",), False, "promotes the tokens whose rows it moves most, on held-out data"),
     Reason("ineffective", ("score",), False, "lowers it far less than established peers' updates do"),
     Reason(PROBATION, ("probation",), True, "a new identity whose update was not scored in this window"),
     Reason(OVER_CAPACITY, ("capacity",), True, "more than max_contributors passed"),

@@ -120,10 +120,12 @@ class NormReference:
 class Measured:
     """What the norm check, the clip caps and the reference need of one contribution, measured
     once when it is screened: per tensor its norms, and per matrix the L2 norm of every row
-    (float64, 0 where it kept nothing)."""
+    (float64, 0 where it kept nothing) and how many values it kept in every row (``counts``,
+    float64; :mod:`validator.concentration`)."""
 
     tensors: Mapping[str, TensorNorms]
     rows: Mapping[str, torch.Tensor]
+    counts: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -133,19 +135,23 @@ class Measured:
 
 def measured(sparse: SparseDict, schema: Mapping[str, tuple[int, ...]]) -> Measured:
     """:func:`measure` and :func:`row_norms` of one contribution in one pass over its values."""
-    tensors, rows = {}, {}
+    tensors, rows, counts = {}, {}, {}
     for name, (idx, vals) in sparse.items():
         v = vals.double()
         row = 0.0
         row_len = row_length(schema[name])
         if row_len:
             norms = torch.zeros(schema[name][0], dtype=torch.float64)
+            kept = torch.zeros(schema[name][0], dtype=torch.float64)
             if len(idx):
-                norms.index_add_(0, torch.div(idx, row_len, rounding_mode="floor"), v * v)
+                which = torch.div(idx, row_len, rounding_mode="floor")
+                norms.index_add_(0, which, v * v)
+                kept.index_add_(0, which, torch.ones_like(v))
                 row = float(norms.max().sqrt())
             rows[name] = norms.sqrt_()
+            counts[name] = kept
         tensors[name] = TensorNorms(float(torch.linalg.vector_norm(v)), row)
-    return Measured(tensors, rows)
+    return Measured(tensors, rows, counts)
 
 
 def row_length(shape: Sequence[int]) -> int:

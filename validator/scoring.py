@@ -16,7 +16,13 @@ does not lower the loss on its own data (``harmful``: noise, sign-flipped, scale
 loss on held-out data by more than ``eval_harm_tolerance`` × ``random_before``
 (``harmful_general``); and *ineffective* when it lowers the loss on its own data by less than
 ``eval_min_gain_ratio`` × the median of what established peers' scored updates achieve in the
-same window (``ineffective``: noise at a plausible norm helps a little, by chance). Every loss
+same window (``ineffective``: noise at a plausible norm helps a little, by chance). It is
+*targeted* when, on the random sequences, the binary log-loss of "the next token is v" rises by
+more than ``eval_target_tolerance`` × its level for one of the tokens v whose rows the update
+crowds most (:func:`validator.concentration.moved_tokens`) and that its own assigned data gives no
+reason to promote (:func:`validator.decide.unexplained`; :func:`token_losses` measures every
+token's in the same forward pass as the loss): a row edit promoting one token everywhere lowers
+the mean loss a little and multiplies that token's probability. Every loss
 is measured per sequence, so each gain comes with the standard error of its paired differences,
 and each verdict rejects only past its bar by ``eval_confidence_z`` of them
 (:mod:`validator.significance`).
@@ -31,7 +37,9 @@ the number of peers: up to ``eval_probation_peers`` identities on probation (the
 only when scored; those with most passes so far first, then those agreeing most with the
 window's established uploads, :func:`probation_order`) and established peers in the remaining slots (half to those agreeing
 least with the others, :func:`suspicion_order`, half drawn at random); slots one group cannot
-use go to the other, so a flood of new identities never takes the slots of known peers.
+use go to the other, so a flood of new identities never takes the slots of known peers. Established
+units with an update concentrated on a row (:mod:`validator.concentration`) are scored beyond
+the sample, up to ``eval_peers_per_window`` more, the most concentrated first.
 
 **Units.** A pipeline replica's stages trained one model jointly on one data key, so they are
 scored as one update (:func:`scoring_units`) — but only in a run with ``pipeline.enabled`` and
@@ -46,16 +54,22 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
 from protocol.aggregate import SparseDict, apply_outer
 from protocol.data.assignment import TokenDataset, pipeline_data_key, random_batches
-from protocol.model import parameters_of, sequence_losses
+from protocol.model import autocast_for, parameters_of, sequence_losses
 from protocol.wire import PipelineRole
 from validator.significance import paired
 
+# A token's binary loss is judged from at least this share of the uniform probability (1 / vocab):
+# tokens the model has all but ruled out move by large factors at no cost to anyone.
+TOKEN_FLOOR = 0.2
+
 __all__ = [
+    "TOKEN_FLOOR",
     "LossScore",
     "data_key",
     "plan_sample",
@@ -65,6 +79,7 @@ __all__ = [
     "scoring_units",
     "score_update",
     "take_sequences",
+    "token_losses",
     "with_parameters",
 ]
 
@@ -81,6 +96,14 @@ class LossScore:
     loss_random_after: float
     own_se: float = 0.0
     random_se: float = 0.0
+    # The tokens whose rows the update is most concentrated on (validator.concentration) and, for
+    # each, on the random sequences, the binary log-loss of "the next token is it" before and after
+    # the update, with the standard error of the paired difference (empty: not measured).
+    tokens: tuple[int, ...] = ()
+    token_before: tuple[float, ...] = ()
+    token_after: tuple[float, ...] = ()
+    token_se: tuple[float, ...] = ()
+    token_floor: float = 0.0  # the least level a token's binary loss is judged from (TOKEN_FLOOR / vocab)
 
     @property
     def own_gain(self) -> float:
@@ -211,21 +234,39 @@ def score_update(
     random_before: Tensor,
     scale: float,
     device: torch.device | str = "cpu",
+    tokens: Sequence[int] = (),
+    tokens_before: Tensor | None = None,
 ) -> LossScore:
     """Loss before/after applying ``scale · update`` alone, per sequence (``random_before``: θ_t's
     per-sequence losses on ``random``, :func:`protocol.model.sequence_losses`, measured once per
-    window), summarised as means and the standard errors of the paired gains. The update is applied
-    to copies of the tensors it touches (:func:`with_parameters`): ``model``'s parameters are never
-    written."""
+    window), summarised as means and the standard errors of the paired gains. With ``tokens`` and
+    ``tokens_before`` (θ_t's per-sequence, per-token binary log-losses on ``random``,
+    :func:`token_losses`), also the binary log-loss of those tokens before and after, from the
+    same forward pass. The update is applied to copies of the tensors it touches
+    (:func:`with_parameters`): ``model``'s parameters are never written."""
     params = parameters_of(model)
     moved = {name: params[name].detach().clone() for name in update}
     apply_outer(moved, update, scale)
     own_before = sequence_losses(model, own, device)
     after = with_parameters(model, moved)
     own_after = sequence_losses(after, own, device)
-    random_after = sequence_losses(after, random, device)
+    if tokens_before is not None:  # the same measurement as random_before's
+        random_after, per_token, _ = token_losses(after, random, device)
+    else:
+        random_after = sequence_losses(after, random, device)
+    measure_tokens = bool(tokens) and tokens_before is not None
     _, own_se = paired(own_before, own_after)
     _, random_se = paired(random_before, random_after)
+    ids: tuple[int, ...] = ()
+    t_before: tuple[float, ...] = ()
+    t_after: tuple[float, ...] = ()
+    t_se: tuple[float, ...] = ()
+    if measure_tokens:
+        assert tokens_before is not None
+        ids = tuple(int(t) for t in tokens)
+        t_before = tuple(float(tokens_before[:, t].mean()) for t in ids)
+        t_after = tuple(float(per_token[:, t].mean()) for t in ids)
+        t_se = tuple(paired(tokens_before[:, t], per_token[:, t])[1] for t in ids)
     return LossScore(
         float(own_before.mean()),
         float(own_after.mean()),
@@ -233,7 +274,47 @@ def score_update(
         float(random_after.mean()),
         own_se=own_se,
         random_se=random_se,
+        tokens=ids,
+        token_before=t_before,
+        token_after=t_after,
+        token_se=t_se,
+        token_floor=TOKEN_FLOOR / tokens_before.shape[1] if tokens_before is not None else 0.0,
     )
+
+
+@torch.no_grad()
+def token_losses(
+    model: nn.Module, batches: Sequence[Tensor], device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per sequence of ``batches``: its mean next-token loss (as :func:`protocol.model.sequence_losses`)
+    and, for every token v, the mean binary log-loss of "the next token is v",
+    ``−[y log p_v + (1 − y) log(1 − p_v)]``, and the mean probability p_v over its positions
+    ([sequences, vocab] each, float64 on the CPU). A token the model promotes everywhere raises its binary loss wherever it is not next,
+    however little that moves the mean loss."""
+    was_training = model.training
+    model.eval()
+    losses, per_token, probs = [], [], []
+    try:
+        for batch in batches:
+            batch = batch.to(device, non_blocking=True)
+            with autocast_for(torch.device(device)):
+                logits = model(batch[:, :-1])
+            target = batch[:, 1:]
+            for row, y in zip(logits.float(), target, strict=True):  # one sequence at a time: [T, V]
+                logp = F.log_softmax(row, dim=-1)
+                hit = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)  # log p of the next token
+                p = logp.exp()
+                miss = torch.log1p(-p.clamp(max=1.0 - 1e-7))  # log(1 − p_v) everywhere
+                total = miss.double().sum(dim=0)
+                total.index_add_(0, y, (hit - miss.gather(-1, y.unsqueeze(-1)).squeeze(-1)).double())
+                losses.append(-hit.double().mean().reshape(1).cpu())
+                per_token.append((-total / len(y)).reshape(1, -1).cpu())
+                probs.append(p.double().mean(dim=0).reshape(1, -1).cpu())
+    finally:
+        model.train(was_training)
+    if not losses:
+        raise ValueError("token_losses needs at least one batch")
+    return torch.cat(losses), torch.cat(per_token), torch.cat(probs)
 
 
 def with_parameters(model: nn.Module, params: Mapping[str, Tensor]) -> nn.Module:

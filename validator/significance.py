@@ -13,6 +13,13 @@ threshold by more than ``z = eval_confidence_z`` (3.0) standard errors:
   not called harmful; it must still clear the ``ineffective`` bar.
 - ``harmful_general``: the held-out loss rises by more than ``eval_harm_tolerance`` × its level
   ``+ z · se_random``.
+- ``targeted``: the binary log-loss of "the next token is v", on the held-out sequences, for the
+  tokens v whose rows the update moves most against their typical change
+  (:func:`validator.concentration.moved_tokens`), rises by more than ``eval_target_tolerance`` ×
+  its level ``+ z · se_target`` (the level at least a fifth of the uniform probability, 0.2 / vocab:
+  the binary loss of a token the model has all but ruled out moves by large factors at no cost). A row edit that promotes one token everywhere (a backdoor the
+  mean loss barely sees: that token is rarely next) multiplies its probability wherever it is not
+  next, and with it that loss; an honest update moves those probabilities by far less.
 - ``ineffective``: even the upper confidence bound of the own gain, ``own_gain + z · se_own``,
   is below ``min_gain`` (a share of what established peers achieve in the window).
 
@@ -78,9 +85,11 @@ def in_se(excess: float, se: float) -> float:
     return math.copysign(math.inf, excess) if excess else 0.0
 
 
-def verdict(sc: LossScore, *, tolerance: float, min_gain: float | None, z: float) -> Verdict:
-    """The first bar ``sc`` fails (harmful, harmful_general, ineffective), or a pass with the
-    margin of the nearest bar."""
+def verdict(
+    sc: LossScore, *, tolerance: float, min_gain: float | None, z: float, target_tolerance: float | None = None
+) -> Verdict:
+    """The first bar ``sc`` fails (harmful, harmful_general, targeted, ineffective), or a pass with
+    the margin of the nearest bar (``targeted`` only with ``target_tolerance`` and measured tokens)."""
     gain, se = sc.own_gain, sc.own_se
     bar = f"(bar {z:g} se)"
     harm = in_se(-gain - z * se, se)
@@ -94,6 +103,13 @@ def verdict(sc: LossScore, *, tolerance: float, min_gain: float | None, z: float
         held = f"held-out loss {sc.loss_random_before:.4f} -> {sc.loss_random_after:.4f} ± {rse:.4f}"
         return Verdict("harmful_general", general, f"{held}, allowed {limit:.4f}: {general:+.1f} se past {bar}")
     margins = [harm, general]
+    if target_tolerance is not None and sc.tokens:
+        token, targeted, t_limit = _worst_token(sc, target_tolerance, z)
+        if targeted > 0 or math.isnan(targeted):
+            i = sc.tokens.index(token)
+            moved = f"binary loss of token {token} {sc.token_before[i]:.5f} -> {sc.token_after[i]:.5f} ± {sc.token_se[i]:.5f}"
+            return Verdict("targeted", targeted, f"{moved}, allowed {t_limit:.5f}: {targeted:+.1f} se past {bar}")
+        margins.append(targeted)
     if min_gain is not None:
         short = in_se(min_gain - gain - z * se, se)
         if gain + z * se < min_gain:
@@ -104,8 +120,24 @@ def verdict(sc: LossScore, *, tolerance: float, min_gain: float | None, z: float
     return Verdict(None, nearest, f"passed, {-nearest:.1f} se short of the nearest bar")
 
 
-def borderline(sc: LossScore, *, tolerance: float, min_gain: float | None, z: float) -> bool:
+def _worst_token(sc: LossScore, tolerance: float, z: float) -> tuple[int, float, float]:
+    """The measured token nearest to (or furthest past) the ``targeted`` bar: (token, margin in
+    standard errors, allowed binary loss)."""
+    worst: tuple[int, float, float] | None = None
+    for token, before, after, se in zip(sc.tokens, sc.token_before, sc.token_after, sc.token_se, strict=True):
+        limit = max(before, sc.token_floor) * (1.0 + tolerance)
+        margin = in_se(after - limit - z * se, se) if math.isfinite(after) else math.inf
+        if worst is None or not margin <= worst[1]:
+            worst = (token, margin, limit)
+    assert worst is not None
+    return worst
+
+
+def borderline(
+    sc: LossScore, *, tolerance: float, min_gain: float | None, z: float, target_tolerance: float | None = None
+) -> bool:
     """The point estimate alone fails a bar that the error bar does not let it fail (or fails
     another): a verdict that more sequences can settle (``eval_borderline_sequences``)."""
-    exact = verdict(sc, tolerance=tolerance, min_gain=min_gain, z=0.0).reason
-    return exact is not None and exact != verdict(sc, tolerance=tolerance, min_gain=min_gain, z=z).reason
+    exact = verdict(sc, tolerance=tolerance, min_gain=min_gain, z=0.0, target_tolerance=target_tolerance).reason
+    bars = verdict(sc, tolerance=tolerance, min_gain=min_gain, z=z, target_tolerance=target_tolerance)
+    return exact is not None and exact != bars.reason

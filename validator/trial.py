@@ -82,7 +82,7 @@ class Aggregator:
         def work(peer: str, h: Held) -> SparseDict:
             sparse = decode(h, self.schema, self.spec.codec_at)
             limits = caps[peer]
-            return sparse if limits is None else clip_to_limits([sparse], limits)[0]
+            return sparse if limits is None else _without_held_back(clip_to_limits([sparse], limits)[0], limits)
 
         return decoded(items, work, self.pool, 2 * self.workers)
 
@@ -167,6 +167,20 @@ class Aggregator:
         if not math.isfinite(loss):
             return None if require_loss else Trial(tensors, after, nxt, None)
         return Trial(tensors, after, nxt, loss)
+
+
+def _without_held_back(sparse: SparseDict, limits: Mapping[str, NormLimit]) -> SparseDict:
+    """``sparse`` without its values in rows capped at 0 (held back,
+    :func:`validator.concentration.held_back`): a value that does not count is not a contributor
+    to its coordinate's mean either."""
+    out = dict(sparse)
+    for name, (idx, vals) in sparse.items():
+        lim = limits.get(name)
+        if lim is None or lim.rows is None or lim.row_len <= 0 or not bool((lim.rows == 0).any()):
+            continue
+        keep = lim.rows[torch.div(idx, lim.row_len, rounding_mode="floor")] != 0
+        out[name] = (idx[keep], vals[keep])
+    return out
 
 
 def culprits(peers: Sequence[str], fine: Callable[[Sequence[str]], bool]) -> list[str]:

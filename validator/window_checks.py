@@ -126,9 +126,11 @@ def scores(
     tolerance: float,
     min_gain: float | None = None,
     z: float = 0.0,
+    target_tolerance: float | None = None,
 ) -> list[Screened]:
     """Reject scored contributions whose update does not lower the loss on the peer's own data
-    (``harmful``), raises it on held-out data (``harmful_general``), or lowers it by less than
+    (``harmful``), raises it on held-out data (``harmful_general``), promotes the tokens whose rows it
+    moves most (``targeted``, with ``target_tolerance``), or lowers it by less than
     ``min_gain`` (``ineffective``: the validator passes a share of what established peers'
     updates achieve in this window; noise at a plausible norm lowers it a little, by chance) —
     each only by more than ``z`` standard errors of its measurement (:mod:`validator.significance`;
@@ -137,7 +139,7 @@ def scores(
     for s in screened:
         sc = loss_scores.get(s.peer)
         if s.reason is None and sc is not None:
-            v = verdict(sc, tolerance=tolerance, min_gain=min_gain, z=z)
+            v = verdict(sc, tolerance=tolerance, min_gain=min_gain, z=z, target_tolerance=target_tolerance)
             row = checks.ok("score") if v.reason is None else checks.fail("score", v.reason)
             s = with_row(s, row, v.detail)
         out.append(s)
