@@ -585,6 +585,10 @@ class Scenario:
     max_contributors: int = 32
     row_clip: bool = True
     newcomer: bool = False  # an honest peer joins when the attack starts
+    # Capacity of room for every honest peer (the newcomer too) and this many more, whatever the
+    # honest count (None: ``max_contributors``): crowding tests whether attackers take honest
+    # peers' places, not whether more honest peers than places are turned away.
+    spare: int | None = None
     validator: dict[str, Any] = field(default_factory=dict)  # validator settings over the bench's
     baseline: bool = False  # under baseline_rules()
     budgets: Budgets = field(
@@ -620,7 +624,7 @@ def scenarios(quick: bool) -> list[Scenario]:
         Scenario("perturbed_copy", lambda sw, h, a: [PerturbedCopy(sw, 2, exact=False)]),
         Scenario("same_poll_copy", lambda sw, h, a: [PerturbedCopy(sw, 2, exact=True)]),
         Scenario("near_copy_series", lambda sw, h, a: [NearCopies(sw)]),
-        Scenario("crowding", lambda sw, h, a: [Noise(sw, 16)], max_contributors=8, newcomer=True),
+        Scenario("crowding", lambda sw, h, a: [Noise(sw, 16)], spare=1, newcomer=True),
         Scenario(
             "junk_flood",
             lambda sw, h, a: [
@@ -652,7 +656,7 @@ def scenarios(quick: bool) -> list[Scenario]:
         Scenario(
             "crowding_partial",
             lambda sw, h, a: [Noise(sw, 16)],
-            max_contributors=8,
+            spare=1,
             newcomer=True,
             validator={"probation_partial": 1.0},
         ),
@@ -707,7 +711,8 @@ def run_scenario(
 def _run_scenario(
     sc: Scenario, *, honest_ids: list[Identity], vkey: Identity, windows: int, attack_from: int
 ) -> dict[str, Any]:
-    spec = bench_spec(vkey, max_contributors=sc.max_contributors, row_clip=sc.row_clip, validator=sc.validator)
+    room = sc.max_contributors if sc.spare is None else len(honest_ids) + int(sc.newcomer) + sc.spare
+    spec = bench_spec(vkey, max_contributors=room, row_clip=sc.row_clip, validator=sc.validator)
     sw = Swarm(spec)
     state_dir = tempfile.mkdtemp(prefix="bench-robust-")
     honest = [Honest(i) for i in honest_ids]
