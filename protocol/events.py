@@ -332,7 +332,9 @@ class Granted(Event):
 @dataclass(frozen=True, kw_only=True)
 class GrantDenied(Event):
     """A grant request was refused with ``reason`` (protocol.store.grants.STATUS) and HTTP ``status``;
-    ``peer_id`` is "" when the request did not verify."""
+    ``peer_id`` is "" when the request did not verify. ``unreported``: refusals for the same reason
+    to the same network since the last one reported, left out to keep a flood from flooding the log
+    (``validator.grants.GrantPolicy.event_rate``)."""
 
     peer_id: str
     address: str
@@ -341,6 +343,7 @@ class GrantDenied(Event):
     reason: str
     status: int
     detail: str = ""
+    unreported: int = 0
 
 
 # ---------------------------------------------------------------------- reading and writing
@@ -451,7 +454,10 @@ def describe(event: Event) -> str:
         )
     if isinstance(event, GrantDenied):
         who = event.peer_id[:12] or "an unverified request"
-        return f"grant denied: {event.op} {event.key} to {who} at {event.address}: {event.reason} ({event.detail})"
+        more = f"; {event.unreported:,} more like it not reported" if event.unreported else ""
+        return (
+            f"grant denied: {event.op} {event.key} to {who} at {event.address}: {event.reason} ({event.detail}){more}"
+        )
     if isinstance(event, WindowWaiting):
         ids = ", ".join(p[:12] for p in event.waiting_for)
         return (

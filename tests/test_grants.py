@@ -22,7 +22,7 @@ import pytest
 from protocol import layout
 from protocol.config import RunSpec
 from protocol.errors import AccessDenied, ObjectNotFound, PayloadTooLarge, StoreUnavailable
-from protocol.events import Event, GrantDenied, Granted, WindowOpened, WindowPublished
+from protocol.events import Event, GrantDenied, Granted, WindowOpened, WindowPublished, describe
 from protocol.identity import Identity
 from protocol.settings import StoreSettings
 from protocol.store import open_peer_store
@@ -378,6 +378,27 @@ def test_a_full_nonce_table_refuses_and_frees_as_nonces_expire() -> None:
     d.now += 21  # past twice the skew: the oldest expire first
     d.ask(read("get", key, at=d.now), ALICE, "198.51.9.1")
     assert d.desk.tables()["nonces"] == 1
+
+
+def test_a_flood_of_refusals_costs_the_log_a_bounded_number_of_lines() -> None:
+    """Refusals past a burst per (reason, network) are counted, and the next one reported says how
+    many were left out; another network or reason has a budget of its own."""
+    d = Desk(GrantPolicy(event_rate=1.0, event_burst=5))
+    bad = b"[" * 100  # malformed: refused before any signature check
+    for _ in range(50):
+        with pytest.raises(GrantRefused):
+            d.desk.decide(bad, None, "198.51.100.7")
+    denied = [e for e in d.events if isinstance(e, GrantDenied)]
+    assert len(denied) == 5 and all(e.reason == "malformed" and e.unreported == 0 for e in denied)
+    with pytest.raises(GrantRefused):
+        d.desk.decide(bad, None, "203.0.113.1")  # another network
+    assert len(d.events) == 6 and d.desk.tables()["unreported"] == 1
+    d.now += 1.0  # one more token: the next refusal is reported with the 45 left out
+    with pytest.raises(GrantRefused):
+        d.desk.decide(bad, None, "198.51.100.9")
+    last = d.events[-1]
+    assert isinstance(last, GrantDenied) and last.unreported == 45 and "45 more like it" in describe(last)
+    assert d.desk.tables()["unreported"] == 0
 
 
 def test_network_prefixes() -> None:

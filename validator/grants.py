@@ -91,6 +91,11 @@ class GrantPolicy:
     contribution_grants: int = 3
     max_nonces: int = 200_000
     max_rate_names: int = 100_000
+    # Refusal events per (reason, network): a burst, then this many a second; the rest are counted
+    # and reported with the next one that is (GrantDenied.unreported), so a flood of requests
+    # costs the operator's log a bounded number of lines.
+    event_rate: float = 1.0
+    event_burst: float = 200.0
     probe_max_bytes: int = PROBE_MAX_BYTES
     announcement_max_bytes: int = MAX_ANNOUNCEMENT_BYTES
     read_prefixes: tuple[str, ...] = ()
@@ -266,6 +271,9 @@ class GrantDesk:
         self._nonces = _Nonces(2 * p.max_skew_s, p.max_nonces)
         self._strangers = _Nonces(2 * p.max_skew_s, p.max_nonces)
         self._contributions = _Contributions(p.contribution_grants, p.max_rate_names)
+        self._events = TokenBuckets(p.event_rate, p.event_burst, max_names=p.max_rate_names)
+        self._unreported: OrderedDict[str, int] = OrderedDict()  # (reason, network) -> refusals not reported
+        self._unreported_lock = threading.Lock()
         self._reads = (f"{self.run_id}/", *p.read_prefixes)
 
     def decide(self, body: bytes, signature: str | None, address: str) -> Presigned:
@@ -329,6 +337,7 @@ class GrantDesk:
             "networks": len(self._addresses),
             "unannounced_networks": len(self._unannounced),
             "contributions": len(self._contributions),
+            "unreported": len(self._unreported),
         }
 
     # ------------------------------------------------------------------ checks
@@ -439,6 +448,9 @@ class GrantDesk:
             raise GrantRefused("too_large", f"{what} may have at most {cap} bytes, not {size}")
 
     def _report_refusal(self, refusal: GrantRefused, signed: SignedRequest | None, address: str) -> None:
+        unreported = self._unreported_before(f"{refusal.reason} {self.prefix(address)}")
+        if unreported is None:
+            return
         req = signed.request if signed else None
         self.emit(
             GrantDenied(
@@ -449,5 +461,18 @@ class GrantDesk:
                 reason=refusal.reason,
                 status=refusal.status,
                 detail=str(refusal).removeprefix(f"{refusal.reason}: "),
+                unreported=unreported,
             )
         )
+
+    def _unreported_before(self, key: str) -> int | None:
+        """None when a refusal for ``key`` (reason and network) is over its event budget (it is
+        counted instead); else how many were counted since the last one reported. The counts
+        are capped at ``max_rate_names`` keys, the oldest dropped first."""
+        with self._unreported_lock:
+            if self._events.take(key, self.clock()) > 0:
+                self._unreported[key] = self._unreported.pop(key, 0) + 1
+                while len(self._unreported) > self.policy.max_rate_names:
+                    self._unreported.popitem(last=False)
+                return None
+            return self._unreported.pop(key, 0)
