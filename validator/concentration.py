@@ -3,24 +3,25 @@ peers do to those rows: the cheap check every update gets, scored or not.
 
 A targeted edit (one token's output or embedding row moved far along one direction) hides in the
 mean loss: the rest of the update is honest, so it still helps and agrees with the others. What
-gives it away costs no forward pass: one row of one matrix carries far more than established peers
-put into that row. The row caps (:func:`validator.reference.clip_limits`) already bound each row at
-``clip_headroom`` × its typical change in the window — the larger of the row's lower median among
-established contributions and the tensor's root-mean-square row — so the typical change of a row
-is ``limit.rows / clip_headroom``.
+gives it away costs no forward pass: one row of one matrix holds far more of the update's kept
+values than established peers put into that row. A row's typical count is the lower median of the
+values the window's established contributions keep there (at least the mean count per row over
+all of them, and at least one).
 
-* :func:`row_excess`: a contribution's largest ratio of a row's norm to that typical change, as
-  sent (before clipping), with the tensor and row it was found in.
+* :func:`typical_counts`: that typical count per row of every matrix.
+* :func:`row_excess`: a contribution's largest ratio of the values it keeps in a row to the row's
+  typical count, as sent, with the tensor and row it was found in.
 * :func:`moved_tokens`: the token rows (of the tensors indexed by token: the embedding and the
-  output matrix) a contribution moves most against their typical change: whose next-token
-  probabilities the ``targeted`` verdict measures (:mod:`validator.significance`).
-* :func:`concentrated_rows` and :func:`without_headroom`: for a concentrated contribution the
-  validator could not score, the caps of its concentrated rows at the typical change itself.
+  output matrix) a contribution is most concentrated on: whose next-token probabilities the
+  ``targeted`` verdict measures (:mod:`validator.significance`).
+* :func:`concentrated_rows` and :func:`held_back`: for a concentrated contribution the validator
+  did not score, its concentrated rows capped at 0 and left out of those coordinates' contributor
+  counts.
 
 A contribution whose excess passes ``validator.row_excess_ratio`` is scored whenever the budget
 allows (up to ``eval_peers_per_window`` more units, largest excess first), and an unscored one is
-aggregated with its concentrated rows capped without headroom: leaving it unscored never lets it
-move such a row as far as a scored one may.
+aggregated without its concentrated rows: leaving it unscored never lets it move such a row at
+all, where a scored one is measured on the tokens of those rows.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from protocol.aggregate import NormLimit
@@ -102,8 +104,9 @@ def moved_tokens(norms: Measured, typical: Typical, vocab: int, count: int) -> t
         if ratio.shape == (vocab,):
             best = torch.maximum(best, ratio)
             norm = torch.maximum(norm, norms.rows[name])
-    order = sorted(range(vocab), key=lambda i: (-float(best[i]), -float(norm[i]), i))[:count]
-    return tuple(i for i in order if float(best[i]) > 0.0)
+    b, n = best.numpy(), norm.numpy()
+    order = np.lexsort((np.arange(vocab), -n, -b))[:count]  # the last key sorts first
+    return tuple(int(i) for i in order if b[i] > 0.0)
 
 
 def concentrated_rows(norms: Measured, typical: Typical, ratio: float) -> dict[str, torch.Tensor]:
