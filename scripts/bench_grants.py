@@ -21,7 +21,8 @@ The peer (127.0.0.1, announced to the desk's roster) asks for read grants, ``--p
 second: latency p50/p99 and the share answered 200. ``served/s``: answers of any kind the server sent
 per second; ``attack granted``: grants the attackers got; ``stderr bytes``: what the server
 process wrote to stderr (tracebacks, log lines: none should reach it). The baseline is the server and desk of
-``--baseline`` (a git revision; default ``main``), loaded from git, with its default policy.
+``--baseline`` (a git revision; default ``1251d00``, the last with the standard-library
+``http.server`` endpoint), loaded from git, with its default policy.
 """
 
 from __future__ import annotations
@@ -65,20 +66,10 @@ RUN_HASH = SPEC.hash()
 RUN = layout.run_id(RUN_HASH)
 SCENARIOS = ("none", "fresh_keys", "many_networks", "json_bomb", "slowloris")
 TIMEOUT_S = 10.0  # both servers' request timeout
+STDLIB_SERVER = "1251d00"  # the last revision whose grant endpoint ran on the standard library's http.server
 
 
 # ---------------------------------------------------------------------- the server process
-class _Roster:
-    def __init__(self, *peers: str) -> None:
-        self.peers = set(peers)
-
-    def announced(self, peer_id: str) -> bool:
-        return peer_id in self.peers
-
-    def excluded(self, peer_id: str, window: int) -> bool:
-        return False
-
-
 def _old_modules(rev: str) -> tuple[types.ModuleType, types.ModuleType]:
     """validator/grants.py and validator/grant_server.py of ``rev``, loaded from git."""
     loaded = []
@@ -109,9 +100,11 @@ def _serve(kind: str, rev: str, pipe: Any) -> None:
     )
     if kind == "new":
         from validator.grant_server import GrantServer
-        from validator.grants import GrantDesk, OpenWindow
+        from validator.grants import FixedRoster, GrantDesk, OpenWindow
 
-        desk: Any = GrantDesk(SPEC, store, lambda: OpenWindow(3, time.time()), emit=emit, roster=_Roster(PEER.peer_id))
+        desk: Any = GrantDesk(
+            SPEC, store, lambda: OpenWindow(3, time.time()), emit=emit, roster=FixedRoster(PEER.peer_id)
+        )
         server: Any = GrantServer(desk, "127.0.0.1", 0, timeout_s=TIMEOUT_S).start()
     else:
         grants, grant_server = _old_modules(rev)
@@ -290,7 +283,11 @@ def run_one(server: str, scenario: str, args: argparse.Namespace) -> dict[str, A
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--baseline", default="main", help="git revision of the previous server (default main)")
+    parser.add_argument(
+        "--baseline",
+        default=STDLIB_SERVER,
+        help=f"git revision of the previous server (default {STDLIB_SERVER}, the standard-library one)",
+    )
     parser.add_argument("--seconds", type=float, default=4.0, help="length of each flood")
     parser.add_argument("--peer-rate", type=float, default=10.0, help="the peer's requests a second")
     parser.add_argument("--attackers", type=int, default=6, help="attacking threads of a request flood")

@@ -30,7 +30,7 @@ from protocol.store.granted import GrantedStore
 from protocol.store.grants import GRANT_PATH, SIGNATURE_HEADER, GrantRequest, decode_grant, encode_request
 from protocol.store.s3 import S3Store
 from validator.grant_server import GrantServer, ServerLimits
-from validator.grants import GrantDesk, GrantPolicy, OpenWindow
+from validator.grants import FixedRoster, GrantDesk, GrantPolicy, OpenWindow
 
 VALIDATOR = Identity.from_seed(b"v" * 32)
 ALICE = Identity.from_seed(b"a" * 32)  # announced, in good standing
@@ -50,19 +50,6 @@ POLICY = GrantPolicy(
 )
 LIMITS = ServerLimits(timeout_s=2.0, max_connections=400, max_prefix_connections=40, workers=2)
 WAIT_S = 30.0  # the longest any bounded wait here may take on a loaded machine
-
-
-class Roster:
-    """The validator's view of who announced (a set here; the validator reads it from the store)."""
-
-    def __init__(self, *peers: str) -> None:
-        self.peers = set(peers)
-
-    def announced(self, peer_id: str) -> bool:
-        return peer_id in self.peers
-
-    def excluded(self, peer_id: str, window: int) -> bool:
-        return False
 
 
 class Events:
@@ -116,7 +103,7 @@ def served() -> Iterator[Served]:
         lambda: OpenWindow(3, time.time() - 1),
         policy=POLICY,
         emit=events,
-        roster=Roster(ALICE.peer_id),
+        roster=FixedRoster(ALICE.peer_id),
     )
     server = GrantServer(desk, "127.0.0.1", 0, limits=LIMITS).start()
     host, port = server._sock.getsockname()[:2]

@@ -69,7 +69,7 @@ from protocol.windows import upload_deadline
 from validator.gather import MAX_ANNOUNCEMENT_BYTES
 from validator.netprefix import network_prefix
 
-__all__ = ["GrantDesk", "GrantPolicy", "OpenWindow", "OpenWindows", "Roster", "TokenBuckets"]
+__all__ = ["FixedRoster", "GrantDesk", "GrantPolicy", "OpenWindow", "OpenWindows", "Roster", "TokenBuckets"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,20 @@ class Roster(Protocol):
     def excluded(self, peer_id: str, window: int) -> bool:
         """``peer_id`` is excluded from ``window`` (:func:`validator.reputation.is_excluded`)."""
         ...
+
+
+class FixedRoster:
+    """A roster of a fixed set of announced identities, none excluded: a desk beside a static list
+    of participants, and the desks of benchmarks and tests."""
+
+    def __init__(self, *peers: str) -> None:
+        self.peers = set(peers)
+
+    def announced(self, peer_id: str) -> bool:
+        return peer_id in self.peers
+
+    def excluded(self, peer_id: str, window: int) -> bool:
+        return False
 
 
 @dataclass(frozen=True)
