@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from protocol.config import RunSpec
+from protocol.config import RunSpec, ValidatorConfig
 from protocol.data.assignment import assigned_batches
 from protocol.data.tokens import TokenDataset
 from protocol.errors import ConfigError, DataUnavailable
@@ -151,35 +151,16 @@ class Decider:
         screened = window_checks.norms(
             uploads.screened, reference, max_ratio=cfg.norm_max_ratio, min_ratio=cfg.norm_min_ratio
         )
-        rule = CopyRule(
-            cfg.copy_overlap_threshold,
-            cfg.copy_rare_threshold,
-            cfg.copy_sign_agreement,
-            cfg.copy_overlap_lower,
-            cfg.copy_rare_lower,
-        )
-        screened = window_checks.copies(screened, uploads.read_at, rule, uploads.listed_at)
+        screened = window_checks.copies(screened, uploads.read_at, copy_rule(cfg), uploads.listed_at)
         clock.lap("checks")
         live = {s.peer: s.held for s in screened if s.reason is None and s.held is not None}
         root = randomness.contributions_root({p: h.digest for p, h in live.items()})
         seed = randomness.window_seed(w.secret, root)
-        limits = window_limits(self.spec, reference, [h for p, h in live.items() if p in w.established], self.schema)
-        probation_limits = newcomer_limits(self.spec, limits, reference)
-        caps: dict[str, Limits] = {p: limits if p in w.established else probation_limits for p in live}
-        typical = concentration.typical_counts([h.norms for p, h in live.items() if p in w.established])
-        excess = {p: concentration.row_excess(h.norms, typical) for p, h in live.items()}
-        concentrated = {p for p, e in excess.items() if cfg.row_excess_ratio and e.ratio > cfg.row_excess_ratio}
-        scores = self.score(w, live, caps, uploads, seed, typical=typical, excess=excess, concentrated=concentrated)
-        caps.update({p: self.unscored_caps(caps[p], live[p], typical) for p in sorted(concentrated - set(scores))})
+        caps, scores, partial = self.measure(w, live, uploads, reference, seed)
         gain = min_gain(self.spec, w, scores)
         screened = window_checks.scores(
             screened, scores, cfg.eval_harm_tolerance, gain, cfg.eval_confidence_z, _target_tolerance(self.spec)
         )
-        partial: dict[str, float] = {}
-        if probation_limits is not None:  # on probation, a record so far, unscored: counts for less
-            partial = self.partial(w, live, scores)
-            for p, share in partial.items():
-                caps[p] = partial_limits(probation_limits, share)
         screened = window_checks.probation(screened, w.established | set(partial), scores)
         nxt_ref: NormReference | None = None
         if reference.empty:  # no history yet: start one
@@ -215,6 +196,29 @@ class Decider:
                 randomness.ROOT: root,
             },
         )
+
+    def measure(
+        self, w: Window, live: Mapping[str, Held], uploads: Uploads, reference: NormReference, seed: bytes
+    ) -> tuple[dict[str, Limits], dict[str, LossScore], dict[str, float]]:
+        """The live contributions' clip caps, the loss scores of a budgeted sample, and the unscored
+        identities on probation that count anyway with their share (:meth:`partial`). An update
+        concentrated on few rows (:mod:`validator.concentration`) is scored first, and when it is
+        not scored its crowded rows are held back."""
+        cfg = self.spec.validator
+        limits = window_limits(self.spec, reference, [h for p, h in live.items() if p in w.established], self.schema)
+        probation_limits = newcomer_limits(self.spec, limits, reference)
+        caps: dict[str, Limits] = {p: limits if p in w.established else probation_limits for p in live}
+        typical = concentration.typical_counts([h.norms for p, h in live.items() if p in w.established])
+        excess = {p: concentration.row_excess(h.norms, typical) for p, h in live.items()}
+        concentrated = {p for p, e in excess.items() if cfg.row_excess_ratio and e.ratio > cfg.row_excess_ratio}
+        scores = self.score(w, live, caps, uploads, seed, typical=typical, excess=excess, concentrated=concentrated)
+        caps.update({p: self.unscored_caps(caps[p], live[p], typical) for p in sorted(concentrated - set(scores))})
+        partial: dict[str, float] = {}
+        if probation_limits is not None:  # on probation, a record so far, unscored: counts for less
+            partial = self.partial(w, live, scores)
+            for p, share in partial.items():
+                caps[p] = partial_limits(probation_limits, share)
+        return caps, scores, partial
 
     def partial(self, w: Window, live: Mapping[str, Held], scores: Mapping[str, LossScore]) -> dict[str, float]:
         """The unscored identities on probation that count anyway, each with its share of the
@@ -457,6 +461,17 @@ def _target_tolerance(spec: RunSpec) -> float | None:
     """The ``targeted`` bar's tolerance (None: the verdict is off)."""
     tolerance = spec.validator.eval_target_tolerance
     return tolerance if tolerance > 0 else None
+
+
+def copy_rule(cfg: ValidatorConfig) -> CopyRule:
+    """The copy check's thresholds and the lower bounds of its weight ramp."""
+    return CopyRule(
+        cfg.copy_overlap_threshold,
+        cfg.copy_rare_threshold,
+        cfg.copy_sign_agreement,
+        cfg.copy_overlap_lower,
+        cfg.copy_rare_lower,
+    )
 
 
 def _per_peer(scores: Mapping[str, LossScore], units: Mapping[str, Sequence[str]]) -> dict[str, LossScore]:
