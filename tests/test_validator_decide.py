@@ -452,12 +452,14 @@ def test_a_row_edit_is_rejected_when_scored_and_held_back_when_not(
         caps = decision.caps[bad]
         assert caps is not None and caps[OUT].rows is not None and float(caps[OUT].rows[TARGET]) == 0.0
         p_held = target_prob(spec, decision.trial.params)
-        p_honest = target_prob(spec, decide_row_edit(spec, vkey, sw, None).trial.params)
+        # the honest rest: the attacker's own update with the edited row left out (its other rows
+        # move the token too, by as much as its data happens to)
+        p_rest = target_prob(spec, decide_row_edit(spec, vkey, sw, attacker, 0.0).trial.params)
         monkeypatch.setattr(concentration, "row_excess", lambda norms, typical: concentration.Excess())
         p_unchecked = target_prob(spec, decide_row_edit(spec, vkey, sw, attacker).trial.params)
         # the edit moves the token when nothing holds it back; held back, only the honest rest counts
-        assert p_unchecked > 1.1 * p_honest, (p_unchecked, p_honest)
-        assert abs(p_held - p_honest) < 0.25 * (p_unchecked - p_honest), (p_held, p_honest, p_unchecked)
+        assert p_unchecked > 1.1 * p_rest, (p_unchecked, p_rest)
+        assert abs(p_held - p_rest) < 0.25 * (p_unchecked - p_rest), (p_held, p_rest, p_unchecked)
     finally:
         sw.close()
 
