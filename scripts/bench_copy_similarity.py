@@ -41,14 +41,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_honest import CORPORA, FULL, QUICK, Config, repetitive_text, swarm_for
+from bench_honest import CORPORA, FULL, QUICK, Config, repetitive_dataset, swarm_for
 from bench_robustness import Honest, NearCopies, near_copy
 from rich.console import Console
 from rich.table import Table
 
 from protocol.aggregate import aggregate, apply_outer, sparse_of
 from protocol.config import RunSpec
-from protocol.data.tokenizer import load_tokenizer
 from protocol.identity import Identity
 from protocol.model import param_schema
 from validator.copies import (
@@ -59,24 +58,13 @@ from validator.copies import (
     _rare_pairs,
     assess,
     influence,
+    rare_evidence,
     similarity,
 )
-from validator.dataset import BuiltDataset, build_dataset
+from validator.dataset import BuiltDataset
 from validator.sketch import SKETCH_VALUES, global_entries, offsets
 
 torch.set_num_threads(1)
-
-
-def rule_of(spec: RunSpec) -> CopyRule:
-    c = spec.validator
-    return CopyRule(
-        c.copy_overlap_threshold, c.copy_rare_threshold, c.copy_sign_agreement, c.copy_overlap_lower, c.copy_rare_lower
-    )
-
-
-def rare_evidence(s: Similarity, rule: CopyRule) -> float:
-    """The rare share as the rare route weighs it (signs below ``rule.signs`` count less)."""
-    return s.rare * min(1.0, max(0.0, (s.signs - 0.5) / (rule.signs - 0.5)))
 
 
 def all_pairs(entries: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[tuple[str, str], Similarity]:
@@ -95,7 +83,7 @@ def all_pairs(entries: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[tuple[s
 def run_config(cfg: Config, *, ids: list[Identity], windows: int, built: BuiltDataset | None) -> dict[str, Any]:
     vkey = Identity.generate()
     with swarm_for(cfg, vkey, len(ids), built) as sw:
-        rule, schema = rule_of(sw.spec), param_schema(sw.spec.model)
+        rule, schema = CopyRule.of(sw.spec.validator), param_schema(sw.spec.model)
         offs = offsets(schema)
         honest = [Honest(i) for i in ids]
         params = {n: p.detach().clone() for n, p in _initial(sw.spec).items()}
@@ -189,7 +177,7 @@ def cost(n: int, values: int = SKETCH_VALUES, repeats: int = 3) -> dict[str, Any
         _candidates(peers, entries, shared, rare_of)
         without.append(time.thread_time() - t0)
         t0 = time.thread_time()
-        found = assess(entries, read_at, rule_of(RunSpec()))
+        found = assess(entries, read_at, CopyRule.of(RunSpec().validator))
         with_w.append(time.thread_time() - t0)
     return {
         "peers": n,
@@ -227,10 +215,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     started = time.monotonic()
     try:
-        built = None
-        if "repetitive" in corpora:
-            text = repetitive_text(work / "repetitive.txt")
-            built = build_dataset([str(text)], load_tokenizer("bytes"), val_fraction=0.02, work=work / "built")
+        built = repetitive_dataset(work, corpora)
         for corpus in corpora:
             for batch, steps in grid:
                 cfg = Config(corpus, batch, steps, None)
@@ -241,7 +226,7 @@ def main() -> None:
                 print(f"{cfg.name}: overlap max {r['overlap_max']}, {r['seconds']} s", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    rule = rule_of(RunSpec())
+    rule = CopyRule.of(RunSpec().validator)
     meta = {
         "windows": args.windows,
         "honest": args.honest,

@@ -33,7 +33,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +75,14 @@ def repetitive_text(path: Path, *, piece: int = 4096, total: int = 1 << 20) -> P
     src = Path(json.__file__).read_bytes()[:piece]
     path.write_bytes(src * (total // len(src)))
     return path
+
+
+def repetitive_dataset(work: Path, corpora: Sequence[str]) -> BuiltDataset | None:
+    """The ``repetitive`` corpus built under ``work`` when ``corpora`` names it (None otherwise)."""
+    if "repetitive" not in corpora:
+        return None
+    text = repetitive_text(work / "repetitive.txt")
+    return build_dataset([str(text)], load_tokenizer("bytes"), val_fraction=0.02, work=work / "built")
 
 
 def spec_for(cfg: Config, vkey: Identity, peers: int, dataset: str = "") -> RunSpec:
@@ -156,10 +164,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     started = time.monotonic()
     try:
-        built = None
-        if "repetitive" in corpora:
-            text = repetitive_text(work / "repetitive.txt")
-            built = build_dataset([str(text)], load_tokenizer("bytes"), val_fraction=0.02, work=work / "built")
+        built = repetitive_dataset(work, corpora)
         for corpus in corpora:
             for batch, steps in grid:
                 for z in rules:

@@ -56,6 +56,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from protocol.config import ValidatorConfig
+
 __all__ = [
     "MIN_BACKGROUND",
     "CopyRule",
@@ -64,6 +66,7 @@ __all__ = [
     "Similarity",
     "assess",
     "influence",
+    "rare_evidence",
     "scan",
     "settle",
     "similarity",
@@ -86,6 +89,17 @@ class CopyRule:
     signs: float = 0.8
     overlap_lower: float = 0.57
     rare_lower: float = 0.28
+
+    @classmethod
+    def of(cls, cfg: ValidatorConfig) -> CopyRule:
+        """The run's rule, from its ``validator.copy_*`` settings."""
+        return cls(
+            cfg.copy_overlap_threshold,
+            cfg.copy_rare_threshold,
+            cfg.copy_sign_agreement,
+            cfg.copy_overlap_lower,
+            cfg.copy_rare_lower,
+        )
 
 
 @dataclass(frozen=True)
@@ -203,8 +217,14 @@ def influence(s: Similarity, rule: CopyRule, background: bool = True) -> float:
     below it."""
     share = _ramp(s.overlap, rule.overlap_lower, rule.overlap)
     if background:
-        share = min(share, _ramp(s.rare * _sign_factor(s.signs, rule.signs), rule.rare_lower, rule.rare))
+        share = min(share, _ramp(rare_evidence(s, rule), rule.rare_lower, rule.rare))
     return share
+
+
+def rare_evidence(s: Similarity, rule: CopyRule) -> float:
+    """The rare share as the rare route weighs it: in full when signs agree at least
+    ``rule.signs``, less in proportion as agreement falls to chance (½), not at all below it."""
+    return s.rare * _sign_factor(s.signs, rule.signs)
 
 
 def _ramp(x: float, lower: float, threshold: float) -> float:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from protocol.config import RunSpec, ValidatorConfig
+from protocol.config import RunSpec
 from protocol.data.assignment import assigned_batches
 from protocol.data.tokens import TokenDataset
 from protocol.errors import ConfigError, DataUnavailable
@@ -151,7 +151,7 @@ class Decider:
         screened = window_checks.norms(
             uploads.screened, reference, max_ratio=cfg.norm_max_ratio, min_ratio=cfg.norm_min_ratio
         )
-        screened = window_checks.copies(screened, uploads.read_at, copy_rule(cfg), uploads.listed_at)
+        screened = window_checks.copies(screened, uploads.read_at, CopyRule.of(cfg), uploads.listed_at)
         clock.lap("checks")
         live = {s.peer: s.held for s in screened if s.reason is None and s.held is not None}
         root = randomness.contributions_root({p: h.digest for p, h in live.items()})
@@ -461,17 +461,6 @@ def _target_tolerance(spec: RunSpec) -> float | None:
     """The ``targeted`` bar's tolerance (None: the verdict is off)."""
     tolerance = spec.validator.eval_target_tolerance
     return tolerance if tolerance > 0 else None
-
-
-def copy_rule(cfg: ValidatorConfig) -> CopyRule:
-    """The copy check's thresholds and the lower bounds of its weight ramp."""
-    return CopyRule(
-        cfg.copy_overlap_threshold,
-        cfg.copy_rare_threshold,
-        cfg.copy_sign_agreement,
-        cfg.copy_overlap_lower,
-        cfg.copy_rare_lower,
-    )
 
 
 def _per_peer(scores: Mapping[str, LossScore], units: Mapping[str, Sequence[str]]) -> dict[str, LossScore]:
