@@ -39,8 +39,18 @@ from protocol.config import CodecConfig, RunSpec
 from protocol.model import param_schema
 from protocol.wire.delta import VALUE_BYTES, bitmap_nbytes
 from protocol.wire.frame import ENVELOPE_OVERHEAD
+from protocol.wire.quorum import certificate_bytes
 
-__all__ = ["Caps", "aggregate_bound", "codec_payload_bound", "contribution_bound", "object_caps", "widest_codec"]
+__all__ = [
+    "Caps",
+    "aggregate_bound",
+    "codec_payload_bound",
+    "contribution_bound",
+    "object_caps",
+    "proposal_bytes",
+    "published_bytes",
+    "widest_codec",
+]
 
 CODEC_MARGIN = 2  # caps on codec payloads are twice their bound (the bound itself is rarely approached)
 TENSOR_ROW_BYTES = 512  # one tensor table row: a name ≤ 255 bytes, ≤ 8 dimensions, a few lengths
@@ -65,6 +75,25 @@ def object_caps(spec: RunSpec) -> Caps:
 
 
 @lru_cache(maxsize=16)
+def published_bytes(spec: RunSpec) -> int:
+    """The read cap of what lies at an aggregate key: the aggregate, or with several validators
+    (``protocol.quorum``) its certificate, the aggregate plus one endorsement per validator."""
+    cap = object_caps(spec).aggregate
+    keys = len(spec.validator.public_keys)
+    if keys <= 1 and spec.validator.signing_quorum <= 1:
+        return cap
+    return certificate_bytes(cap, keys)
+
+
+def proposal_bytes(spec: RunSpec) -> int:
+    """The read cap of a leader's proposal: the aggregate plus the caps of every contributor, per
+    tensor a norm, a row cap and, at most, a cap for every row (``protocol.wire.quorum``)."""
+    schema = param_schema(spec.model)
+    rows = sum(shape[0] if len(shape) > 1 else 1 for shape in schema.values())
+    per_contributor = 64 + sum(len(name) + 40 for name in schema) + 16 * rows
+    return object_caps(spec).aggregate + max(1, spec.validator.max_contributors) * per_contributor + ENVELOPE_OVERHEAD
+
+
 def _derived(spec: RunSpec) -> Caps:
     schema = param_schema(spec.model)
     return Caps(

@@ -53,11 +53,13 @@ from protocol.errors import (
 from protocol.model import fingerprint
 from protocol.store.base import ObjectStore
 from protocol.wire import GENESIS, Aggregate, CheckpointManifest, Verified, decode_aggregate, decode_checkpoint
+from protocol.wire.quorum import decode_certificate
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
     "WEIGHTS_FILE",
     "checkpoint_base",
+    "decode_published",
     "delta_of",
     "next_aggregate",
     "read_aggregate",
@@ -85,23 +87,60 @@ def read_aggregate(
     allowed_signers: Signers,
     max_bytes: int,
     schema: Schema | None = None,
+    quorum: int | None = None,
 ) -> Verified[Aggregate] | None:
     """The published aggregate of ``window``, or None when there is none yet. With ``schema``,
     unknown tensors and wrong shapes are refused before the payload is read; a subset of θ is fine
-    (parameters nobody sent, pipeline stages, empty windows)."""
+    (parameters nobody sent, pipeline stages, empty windows). ``quorum`` (a run with several
+    validators, :mod:`protocol.quorum`): what is there must be a certificate with that many
+    validators' endorsements of its aggregate (``NoQuorum`` otherwise)."""
     try:
         data = store.get(layout.aggregate_key(run, window), max_bytes=max_bytes)
     except ObjectNotFound:
         return None
-    return decode_aggregate(
+    return decode_published(
         data,
         run_hash=run_hash,
         max_bytes=max_bytes,
         allowed_signers=allowed_signers,
         window=window,
         schema=schema,
-        partial=True,
+        quorum=quorum,
     )
+
+
+def decode_published(
+    data: bytes,
+    *,
+    run_hash: str | None,
+    max_bytes: int,
+    allowed_signers: Signers,
+    window: int | None,
+    schema: Schema | None = None,
+    quorum: int | None = None,
+) -> Verified[Aggregate]:
+    """What lies at an aggregate key, verified: the one validator's signed aggregate (``quorum``
+    None), or the aggregate of a certificate endorsed by ``quorum`` validators of the run."""
+    if quorum is None:
+        return decode_aggregate(
+            data,
+            run_hash=run_hash,
+            max_bytes=max_bytes,
+            allowed_signers=allowed_signers,
+            window=window,
+            schema=schema,
+            partial=True,
+        )
+    cert = decode_certificate(
+        data,
+        run_hash=run_hash,
+        max_bytes=max_bytes,
+        allowed_signers=allowed_signers,
+        quorum=quorum,
+        window=window,
+        schema=schema,
+    )
+    return cert.value.aggregate
 
 
 def next_aggregate(
@@ -114,13 +153,21 @@ def next_aggregate(
     allowed_signers: Signers,
     max_bytes: int,
     schema: Schema | None = None,
+    quorum: int | None = None,
 ) -> Verified[Aggregate] | None:
     """The aggregate of ``window`` that continues the chain at ``base`` (the digest the reader holds
     for window ``window``), or None: nothing is published there yet, or what is there does not
     verify or does not chain onto ``base`` — which counts as absent (module doc)."""
     try:
         found = read_aggregate(
-            store, run, run_hash, window, allowed_signers=allowed_signers, max_bytes=max_bytes, schema=schema
+            store,
+            run,
+            run_hash,
+            window,
+            allowed_signers=allowed_signers,
+            max_bytes=max_bytes,
+            schema=schema,
+            quorum=quorum,
         )
     except ProtocolError as exc:
         log.warning("aggregate %d in the store does not verify; treated as absent: %s", window, exc)

@@ -339,6 +339,20 @@ class ValidatorConfig:
     # (BENCHMARKS.md: it lets noise that once passed a score in).
     probation_partial: float = 0.0
     max_contributors: int = 64
+    # Several validators (protocol/quorum.py): an aggregate counts once this many distinct keys of
+    # public_keys signed its digest. 0: a majority of the keys (1 of 1, 2 of 3, 3 of 4). Every two
+    # quorums must share a validator (2 × quorum > number of keys), or two aggregates of one window
+    # could both count without any fault.
+    quorum: int = 0
+    # How long the validators wait for the leader of a view to propose before the next key in the
+    # rotation proposes (seconds after a validator closed the window's intake). 0: derived,
+    # max(10, upload_deadline_s / 4) (protocol/quorum.py).
+    handover_s: float = 0.0
+
+    @property
+    def signing_quorum(self) -> int:
+        """m: how many distinct validator keys must sign one aggregate (``quorum``, or a majority)."""
+        return self.quorum or len(self.public_keys) // 2 + 1
 
     def __post_init__(self) -> None:
         _require(self.max_contribution_bytes >= 0, "validator.max_contribution_bytes must be >= 0 (0 = derived)")
@@ -371,6 +385,31 @@ class ValidatorConfig:
         bad = [k for k in keys if not _HEX_KEY.fullmatch(k)]
         _require(not bad, f"validator.public_keys must be 64 hex characters each, got {bad!r}")
         object.__setattr__(self, "public_keys", keys)
+        _check_quorum(len(keys), self.quorum)
+        _require(
+            math.isfinite(self.handover_s) and self.handover_s >= 0, "validator.handover_s must be >= 0 (0 = derived)"
+        )
+
+
+def _check_quorum(n: int, quorum: int) -> None:
+    """Reject a quorum that cannot be met, or under which two different aggregates of one window
+    could both be signed by a quorum with every validator honest (two quorums that need not share
+    a validator: a handover race alone forks the run). What a safe quorum tolerates is
+    :func:`protocol.quorum.tolerance`."""
+    _require(quorum >= 0, "validator.quorum must be >= 0 (0 = a majority of validator.public_keys)")
+    if n == 0 or quorum == 0:
+        return
+    _require(
+        quorum <= n,
+        f"validator.quorum = {quorum} needs more signatures than the {n} keys of validator.public_keys can give",
+    )
+    _require(
+        2 * quorum > n,
+        f"validator.quorum = {quorum} of {n} keys is unsafe: two groups of {quorum} validators need not "
+        f"share one, so two different aggregates of a window could both be signed (a fork) even when "
+        f"every validator is honest; use at least {n // 2 + 1} (a majority; docs/JOINING.md, "
+        "section Several validators, says what each choice tolerates)",
+    )
 
 
 @dataclass(frozen=True)

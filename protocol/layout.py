@@ -42,7 +42,13 @@ _RUN_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _WINDOW_RE = re.compile(rf"^[0-9]{{{WINDOW_DIGITS}}}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-KINDS = ("contrib", "aggregate", "checkpoint", "peers", "data", "probe", "outcomes")
+KINDS = ("contrib", "aggregate", "checkpoint", "peers", "data", "probe", "outcomes") + (
+    "proposal",
+    "endorsement",
+    "objection",
+)
+# What each validator of a run with several writes under its own id (protocol/wire/quorum.py).
+VALIDATOR_KINDS = ("proposal", "endorsement", "objection")
 
 
 def run_id(run_hash: str) -> str:
@@ -97,6 +103,33 @@ def aggregate_prefix(run: str) -> str:
 
 def aggregate_key(run: str, window: int) -> str:
     return aggregate_prefix(run) + window_str(window)
+
+
+def proposal_prefix(run: str, window: int) -> str:
+    return f"{_run(run)}/proposal/{window_str(window)}/"
+
+
+def proposal_key(run: str, window: int, validator_id: str) -> str:
+    """The proposal of ``window`` by the validator ``validator_id`` (at most one per window)."""
+    return proposal_prefix(run, window) + _peer(validator_id)
+
+
+def endorsement_prefix(run: str, window: int) -> str:
+    return f"{_run(run)}/endorsement/{window_str(window)}/"
+
+
+def endorsement_key(run: str, window: int, validator_id: str) -> str:
+    """The one endorsement ``validator_id`` gives in ``window``."""
+    return endorsement_prefix(run, window) + _peer(validator_id)
+
+
+def objection_prefix(run: str, window: int) -> str:
+    return f"{_run(run)}/objection/{window_str(window)}/"
+
+
+def objection_key(run: str, window: int, validator_id: str, proposer_id: str) -> str:
+    """``validator_id``'s objection to the proposal of ``proposer_id`` in ``window``."""
+    return objection_prefix(run, window) + _peer(validator_id) + "/" + _peer(proposer_id)
 
 
 def outcomes_key(run: str, window: int) -> str:
@@ -192,6 +225,10 @@ def parse_key(key: str, *, run: str | None = None) -> ParsedKey:
         return ParsedKey(r, kind, parse_window(rest[0]))
     if kind == "checkpoint" and len(rest) == 2:
         return ParsedKey(r, kind, parse_window(rest[0]), file=check_file_name(rest[1]))
+    if kind in ("proposal", "endorsement") and len(rest) == 2:
+        return ParsedKey(r, kind, parse_window(rest[0]), peer_id=_peer(rest[1]))
+    if kind == "objection" and len(rest) == 3:
+        return ParsedKey(r, kind, parse_window(rest[0]), peer_id=_peer(rest[1]), file=_peer(rest[2]))
     if kind in ("peers", "probe") and len(rest) == 1:
         return ParsedKey(r, kind, peer_id=_peer(rest[0]))
     if kind == "data" and rest == [DATASET_MANIFEST]:

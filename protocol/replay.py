@@ -32,7 +32,7 @@ from torch import Tensor
 
 from protocol import layout
 from protocol.aggregate import apply_outer
-from protocol.caps import object_caps
+from protocol.caps import published_bytes
 from protocol.chain import (
     delta_of,
     next_aggregate,
@@ -44,6 +44,7 @@ from protocol.chain import (
 from protocol.config import ModelConfig, RunSpec
 from protocol.errors import DigestMismatch, MalformedPayload, StaleBase
 from protocol.model import build_model, fingerprint, param_schema, parameters_of
+from protocol.quorum import Quorum
 from protocol.store.base import ObjectStore
 from protocol.wire import Aggregate, CheckpointManifest, Verified
 
@@ -97,7 +98,10 @@ class Chain:
         self.run = layout.run_id(self.run_hash)
         self.schema = param_schema(spec.model)
         self.signers = spec.validator.public_keys
-        self.max_aggregate_bytes = object_caps(spec).aggregate  # the validator reads with the same cap
+        quorum = Quorum.of(spec)
+        # several validators: aggregates travel as certificates of m endorsements (protocol.quorum)
+        self.quorum: int | None = quorum.m if quorum.several else None
+        self.max_aggregate_bytes = published_bytes(spec)  # the validator reads with the same cap
         self._next: dict[tuple[int, str], Verified[Aggregate]] = {}
 
     def aggregate(self, window: int) -> Verified[Aggregate] | None:
@@ -111,6 +115,7 @@ class Chain:
             allowed_signers=self.signers,
             max_bytes=self.max_aggregate_bytes,
             schema=self.schema,
+            quorum=self.quorum,
         )
 
     def next_aggregate(self, window: int, base: str) -> Verified[Aggregate] | None:
@@ -127,6 +132,7 @@ class Chain:
                 allowed_signers=self.signers,
                 max_bytes=self.max_aggregate_bytes,
                 schema=self.schema,
+                quorum=self.quorum,
             )
             if found is not None:
                 self._next = {k: v for k, v in self._next.items() if k[0] >= window - 1}

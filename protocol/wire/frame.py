@@ -48,6 +48,10 @@ class Kind(enum.IntEnum):
     CHECKPOINT = 3
     ANNOUNCEMENT = 4
     DATASET = 5
+    PROPOSAL = 6
+    ENDORSEMENT = 7
+    OBJECTION = 8
+    CERTIFICATE = 9
 
     @property
     def label(self) -> str:

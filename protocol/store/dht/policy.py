@@ -12,7 +12,9 @@ The rules, by DHT key (``<ns>`` is the store's namespace, ``<key>`` an object ke
 
 ``<ns>:obj:<key>`` (an object's manifest)
     ``<run>/contrib/<window>/<peer_id>`` and ``<run>/peers/<peer_id>``: only the key whose peer id
-    is ``<peer_id>``; every other key (``aggregate/``, ``checkpoint/``, ``data/``, genesis, and
+    is ``<peer_id>``; ``<run>/proposal|endorsement/<window>/<id>`` and
+    ``<run>/objection/<window>/<id>/<proposer>``: only the validator key whose id is ``<id>`` (one
+    validator can neither forge nor overwrite another's signature); every other key (``aggregate/``, ``checkpoint/``, ``data/``, genesis, and
     anything the layout does not name): only a validator key of the run. The content must be a
     well-formed manifest.
 ``<ns>:piece:<sha256>``
@@ -129,7 +131,10 @@ class WritePolicy:
         owner = owner_of(key)
         if owner is not None:
             return owner == peer_id_of(public_key)
-        return public_key in self.validator_keys
+        if public_key not in self.validator_keys:
+            return False
+        signer = validator_owner_of(key)
+        return signer is None or signer == peer_id_of(public_key)
 
     def may_write_below(self, folder: str, public_key: bytes) -> bool:
         """Whether ``public_key`` may write some object below ``folder``: everyone may on the way to
@@ -149,6 +154,19 @@ def owner_of(key: str) -> str | None:
     except MalformedPayload:
         return ""
     return parsed.peer_id or ""
+
+
+def validator_owner_of(key: str) -> str | None:
+    """The validator id that alone may write ``key`` (a proposal, endorsement or objection of a
+    run with several validators: its own), ``""`` when nobody may (malformed), None for a key any
+    validator of the run may write."""
+    parts = key.split("/")
+    if len(parts) < 2 or parts[1] not in layout.VALIDATOR_KINDS:
+        return None
+    try:
+        return layout.parse_key(key).peer_id or ""
+    except MalformedPayload:
+        return ""
 
 
 def _owned_prefix(parts: list[str]) -> bool:
