@@ -251,6 +251,26 @@ class WindowPublished(Event):
     seconds: dict[str, float] = field(default_factory=dict)
     uploaded: int = 0  # peers whose contribution was read (accepted + rejected, unannounced excluded)
     download_bytes: int = 0  # the bytes of those contributions
+    # several validators (protocol.quorum): who proposed it, in which view, whose endorsements
+    # certified it ("" / 0 / [] with one validator)
+    leader: str = ""
+    view: int = 0
+    signers: list[str] = field(default_factory=list)
+
+
+@_event("agreement")
+@dataclass(frozen=True, kw_only=True)
+class AgreementStep(Event):
+    """A step of window ``window``'s agreement among several validators, as one validator saw it
+    (``validator.agreement``): ``step`` is ``proposed``, ``endorsed``, ``objected`` (``detail``:
+    the reasons), ``handover`` (view ``view`` began) or ``certified`` (``detail``: the signers)."""
+
+    window: int
+    validator: str
+    step: str
+    digest: str = ""
+    view: int = 0
+    detail: str = ""
 
 
 @_event("window_retry")
@@ -419,6 +439,18 @@ def describe(event: Event) -> str:
             f"window {event.window} published: accepted={event.accepted} rejected={event.rejected} "
             f"val_loss={event.val_loss:.4f} fingerprint={event.fingerprint[:16]} digest={event.digest[:16]} ({phases})"
             + (f" rejected: {reasons}" if reasons else "")
+            + (
+                f" leader {event.leader[:12]} view {event.view}, signed by {', '.join(s[:12] for s in event.signers)}"
+                if event.signers
+                else ""
+            )
+        )
+    if isinstance(event, AgreementStep):
+        return (
+            f"window {event.window}: {event.validator[:12]} {event.step}"
+            + (f" {event.digest[:16]}" if event.digest else "")
+            + (f" (view {event.view})" if event.view else "")
+            + (f": {event.detail}" if event.detail else "")
         )
     if isinstance(event, Applied):
         verdict = ""

@@ -277,6 +277,14 @@ class _InitProgress:
     "check failures by reason, phase durations, peers expected/uploaded, bytes read …).",
 )
 @click.option("--metrics-host", default="0.0.0.0", show_default=True, help="Address the metrics endpoint binds.")
+@click.option(
+    "--fault",
+    type=click.Choice(["liar"]),
+    default=None,
+    hidden=True,
+    help="Misbehave on purpose, to show what the other validators do (a run with several validators): "
+    "liar proposes a Δ̄ that is not the sum it claims and endorses everything.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def run(
     run_path: str,
@@ -289,6 +297,7 @@ def run(
     log_format: str,
     metrics_port: int | None,
     metrics_host: str,
+    fault: str | None,
     verbose: bool,
 ) -> None:
     """Validate windows: gather, check, score, aggregate, publish.
@@ -301,7 +310,11 @@ def run(
       window_waiting     window, waiting_for [peer ids], uploaded, closes_in_s
                          (every few seconds while expected peers are missing)
       window_published   window, accepted, rejected, val_loss, digest, fingerprint,
-                         published_at, reasons {reason: count}, seconds {phase: s}
+                         published_at, reasons {reason: count}, seconds {phase: s},
+                         leader, view, signers [ids] (several validators)
+      agreement          window, validator, step (proposed | endorsed | objected |
+                         handover | certified), digest, view, detail
+                         (several validators: each step this validator saw)
       window_retry       window, reason, detail, attempt, limit, wait_s
                          (a store error; retried after wait_s, at most
                          validator.window_retries times in a row)
@@ -325,7 +338,7 @@ def run(
     except ConfigError as exc:
         out.emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
         sys.exit(EXIT_CONFIG)
-    sys.exit(validate(run_path, local, Node(key_path, state_dir, windows, wait_for_peers), out))
+    sys.exit(validate(run_path, local, Node(key_path, state_dir, windows, wait_for_peers, fault or ""), out))
 
 
 @cli.command(epilog=settings_help())

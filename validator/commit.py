@@ -25,6 +25,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -51,7 +52,9 @@ from validator.reputation import LATE, standings
 from validator.state import ValidatorState, load_feedback, prune_feedback, save_feedback, save_state
 from validator.window import PhaseClock
 
-__all__ = ["MAX_DELETES_PER_WINDOW", "THETA_EVERY", "Committer"]
+__all__ = ["MAX_DELETES_PER_WINDOW", "THETA_EVERY", "VIEW", "Committer", "Proposed"]
+
+VIEW = "view"  # the aggregate metadata key of the view its leader proposed it in (several validators)
 
 # Keys the retention policy deletes after one publish at most: a long run that turns retention on
 # spreads its backlog over the next windows (`sparseloco-validator gc` collects it at once).
@@ -149,7 +152,43 @@ class Committer:
         self.emit(report)
         return report
 
-    def _encode(self, st: ValidatorState, d: WindowDecision, outcomes: str, published_at: float) -> bytes:
+    # ------------------------------------------------------------------ several validators
+    def propose(self, st: ValidatorState, d: WindowDecision, unannounced: int, *, view: int) -> Proposed:
+        """A run with several validators (:mod:`validator.agreement`): write the decision down
+        (rows, status ``decided``) and the buffer after it (write-ahead), and return the signed
+        aggregate for the proposal. Nothing is published and the state does not move until a
+        quorum endorses it (:meth:`certified`)."""
+        t, published_at = st.window, self.clock()
+        outcomes = encode_outcomes(self.run_hash, t, [r.outcome() for r in d.rows])
+        blob = self._encode(st, d, outcomes_digest(outcomes), published_at, view=view)
+        self.log.record_window(self._window_record(st, d, unannounced, published_at), list(d.rows))
+        digest = hashlib.sha256(blob).hexdigest()
+        if broadcast.keeps_feedback(self.spec.outer):
+            save_feedback(self.state_dir, t + 1, digest, d.trial.feedback)
+        return Proposed(blob, digest, d, outcomes, unannounced, published_at, view)
+
+    def certified(
+        self, st: ValidatorState, mine: Proposed, signers: tuple[str, ...], clock: PhaseClock | None = None
+    ) -> WindowPublished:
+        """This validator's proposal ``mine`` was certified: its outcomes out, the window published
+        in the log, the state advanced with the decision's θ_{t+1}, buffer and reference."""
+        clock, d = clock or PhaseClock(), mine.decision
+        publish.publish_outcomes(self.store, self.run_id, st.window, mine.outcomes)
+        self.log.mark_published(st.window, digest=mine.digest, published_at=mine.published_at)
+        self.advance(st, mine.digest, mine.published_at, d.trial.params, d.trial.feedback, d.reference)
+        clock.lap("publish")
+        report = replace(
+            _report(d, mine.unannounced, mine.digest, mine.published_at, clock),
+            leader=self.identity.peer_id,
+            view=mine.view,
+            signers=list(signers),
+        )
+        self.emit(report)
+        return report
+
+    def _encode(
+        self, st: ValidatorState, d: WindowDecision, outcomes: str, published_at: float, view: int | None = None
+    ) -> bytes:
         """The signed aggregate of the decision: the published Δ̄, the accepted manifest, θ_{t+1}'s
         fingerprint, the randomness metadata, the counts, the outcomes' digest and the loss."""
         accepted = [r for r in d.rows if r.accepted]
@@ -161,6 +200,8 @@ class Committer:
         }
         if d.trial.val_loss is not None:  # the wire refuses a non-finite number, and so do peers
             meta["val_loss"] = d.trial.val_loss
+        if view is not None:  # several validators: the view its leader proposed it in
+            meta[VIEW] = view
         return publish.encode_window_aggregate(
             run_hash=self.run_hash,
             window=st.window,
@@ -192,12 +233,24 @@ class Committer:
         )
 
     # ------------------------------------------------------------------ adopt
-    def adopt(self, verified: Verified[Aggregate], params: dict[str, torch.Tensor]) -> None:
+    def adopt(
+        self,
+        verified: Verified[Aggregate],
+        params: dict[str, torch.Tensor],
+        feedback: FeedbackState | None = None,
+    ) -> None:
         """Advance past an aggregate already published for the open window (θ after it:
-        ``params``): the decisions as logged, or as its manifest proves them when the log lost them."""
+        ``params``; ``feedback``: the buffer after it when this validator computed it, else the one
+        written ahead, if any): the decisions as logged, or as its manifest proves them when the
+        log lost them or holds another aggregate's (a proposal of this validator's that was not
+        certified)."""
         st = self.current()
         agg = verified.value
-        if self.log.window(agg.window) is None:
+        logged = self.log.window(agg.window)
+        if logged is not None and logged.fingerprint != agg.fingerprint:
+            self.log.forget_window(agg.window)
+            logged = None
+        if logged is None:
             rows = [
                 ContributionRecord(window=agg.window, peer=m.peer_id, digest=m.digest, accepted=True, weight=m.weight)
                 for m in agg.manifest
@@ -205,7 +258,10 @@ class Committer:
             win = WindowRecord(window=agg.window, accepted=len(rows), fingerprint=agg.fingerprint, base=agg.base)
             self.log.record_window(win, rows)
         self.log.mark_published(agg.window, digest=verified.digest, published_at=agg.published_at)
-        feedback = self.saved_feedback(st.window + 1, verified.digest)
+        if feedback is None:
+            feedback = self.saved_feedback(st.window + 1, verified.digest)
+        elif broadcast.keeps_feedback(self.spec.outer):
+            save_feedback(self.state_dir, st.window + 1, verified.digest, feedback)
         self.advance(st, verified.digest, agg.published_at, params, feedback)
 
     # ------------------------------------------------------------------ advance
@@ -332,6 +388,20 @@ class Committer:
         with torch.no_grad():
             for name, p in parameters_of(self.model).items():
                 p.copy_(params[name])
+
+
+@dataclass(frozen=True)
+class Proposed:
+    """This validator's proposal of a window, kept until the window is certified: the signed
+    aggregate (``blob``, ``digest``), the decision behind it, its outcomes, and its view."""
+
+    blob: bytes
+    digest: str
+    decision: WindowDecision
+    outcomes: bytes
+    unannounced: int
+    published_at: float
+    view: int
 
 
 def _report(

@@ -42,12 +42,15 @@ from typing import Any
 from protocol.outcomes import PeerOutcome
 
 __all__ = [
+    "AGREEMENT_COLUMNS",
+    "AGREEMENT_EVENTS",
     "CHECK_BITS",
     "CONTRIBUTION_COLUMNS",
     "CONTRIBUTION_SELECT",
     "EVALUATION_COLUMNS",
     "LOG_FILE",
     "WINDOW_COLUMNS",
+    "AgreementRecord",
     "CheckRow",
     "ContributionLog",
     "ContributionRecord",
@@ -113,6 +116,17 @@ CREATE INDEX IF NOT EXISTS contributions_standing
     ON contributions (peer, decided, window, accepted, score, received_at, reputation);
 CREATE INDEX IF NOT EXISTS contributions_rejected
     ON contributions (reason, peer, window) WHERE decided = 1 AND accepted = 0;
+-- runs with several validators: what this validator saw of a window's agreement (validator/agreement.py)
+CREATE TABLE IF NOT EXISTS agreement (
+    window INTEGER NOT NULL,
+    validator TEXT NOT NULL,
+    event TEXT NOT NULL,
+    digest TEXT NOT NULL DEFAULT '',
+    view INTEGER NOT NULL DEFAULT 0,
+    detail TEXT,
+    at REAL,
+    PRIMARY KEY (window, validator, event, digest)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS evaluations (
     window INTEGER PRIMARY KEY,
     fingerprint TEXT NOT NULL,
@@ -201,6 +215,25 @@ class WindowRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AgreementRecord:
+    """One step of a window's agreement among several validators, as this validator saw it:
+    ``event`` is ``proposed``, ``endorsed``, ``objected`` (``detail``: the reasons, one per line),
+    ``handover`` (view ``view`` began without a proposal it could endorse) or ``certified``
+    (``detail``: the signers, comma-separated); ``validator`` is whose step it was."""
+
+    window: int
+    validator: str
+    event: str
+    digest: str = ""
+    view: int = 0
+    detail: str | None = None
+    at: float | None = None
+
+
+AGREEMENT_EVENTS = ("proposed", "endorsed", "objected", "handover", "certified")
+
+
+@dataclass(frozen=True, kw_only=True)
 class EvaluationRecord:
     """θ after window ``window``'s aggregate, scored on the validation split (loss in nats/token)."""
 
@@ -272,6 +305,7 @@ def unpack_checks(mask: int, failed: str | None, reason: str | None) -> tuple[Ch
 CONTRIBUTION_COLUMNS = tuple(f.name for f in fields(ContributionRecord) if f.name != "checks")
 WINDOW_COLUMNS = tuple(f.name for f in fields(WindowRecord))
 EVALUATION_COLUMNS = tuple(f.name for f in fields(EvaluationRecord))
+AGREEMENT_COLUMNS = tuple(f.name for f in fields(AgreementRecord))
 # a contributions row as :func:`decode_contribution` reads it: the record's columns, then its checks
 CONTRIBUTION_SELECT = ", ".join([*CONTRIBUTION_COLUMNS, "passed", "failed"])
 
@@ -415,12 +449,52 @@ class ContributionLog:
                 self._db.execute("ROLLBACK")
                 raise
 
+    def forget_window(self, window: int) -> None:
+        """Drop a window's decided rows and record (a decision that was not the one certified);
+        the times uploads were first read stay."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM checks WHERE window = ?", (window,))
+                self._db.execute("DELETE FROM contributions WHERE window = ? AND received_at IS NULL", (window,))
+                self._db.execute(
+                    "UPDATE contributions SET decided = 0, accepted = 0, reason = NULL, detail = NULL, score = NULL, "
+                    "weight = 0, passed = NULL, failed = NULL WHERE window = ?",
+                    (window,),
+                )
+                self._db.execute("DELETE FROM windows WHERE window = ?", (window,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
     def mark_published(self, window: int, *, digest: str, published_at: float) -> None:
         with self._lock:
             self._db.execute(
                 "UPDATE windows SET status = 'published', aggregate_digest = ?, published_at = ? WHERE window = ?",
                 (digest, published_at, window),
             )
+
+    def record_agreement(self, records: Iterable[AgreementRecord]) -> None:
+        """Add what was seen of a window's agreement; a step seen again keeps its first time."""
+        with self._lock:
+            for rec in records:
+                self._db.execute(
+                    f"INSERT OR IGNORE INTO agreement ({', '.join(AGREEMENT_COLUMNS)}) "
+                    f"VALUES ({', '.join('?' * len(AGREEMENT_COLUMNS))})",
+                    [getattr(rec, c) for c in AGREEMENT_COLUMNS],
+                )
+
+    def agreement(self, windows: tuple[int | None, int | None] = (None, None)) -> list[AgreementRecord]:
+        """The agreement steps of the windows in the inclusive range, by (window, time)."""
+        lo, hi = windows
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {', '.join(AGREEMENT_COLUMNS)} FROM agreement WHERE window >= ? AND window <= ? "
+                "ORDER BY window, at, validator, event",
+                (-1 if lo is None else lo, 2**62 if hi is None else hi),
+            ).fetchall()
+        return [AgreementRecord(**dict(zip(AGREEMENT_COLUMNS, row, strict=True))) for row in rows]
 
     def record_evaluation(self, rec: EvaluationRecord) -> None:
         """Add (or, for a window evaluated again, replace) a periodic evaluation."""

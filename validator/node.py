@@ -66,13 +66,16 @@ from protocol.events import Event, ModelEvaluated, WindowOpened, WindowPublished
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model
+from protocol.quorum import Quorum
 from protocol.replay import Chain
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
+from validator.agreement import Agreement
 from validator.budgets import Budgets
 from validator.commit import Committer
-from validator.decide import Decider
+from validator.decide import Decider, WindowDecision
 from validator.evaluation import PeriodicEval
+from validator.follow import Follower
 from validator.gather import PeerRegistry
 from validator.intake import Intake
 from validator.launch import Launcher
@@ -109,6 +112,7 @@ class Validator:
         emit: Callable[[Event], None] | None = None,
         clock: Callable[[], float] = time.time,
         budgets: Budgets | None = None,
+        fault: str = "",
     ) -> None:
         if identity.public_key_hex not in spec.validator.public_keys:
             raise ConfigError(
@@ -155,6 +159,26 @@ class Validator:
             emit=self.emit,
             max_late=budgets.max_fetches,
         )
+        self.clock = clock
+        self.agreement: Agreement | None = None  # several validators: each window agreed on first
+        if Quorum.of(spec).several:
+            self.agreement = Agreement(
+                spec,
+                store,
+                identity,
+                state_dir,
+                self.log,
+                Follower(spec, store, aggregator),
+                self.committer,
+                chain,
+                clock=clock,
+                emit=self.emit,
+                wait=self.stop.wait,
+                poll_s=local.poll_interval_s,
+                fault=fault,
+            )
+        elif fault:
+            raise ConfigError(f"fault {fault!r} needs a run with several validators")
 
     @property
     def run_id(self) -> str:
@@ -243,11 +267,16 @@ class Validator:
             return None
         clock.lap("gather")
         uploads = self.intake.uploads(w.t, gathered, ctx)  # read, checked and summarised while gathering
-        decision = self.decider.decide(  # window checks, seed, scores, capacity, the aggregate
-            w, uploads, reference=st.reference, params=st.params, feedback=self.committer.feedback, clock=clock
-        )
+
+        def decide(view: int = 0) -> WindowDecision:  # window checks, seed, scores, capacity, the aggregate
+            return self.decider.decide(
+                w, uploads, reference=st.reference, params=st.params, feedback=self.committer.feedback, clock=clock
+            )
+
         self.committer.record_late(w.t - 1, self.registry.announcements)  # uploads that missed the previous window
-        return self.committer.publish(st, decision, uploads.unannounced, clock)
+        if self.agreement is not None:  # several validators: proposed, endorsed, certified
+            return self.agreement.run(st, self.clock(), decide, uploads.unannounced)
+        return self.committer.publish(st, decide(), uploads.unannounced, clock)
 
     def _evaluate(self, report: WindowPublished) -> None:
         """The periodic evaluation of θ after the aggregate just published, when due."""

@@ -68,6 +68,7 @@ class Node:
     state_dir: str
     windows: int | None
     wait_for_peers: int
+    fault: str = ""  # several validators: misbehave on purpose (validator.agreement)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,7 @@ def validate(run_path: str, local: LocalSettings, node: Node, out: Reporting) ->
             sinks.append(metrics)
             stack.enter_context(metrics.serve(out.metrics_port, out.metrics_host))
         try:
-            validator = open_validator(run_path, local, node.key_path, node.state_dir, emit_all)
+            validator = open_validator(run_path, local, node.key_path, node.state_dir, emit_all, fault=node.fault)
             stack.callback(validator.close)
             if local.validator.grant_port:
                 stack.enter_context(grant_server(validator, local, windows_open, emit_all))
@@ -126,7 +127,9 @@ def validate(run_path: str, local: LocalSettings, node: Node, out: Reporting) ->
         return serve(validator, node.windows, emit_all)
 
 
-def open_validator(run_path: str, local: LocalSettings, key_path: str, state_dir: str, emit: Emit) -> Validator:
+def open_validator(
+    run_path: str, local: LocalSettings, key_path: str, state_dir: str, emit: Emit, *, fault: str = ""
+) -> Validator:
     """The Validator the options describe; ValidatorStarted is its first event."""
     # torch and the node load here, not at import: `logs` (what sparseloco demo runs) stays quick.
     import torch
@@ -152,7 +155,7 @@ def open_validator(run_path: str, local: LocalSettings, key_path: str, state_dir
         validator_keys=spec.validator.public_keys,
         list_bounds=ListBounds.for_run(spec.validator.max_contributors),
     )
-    validator = Validator(spec, store, ident, state_dir, device=device, local=local, emit=emit)
+    validator = Validator(spec, store, ident, state_dir, device=device, local=local, emit=emit, fault=fault)
     started = ValidatorStarted(
         peer_id=ident.peer_id,
         run_id=validator.run_id,

@@ -135,6 +135,33 @@ class Aggregator:
         window: int,
         weight: Mapping[str, float],
     ) -> Trial | None:
+        formed = self.published(params, feedback, held, caps, peers, window, weight)
+        if formed is None:
+            return None
+        tensors, after, nxt = formed
+        try:
+            loss = self.loss(nxt)
+        except DataUnavailable as exc:  # θ_{t+1} is finite; its loss cannot be measured now
+            log.warning("the aggregate's validation loss is not measured: validation data unavailable (%s)", exc)
+            return Trial(tensors, after, nxt, None)
+        if not math.isfinite(loss):
+            return None if require_loss else Trial(tensors, after, nxt, None)
+        return Trial(tensors, after, nxt, loss)
+
+    def published(
+        self,
+        params: Mapping[str, torch.Tensor],
+        feedback: FeedbackState,
+        held: Mapping[str, Held],
+        caps: Mapping[str, Limits],
+        peers: Sequence[str],
+        window: int,
+        weight: Mapping[str, float],
+    ) -> tuple[dict[str, AggregateTensor], FeedbackState, dict[str, torch.Tensor]] | None:
+        """Δ̄ of ``peers``' contributions, clipped and weighted, in its published form, the
+        error-feedback buffer after it and θ_{t+1} on a scratch copy; None when any is not finite.
+        Deterministic: another validator given the same contributions, caps and weights gets the
+        same bytes (:mod:`validator.follow`)."""
         o = self.spec.outer
         total = SparseSum(self.schema)
         batch: list[SparseDict] = []
@@ -159,14 +186,7 @@ class Aggregator:
         apply_outer(nxt, published, o.alpha)
         if not all(bool(torch.isfinite(p).all()) for p in nxt.values()):
             return None
-        try:
-            loss = self.loss(nxt)
-        except DataUnavailable as exc:  # θ_{t+1} is finite; its loss cannot be measured now
-            log.warning("the aggregate's validation loss is not measured: validation data unavailable (%s)", exc)
-            return Trial(tensors, after, nxt, None)
-        if not math.isfinite(loss):
-            return None if require_loss else Trial(tensors, after, nxt, None)
-        return Trial(tensors, after, nxt, loss)
+        return tensors, after, nxt
 
 
 def _without_held_back(sparse: SparseDict, limits: Mapping[str, NormLimit]) -> SparseDict:

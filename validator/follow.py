@@ -1,0 +1,221 @@
+"""A follower's check of a leader's proposal: endorse it, or object with reasons and numbers.
+
+In a run with several validators (:mod:`protocol.quorum`) every validator that did not propose a
+window's aggregate re-checks what the leader proposed (:class:`protocol.wire.quorum.Proposal`)
+before it signs. Everything a validator decides from public bytes alone is checked exactly; what
+rests on its own private state (its norm reference, which follows the decisions it saw) is checked
+within a stated tolerance, so that honest validators whose references drifted apart never object
+to each other:
+
+* **the proposal** — signed by the leader of the view it claims, on the chain's head (``base``),
+  with the run's ``outer.alpha``, at most ``validator.max_contributors`` contributions, every weight
+  in (0, 1], clip caps for exactly the contributions it names (``proposal``);
+* **every contribution, by digest** — at ``contrib/<t>/<peer>`` with exactly the digest the manifest
+  names, and passing the per-contribution checks: signature, window, codec, shapes, finite values,
+  base (``contribution``: :func:`validator.checks.screen`);
+* **norms and caps against this validator's reference** — no tensor above
+  ``TOLERANCE × norm_max_ratio`` × the reference, no clip cap above
+  ``TOLERANCE × clip_headroom`` × it (``norm``, ``caps``; skipped while the reference is empty);
+* **Δ̄ and θ_{t+1}, bit for bit** — the contributions decoded, clipped to the proposal's caps,
+  weighted by its manifest, summed and put in published form (:meth:`validator.trial.Aggregator.published`)
+  must give exactly the proposal's tensors, and θ_t minus them exactly its fingerprint (``delta``,
+  ``fingerprint``).
+
+Copies and loss scores are not re-decided: whether an upload came first, and a loss measured on
+other hardware, are not the same bits on every validator; a follower's own scoring is its own
+business and does not veto a proposal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from protocol import layout
+from protocol.caps import object_caps
+from protocol.codec import Encoded, pack
+from protocol.config import RunSpec
+from protocol.errors import ObjectNotFound
+from protocol.feedback import FeedbackState
+from protocol.model import fingerprint, param_schema
+from protocol.quorum import Quorum
+from protocol.store.base import ObjectStore
+from protocol.wire import Aggregate, AggregateTensor, SparseDelta, Verified
+from protocol.wire.quorum import Proposal, Reason, limits_of
+from validator import checks
+from validator.held import Held
+from validator.reference import NormReference, check_norms
+from validator.trial import Aggregator
+
+__all__ = ["TOLERANCE", "Follower", "Judgement"]
+
+TOLERANCE = 2.0  # how far a proposal's norms and caps may exceed this validator's own bounds
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """A follower's verdict on a proposal: ``reasons`` empty to endorse it; with it, the buffer
+    after the aggregate and θ_{t+1} the follower computed itself (None when it objects)."""
+
+    reasons: tuple[Reason, ...]
+    feedback: FeedbackState | None = None
+    params: dict[str, torch.Tensor] | None = None
+
+    @property
+    def endorsed(self) -> bool:
+        return not self.reasons
+
+
+class Follower:
+    """Judges proposals of one run (module doc) with the validator's aggregator and store."""
+
+    def __init__(self, spec: RunSpec, store: ObjectStore, aggregator: Aggregator) -> None:
+        self.spec, self.store, self.aggregator = spec, store, aggregator
+        self.quorum = Quorum.of(spec)
+        self.run_hash = spec.hash()
+        self.run = layout.run_id(self.run_hash)
+        self.schema = param_schema(spec.model)
+        self.max_bytes = object_caps(spec).contribution
+
+    def judge(
+        self,
+        proposal: Verified[Proposal],
+        *,
+        base: str,
+        previous_base: str | None,
+        params: Mapping[str, torch.Tensor],
+        feedback: FeedbackState,
+        reference: NormReference,
+    ) -> Judgement:
+        """The verdict on ``proposal`` for the window open at ``base`` with θ_t = ``params``."""
+        p, agg = proposal.value, proposal.value.aggregate.value
+        reasons = self._proposal(proposal, base)
+        if reasons:
+            return Judgement(reasons)
+        held, found = self._contributions(agg, previous_base)
+        found += self._bounds(held, p, reference)
+        if found:
+            return Judgement(tuple(found))
+        return self._recompute(p, held, params, feedback)
+
+    # ------------------------------------------------------------------ the checks
+    def _proposal(self, proposal: Verified[Proposal], base: str) -> tuple[Reason, ...]:
+        p, agg = proposal.value, proposal.value.aggregate.value
+        cfg, out = self.spec.validator, []
+        leader = self.quorum.leader(agg.window, p.view)
+        if proposal.sender != leader:
+            out.append(Reason("proposal", "", f"signed by {proposal.sender}, the leader of view {p.view} is {leader}"))
+        if agg.base != base:
+            out.append(Reason("proposal", "", f"builds on {agg.base[:16]}, the chain's head is {base[:16]}"))
+        if agg.alpha != self.spec.outer.alpha:
+            out.append(Reason("proposal", "", f"alpha {agg.alpha}, the run's is {self.spec.outer.alpha}"))
+        if len(agg.manifest) > cfg.max_contributors:
+            out.append(Reason("proposal", "", f"{len(agg.manifest)} contributions, at most {cfg.max_contributors}"))
+        for m in agg.manifest:
+            if not 0.0 < m.weight <= 1.0:
+                out.append(Reason("proposal", m.peer_id, f"weight {m.weight} outside (0, 1]"))
+        named = {m.peer_id for m in agg.manifest}
+        if set(p.caps) != named:
+            extra, missing = sorted(set(p.caps) - named), sorted(named - set(p.caps))
+            out.append(
+                Reason(
+                    "proposal", "", f"caps for {extra or 'none'} not in the manifest, missing for {missing or 'none'}"
+                )
+            )
+        return tuple(out)
+
+    def _contributions(self, agg: Aggregate, previous_base: str | None) -> tuple[dict[str, Held], list[Reason]]:
+        """Every contribution the manifest names, fetched by key, matched by digest and screened."""
+        ctx = checks.Context(
+            run_hash=self.run_hash,
+            window=agg.window,
+            expected_base=agg.base,
+            previous_base=previous_base if self.spec.outer.delay else None,
+            codec=self.spec.codec_at(agg.window),
+            schema=self.schema,
+            max_bytes=self.max_bytes,
+        )
+        held: dict[str, Held] = {}
+        reasons: list[Reason] = []
+        for m in agg.manifest:
+            try:
+                data = self.store.get(layout.contrib_key(self.run, agg.window, m.peer_id), max_bytes=self.max_bytes)
+            except ObjectNotFound:
+                reasons.append(Reason("contribution", m.peer_id, "not in the store"))
+                continue
+            digest = hashlib.sha256(data).hexdigest()
+            if digest != m.digest:
+                reasons.append(
+                    Reason(
+                        "contribution", m.peer_id, f"the store holds {digest[:16]}, the manifest names {m.digest[:16]}"
+                    )
+                )
+                continue
+            s = checks.screen(m.peer_id, data, checks.Context(**{**ctx.__dict__, "registered": frozenset({m.peer_id})}))
+            if s.reason is not None or s.held is None:
+                reasons.append(Reason("contribution", m.peer_id, f"{s.reason}: {s.detail or ''}".strip()))
+                continue
+            held[m.peer_id] = s.held
+        return held, reasons
+
+    def _bounds(self, held: Mapping[str, Held], p: Proposal, ref: NormReference) -> list[Reason]:
+        """Norms and clip caps within :data:`TOLERANCE` of this validator's own bounds."""
+        if ref.empty:
+            return []
+        cfg, out = self.spec.validator, []
+        for peer, h in sorted(held.items()):
+            row, detail = check_norms(
+                h.norms.tensors, ref, max_ratio=TOLERANCE * cfg.norm_max_ratio, min_ratio=cfg.norm_min_ratio / TOLERANCE
+            )
+            if not row.passed:
+                out.append(Reason("norm", peer, f"{row.reason}: {detail}"))
+        for peer, per_tensor in sorted(p.caps.items()):
+            for name, c in sorted((per_tensor or {}).items()):
+                r = ref.tensors.get(name)
+                if r is not None and c.norm > TOLERANCE * cfg.clip_headroom * r.norm:
+                    out.append(Reason("caps", peer, f"{name}: clip cap {c.norm:.4g}, reference {r.norm:.4g}"))
+        return out
+
+    def _recompute(
+        self, p: Proposal, held: Mapping[str, Held], params: Mapping[str, torch.Tensor], feedback: FeedbackState
+    ) -> Judgement:
+        agg = p.aggregate.value
+        caps = limits_of(p.caps, self.schema)
+        weights = {m.peer_id: m.weight for m in agg.manifest}
+        formed = self.aggregator.published(params, feedback, held, caps, sorted(held), agg.window, weights)
+        if formed is None:
+            return Judgement((Reason("delta", "", "the named contributions do not give a finite θ_{t+1}"),))
+        tensors, after, nxt = formed
+        differs = _differences(tensors, agg.tensors)
+        if differs:
+            return Judgement((Reason("delta", "", differs),))
+        got = fingerprint(nxt)
+        if got != agg.fingerprint:
+            return Judgement(
+                (Reason("fingerprint", "", f"θ_(t+1) is {got[:16]}, the proposal claims {agg.fingerprint[:16]}"),)
+            )
+        return Judgement((), after, nxt)
+
+
+def _differences(mine: Mapping[str, AggregateTensor], theirs: Mapping[str, AggregateTensor]) -> str:
+    """ "" when the two published forms are the same bits; otherwise where and by how much they differ."""
+    if set(mine) != set(theirs):
+        return f"tensors {sorted(set(mine) ^ set(theirs))[:4]} are in one Δ̄ and not the other"
+    for name in sorted(mine):
+        a, b = mine[name], theirs[name]
+        if isinstance(a, SparseDelta) and isinstance(b, SparseDelta):
+            if not torch.equal(a.indices, b.indices):
+                return f"{name}: {a.nnz} positions recomputed, {b.nnz} proposed, not the same set"
+            if not torch.equal(a.values, b.values):
+                diff = (a.values - b.values).abs()
+                n = int((diff > 0).sum())
+                return f"{name}: {n} of {a.nnz} values differ, by up to {float(diff.max()):.4g}"
+        elif isinstance(a, Encoded) and isinstance(b, Encoded):
+            if a.cfg != b.cfg or tuple(a.shape) != tuple(b.shape) or pack(a) != pack(b):
+                return f"{name}: the re-compressed payload differs"
+        else:
+            return f"{name}: a plain and a re-compressed tensor"
+    return ""
