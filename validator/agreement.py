@@ -14,7 +14,9 @@ takes these steps in order, each at most once per window:
    written down first (:mod:`validator.signed`), and a validator never endorses another digest for
    that window, also after a restart;
 4. **lead** when the rotation gives it a view that has begun (view 0: right after the intake
-   closes; view v: ``v × handover_s`` later) and it has endorsed nothing: decide the window as a
+   closes; view v: ``v × handover_s`` later, or as soon as more than n − m validators objected to
+   the proposal of view v − 1, which can then never be certified) and it has endorsed nothing:
+   decide the window as a
    single validator does (:mod:`validator.decide`), write the decision down, and publish the
    proposal with its own endorsement;
 5. **certify** as soon as m endorsements of one digest are in the store: the certificate (the
@@ -100,6 +102,7 @@ class Round:
     endorsements: dict[str, tuple[Verified[Endorsement], bytes]] = field(default_factory=dict)
     objections: set[str] = field(default_factory=set)  # objection keys read
     reread: dict[str, int] = field(default_factory=dict)  # signer → the view its endorsement was last read in
+    objected: dict[str, set[str]] = field(default_factory=dict)  # aggregate digest → who objected to it
     mine: Proposed | None = None
     view: int = 0  # the newest view this validator has seen begin
 
@@ -151,7 +154,7 @@ class Agreement:
             found = self.chain.next_aggregate(r.window, r.base)
             if found is not None:
                 return self._finish(st, r, found, clock)
-            r.view = max(r.view, self.quorum.view_at(self.clock() - closed_at))
+            r.view = max(r.view, self.quorum.view_at(self.clock() - closed_at), self._refused(r))
             self._read(r)
             self._judge(st, r)
             self._endorse(r)
@@ -160,6 +163,16 @@ class Agreement:
                 continue
             if self.wait(self.poll_s):
                 return None
+
+    def _refused(self, r: Round) -> int:
+        """The view after the newest one whose proposal more than n − m validators objected to:
+        it can never be certified, so its successor need not wait for the timeout."""
+        doomed = [
+            r.proposals[p].value.view + 1
+            for p in r.proposals
+            if len(r.objected.get(r.proposals[p].value.aggregate.digest, ())) > self.quorum.n - self.quorum.m
+        ]
+        return max(doomed, default=0)
 
     # ------------------------------------------------------------------ 1. read
     def _read(self, r: Round) -> None:
@@ -260,6 +273,7 @@ class Agreement:
         except ProtocolError as exc:
             log.warning("the objection at %s does not verify (%s): %s", key, exc.reason, exc)
             return
+        r.objected.setdefault(o.value.aggregate, set()).add(signer)
         detail = "\n".join(f"{x.check} {x.peer or '-'}: {x.detail}" for x in o.value.reasons)
         self._note(
             AgreementRecord(
