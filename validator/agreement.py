@@ -75,8 +75,9 @@ from protocol.wire.quorum import (
 from validator import publish
 from validator.commit import VIEW, Committer, Proposed
 from validator.decide import WindowDecision
-from validator.follow import Follower, Judgement
+from validator.follow import Follower, Judgement, stated_reference
 from validator.log import AgreementRecord, ContributionLog
+from validator.reference import NormReference
 from validator.signed import SigningRecord
 from validator.state import ValidatorState
 from validator.window import PhaseClock
@@ -383,7 +384,9 @@ class Agreement:
         if not self.liar and not self.record.claim(r.window, mine.digest):
             return
         live = {p: d.caps.get(p) for p in d.accepted}
-        blob = encode_proposal(view, caps_of(live), mine.blob, r.window, self.run_hash, self.identity)
+        blob = encode_proposal(
+            view, caps_of(live), mine.blob, r.window, self.run_hash, self.identity, d.reference.to_json().encode()
+        )
         self.store.put(layout.proposal_key(self.run_id, r.window, self.me), blob)
         r.mine = mine
         self._read_proposal(r, layout.proposal_key(self.run_id, r.window, self.me), self.me)
@@ -457,14 +460,33 @@ class Agreement:
             None,
         )
         if verdict is not None and verdict.params is not None and not self.liar:
-            self.committer.adopt(found, verdict.params, verdict.feedback)
+            self.committer.adopt(found, verdict.params, verdict.feedback, verdict.reference)
         else:
             params = {n: p.detach().clone() for n, p in st.params.items()}
             apply_aggregate(params, Position(st.window, st.base, ""), found)
-            self.committer.adopt(found, params)
+            self.committer.adopt(found, params, ref=self.reference_after(found))
         report = _adopted(found, signers, view)
         self.emit(report)
         return report
+
+    def reference_after(self, found: Verified[Aggregate]) -> NormReference | None:
+        """The norm reference the certified aggregate ``found`` names, from its leader's proposal
+        (None when that is gone or does not match: the validator keeps its own)."""
+        key = layout.proposal_key(self.run_id, found.value.window, found.sender)
+        try:
+            p = decode_proposal(
+                self.store.get(key, max_bytes=self.max_proposal),
+                run_hash=self.run_hash,
+                max_bytes=self.max_proposal,
+                allowed_signers=self.keys,
+                window=found.value.window,
+            )
+        except (ObjectNotFound, ProtocolError) as exc:
+            log.warning(
+                "window %d: the reference after it is not known (%s); keeping this validator's", found.value.window, exc
+            )
+            return None
+        return stated_reference(p.value) if p.value.aggregate.digest == found.digest else None
 
     def _signers(self, r: Round) -> tuple[str, ...]:
         try:

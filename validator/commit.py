@@ -52,9 +52,12 @@ from validator.reputation import LATE, standings
 from validator.state import ValidatorState, load_feedback, prune_feedback, save_feedback, save_state
 from validator.window import PhaseClock
 
-__all__ = ["MAX_DELETES_PER_WINDOW", "THETA_EVERY", "VIEW", "Committer", "Proposed"]
+__all__ = ["MAX_DELETES_PER_WINDOW", "REFERENCE_DIGEST", "THETA_EVERY", "VIEW", "Committer", "Proposed"]
 
 VIEW = "view"  # the aggregate metadata key of the view its leader proposed it in (several validators)
+# ... and of the sha256 of the norm reference after the window, which its proposal carries: every
+# validator continues from the reference the certified aggregate names (validator/follow.py)
+REFERENCE_DIGEST = "reference_sha256"
 
 # Keys the retention policy deletes after one publish at most: a long run that turns retention on
 # spreads its backlog over the next windows (`sparseloco-validator gc` collects it at once).
@@ -200,8 +203,9 @@ class Committer:
         }
         if d.trial.val_loss is not None:  # the wire refuses a non-finite number, and so do peers
             meta["val_loss"] = d.trial.val_loss
-        if view is not None:  # several validators: the view its leader proposed it in
+        if view is not None:  # several validators: the view its leader proposed it in, the reference after it
             meta[VIEW] = view
+            meta[REFERENCE_DIGEST] = hashlib.sha256(d.reference.to_json().encode()).hexdigest()
         return publish.encode_window_aggregate(
             run_hash=self.run_hash,
             window=st.window,
@@ -238,12 +242,13 @@ class Committer:
         verified: Verified[Aggregate],
         params: dict[str, torch.Tensor],
         feedback: FeedbackState | None = None,
+        ref: reference.NormReference | None = None,
     ) -> None:
         """Advance past an aggregate already published for the open window (θ after it:
         ``params``; ``feedback``: the buffer after it when this validator computed it, else the one
         written ahead, if any): the decisions as logged, or as its manifest proves them when the
         log lost them or holds another aggregate's (a proposal of this validator's that was not
-        certified)."""
+        certified). ``ref``: the norm reference after it (None: unchanged)."""
         st = self.current()
         agg = verified.value
         logged = self.log.window(agg.window)
@@ -262,7 +267,7 @@ class Committer:
             feedback = self.saved_feedback(st.window + 1, verified.digest)
         elif broadcast.keeps_feedback(self.spec.outer):
             save_feedback(self.state_dir, st.window + 1, verified.digest, feedback)
-        self.advance(st, verified.digest, agg.published_at, params, feedback)
+        self.advance(st, verified.digest, agg.published_at, params, feedback, ref)
 
     # ------------------------------------------------------------------ advance
     def advance(

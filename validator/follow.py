@@ -46,11 +46,12 @@ from protocol.store.base import ObjectStore
 from protocol.wire import Aggregate, AggregateTensor, SparseDelta, Verified
 from protocol.wire.quorum import Proposal, Reason, limits_of
 from validator import checks
+from validator.commit import REFERENCE_DIGEST
 from validator.held import Held
-from validator.reference import NormReference, check_norms
+from validator.reference import NormReference, check_norms, window_value
 from validator.trial import Aggregator
 
-__all__ = ["TOLERANCE", "Follower", "Judgement"]
+__all__ = ["TOLERANCE", "Follower", "Judgement", "reference_problems", "stated_reference"]
 
 TOLERANCE = 2.0  # how far a proposal's norms and caps may exceed this validator's own bounds
 
@@ -63,6 +64,7 @@ class Judgement:
     reasons: tuple[Reason, ...]
     feedback: FeedbackState | None = None
     params: dict[str, torch.Tensor] | None = None
+    reference: NormReference | None = None  # the norm reference after the window, as stated
 
     @property
     def endorsed(self) -> bool:
@@ -97,6 +99,7 @@ class Follower:
             return Judgement(reasons)
         held, found = self._contributions(agg, previous_base)
         found += self._bounds(held, p, reference)
+        found += [Reason("reference", "", why) for why in reference_problems(self.spec, p, held, reference)]
         if found:
             return Judgement(tuple(found))
         return self._recompute(p, held, params, feedback)
@@ -197,7 +200,45 @@ class Follower:
             return Judgement(
                 (Reason("fingerprint", "", f"θ_(t+1) is {got[:16]}, the proposal claims {agg.fingerprint[:16]}"),)
             )
-        return Judgement((), after, nxt)
+        return Judgement((), after, nxt, stated_reference(p))
+
+
+def stated_reference(p: Proposal) -> NormReference | None:
+    """The norm reference after the window that ``p`` states, if its aggregate's signed metadata
+    names exactly these bytes (None otherwise: a proposal of another version, or a forgery)."""
+    want = p.aggregate.value.metadata.get(REFERENCE_DIGEST)
+    if not isinstance(want, str) or hashlib.sha256(p.reference).hexdigest() != want:
+        return None
+    try:
+        return NormReference.from_json(p.reference.decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def reference_problems(spec: RunSpec, p: Proposal, held: Mapping[str, Held], ref: NormReference) -> list[str]:
+    """Why the reference ``p`` states cannot follow ``ref`` (this validator's, which is the one the
+    previous certified aggregate stated): it may move each tensor (and its baseline) by at most
+    ``validator.reference_step`` per window, never drop a tensor, and a tensor it starts lies within
+    :data:`TOLERANCE` of the lower median of the window's contributions' norms."""
+    nxt = stated_reference(p)
+    if nxt is None:
+        return ["the proposal's reference is unreadable or not the one its aggregate names"]
+    step = spec.validator.reference_step * (1 + 1e-9)
+    median = window_value([h.norms.tensors for h in held.values()])
+    out = [f"{name}: dropped from the reference" for name in sorted(set(ref.tensors) - set(nxt.tensors))]
+    for name, t in sorted(nxt.tensors.items()):
+        old = ref.tensors.get(name)
+        pairs = (
+            [(t.norm, old.norm, step), (nxt.base(name).norm, ref.base(name).norm, step)]
+            if old is not None
+            else [(t.norm, median[name].norm if name in median else 0.0, TOLERANCE)]
+        )
+        for new, before, bound in pairs:
+            if before > 0 and not before / bound <= new <= before * bound:
+                out.append(f"{name}: reference {new:.4g} after {before:.4g}, at most ×{bound:.3g} apart")
+            elif before <= 0 and old is None:
+                out.append(f"{name}: a reference of {new:.4g} for a tensor no contribution sent")
+    return out[:8]
 
 
 def _differences(mine: Mapping[str, AggregateTensor], theirs: Mapping[str, AggregateTensor]) -> str:

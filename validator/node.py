@@ -322,7 +322,9 @@ class Validator:
         """Apply aggregates already published for the saved window (a crash after publishing, or a
         lost state directory): the chain in the store is the truth."""
         while (found := self.launcher.published(self._state())) is not None:
-            self.committer.adopt(*found)
+            agg, params = found
+            ref = None if self.agreement is None else self.agreement.reference_after(agg)
+            self.committer.adopt(agg, params, ref=ref)
 
     # ------------------------------------------------------------------ helpers
     def _state(self) -> ValidatorState:

@@ -142,16 +142,31 @@ def _limit(name: str, c: TensorCaps, schema: Schema) -> NormLimit:
 
 
 # ------------------------------------------------------------------------------ proposal
+MAX_REFERENCE_BYTES = 4 << 20
+
+
 @dataclass(frozen=True)
 class Proposal:
-    """A leader's aggregate of window ``aggregate.value.window`` in ``view``, with the caps it applied."""
+    """A leader's aggregate of window ``aggregate.value.window`` in ``view``, with the caps it
+    applied and ``reference``: the norm reference after the window (the validator's JSON form),
+    whose sha256 the aggregate's signed metadata names, so that every validator continues from
+    the same one."""
 
     view: int
     caps: Caps
     aggregate: Verified[Aggregate]
+    reference: bytes = b""
 
 
-def encode_proposal(view: int, caps: Caps, aggregate: bytes, window: int, run_hash: str, identity: Identity) -> bytes:
+def encode_proposal(
+    view: int,
+    caps: Caps,
+    aggregate: bytes,
+    window: int,
+    run_hash: str,
+    identity: Identity,
+    reference: bytes = b"",
+) -> bytes:
     """Sign a proposal around ``aggregate`` (the leader's signed aggregate bytes)."""
     w = Writer()
     w.varint(view)
@@ -173,6 +188,10 @@ def encode_proposal(view: int, caps: Caps, aggregate: bytes, window: int, run_ha
             for i, cap in c.rows:
                 w.varint(i)
                 w.f64(cap)
+    if len(reference) > MAX_REFERENCE_BYTES:
+        raise MalformedPayload(f"a reference of {len(reference)} bytes, at most {MAX_REFERENCE_BYTES}")
+    w.varint(len(reference))
+    w.raw(reference)
     return seal(Kind.PROPOSAL, run_hash, window, identity, w.getvalue(), aggregate)
 
 
@@ -198,6 +217,7 @@ def decode_proposal(
         if peer in caps:
             raise r.fail(f"caps of {peer} twice")
         caps[peer] = None if r.u8() == 0 else _read_tensor_caps(r)
+    reference = bytes(r.take(r.varint(MAX_REFERENCE_BYTES)))
     r.end()
     agg = decode_aggregate(
         bytes(env.payload),
@@ -209,7 +229,7 @@ def decode_proposal(
     )
     if agg.public_key != env.public_key:
         raise MalformedPayload(f"proposal by {peer_id_of(env.public_key)} carries an aggregate by {agg.sender}")
-    return verified(Proposal(view, caps, agg), env)
+    return verified(Proposal(view, caps, agg, reference), env)
 
 
 def _read_tensor_caps(r: Reader) -> dict[str, TensorCaps]:
