@@ -280,13 +280,21 @@ def test_a_follower_objects_to_a_contribution_that_is_not_the_one_named(vs: Vali
     assert judge(proposal).endorsed and judge(proposal).params is not None
     # the same aggregate proposed by a validator that does not lead view 0
     other = vs.by_id[vs.quorum.leader(0, 2)]
+    reference = proposal.value.reference
     relabelled = decode_proposal(
+        encode_proposal(0, proposal.value.caps, _inner(vs, key), 0, vs.swarm.run_hash, vs.by_id[leader], reference),
+        run_hash=vs.swarm.run_hash,
+        max_bytes=cap,
+        allowed_signers=vs.spec.validator.public_keys,
+    )
+    assert judge(relabelled).endorsed  # the same proposal signed again: fine
+    unstated = decode_proposal(  # without the reference its aggregate names
         encode_proposal(0, proposal.value.caps, _inner(vs, key), 0, vs.swarm.run_hash, vs.by_id[leader]),
         run_hash=vs.swarm.run_hash,
         max_bytes=cap,
         allowed_signers=vs.spec.validator.public_keys,
     )
-    assert judge(relabelled).endorsed  # same signer, same view: fine
+    assert [r.check for r in judge(unstated).reasons] == ["reference"]
     with pytest.raises(MalformedPayload):  # an aggregate signed by the leader inside another key's proposal
         decode_proposal(
             encode_proposal(0, proposal.value.caps, _inner(vs, key), 0, vs.swarm.run_hash, other),
