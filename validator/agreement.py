@@ -104,6 +104,7 @@ class Round:
     objections: set[str] = field(default_factory=set)  # objection keys read
     reread: dict[str, int] = field(default_factory=dict)  # signer → the view its endorsement was last read in
     objected: dict[str, set[str]] = field(default_factory=dict)  # aggregate digest → who objected to it
+    read: dict[str, bytes] = field(default_factory=dict)  # contributions the intake read: peer → bytes
     mine: Proposed | None = None
     view: int = 0  # the newest view this validator has seen begin
 
@@ -145,11 +146,17 @@ class Agreement:
         self.liar = fault == "liar"
 
     def run(
-        self, st: ValidatorState, closed_at: float, lead: Callable[[int], WindowDecision], unannounced: int
+        self,
+        st: ValidatorState,
+        closed_at: float,
+        lead: Callable[[int], WindowDecision],
+        unannounced: int,
+        read: Mapping[str, bytes] | None = None,
     ) -> WindowPublished | None:
         """Agree on window ``st.window`` (its intake closed at ``closed_at``): the report once its
-        aggregate is certified, None when stopped first. ``lead(view)``: this validator's decision."""
-        r = Round(st.window, st.base, closed_at)
+        aggregate is certified, None when stopped first. ``lead(view)``: this validator's decision;
+        ``read``: the contributions its intake read (peer → bytes), which judging does not fetch again."""
+        r = Round(st.window, st.base, closed_at, read=dict(read or {}))
         clock = PhaseClock()
         while True:
             found = self.chain.next_aggregate(r.window, r.base)
@@ -302,6 +309,7 @@ class Agreement:
                 params=st.params,
                 feedback=self.committer.feedback,
                 reference=st.reference,
+                read=r.read,
             )
             r.judged[proposer] = verdict
             if not verdict.endorsed:

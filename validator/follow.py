@@ -91,13 +91,16 @@ class Follower:
         params: Mapping[str, torch.Tensor],
         feedback: FeedbackState,
         reference: NormReference,
+        read: Mapping[str, bytes] | None = None,
     ) -> Judgement:
-        """The verdict on ``proposal`` for the window open at ``base`` with θ_t = ``params``."""
+        """The verdict on ``proposal`` for the window open at ``base`` with θ_t = ``params``.
+        ``read``: contributions this validator already read in the window (peer → bytes); one
+        with the digest the manifest names is not fetched again."""
         p, agg = proposal.value, proposal.value.aggregate.value
         reasons = self._proposal(proposal, base)
         if reasons:
             return Judgement(reasons)
-        held, found = self._contributions(agg, previous_base)
+        held, found = self._contributions(agg, previous_base, read or {})
         found += self._bounds(held, p, reference)
         found += [Reason("reference", "", why) for why in reference_problems(self.spec, p, held, reference)]
         if found:
@@ -130,8 +133,11 @@ class Follower:
             )
         return tuple(out)
 
-    def _contributions(self, agg: Aggregate, previous_base: str | None) -> tuple[dict[str, Held], list[Reason]]:
-        """Every contribution the manifest names, fetched by key, matched by digest and screened."""
+    def _contributions(
+        self, agg: Aggregate, previous_base: str | None, read: Mapping[str, bytes]
+    ) -> tuple[dict[str, Held], list[Reason]]:
+        """Every contribution the manifest names, matched by digest (fetched by key unless
+        already ``read``) and screened."""
         ctx = checks.Context(
             run_hash=self.run_hash,
             window=agg.window,
@@ -144,11 +150,13 @@ class Follower:
         held: dict[str, Held] = {}
         reasons: list[Reason] = []
         for m in agg.manifest:
-            try:
-                data = self.store.get(layout.contrib_key(self.run, agg.window, m.peer_id), max_bytes=self.max_bytes)
-            except ObjectNotFound:
-                reasons.append(Reason("contribution", m.peer_id, "not in the store"))
-                continue
+            data = read.get(m.peer_id, b"")
+            if hashlib.sha256(data).hexdigest() != m.digest:
+                try:
+                    data = self.store.get(layout.contrib_key(self.run, agg.window, m.peer_id), max_bytes=self.max_bytes)
+                except ObjectNotFound:
+                    reasons.append(Reason("contribution", m.peer_id, "not in the store"))
+                    continue
             digest = hashlib.sha256(data).hexdigest()
             if digest != m.digest:
                 reasons.append(

@@ -275,7 +275,8 @@ class Validator:
 
         self.committer.record_late(w.t - 1, self.registry.announcements)  # uploads that missed the previous window
         if self.agreement is not None:  # several validators: proposed, endorsed, certified
-            return self.agreement.run(st, self.clock(), decide, uploads.unannounced)
+            read = {s.peer: s.held.data for s in uploads.screened if s.held is not None and s.held.data}
+            return self.agreement.run(st, self.clock(), decide, uploads.unannounced, read)
         return self.committer.publish(st, decide(), uploads.unannounced, clock)
 
     def _evaluate(self, report: WindowPublished) -> None:
