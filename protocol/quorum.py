@@ -29,7 +29,8 @@ n     m     crashed (liveness)  lying (safety, f)
 7     5     2                   2
 ====  ====  ==================  ====================
 
-f lying validators are tolerated in both respects when n ≥ 3f + 1 and m = 2f + 1 … n − f.
+f lying validators are tolerated in both respects when 2m − n ≥ f + 1 and m ≤ n − f, which
+needs n ≥ 3f + 1 (n = 3f + 1: m = 2f + 1; n = 5: m = 4 for f = 1, m = 3 tolerates no lie).
 ``protocol.config`` rejects a quorum that two groups of honest validators could each reach
 (2m ≤ n) or that no n validators can (m > n).
 """

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from wire_samples import CODEC, PEER, RUN, VALIDATOR, blobs, contribution
+from wire_samples import CODEC, PEER, RUN, VALIDATOR, all_blobs, contribution
 
 from protocol import codec
 from protocol.config import CodecConfig
@@ -60,7 +60,7 @@ def _codec_fields(**change: object) -> dict[str, object]:
 def seeds() -> dict[str, dict[str, bytes]]:
     """target -> seed name -> bytes."""
     g = torch.Generator().manual_seed(1)
-    objects = {f"ok-{kind.label}": blob for kind, blob in blobs().items()}
+    objects = {f"ok-{kind.label}": blob for kind, blob in all_blobs().items()}
     rice = codec.pack(codec.encode(torch.randn(64, 64, generator=g), CODEC))
     payloads = {
         "ok-rice-64x64": rice,

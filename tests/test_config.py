@@ -131,3 +131,56 @@ def test_without_a_warm_up_every_window_has_the_codec_k() -> None:
 def test_bad_top_k_warm_ups_are_refused(outer: dict[str, int], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         RunSpec.default().replace(outer=outer)
+
+
+# ------------------------------------------------------------------------------ several validators
+def _keys(n: int) -> list[str]:
+    return [f"{i + 1:02x}" * 32 for i in range(n)]
+
+
+def test_one_validator_needs_its_own_signature_and_the_run_is_unchanged() -> None:
+    one = RunSpec.default().replace(validator={"public_keys": _keys(1)})
+    assert one.validator.quorum == 0 and one.validator.signing_quorum == 1 and one.validator.handover_s == 0.0
+    assert RunSpec.default().validator.signing_quorum == 1  # no keys yet: a majority of nothing is 1
+    # the defaults are part of the run: writing them out changes neither the spec nor its hash
+    explicit = RunSpec.loads(one.to_toml())
+    assert explicit == one and explicit.hash() == one.hash()
+    assert one.replace(validator={"quorum": 1}).validator.signing_quorum == 1
+
+
+@pytest.mark.parametrize("n, quorum, m", [(2, 0, 2), (3, 0, 2), (3, 2, 2), (3, 3, 3), (4, 0, 3), (4, 4, 4), (7, 0, 4)])
+def test_the_signing_quorum_is_the_configured_one_or_a_majority(n: int, quorum: int, m: int) -> None:
+    spec = RunSpec.default().replace(validator={"public_keys": _keys(n), "quorum": quorum})
+    assert spec.validator.signing_quorum == m
+
+
+@pytest.mark.parametrize(
+    "n, quorum, fragments",
+    [
+        (4, 2, ["unsafe", "2 of 4", "at least 3"]),  # two disjoint pairs could each sign a window
+        (2, 1, ["unsafe", "at least 2"]),
+        (6, 3, ["unsafe", "at least 4"]),
+        (4, 5, ["validator.quorum = 5", "4 keys"]),  # more signatures than there are keys
+        (1, 2, ["validator.quorum = 2", "1 keys"]),
+        (3, -1, ["validator.quorum must be >= 0"]),
+    ],
+)
+def test_unsafe_or_impossible_quorums_are_refused(n: int, quorum: int, fragments: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        RunSpec.default().replace(validator={"public_keys": _keys(n), "quorum": quorum})
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("handover", [-1.0, float("nan"), float("inf")])
+def test_bad_handover_timeouts_are_refused(handover: float) -> None:
+    with pytest.raises(ConfigError, match="validator.handover_s"):
+        RunSpec.default().replace(validator={"public_keys": _keys(3), "handover_s": handover})
+
+
+def test_quorum_and_handover_are_part_of_the_run() -> None:
+    base = RunSpec.default().replace(validator={"public_keys": _keys(4)})
+    assert base.replace(validator={"quorum": 4}).hash() != base.hash()
+    assert base.replace(validator={"handover_s": 30.0}).hash() != base.hash()
+    again = RunSpec.loads(base.replace(validator={"quorum": 4, "handover_s": 30.0}).to_toml())
+    assert (again.validator.signing_quorum, again.validator.handover_s) == (4, 30.0)

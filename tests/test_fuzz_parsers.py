@@ -29,7 +29,7 @@ import torch
 from fuzz_seeds import CODEC_INPUTS, load
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from wire_samples import BASE, CODEC, PEER, RUN, SCHEMA, VALIDATOR, resign
+from wire_samples import BASE, CODEC, PEER, RUN, SCHEMA, VALIDATOR, decode_any, resign
 
 from protocol.codec import unpack
 from protocol.config import CodecConfig
@@ -38,7 +38,6 @@ from protocol.identity import Identity
 from protocol.store.dht.pieces import decode_manifest
 from protocol.store.dht.policy import WritePolicy
 from protocol.store.dht.records import open_record, seal_record
-from protocol.wire import decode_object
 from protocol.wire.frame import FIXED_HEADER_BYTES, Kind, open_envelope, peek_kind
 from validator import checks
 
@@ -64,6 +63,10 @@ SIGNERS = {
     Kind.CHECKPOINT: VALIDATOR,
     Kind.ANNOUNCEMENT: PEER,
     Kind.DATASET: VALIDATOR,
+    Kind.PROPOSAL: VALIDATOR,
+    Kind.ENDORSEMENT: VALIDATOR,
+    Kind.OBJECTION: VALIDATOR,
+    Kind.CERTIFICATE: VALIDATOR,
 }
 POLICY = WritePolicy("sparseloco", [VALIDATOR.public_key])
 
@@ -146,7 +149,7 @@ def test_the_seeds_that_once_broke_a_parser_are_rejected() -> None:
 
 # ---------------------------------------------------------------------------------------- envelope and objects
 def _decode(data: bytes) -> Any:
-    return decode_object(data, max_bytes=CAP)
+    return decode_any(data, max_bytes=CAP)
 
 
 @FUZZ

@@ -12,6 +12,7 @@ from protocol.errors import MalformedPayload
 from protocol.identity import Identity
 
 PEER = Identity.from_seed(b"k" * 32).peer_id
+LEADER = Identity.from_seed(b"l" * 32).peer_id
 RUN = layout.run_id(RunSpec.default().hash())
 
 
@@ -34,6 +35,42 @@ def test_parse_key_roundtrips_every_kind() -> None:
     assert layout.parse_key(layout.checkpoint_manifest_key(RUN, 5)).file == "manifest"
     assert layout.parse_key(layout.peer_key(RUN, PEER)) == layout.ParsedKey(RUN, "peers", peer_id=PEER)
     assert layout.parse_key(layout.contrib_key(RUN, 42, PEER)).window == 42
+
+
+def test_the_keys_of_several_validators() -> None:
+    assert layout.proposal_key(RUN, 3, PEER) == f"{RUN}/proposal/00000003/{PEER}"
+    assert layout.endorsement_key(RUN, 3, PEER) == f"{RUN}/endorsement/00000003/{PEER}"
+    assert layout.objection_key(RUN, 3, PEER, LEADER) == f"{RUN}/objection/00000003/{PEER}/{LEADER}"
+    assert layout.proposal_key(RUN, 3, PEER).startswith(layout.proposal_prefix(RUN, 3))
+    assert layout.endorsement_key(RUN, 3, PEER).startswith(layout.endorsement_prefix(RUN, 3))
+    assert layout.objection_key(RUN, 3, PEER, LEADER).startswith(layout.objection_prefix(RUN, 3))
+    assert layout.parse_key(layout.proposal_key(RUN, 3, PEER), run=RUN) == layout.ParsedKey(RUN, "proposal", 3, PEER)
+    assert layout.parse_key(layout.endorsement_key(RUN, 9, PEER)) == layout.ParsedKey(RUN, "endorsement", 9, PEER)
+    parsed = layout.parse_key(layout.objection_key(RUN, 3, PEER, LEADER))
+    assert parsed == layout.ParsedKey(RUN, "objection", 3, peer_id=PEER, file=LEADER)  # the writer, then the proposer
+    assert set(layout.VALIDATOR_KINDS) <= set(layout.KINDS)
+    with pytest.raises(MalformedPayload):
+        layout.objection_key(RUN, 3, PEER, "../x")
+    with pytest.raises(MalformedPayload):
+        layout.endorsement_key(RUN, -1, PEER)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        f"{RUN}/proposal/00000003",
+        f"{RUN}/proposal/00000003/{PEER}/{LEADER}",
+        f"{RUN}/proposal/3/{PEER}",
+        f"{RUN}/endorsement/00000003/{PEER.upper()}",
+        f"{RUN}/endorsement/00000003/{PEER}/x",
+        f"{RUN}/objection/00000003/{PEER}",  # no proposer
+        f"{RUN}/objection/00000003/{PEER}/..",
+        f"{RUN}/objection/00000003/{PEER}/{LEADER}/x",
+    ],
+)
+def test_the_keys_of_several_validators_parse_strictly(key: str) -> None:
+    with pytest.raises(MalformedPayload):
+        layout.parse_key(key)
 
 
 @pytest.mark.parametrize(

@@ -127,6 +127,68 @@ def test_who_may_write_which_object(signer: Identity, key: str, ok: bool) -> Non
     assert allowed(manifest_record(signer, key)) is ok
 
 
+SECOND = Identity.from_seed(b"w" * 32)  # a second validator of a run with several
+SEVERAL = WritePolicy(NS, [VALIDATOR.public_key, SECOND.public_key])
+V, V2 = VALIDATOR.peer_id, SECOND.peer_id
+
+
+def allowed_by(policy: WritePolicy, raw: bytes) -> bool:
+    try:
+        policy.check(open_record(raw))
+    except ProtocolError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "signer, key, ok",
+    [
+        (VALIDATOR, f"{RUN}/proposal/00000003/{V}", True),  # its own
+        (VALIDATOR, f"{RUN}/endorsement/00000003/{V}", True),
+        (VALIDATOR, f"{RUN}/objection/00000003/{V}/{V2}", True),
+        (VALIDATOR, f"{RUN}/objection/00000003/{V}/{V}", True),
+        (VALIDATOR, f"{RUN}/proposal/00000003/{V2}", False),  # another validator's
+        (VALIDATOR, f"{RUN}/endorsement/00000003/{V2}", False),
+        (VALIDATOR, f"{RUN}/objection/00000003/{V2}/{V}", False),
+        (SECOND, f"{RUN}/endorsement/00000003/{V2}", True),
+        (SECOND, f"{RUN}/endorsement/00000003/{V}", False),
+        (PEER, f"{RUN}/proposal/00000003/{PEER.peer_id}", False),  # a peer writes none, not even under its id
+        (PEER, f"{RUN}/endorsement/00000003/{PEER.peer_id}", False),
+        (PEER, f"{RUN}/objection/00000003/{PEER.peer_id}/{V}", False),
+        (PEER, f"{RUN}/endorsement/00000003/{V}", False),
+        (VALIDATOR, f"{RUN}/endorsement/3/{V}", False),  # not the layout: nobody
+        (VALIDATOR, f"{RUN}/objection/00000003/{V}", False),
+        (VALIDATOR, f"{RUN}/endorsement/00000003/{V}/x", False),
+        (SECOND, f"{RUN}/aggregate/00000003", True),  # a certificate: any validator writes it
+        (SECOND, f"{RUN}/checkpoint/00000000/manifest", True),
+    ],
+)
+def test_each_validator_writes_only_its_own_proposals_endorsements_and_objections(
+    signer: Identity, key: str, ok: bool
+) -> None:
+    assert allowed_by(SEVERAL, manifest_record(signer, key)) is ok
+
+
+@pytest.mark.parametrize(
+    "signer, path, name, marker, ok",
+    [
+        (VALIDATOR, f"{RUN}/endorsement/00000003", V, FILE, True),
+        (VALIDATOR, f"{RUN}/endorsement/00000003", V2, FILE, False),  # listing another's endorsement
+        (VALIDATOR, f"{RUN}/objection/00000003/{V}", V2, FILE, True),
+        (VALIDATOR, f"{RUN}/objection/00000003/{V2}", V, FILE, False),
+        (VALIDATOR, f"{RUN}/objection/00000003", f"{V}/", FOLDER, True),
+        (VALIDATOR, f"{RUN}/proposal", "00000003/", FOLDER, True),
+        (PEER, f"{RUN}/proposal", "00000003/", FOLDER, False),  # below it only validators write
+        (PEER, f"{RUN}/endorsement/00000003", PEER.peer_id, FILE, False),
+        (PEER, RUN, "endorsement/", FOLDER, False),
+    ],
+)
+def test_directory_entries_of_validator_objects(
+    signer: Identity, path: str, name: str, marker: bytes, ok: bool
+) -> None:
+    assert allowed_by(SEVERAL, entry_record(signer, path, name, marker)) is ok
+
+
 @pytest.mark.parametrize(
     "signer, path, name, marker, owner, ok",
     [

@@ -8,6 +8,7 @@ import torch
 
 from protocol import codec
 from protocol.config import CodecConfig, RunSpec
+from protocol.errors import PayloadTooLarge
 from protocol.identity import Identity
 from protocol.layout import checkpoint_key, run_id
 from protocol.wire import (
@@ -21,6 +22,7 @@ from protocol.wire import (
     ManifestEntry,
     PipelineRole,
     SparseDelta,
+    decode_object,
     encode_aggregate,
     encode_announcement,
     encode_checkpoint,
@@ -28,7 +30,22 @@ from protocol.wire import (
     encode_dataset,
 )
 from protocol.wire.delta import round_values
-from protocol.wire.frame import Kind, seal
+from protocol.wire.frame import Kind, peek_kind, seal
+from protocol.wire.quorum import (
+    Endorsement,
+    Objection,
+    Reason,
+    TensorCaps,
+    certificate_bytes,
+    decode_certificate,
+    decode_endorsement,
+    decode_objection,
+    decode_proposal,
+    encode_certificate,
+    encode_endorsement,
+    encode_objection,
+    encode_proposal,
+)
 
 RUN = RunSpec.default().hash()
 RUN_ID = run_id(RUN)
@@ -39,6 +56,9 @@ VALIDATOR = Identity.from_seed(b"v" * 32)
 BASE = hashlib.sha256(b"aggregate 6").hexdigest()
 LAUNCH = hashlib.sha256(b"genesis manifest").hexdigest()
 PUBLISHED_AT = 1_767_225_600.25
+#: The other validators of a run with several (protocol.quorum): VALIDATOR leads, all three endorse.
+COVALIDATORS = (Identity.from_seed(b"u" * 32), Identity.from_seed(b"x" * 32))
+QUORUM = 3
 
 
 def contribution(window: int = 7, base: str = BASE, seed: int = 0) -> Contribution:
@@ -93,6 +113,52 @@ def blobs() -> dict[Kind, bytes]:
         Kind.ANNOUNCEMENT: encode_announcement(announcement(), PEER),
         Kind.DATASET: encode_dataset(dataset(), RUN, VALIDATOR),
     }
+
+
+def quorum_blobs() -> dict[Kind, bytes]:
+    """One valid object of each kind of a run with several validators, all signed by VALIDATOR."""
+    agg = encode_aggregate(aggregate(), VALIDATOR)
+    digest = hashlib.sha256(agg).hexdigest()
+    caps = {
+        PEER.peer_id: {
+            "blocks.0.attn.wq.weight": TensorCaps(2.5, 0.75, 96, ((0, 0.0), (5, 0.25))),
+            "blocks.0.norm.weight": TensorCaps(0.5, float("inf"), 0),
+        },
+        COVALIDATORS[0].peer_id: None,
+    }
+    endorsements = [
+        encode_endorsement(Endorsement(RUN, 7, 0, VALIDATOR.peer_id, digest), v) for v in (VALIDATOR, *COVALIDATORS)
+    ]
+    reasons = (Reason("norm", PEER.peer_id, "‖Δ‖ 3.5 > cap 2.0"), Reason("fingerprint", "", "θ differs"))
+    return {
+        Kind.PROPOSAL: encode_proposal(1, caps, agg, 7, RUN, VALIDATOR),
+        Kind.ENDORSEMENT: endorsements[0],
+        Kind.OBJECTION: encode_objection(Objection(RUN, 7, 1, VALIDATOR.peer_id, digest, reasons), VALIDATOR),
+        Kind.CERTIFICATE: encode_certificate(agg, endorsements, 7, RUN, VALIDATOR),
+    }
+
+
+def all_blobs() -> dict[Kind, bytes]:
+    """One valid signed object of every kind."""
+    return {**blobs(), **quorum_blobs()}
+
+
+def decode_any(data: bytes, max_bytes: int, run_hash: str | None = None) -> object:
+    """Decode an object of any kind, like ``decode_object`` (which knows the five kinds that
+    ``sparseloco inspect`` shows), any signer allowed; a certificate needs QUORUM endorsements."""
+    if len(data) > max_bytes:
+        raise PayloadTooLarge(f"object is {len(data)} bytes, limit {max_bytes}")
+    kind = peek_kind(data)
+    if kind == Kind.PROPOSAL:
+        return decode_proposal(data, run_hash=run_hash, max_bytes=max_bytes, allowed_signers=None)
+    if kind == Kind.ENDORSEMENT:
+        return decode_endorsement(data, run_hash=run_hash, allowed_signers=None)
+    if kind == Kind.OBJECTION:
+        return decode_objection(data, run_hash=run_hash, allowed_signers=None)
+    if kind == Kind.CERTIFICATE:
+        cap = certificate_bytes(max_bytes, QUORUM)
+        return decode_certificate(data, run_hash=run_hash, max_bytes=cap, allowed_signers=None, quorum=QUORUM)
+    return decode_object(data, max_bytes=max_bytes, run_hash=run_hash)
 
 
 def resign(data: bytes, identity: Identity, *, body: bytes | None = None, payload: bytes | None = None) -> bytes:

@@ -3,8 +3,9 @@
 With more than one validator (:mod:`protocol.quorum`) an aggregate reaches peers in four steps:
 
 ``Proposal`` (by the view's leader, ``<run>/proposal/<t>/<validator id>``)
-    body: view, the clip caps it applied to every accepted contribution (per tensor: norm cap,
-    row cap, row length, and the rows capped below the row cap); payload: the leader's signed
+    body: view, the clip caps it applied to every accepted contribution (per tensor: norm cap and
+    row cap, either of them off (infinite), row length, and the rows capped below the row cap, the
+    rows held back at 0 among them; peers and tensors sorted); payload: the leader's signed
     :class:`~protocol.wire.aggregate.Aggregate` (Δ̄ in its published form, the manifest of
     contributions by digest with their weights, θ_{t+1}'s fingerprint, the scoring seed reveal).
     Everything another validator needs to recompute Δ̄ and θ_{t+1} bit for bit.
@@ -26,6 +27,7 @@ With more than one validator (:mod:`protocol.quorum`) an aggregate reaches peers
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,7 +35,7 @@ import torch
 
 from protocol.aggregate import NormLimit
 from protocol.errors import MalformedPayload, ProtocolError
-from protocol.identity import Identity, peer_id_of
+from protocol.identity import PEER_ID_BYTES, Identity, peer_id_of
 from protocol.wire.aggregate import Aggregate, decode_aggregate
 from protocol.wire.fields import Reader, Schema, Writer, digest_to_bytes, read_peer_id, write_peer_id
 from protocol.wire.frame import ENVELOPE_OVERHEAD, Kind, open_envelope, seal
@@ -65,6 +67,8 @@ __all__ = [
 MAX_ENDORSEMENT_BYTES = 1024
 MAX_OBJECTION_BYTES = 64 << 10
 MAX_REASONS = 64
+MAX_LABEL_BYTES = 64  # a reason's check and peer (UTF-8 bytes)
+MAX_DETAIL_BYTES = 512  # a reason's numbers: MAX_REASONS of the longest reasons fit MAX_OBJECTION_BYTES
 MAX_VIEW = 1 << 20
 
 
@@ -181,8 +185,7 @@ def encode_proposal(
         for name in sorted(per_tensor):
             c = per_tensor[name]
             w.text(name, 255)
-            w.f64(c.norm)
-            w.f64(c.row)
+            _write_caps(w, c.norm, c.row)
             w.varint(c.row_len)
             w.varint(len(c.rows))
             for i, cap in c.rows:
@@ -212,11 +215,14 @@ def decode_proposal(
     r = Reader(env.body, "proposal")
     view = r.varint(MAX_VIEW)
     caps: dict[str, dict[str, TensorCaps] | None] = {}
-    for _ in range(r.count(21, 1 << 20, "capped contributions")):
+    for _ in range(r.count(PEER_ID_BYTES + 1, 1 << 20, "capped contributions")):
         peer = read_peer_id(r)
-        if peer in caps:
-            raise r.fail(f"caps of {peer} twice")
-        caps[peer] = None if r.u8() == 0 else _read_tensor_caps(r)
+        if caps and peer <= next(reversed(caps)):
+            raise r.fail(f"caps of {peer} out of order or twice")
+        clipped = r.u8()
+        if clipped > 1:
+            raise r.fail(f"caps of {peer}: flag {clipped}")
+        caps[peer] = _read_tensor_caps(r) if clipped else None
     reference = bytes(r.take(r.varint(MAX_REFERENCE_BYTES)))
     r.end()
     agg = decode_aggregate(
@@ -232,13 +238,36 @@ def decode_proposal(
     return verified(Proposal(view, caps, agg, reference), env)
 
 
+def _write_caps(w: Writer, norm: float, row: float) -> None:
+    """A tensor's norm and row caps: a flags byte (bit 0: no norm cap, bit 1: no row cap above the
+    per-row ones, i.e. an infinite cap, which an f64 field cannot hold), then each finite cap."""
+    if math.isnan(norm) or math.isnan(row) or norm < 0 or row < 0:
+        raise MalformedPayload(f"caps must be numbers >= 0, got norm {norm} and row {row}")
+    w.u8(int(norm == math.inf) | int(row == math.inf) << 1)
+    for cap in (norm, row):
+        if cap != math.inf:
+            w.f64(cap)
+
+
+def _read_cap(r: Reader, off: bool) -> float:
+    if off:
+        return math.inf
+    cap = r.f64()
+    if cap < 0:
+        raise r.fail(f"negative cap {cap}")
+    return cap
+
+
 def _read_tensor_caps(r: Reader) -> dict[str, TensorCaps]:
     out: dict[str, TensorCaps] = {}
-    for _ in range(r.count(20, 1 << 14, "capped tensors")):
-        name, norm, row, row_len = r.text(255), r.f64(), r.f64(), r.varint()
-        rows = tuple((r.varint(), r.f64()) for _ in range(r.count(9, 1 << 26, "row caps")))
-        if name in out:
-            raise r.fail(f"caps of {name!r} twice")
+    for _ in range(r.count(4, 1 << 14, "capped tensors")):
+        name, flags = r.text(255), r.u8()
+        if flags > 3:
+            raise r.fail(f"caps of {name!r}: flags {flags}")
+        norm, row, row_len = _read_cap(r, bool(flags & 1)), _read_cap(r, bool(flags & 2)), r.varint()
+        rows = tuple((r.varint(), _read_cap(r, False)) for _ in range(r.count(9, 1 << 26, "row caps")))
+        if out and name <= next(reversed(out)):
+            raise r.fail(f"caps of {name!r} out of order or twice")
         if any(b[0] <= a[0] for a, b in zip(rows, rows[1:], strict=False)):
             raise r.fail(f"row caps of {name!r} are not sorted and unique")
         out[name] = TensorCaps(norm, row, row_len, rows)
@@ -315,14 +344,18 @@ def encode_objection(o: Objection, identity: Identity) -> bytes:
     reasons = o.reasons[:MAX_REASONS]
     w.varint(len(reasons))
     for reason in reasons:
-        w.text(reason.check[:64], 64)
-        w.text(reason.peer[:64], 64)
-        w.text(_clip_text(reason.detail, 512), 1024)
+        w.text(_clip_text(reason.check, MAX_LABEL_BYTES), MAX_LABEL_BYTES)
+        w.text(_clip_text(reason.peer, MAX_LABEL_BYTES), MAX_LABEL_BYTES)
+        w.text(_clip_text(reason.detail, MAX_DETAIL_BYTES), MAX_DETAIL_BYTES)
     return seal(Kind.OBJECTION, o.run_hash, o.window, identity, w.getvalue(), b"")
 
 
-def _clip_text(text: str, chars: int) -> str:
-    return text if len(text) <= chars else text[: chars - 1] + "…"
+def _clip_text(text: str, max_bytes: int) -> str:
+    """``text`` if its UTF-8 form fits ``max_bytes``, else its longest prefix that fits with "…"."""
+    raw = text.encode("utf-8")
+    if len(raw) <= max_bytes:
+        return text
+    return raw[: max_bytes - len("…".encode())].decode("utf-8", errors="ignore") + "…"
 
 
 def decode_objection(
@@ -338,7 +371,10 @@ def decode_objection(
     check_window_sender(env, window, sender)
     r = Reader(env.body, "objection")
     view, proposer, digest = r.varint(MAX_VIEW), read_peer_id(r), r.digest()
-    reasons = tuple(Reason(r.text(64), r.text(64), r.text(1024)) for _ in range(r.count(3, MAX_REASONS, "reasons")))
+    reasons = tuple(
+        Reason(r.text(MAX_LABEL_BYTES), r.text(MAX_LABEL_BYTES), r.text(MAX_DETAIL_BYTES))
+        for _ in range(r.count(3, MAX_REASONS, "reasons"))
+    )
     r.end()
     return verified(Objection(env.run_hash, env.window, view, proposer, digest, reasons), env)
 
@@ -398,7 +434,7 @@ def decode_certificate(
     for _ in range(r.count(ENVELOPE_OVERHEAD, 1 << 10, "endorsements")):
         blob = bytes(r.take(r.varint(MAX_ENDORSEMENT_BYTES)))
         try:
-            e = decode_endorsement(blob, run_hash=run_hash, allowed_signers=allowed_signers, window=env.window)
+            e = decode_endorsement(blob, run_hash=env.run_hash, allowed_signers=allowed_signers, window=env.window)
         except ProtocolError:
             continue
         if e.value.aggregate == agg.digest and e.sender not in signers:
