@@ -95,7 +95,7 @@ class Follower:
         reasons = self._proposal(proposal, base)
         if reasons:
             return Judgement(reasons)
-        held, found = self._contributions(agg, previous_base)
+        held, found = self.contributions(agg, previous_base)
         found += self._bounds(held, p, reference)
         if found:
             return Judgement(tuple(found))
@@ -127,7 +127,7 @@ class Follower:
             )
         return tuple(out)
 
-    def _contributions(self, agg: Aggregate, previous_base: str | None) -> tuple[dict[str, Held], list[Reason]]:
+    def contributions(self, agg: Aggregate, previous_base: str | None) -> tuple[dict[str, Held], list[Reason]]:
         """Every contribution the manifest names, fetched by key, matched by digest and screened."""
         ctx = checks.Context(
             run_hash=self.run_hash,
