@@ -233,6 +233,39 @@ def test_a_re_signed_certificate_with_a_false_delta_is_a_mismatch(several: Run, 
         MemoryStore.forget(copy.name)
 
 
+def test_an_under_signed_certificate_stops_the_audit_as_a_mismatch(several: Run) -> None:
+    copy = _copy(several)
+    try:
+        store, h = MemoryStore(copy.name), copy.spec.hash()
+        agg = Chain(copy.spec, store).aggregate(1)
+        assert agg is not None
+        blob = encode_aggregate(agg.value, next(k for k in copy.keys if k.peer_id == agg.sender))
+        digest = hashlib.sha256(blob).hexdigest()
+        two = [encode_endorsement(Endorsement(h, 1, 0, agg.sender, digest), k) for k in copy.keys[:2]]
+        store.put(layout.aggregate_key(copy.run, 1), encode_certificate(blob, two, 1, h, copy.keys[0]))
+        rows = _audit(copy)
+        assert [(r.window, r.verdict) for r in rows] == [(0, OK), (1, MISMATCH)]  # θ cannot go past it
+        assert "no_quorum" in rows[1].detail
+    finally:
+        MemoryStore.forget(copy.name)
+
+
+def test_a_missing_proposal_and_junk_at_an_aggregate_key_are_mismatches(several: Run) -> None:
+    copy = _copy(several)
+    try:
+        store = MemoryStore(copy.name)
+        agg = Chain(copy.spec, store).aggregate(0)
+        assert agg is not None
+        store.delete(layout.proposal_key(copy.run, 0, agg.sender))
+        store.put(layout.aggregate_key(copy.run, 1), b"\x00junk" * 100)
+        rows = _audit(copy)
+        assert [(r.window, r.verdict) for r in rows] == [(0, MISMATCH), (1, MISMATCH)]
+        assert rows[0].detail.startswith("no proposal by its signer")
+        assert "does not verify" in rows[1].detail
+    finally:
+        MemoryStore.forget(copy.name)
+
+
 def test_from_a_checkpoint_a_re_compressed_window_is_unchecked(several: Run) -> None:
     rows = _audit(several, start=2)  # checkpoint_every = 2: θ from checkpoint 2, the buffer unknown
     assert [(r.window, r.verdict) for r in rows] == [(2, UNCHECKED)]

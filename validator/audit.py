@@ -231,11 +231,10 @@ class Auditor:
         t = c.pos.window
         try:
             data = self.store.get(layout.aggregate_key(self.chain.run, t), max_bytes=self.max_published)
+            verified, signers = self._published(data, t)
         except ObjectNotFound:
             return None
-        try:
-            verified, signers = self._published(data, t)
-        except ProtocolError as exc:
+        except ProtocolError as exc:  # over its cap, junk, under-signed, another run's
             return WindowAudit(t, MISMATCH, detail=f"the aggregate does not verify ({exc.reason}): {exc}")
         agg = verified.value
         row = WindowAudit(t, OK, verified.sender, signers, len(agg.manifest), digest=verified.digest)
