@@ -1,4 +1,4 @@
-"""``sparseloco-validator``: create a run, run its validator, read its contribution log, make its key.
+"""``sparseloco-validator``: create a run, run its validator, audit it, read its contribution log, make its key.
 
     sparseloco-validator keygen --key validator.pem          # prints the public key for the RunSpec
     sparseloco-validator init --corpus PATH... --store URL --key validator.pem --out run.toml
@@ -14,6 +14,7 @@
                              [--max-fetches N] [--max-fetch-bytes B] [--fetch-timeout S] …
     sparseloco-validator gc --run run.toml [--store URL] [--retain-windows K]
                             [--retain-checkpoint-every M] [--key validator.pem] [--dry-run] [--json]
+    sparseloco-validator audit --run run.toml [--store URL] [--from W] [--to W] [--json]
     sparseloco-validator logs --db vstate/contributions.sqlite [--peer ID] [--window A:B] [--rejected]
                               [--windows | --evals] [--json | --csv] [--summary] [--plot PNG]
     sparseloco-validator dashboard --db vstate/contributions.sqlite [--host 127.0.0.1] [--port 8080]
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from protocol.config import RunSpec
@@ -61,6 +63,7 @@ from validator.logview import LogView
 from validator.serve import EXIT_CONFIG, EXIT_STORE, ROLE, Node, Reporting, event_lines, validate
 
 if TYPE_CHECKING:
+    from validator.audit import AuditReport
     from validator.init import InitResult
 
 DEFAULT_KEY = "~/.sparseloco/validator.pem"
@@ -379,6 +382,92 @@ def gc(run_path: str, overrides: Overrides, key_path: str | None, dry_run: bool,
         click.echo(json.dumps(report.to_dict()))
     else:
         report.print(Console(highlight=False, soft_wrap=True))
+
+
+@cli.command(epilog=settings_help())
+@click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False), help="RunSpec TOML.")
+@setting_options(*STORE_FLAGS, "compute.threads")
+@click.option(
+    "--from",
+    "start",
+    type=click.IntRange(0),
+    default=None,
+    help="First window (θ from the newest checkpoint at/below).",
+)
+@click.option("--to", "end", type=click.IntRange(0), default=None, help="Last window (default: the chain's head).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per window, then a summary line.")
+def audit(run_path: str, overrides: Overrides, start: int | None, end: int | None, as_json: bool) -> None:
+    """Recompute every published aggregate of a run from its store, with the settings a peer
+    uses and no validator key: the aggregate (or certificate) verifies and chains; with several
+    validators the signer's proposal carries it, and Δ̄ and θ_(t+1) are recomputed bit for bit
+    from the contributions by digest; with one validator every contribution is checked and
+    θ_(t+1)'s fingerprint (its Δ̄ cannot be recomputed without the clip caps). Windows whose
+    contributions retention deleted, or whose re-compressed Δ̄ needs a buffer unknown from a
+    checkpoint, are reported unchecked.
+
+    Exit status: 0 no mismatch, 1 a mismatch (or a store error), 2 configuration error.
+    """
+    from protocol.store import open_peer_store
+    from validator.audit import MISMATCH, OK, Auditor, WindowAudit
+
+    if start is not None and end is not None and end < start:
+        click.echo("error: --to is before --from", err=True)
+        sys.exit(EXIT_CONFIG)
+    err = Console(stderr=True, highlight=False)
+
+    def progress(row: WindowAudit) -> None:
+        err.print(f"audit: window {row.window} {row.verdict}", style=None if row.verdict == OK else "yellow")
+
+    try:
+        spec = RunSpec.load(run_path)
+        local = overrides.load(run_path)
+        reader = Identity.generate()  # reads need no standing: a throwaway key for grant requests
+        with open_peer_store(local.store, reader, spec.hash(), validator_keys=spec.validator.public_keys) as store:
+            auditor = Auditor(spec, store, workers=max(1, local.compute.threads or 2))
+            try:
+                report = auditor.audit(start, end, progress=progress)
+            finally:
+                auditor.close()
+    except ConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_CONFIG)
+    except StoreError as exc:
+        click.echo(f"store error: {exc}", err=True)
+        sys.exit(EXIT_STORE)
+    except ProtocolError as exc:  # what θ is rebuilt from (the launch, a checkpoint) does not verify
+        click.echo(f"audit stopped: {exc}", err=True)
+        sys.exit(1)
+    if as_json:
+        for row in report.rows:
+            click.echo(json.dumps(row.to_json()))
+        click.echo(json.dumps(report.summary()))
+    else:
+        _print_audit(report)
+    sys.exit(0 if report.count(MISMATCH) == 0 else 1)
+
+
+def _print_audit(report: AuditReport) -> None:
+    from rich.table import Table
+
+    from validator.audit import MISMATCH, OK
+
+    table = Table(title=f"audit from window {report.start}")
+    for column in ("window", "leader", "signers", "contributions", "verdict", "detail"):
+        table.add_column(column, overflow="fold")
+    colour = {OK: "green", MISMATCH: "red"}
+    for r in report.rows:
+        verdict = f"[{colour.get(r.verdict, 'yellow')}]{r.verdict}[/]"
+        signers = ", ".join(s[:8] for s in r.signers)
+        table.add_row(str(r.window), r.leader[:8], signers, str(r.contributions), verdict, escape(r.detail))
+    console = Console(highlight=False, soft_wrap=True)
+    console.print(table)
+    for note in report.notes:
+        console.print(f"not checked: {note}")
+    s = report.summary()
+    n = s["windows"]
+    console.print(
+        f"{n} window{'' if n == 1 else 's'}: {s['ok']} ok, {s['mismatch']} mismatch, {s['unchecked']} unchecked"
+    )
 
 
 @cli.command(help=logs_report.HELP)

@@ -100,7 +100,7 @@ class Follower:
         reasons = self._proposal(proposal, base)
         if reasons:
             return Judgement(reasons)
-        held, found = self._contributions(agg, previous_base, read or {})
+        held, found = self.contributions(agg, previous_base, read)
         found += self._bounds(held, p, reference)
         found += [Reason("reference", "", why) for why in reference_problems(self.spec, p, held, reference)]
         if found:
@@ -133,11 +133,12 @@ class Follower:
             )
         return tuple(out)
 
-    def _contributions(
-        self, agg: Aggregate, previous_base: str | None, read: Mapping[str, bytes]
+    def contributions(
+        self, agg: Aggregate, previous_base: str | None, read: Mapping[str, bytes] | None = None
     ) -> tuple[dict[str, Held], list[Reason]]:
         """Every contribution the manifest names, matched by digest (fetched by key unless
-        already ``read``) and screened."""
+        already ``read``: peer → bytes) and screened."""
+        read = read or {}
         ctx = checks.Context(
             run_hash=self.run_hash,
             window=agg.window,

@@ -57,13 +57,14 @@ class Trial:
 
 class Aggregator:
     """Decodes, clips and sums contributions on ``pool``; measures θ on the run's validation
-    sequences with ``model``'s architecture, never with its parameters."""
+    sequences with ``model``'s architecture, never with its parameters (``dataset`` None: an
+    aggregator that only forms aggregates, :meth:`published`, and measures no loss)."""
 
     def __init__(
         self,
         spec: RunSpec,
         model: nn.Module,
-        dataset: TokenDataset,
+        dataset: TokenDataset | None,
         pool: Executor,
         *,
         workers: int,
@@ -118,6 +119,8 @@ class Aggregator:
 
     def loss(self, params: Mapping[str, torch.Tensor]) -> float:
         """The validation loss of θ = ``params``, measured without writing the model's parameters."""
+        if self.dataset is None:
+            raise DataUnavailable("this aggregator has no dataset to measure a loss on")
         if self._val is None:
             d = self.spec.data
             self._val = validation_batches(self.dataset, self.spec.validator.eval_sequences, d.batch_size, d.seq_len)
