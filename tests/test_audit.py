@@ -210,7 +210,7 @@ def _forge_certificate(r: Run, window: int) -> None:
         allowed_signers=keys,
         window=window,
     )
-    store.put(proposal_key, encode_proposal(p.value.view, p.value.caps, blob, window, h, leader))
+    store.put(proposal_key, encode_proposal(p.value.view, p.value.caps, blob, window, h, leader, p.value.reference))
     digest = hashlib.sha256(blob).hexdigest()
     endorsements = [encode_endorsement(Endorsement(h, window, p.value.view, leader.peer_id, digest), k) for k in r.keys]
     store.put(layout.aggregate_key(r.run, window), encode_certificate(blob, endorsements, window, h, leader))

@@ -272,7 +272,7 @@ def test_a_budget_reaches_the_validator_from_flag_env_and_settings_file(
     mine.write_text("[budgets]\nfetch_timeout_s = 2.5\nmax_fetches = 9\n")
     seen: list[LocalSettings] = []
 
-    def opened(run_path: str, local: LocalSettings, *args: object) -> None:
+    def opened(run_path: str, local: LocalSettings, *args: object, **options: object) -> None:
         seen.append(local)
         raise ConfigError("stop before opening the store")
 

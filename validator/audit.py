@@ -13,8 +13,8 @@ one verdict: ``ok``, ``mismatch`` (with what differs) or ``unchecked`` (with why
   exists and carries exactly this aggregate, and :meth:`validator.follow.Follower.judge` re-checks
   it as a follower would: every contribution fetched by digest and screened, Δ̄ (clipped to the
   proposal's caps, weighted by its manifest, in published form) and θ_{t+1} recomputed bit for
-  bit. An audit holds no norm reference of its own (a validator's private state), so the bounds a
-  follower checks within a tolerance of its reference are skipped (:data:`NOTES`);
+  bit; the norm and cap bounds against the reference the certified aggregates name, carried from
+  genesis (unknown from a checkpoint: then skipped, :data:`NOTES`);
 * **one validator** — no proposal is published, so no clip caps, and the exact Δ̄ cannot be
   recomputed: every contribution the manifest names must exist with its digest and pass the
   per-contribution checks, and θ_t minus the published Δ̄ must have the signed fingerprint;
@@ -64,8 +64,9 @@ GONE = "contributions gone"
 BUFFER_UNKNOWN = "re-compressed, buffer unknown"
 
 NOTES = {
-    "several": "the norm and clip-cap bounds a follower checks against its own norm reference are "
-    "skipped: an audit holds no reference",
+    "several": "the norm and clip-cap bounds are checked against the norm reference the run's aggregates "
+    "name, carried from genesis; from a checkpoint (or past a window that did not verify) that "
+    "reference is unknown and those bounds are skipped",
     "single": "Δ̄ is not recomputed: a single validator publishes no clip caps; each contribution "
     "and θ_(t+1)'s fingerprint are checked",
 }
@@ -131,6 +132,8 @@ class _Carried:
     pos: Position
     previous_base: str | None
     feedback: FeedbackState | None
+    # the norm reference the aggregates name (several validators; None: unknown, from a checkpoint)
+    reference: NormReference | None = None
 
 
 class Auditor:
@@ -207,7 +210,13 @@ class Auditor:
             pos = Position(w, base, manifest.value.fingerprint, manifest.value.published_at)
             break
         known = pos.window == 0 or not broadcast.keeps_feedback(self.spec.outer)
-        return _Carried(params, pos, self._previous_base(pos, launch.digest), FeedbackState() if known else None)
+        return _Carried(
+            params,
+            pos,
+            self._previous_base(pos, launch.digest),
+            FeedbackState() if known else None,
+            NormReference() if pos.window == 0 else None,
+        )
 
     def _replay(self, c: _Carried, until: int) -> None:
         """θ carried to window ``until`` with the published aggregates (their fingerprints checked),
@@ -215,6 +224,7 @@ class Auditor:
         for verified, after in replay(self.chain, c.params, c.pos, until=until):
             c.previous_base, c.pos = verified.value.base, after
             c.feedback = self._feedback_after(c, verified.value)
+            c.reference = None
 
     def _previous_base(self, pos: Position, launch: str) -> str | None:
         """The base of window ``pos.window − 1`` (window 0: the launch; None when unreadable)."""
@@ -313,13 +323,14 @@ class Auditor:
                 previous_base=c.previous_base,
                 params=c.params,
                 feedback=c.feedback or FeedbackState(),
-                reference=NormReference(),  # none of its own: the tolerance-based bounds are skipped
+                reference=c.reference,  # the one the run's aggregates named; None: the bounds are skipped
             )
         except ProtocolError as exc:  # e.g. caps for a tensor the model does not have
             return MISMATCH, f"the proposal cannot be recomputed ({exc.reason}): {exc}", unknown
         buffer_unknown = c.feedback is None and broadcast.recompresses(self.spec.outer, len(agg.manifest))
         verdict, detail = _verdict(list(judgement.reasons), buffer_unknown=buffer_unknown)
         after = judgement.feedback if verdict == OK and judgement.feedback is not None else unknown
+        c.reference = judgement.reference if verdict == OK else None
         return verdict, detail, after
 
     def _feedback_after(self, c: _Carried, agg: Aggregate) -> FeedbackState | None:

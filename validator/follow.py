@@ -90,10 +90,11 @@ class Follower:
         previous_base: str | None,
         params: Mapping[str, torch.Tensor],
         feedback: FeedbackState,
-        reference: NormReference,
+        reference: NormReference | None,
         read: Mapping[str, bytes] | None = None,
     ) -> Judgement:
-        """The verdict on ``proposal`` for the window open at ``base`` with θ_t = ``params``.
+        """The verdict on ``proposal`` for the window open at ``base`` with θ_t = ``params`` and the
+        norm reference ``reference`` (None: unknown, the bounds that rest on it are skipped).
         ``read``: contributions this validator already read in the window (peer → bytes); one
         with the digest the manifest names is not fetched again."""
         p, agg = proposal.value, proposal.value.aggregate.value
@@ -101,8 +102,14 @@ class Follower:
         if reasons:
             return Judgement(reasons)
         held, found = self.contributions(agg, previous_base, read)
-        found += self._bounds(held, p, reference)
-        found += [Reason("reference", "", why) for why in reference_problems(self.spec, p, held, reference)]
+        if found:  # without the contributions the numbers below say nothing
+            return Judgement(tuple(found))
+        if reference is None:  # the reference before the window is unknown (an audit from a checkpoint)
+            if stated_reference(p) is None:
+                found.append(Reason("reference", "", "the proposal's reference is not the one its aggregate names"))
+        else:
+            found += self._bounds(held, p, reference)
+            found += [Reason("reference", "", why) for why in reference_problems(self.spec, p, held, reference)]
         if found:
             return Judgement(tuple(found))
         return self._recompute(p, held, params, feedback)

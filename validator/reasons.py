@@ -133,6 +133,12 @@ REASONS: tuple[Reason, ...] = (
         False,
         f"a valid signature by a key not allowed to sign it {_SIGNED_BODY}",
     ),
+    Reason(
+        "no_quorum",
+        ("signature", "schema"),
+        False,
+        f"fewer validators' endorsements than the run's quorum {_SIGNED_BODY}",
+    ),
     Reason("wrong_run", ("run",), False, "signed by the peer for another run"),
     Reason("wrong_window", ("window",), False, "signed by the peer for another window"),
     Reason("unregistered", ("registered",), False, "no signed announcement of this peer"),
