@@ -42,7 +42,14 @@ Fields of each row (--json: an array of objects; --csv: the same columns):
   --windows      window, status (decided | published), opened_at, closed_at,
                  published_at, base, digest (of the aggregate), fingerprint (of θ
                  after it), val_loss, accepted, rejected, unannounced (uploads under
-                 keys of peers without an announcement: counted, never read)
+                 keys of peers without an announcement: counted, never read);
+                 with several validators (--json) also agreement (as below) for
+                 the windows that have one; the table prints it under the windows
+  --agreement    several validators only: window, certified, leader (whose
+                 proposal was certified), view, digest, signers, proposals
+                 {validator: view}, endorsements {validator: digest}, objections
+                 [{validator, proposer, view, digest, reasons}], handovers
+                 [{validator, view}] (CSV: each list joined with ";")
   --evals        window (θ after its aggregate), fingerprint, sequences, tokens,
                  bytes, loss (nats/token), perplexity, bits_per_byte,
                  evaluated_at, seconds
