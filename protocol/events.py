@@ -101,6 +101,20 @@ class Joined(Event):
     join_s: float = 0.0
 
 
+@_event("awaiting_signatures")
+@dataclass(frozen=True, kw_only=True)
+class AwaitingSignatures(Event):
+    """Several validators: aggregate ``window`` is not certified yet; ``quorum`` of the
+    ``validators`` must endorse one digest, ``endorsements`` is the most one digest has so far
+    (``endorsed``: validators that endorsed any). A peer reports it when the count changes."""
+
+    window: int
+    quorum: int
+    validators: int
+    endorsements: int
+    endorsed: int = 0
+
+
 @_event("applied")
 @dataclass(frozen=True, kw_only=True)
 class Applied(Event):
@@ -451,6 +465,13 @@ def describe(event: Event) -> str:
             + (f" {event.digest[:16]}" if event.digest else "")
             + (f" (view {event.view})" if event.view else "")
             + (f": {event.detail}" if event.detail else "")
+        )
+    if isinstance(event, AwaitingSignatures):
+        n = event.endorsements
+        split = f", {event.endorsed} validators endorsed different digests" if event.endorsed > n else ""
+        return (
+            f"waiting for {event.quorum} of {event.validators} validators to sign aggregate {event.window} "
+            f"({n} endorsement{'' if n == 1 else 's'} so far{split})"
         )
     if isinstance(event, Applied):
         verdict = ""

@@ -35,7 +35,18 @@ Every metric is prefixed ``sparseloco_``; each process exposes those its events 
                                                uploaded included (0 until it has to wait for one)
 ``peers_uploaded``                     gauge   the last published window: peers whose upload it read
 ``val_loss``                           gauge   the validator's held-out loss of θ after the last window
+``agreement_steps_total{step}``        counter several validators: the agreement steps this
+                                               validator saw (proposed, endorsed, objected,
+                                               handover, certified), its own and the others'
+``certified_view``                     gauge   several validators: the view whose proposal the last
+                                               published window's certificate signed (0: its first
+                                               leader's)
+``certified_signers``                  gauge   several validators: the endorsements in that
+                                               certificate
 =====================================  ======  =====================================================
+
+A process of a run with one validator never sees an agreement step: the three agreement metrics
+appear only once it does, so its ``/metrics`` is what it always was.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from protocol.events import (
+    AgreementStep,
     Applied,
     Event,
     Failed,
@@ -115,6 +127,7 @@ class Metrics:
         self.peers_expected = Gauge(PREFIX + "peers_expected", "Peers the validator waits for.", registry=r)
         self.peers_uploaded = Gauge(PREFIX + "peers_uploaded", "Peers whose upload was read.", registry=r)
         self.val_loss = Gauge(PREFIX + "val_loss", "Held-out loss of θ after the last window.", registry=r)
+        self._agreement: _AgreementMetrics | None = None  # registered on the first agreement event
         self._phase: str | None = None
         self._set_phase("starting")
         self._handlers: dict[type[Event], Callable[[Event], None]] = {
@@ -127,6 +140,7 @@ class Metrics:
             WindowOpened: self._opened,
             WindowWaiting: self._waiting,
             WindowPublished: self._published,
+            AgreementStep: self._agreement_step,
             Stopped: lambda e: self._set_phase("stopped"),
             Failed: lambda e: self._set_phase("failed"),
         }
@@ -200,10 +214,34 @@ class Metrics:
         self.download_bytes.inc(e.download_bytes)
         if e.val_loss == e.val_loss:  # NaN: no validation loss this window
             self.val_loss.set(e.val_loss)
+        if e.signers:
+            self._agreed().certified(e.view, len(e.signers))
         self._set_phase("published")
+
+    def _agreement_step(self, e: Event) -> None:
+        assert isinstance(e, AgreementStep)
+        self._agreed().steps.labels(e.step).inc()
+
+    def _agreed(self) -> _AgreementMetrics:
+        if self._agreement is None:
+            self._agreement = _AgreementMetrics(self.registry)
+        return self._agreement
 
     def _set_phase(self, phase: str) -> None:
         if self._phase is not None:
             self.phase.labels(self._phase).set(0)
         self.phase.labels(phase).set(1)
         self._phase = phase
+
+
+class _AgreementMetrics:
+    """The metrics of a run with several validators, registered when the first agreement event comes."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.steps = Counter(PREFIX + "agreement_steps", "Agreement steps seen, by step.", ["step"], registry=r)
+        self.view = Gauge(PREFIX + "certified_view", "View of the last certified aggregate.", registry=r)
+        self.signers = Gauge(PREFIX + "certified_signers", "Endorsements in the last certificate.", registry=r)
+
+    def certified(self, view: int, signers: int) -> None:
+        self.view.set(view)
+        self.signers.set(signers)

@@ -41,9 +41,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from protocol.config import RunSpec
+from protocol.events import AwaitingSignatures, describe
 from protocol.identity import peer_id_of, public_key_from_hex
 
-__all__ = ["Quorum", "Tolerance", "handover_s", "tolerance"]
+__all__ = ["Quorum", "Signatures", "Tolerance", "handover_s", "tolerance"]
 
 MIN_HANDOVER_S = 10.0  # the derived handover timeout's floor (seconds)
 
@@ -69,6 +70,29 @@ def tolerance(n: int, m: int) -> Tolerance:
 def handover_s(spec: RunSpec) -> float:
     """Seconds the validators give a view's leader to propose (``validator.handover_s`` or derived)."""
     return spec.validator.handover_s or max(MIN_HANDOVER_S, spec.windows.upload_deadline_s / 4)
+
+
+@dataclass(frozen=True)
+class Signatures:
+    """What a reader waiting for aggregate ``window`` finds of its signatures: ``m`` of the ``n``
+    validators must endorse one digest; ``endorsements`` is the most that one digest has so far,
+    ``endorsed`` how many validators endorsed any (they differ only when validators disagree)."""
+
+    window: int
+    m: int
+    n: int
+    endorsements: int
+    endorsed: int
+
+    def event(self) -> AwaitingSignatures:
+        """What a reader reports while it waits (:class:`protocol.events.AwaitingSignatures`)."""
+        return AwaitingSignatures(
+            window=self.window, quorum=self.m, validators=self.n, endorsements=self.endorsements, endorsed=self.endorsed
+        )
+
+    def describe(self) -> str:
+        """ "waiting for 3 of 4 validators to sign aggregate 7 (2 endorsements so far)"."""
+        return describe(self.event())
 
 
 @dataclass(frozen=True)

@@ -42,11 +42,12 @@ from protocol.chain import (
     read_weights,
 )
 from protocol.config import ModelConfig, RunSpec
-from protocol.errors import DigestMismatch, MalformedPayload, StaleBase
+from protocol.errors import DigestMismatch, MalformedPayload, ObjectNotFound, ProtocolError, StaleBase
 from protocol.model import build_model, fingerprint, param_schema, parameters_of
-from protocol.quorum import Quorum
+from protocol.quorum import Quorum, Signatures
 from protocol.store.base import ObjectStore
 from protocol.wire import Aggregate, CheckpointManifest, Verified
+from protocol.wire.quorum import MAX_ENDORSEMENT_BYTES, decode_endorsement
 
 __all__ = ["Chain", "Position", "apply_aggregate", "initial_params", "replay", "replayed"]
 
@@ -101,6 +102,7 @@ class Chain:
         quorum = Quorum.of(spec)
         # several validators: aggregates travel as certificates of m endorsements (protocol.quorum)
         self.quorum: int | None = quorum.m if quorum.several else None
+        self.validators: Quorum | None = quorum if quorum.several else None
         self.max_aggregate_bytes = published_bytes(spec)  # the validator reads with the same cap
         self._next: dict[tuple[int, str], Verified[Aggregate]] = {}
 
@@ -138,6 +140,39 @@ class Chain:
                 self._next = {k: v for k, v in self._next.items() if k[0] >= window - 1}
                 self._next[(window, base)] = found
         return found
+
+    def signatures(self, window: int) -> Signatures | None:
+        """Several validators: the endorsements of ``window`` found so far (what a reader waiting
+        for its certificate is waiting for); None with one validator. One listing of the window's
+        endorsements (at most n keys are read, one per validator, each a GET of at most 1 KiB);
+        an endorsement that does not verify or is not there any more counts as none."""
+        q = self.validators
+        if q is None:
+            return None
+        prefix = layout.endorsement_prefix(self.run, window)
+        ids = set(q.ids)
+        listed = self.store.list_written_by(prefix, ids)
+        signers = sorted({k[len(prefix) :] for k in listed if k.startswith(prefix)} & ids)
+        digests: dict[str, int] = {}
+        for signer in signers:
+            try:
+                e = decode_endorsement(
+                    self.store.get(prefix + signer, max_bytes=MAX_ENDORSEMENT_BYTES),
+                    run_hash=self.run_hash,
+                    allowed_signers=self.signers,
+                    window=window,
+                    sender=signer,
+                )
+            except (ObjectNotFound, ProtocolError):
+                continue
+            digests[e.value.aggregate] = digests.get(e.value.aggregate, 0) + 1
+        return Signatures(
+            window=window,
+            m=q.m,
+            n=q.n,
+            endorsements=max(digests.values(), default=0),
+            endorsed=sum(digests.values()),
+        )
 
     def launch(self) -> Verified[CheckpointManifest]:
         """The genesis manifest of the launch the store holds; ``ObjectNotFound`` or ``ProtocolError``."""

@@ -118,7 +118,8 @@ class StoreSettings:
     grant_url: str = setting(
         "",
         "A peer's grant server (http(s)://host:port, the validator's --grant-port): with it the peer needs "
-        "no store credential; the validator ignores it.",
+        "no store credential; the validator ignores it. Several, comma-separated (one per validator): the "
+        "peer uses the first that answers and moves to the next when it is unreachable or fails (5xx).",
     )
     public_reads: bool = setting(
         False,

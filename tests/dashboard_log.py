@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from validator.log import CheckRow, ContributionLog, ContributionRecord, WindowRecord
+from validator.log import AgreementRecord, CheckRow, ContributionLog, ContributionRecord, WindowRecord
 
 PEERS = (
     "k7n2q4xw3bvd5mfa6hzq2rpt4syc7ue3",
@@ -18,6 +18,12 @@ PEERS = (
 EVIL = '<script>alert("x")</script>&"\''  # the log holds whatever it was given; nothing of it may run
 T0 = 1_750_000_000.0
 WINDOW_S = 120.0
+VALIDATORS = (
+    "v1aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+    "v2bbbbbbbbbbbbbbbbbbbbbbbbbbbbbb",
+    "v3cccccccccccccccccccccccccccccc",
+)
+LIAR_WINDOW = 3  # with several validators: the leader of view 0 lies here, two object, view 1 is certified
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class Built:
     reasons: dict[str, int]
     val_loss: list[float]
     pending: tuple[str, ...]  # peers whose upload to the open window was read
+    agreement: dict[int, tuple[str, int, tuple[str, ...]]]  # window -> (leader, view, signers); several validators
 
 
 def _row(
@@ -55,10 +62,45 @@ def _row(
     )
 
 
-def build_log(path: Path, *, windows: int = 8, markup_peer: bool = True) -> Built:
+def agreement_steps(w: int, opened: float) -> tuple[list[AgreementRecord], tuple[str, int, tuple[str, ...]]]:
+    """Window ``w``'s agreement among :data:`VALIDATORS` (2 of 3 sign): the leader of view 0
+    proposes and the others endorse; in :data:`LIAR_WINDOW` the two others object (one reason is
+    markup), the next leader takes over in view 1 and is certified. (steps, (leader, view, signers))"""
+    n, at = len(VALIDATORS), opened + WINDOW_S - 4
+    view = 1 if w == LIAR_WINDOW else 0
+    steps: list[AgreementRecord] = []
+    if view:
+        liar = VALIDATORS[w % n]
+        steps.append(AgreementRecord(window=w, validator=liar, event="proposed", digest="bad" * 21 + "b", at=at))
+        for i, other in enumerate(v for v in VALIDATORS if v != liar):
+            reason = f"delta -: Δ̄ differs from the re-computed one by {4 + i}x" if i == 0 else f"caps {EVIL}: {EVIL}"
+            steps.append(
+                AgreementRecord(
+                    window=w, validator=other, event="objected", digest="bad" * 21 + "b", detail=reason, at=at + 1
+                )
+            )
+    leader = VALIDATORS[(w + view) % n]
+    digest = f"{w:064x}"
+    if view:
+        steps.append(AgreementRecord(window=w, validator=leader, event="handover", view=view, at=at + 2))
+    steps.append(AgreementRecord(window=w, validator=leader, event="proposed", digest=digest, view=view, at=at + 3))
+    signers = tuple(sorted([leader, VALIDATORS[(w + view + 1) % n]]))
+    for s in signers:
+        steps.append(AgreementRecord(window=w, validator=s, event="endorsed", digest=digest, view=view, at=at + 4))
+    steps.append(
+        AgreementRecord(
+            window=w, validator=leader, event="certified", digest=digest, view=view, detail=",".join(signers), at=at + 5
+        )
+    )
+    return steps, (leader, view, signers)
+
+
+def build_log(path: Path, *, windows: int = 8, markup_peer: bool = True, several: bool = False) -> Built:
     """Write ``windows`` decided windows (all published but the last) and two uploads read in the
     open window; with ``markup_peer`` a peer whose id and details are markup (EVIL) sends in every
-    other window. Returns what a reader must find."""
+    other window; with ``several`` the published windows' agreement among three validators
+    (:func:`agreement_steps`). Returns what a reader must find."""
+    agreement: dict[int, tuple[str, int, tuple[str, ...]]] = {}
     reasons_cycle = ("harmful", "norm_outlier", "copied")
     counts: dict[str, tuple[int, int]] = {}
     reasons: dict[str, int] = {}
@@ -101,6 +143,9 @@ def build_log(path: Path, *, windows: int = 8, markup_peer: bool = True) -> Buil
                 rows,
             )
             if w < windows - 1:
+                if several:
+                    steps, agreement[w] = agreement_steps(w, opened)
+                    log.record_agreement(steps)
                 log.mark_published(w, digest=f"{w:064x}", published_at=opened + WINDOW_S - 2)
         pending = PEERS[:2]
         for i, peer in enumerate(pending):
@@ -113,4 +158,5 @@ def build_log(path: Path, *, windows: int = 8, markup_peer: bool = True) -> Buil
         reasons=reasons,
         val_loss=losses,
         pending=pending,
+        agreement=agreement,
     )

@@ -15,7 +15,7 @@ from urllib.parse import quote
 
 import pytest
 from click.testing import CliRunner
-from dashboard_log import EVIL, PEERS, Built, build_log
+from dashboard_log import EVIL, LIAR_WINDOW, PEERS, VALIDATORS, Built, build_log
 from PIL import Image
 
 from validator.cli import cli
@@ -212,3 +212,74 @@ def test_dashboard_command_refuses_what_is_not_a_log(tmp_path: Path) -> None:
     junk.write_bytes(b"not a database at all" * 100)
     result = runner.invoke(cli, ["dashboard", "--db", str(junk), "--port", "0"])
     assert result.exit_code != 0 and "not a readable contribution log" in result.output
+
+
+# ------------------------------------------------------------------------------ several validators
+@pytest.fixture()
+def several(tmp_path: Path) -> Built:
+    return build_log(tmp_path / "several.sqlite", several=True)
+
+
+def test_agreement_is_read_per_window(several: Built, built: Built) -> None:
+    with LogView.open(several.path) as log:
+        got = log.agreements()
+        newest = log.agreements(limit=2)
+    assert {a.window: (a.leader, a.view, a.signers) for a in got} == several.agreement
+    assert [a.window for a in newest] == sorted(several.agreement)[-2:]
+    lied = next(a for a in got if a.window == LIAR_WINDOW)
+    liar = VALIDATORS[LIAR_WINDOW % len(VALIDATORS)]
+    assert lied.handovers == ((lied.leader, 1),) and len(lied.objections) == 2
+    assert {o.proposer for o in lied.objections} == {liar} and liar not in {o.validator for o in lied.objections}
+    assert any("4x" in r for o in lied.objections for r in o.reasons)
+    quiet = next(a for a in got if a.window == 0)
+    assert quiet.objections == () and quiet.handovers == () and quiet.view == 0 and quiet.certified
+    with LogView.open(built.path) as log:  # one validator: no agreement at all
+        assert log.agreements() == [] and views.overview(log).agreement == []
+
+
+def test_dashboard_shows_the_agreement_panel(several: Built, built: Built) -> None:
+    with Dashboard(several.path, port=0) as dash:
+        status, _, body = get(dash, "/")
+        rows = api(dash, "/api/agreement")
+        overview = api(dash, "/api/overview")
+    page = body.decode()
+    assert status == 200 and '<section id="agreement">' in page and "<script" not in page
+    assert page.count('class="agreement-row"') == len(several.agreement)
+    lied = re.search(rf'<tr class="agreement-row" data-window="{LIAR_WINDOW}">(.*?)</tr>', page)
+    assert lied is not None
+    leader, view, signers = several.agreement[LIAR_WINDOW]
+    assert f'title="{leader}"' in lied.group(1) and '<td class="num view">1</td>' in lied.group(1)
+    assert lied.group(1).count('class="objection"') == 2 and "4x" in lied.group(1)
+    assert "&lt;script&gt;" in lied.group(1)  # an objection's reason is text, never markup
+    assert all(f'title="{s}"' in lied.group(1) for s in signers)
+    assert [a["window"] for a in rows] == sorted(several.agreement, reverse=True)
+    assert {a["window"]: (a["leader"], a["view"], tuple(a["signers"])) for a in rows} == several.agreement
+    assert overview["agreement"] == rows
+    with Dashboard(built.path, port=0) as dash:  # one validator: no panel
+        status, _, body = get(dash, "/")
+        assert status == 200 and 'id="agreement"' not in body.decode() and api(dash, "/api/agreement") == []
+
+
+def test_logs_shows_the_agreement(several: Built, built: Built) -> None:
+    runner = CliRunner()
+    out = runner.invoke(cli, ["logs", "--db", str(several.path), "--agreement", "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.output)
+    assert {r["window"]: (r["leader"], r["view"], tuple(r["signers"])) for r in rows} == several.agreement
+    lied = next(r for r in rows if r["window"] == LIAR_WINDOW)
+    assert lied["handovers"] == [{"validator": lied["leader"], "view": 1}]
+    assert [len(o["reasons"]) for o in lied["objections"]] == [1, 1]
+    out = runner.invoke(cli, ["logs", "--db", str(several.path), "--windows", "--window", f"{LIAR_WINDOW}:", "--json"])
+    windows = json.loads(out.output)
+    assert windows[0]["agreement"] == lied and "agreement" not in windows[-1]  # the last is not published
+    out = runner.invoke(cli, ["logs", "--db", str(several.path), "--windows"])
+    assert out.exit_code == 0 and "agreement of the validators" in out.output and "4x" in out.output
+    out = runner.invoke(cli, ["logs", "--db", str(several.path), "--agreement", "--csv", "--window", str(LIAR_WINDOW)])
+    assert out.exit_code == 0 and out.output.count("\n") == 2 and f"{lied['leader']}@1" in out.output
+    assert runner.invoke(cli, ["logs", "--db", str(several.path), "--agreement", "--summary"]).exit_code == 2
+    # one validator: what logs printed before, nothing new
+    one = json.loads(runner.invoke(cli, ["logs", "--db", str(built.path), "--windows", "--json"]).output)
+    assert one and all("agreement" not in w for w in one)
+    out = runner.invoke(cli, ["logs", "--db", str(built.path), "--windows"])
+    assert "agreement" not in out.output
+    assert json.loads(runner.invoke(cli, ["logs", "--db", str(built.path), "--agreement", "--json"]).output) == []

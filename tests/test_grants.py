@@ -9,6 +9,7 @@ oversized upload, a window that is not open, too many requests.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -21,12 +22,12 @@ import pytest
 
 from protocol import layout
 from protocol.config import RunSpec
-from protocol.errors import AccessDenied, ObjectNotFound, PayloadTooLarge, StoreUnavailable
+from protocol.errors import AccessDenied, ConfigError, ObjectNotFound, PayloadTooLarge, StoreUnavailable
 from protocol.events import Event, GrantDenied, Granted, WindowOpened, WindowPublished, describe
 from protocol.identity import Identity
 from protocol.settings import StoreSettings
 from protocol.store import open_peer_store
-from protocol.store.granted import GrantedStore, GrantNotGiven, parse_listing
+from protocol.store.granted import GrantedStore, GrantNotGiven, grant_urls, parse_listing
 from protocol.store.grants import (
     GRANT_PATH,
     MAX_REQUEST_BYTES,
@@ -705,3 +706,117 @@ def test_concurrent_grants_are_all_answered(served: tuple[GrantServer, list[Even
     for t in threads:
         t.join()
     assert errors == [] and len([e for e in events if isinstance(e, Granted)]) == len(peers)
+
+
+# ------------------------------------------------------------------------------ several grant servers
+class _Answering:
+    """An HTTP server that answers every GET and POST with ``status`` and ``body`` (a failing desk)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                owner.hits += 1
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.hits = 0
+        self._httpd = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> _Answering:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def _closed_port_url() -> str:
+    """A local URL nothing listens on: connections are refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def test_a_peer_moves_to_the_next_grant_server_when_the_first_is_down(
+    served: tuple[GrantServer, list[Event], OpenWindows],
+) -> None:
+    server, events, _ = served
+    down = _closed_port_url()
+    waits: list[float] = []
+    alice = GrantedStore(f"{down}, {server.url}/", ALICE, RUN_HASH, sleep=waits.append)
+    assert alice.grant_urls == (down, server.url) and alice.grant_url == down
+    ann = layout.peer_key(RUN, ALICE.peer_id)
+    alice.put(ann, b"announcement")  # the first is refused a connection: the second grants at once
+    assert alice.grant_url == server.url and alice.stats.failovers == 1 and waits == []
+    assert alice.get(ann) == b"announcement" and alice.info()["run_hash"] == RUN_HASH
+    assert alice.list(f"{RUN}/") == [ann]
+    assert alice.stats.failovers == 1 and alice.stats.retries == 0  # it stays with the one that answers
+    assert sum(e.kind == "granted" for e in events) == alice.stats.grants
+    with pytest.raises(GrantNotGiven) as info:  # a refusal is the answer: not asked elsewhere
+        alice.put(layout.contrib_key(RUN, 3, BOB.peer_id), b"forged", if_absent=True)
+    assert info.value.refusal == "forbidden" and alice.grant_url == server.url
+
+
+def test_a_grant_server_that_fails_is_left_but_one_that_refuses_is_not(
+    served: tuple[GrantServer, list[Event], OpenWindows],
+) -> None:
+    server, _, _ = served
+    ann = layout.peer_key(RUN, ALICE.peer_id)
+    with _Answering(503, b'{"error": "unavailable", "detail": "shutting down"}') as failing:
+        alice = GrantedStore([failing.url, server.url], ALICE, RUN_HASH, sleep=lambda s: None)
+        alice.put(ann, b"hello")
+        alice.put(ann, b"again")
+    assert failing.hits == 1 and alice.grant_url == server.url and alice.stats.failovers == 1
+    with _Answering(502, b"<html>bad gateway</html>") as proxy:  # a proxy before a dead validator
+        alice = GrantedStore([proxy.url, server.url], ALICE, RUN_HASH, sleep=lambda s: None)
+        assert alice.get(ann) == b"again" and proxy.hits == 1 and alice.grant_url == server.url
+    refusal = b'{"error": "forbidden", "detail": "not your key"}'
+    with _Answering(403, refusal) as refusing:
+        alice = GrantedStore([refusing.url, server.url], ALICE, RUN_HASH, sleep=lambda s: None)
+        with pytest.raises(GrantNotGiven) as info:
+            alice.put(ann, b"hello")
+    assert info.value.refusal == "forbidden" and alice.grant_url == refusing.url and alice.stats.failovers == 0
+
+
+def test_when_no_grant_server_answers_the_request_is_retried_then_unavailable() -> None:
+    first, second = _closed_port_url(), _closed_port_url()
+    waits: list[float] = []
+    store = GrantedStore(f"{first},{second}", ALICE, RUN_HASH, retries=1, backoff_s=0.1, sleep=waits.append)
+    with pytest.raises(StoreUnavailable) as info:
+        store.put(layout.peer_key(RUN, ALICE.peer_id), b"x")
+    assert first in str(info.value) and second in str(info.value) and waits == [0.1]
+    assert store.grant_url == first and store.stats.failovers == 0
+
+
+@pytest.mark.parametrize(
+    "setting",
+    ["", " , ", "http://a.example,", "http://a.example,ftp://b.example", "http://a.example, http://a.example/"],
+)
+def test_grant_server_lists_are_checked(setting: str) -> None:
+    with pytest.raises(ConfigError, match="grant_url"):
+        grant_urls(setting)
+
+
+def test_open_peer_store_takes_several_grant_servers() -> None:
+    settings = StoreSettings(url="s3://bucket/run", grant_url="https://v1.example:8710, https://v2.example:8710/")
+    granted = open_peer_store(settings, ALICE, RUN_HASH)
+    assert isinstance(granted, GrantedStore)
+    assert granted.grant_urls == ("https://v1.example:8710", "https://v2.example:8710")
+    assert "v1.example" in settings.location() and "v2.example" in settings.location()

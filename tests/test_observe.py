@@ -14,12 +14,13 @@ import logging
 import socket
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.errors import DigestMismatch, MalformedPayload
-from protocol.events import Applied, PeerWindow, WindowOpened, WindowPublished, WindowWaiting
+from protocol.events import AgreementStep, Applied, PeerWindow, WindowOpened, WindowPublished, WindowWaiting
 from protocol.identity import Identity
 from protocol.logformat import JsonFormatter, JsonLogLines
 from protocol.metrics import Metrics
@@ -347,3 +348,38 @@ module, func, *args = sys.argv[1:]
 sys.argv = [module, *args]
 getattr(import_module(module), func)()
 """
+
+
+def test_agreement_metrics_appear_with_several_validators() -> None:
+    from prometheus_client import generate_latest
+
+    def published(window: int, **several: Any) -> WindowPublished:
+        return WindowPublished(
+            window=window,
+            accepted=1,
+            rejected=0,
+            val_loss=3.0,
+            digest="d",
+            fingerprint="f",
+            published_at=1.0,
+            **several,
+        )
+
+    one = Metrics(role="validator")
+    one(published(4))  # one validator: no agreement metric at all
+    assert "agreement" not in generate_latest(one.registry).decode()
+    assert "certified" not in generate_latest(one.registry).decode()
+
+    metrics = Metrics(role="validator")
+    steps = ["proposed", "objected", "objected", "handover", "proposed", "endorsed", "endorsed", "endorsed"]
+    for i, step in enumerate(steps):
+        metrics(AgreementStep(window=5, validator=f"v{i % 4}", step=step, view=int(i >= 3)))
+    metrics(AgreementStep(window=5, validator="v1", step="certified", view=1, detail="v1,v2,v3"))
+    metrics(published(5, leader="v2", view=1, signers=["v1", "v2", "v3"]))
+    got = samples(generate_latest(metrics.registry).decode())
+    counted = {labels[0][1]: v for (name, labels), v in got.items() if name == "sparseloco_agreement_steps_total"}
+    assert counted == {"proposed": 2, "objected": 2, "handover": 1, "endorsed": 3, "certified": 1}
+    assert got[("sparseloco_certified_view", ())] == 1 and got[("sparseloco_certified_signers", ())] == 3
+    metrics(published(6, leader="v3", view=0, signers=["v1", "v3"]))
+    got = samples(generate_latest(metrics.registry).decode())
+    assert got[("sparseloco_certified_view", ())] == 0 and got[("sparseloco_certified_signers", ())] == 2

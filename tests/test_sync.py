@@ -3,8 +3,10 @@ at decode time and the window-0 open time from the signed genesis manifest."""
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,11 +16,15 @@ from protocol import layout
 from protocol.broadcast import plain
 from protocol.config import RunSpec
 from protocol.errors import SchemaMismatch
+from protocol.events import Event, describe, read_events
 from protocol.identity import Identity
 from protocol.model import build_model, fingerprint, param_schema
+from protocol.quorum import Signatures
 from protocol.store import open_store
 from protocol.store.base import ObjectStore
+from protocol.store.memory import MemoryStore
 from protocol.wire import GENESIS
+from protocol.wire.quorum import Endorsement, encode_endorsement
 from validator.publish import encode_window_aggregate, publish_checkpoint
 
 TINY = {"preset": "tiny", "dim": 32, "n_layers": 1, "n_heads": 2, "ffn_dim": 64, "max_seq_len": 32}
@@ -87,3 +93,103 @@ def test_aggregate_with_unknown_tensor_or_wrong_shape_is_rejected(run, kind: str
     publish(spec, store, launch, bad)
     with pytest.raises(SchemaMismatch):
         Sync(spec, store).fetch_aggregate(0)
+
+
+# ------------------------------------------------------------------------------ several validators
+FOUR = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(4)]
+
+
+class CountingStore(MemoryStore):
+    """A memory store that counts its listings (what reading the endorsements costs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listings: list[str] = []
+
+    def list(self, prefix: str) -> list[str]:
+        self.listings.append(prefix)
+        return super().list(prefix)
+
+
+def endorse(spec: RunSpec, store: ObjectStore, window: int, who: Identity, digest: str) -> None:
+    e = Endorsement(spec.hash(), window, 0, FOUR[0].peer_id, digest)
+    store.put(layout.endorsement_key(layout.run_id(spec.hash()), window, who.peer_id), encode_endorsement(e, who))
+
+
+def test_a_waiting_peer_reads_how_many_validators_signed() -> None:
+    spec = RunSpec.from_dict(
+        {"model": TINY, "validator": {"public_keys": [i.public_key_hex for i in FOUR], "quorum": 3}}
+    )
+    store = CountingStore()
+    run = layout.run_id(spec.hash())
+    sync = Sync(spec, store, poll_interval_s=0.001)
+    assert sync.chain.signatures(7) == Signatures(window=7, m=3, n=4, endorsements=0, endorsed=0)
+    endorse(spec, store, 7, FOUR[0], "a" * 64)
+    endorse(spec, store, 7, FOUR[1], "a" * 64)
+    endorse(spec, store, 7, FOUR[2], "b" * 64)  # a validator that endorsed another digest
+    store.put(layout.endorsement_key(run, 7, FOUR[3].peer_id), b"junk")  # does not verify: no endorsement
+    endorse(spec, store, 6, FOUR[3], "a" * 64)  # another window's
+    found = sync.chain.signatures(7)
+    assert found == Signatures(window=7, m=3, n=4, endorsements=2, endorsed=3)
+    assert found.describe() == (
+        "waiting for 3 of 4 validators to sign aggregate 7 (2 endorsements so far, 3 validators endorsed different digests)"
+    )
+    assert describe(found.event()) == found.describe()
+    store.listings.clear()
+
+    # every poll checks the aggregate; the endorsements are read only every signatures_every_s
+    polls, heard = [0], []
+
+    def stop_after(n: int) -> Callable[[], bool]:
+        def should_stop() -> bool:
+            polls[0] += 1
+            return polls[0] > n
+
+        return should_stop
+
+    assert not sync.wait_until_published(
+        7, should_stop=stop_after(20), on_waiting=heard.append, signatures_every_s=3600
+    )
+    assert heard == [] and not any("endorsement" in p for p in store.listings)
+    polls[0] = 0
+    assert not sync.wait_until_published(7, should_stop=stop_after(3), on_waiting=heard.append, signatures_every_s=0)
+    assert heard == [found] * 3 and sum("endorsement" in p for p in store.listings) == 3
+
+
+def test_one_validator_reads_no_endorsement() -> None:
+    spec = RunSpec.from_dict({"model": TINY, "validator": {"public_keys": [VALIDATOR.public_key_hex]}})
+    store = CountingStore()
+    sync = Sync(spec, store, poll_interval_s=0.001)
+    heard: list[Signatures] = []
+    polls = iter(range(5))
+    sync.wait_until_published(
+        0, should_stop=lambda: next(polls, None) is None, on_waiting=heard.append, signatures_every_s=0
+    )
+    assert sync.chain.signatures(0) is None and heard == []
+    assert not any("endorsement" in p for p in store.listings)
+
+
+def test_the_peer_shows_what_it_waits_for_and_reports_each_change() -> None:
+    from client.peer.position import CatchUp
+
+    class Display:
+        def __init__(self) -> None:
+            self.phases: list[str] = []
+            self.events: list[Event] = []
+
+        def update(self, **fields: object) -> None:
+            self.phases.append(str(fields["phase"]))
+
+        def emit(self, event: Event) -> None:
+            self.events.append(event)
+
+    display = Display()
+    catch_up = CatchUp(SimpleNamespace(display=display), None, None)  # type: ignore[arg-type]
+    one = Signatures(window=7, m=3, n=4, endorsements=1, endorsed=1)
+    two = Signatures(window=7, m=3, n=4, endorsements=2, endorsed=2)
+    for found in (one, one, two, two):
+        catch_up._awaiting(found)
+    assert display.phases[-1] == "waiting for 3 of 4 validators to sign aggregate 7 (2 endorsements so far)"
+    assert len(display.phases) == 4 and display.events == [one.event(), two.event()]
+    line = json.dumps(display.events[1].to_dict())
+    assert list(read_events([line])) == [two.event()]  # the JSON line a program reads back

@@ -16,7 +16,7 @@
                             [--retain-checkpoint-every M] [--key validator.pem] [--dry-run] [--json]
     sparseloco-validator audit --run run.toml [--store URL] [--from W] [--to W] [--json]
     sparseloco-validator logs --db vstate/contributions.sqlite [--peer ID] [--window A:B] [--rejected]
-                              [--windows | --evals] [--json | --csv] [--summary] [--plot PNG]
+                              [--windows | --evals | --agreement] [--json | --csv] [--summary] [--plot PNG]
     sparseloco-validator dashboard --db vstate/contributions.sqlite [--host 127.0.0.1] [--port 8080]
 
 Local settings (store, device, poll interval, the window budgets …; :mod:`protocol.settings`) come
@@ -477,6 +477,11 @@ def _print_audit(report: AuditReport) -> None:
 @click.option("--rejected", is_flag=True, help="Only rejected contributions.")
 @click.option("--windows", "per_window", is_flag=True, help="One row per window (outcome, val loss, fingerprint).")
 @click.option("--evals", "evaluations", is_flag=True, help="The periodic evaluations of θ (--eval-every).")
+@click.option(
+    "--agreement",
+    is_flag=True,
+    help="Several validators: per window who led, in which view, who signed, objections, handovers.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (an array of rows).")
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV.")
 @click.option("--summary", is_flag=True, help="Leaderboard: windows, acceptance rate, mean score per peer.")
@@ -495,6 +500,7 @@ def logs(
     rejected: bool,
     per_window: bool,
     evaluations: bool,
+    agreement: bool,
     as_json: bool,
     as_csv: bool,
     summary: bool,
@@ -502,6 +508,8 @@ def logs(
 ) -> None:
     # the help is logs_report.HELP: the fields, the table's columns and the rejection reasons
     _check_logs_flags(peer, rejected, per_window, evaluations, as_json, as_csv, summary)
+    if agreement and (per_window or evaluations or summary or peer or rejected or plot_path):
+        raise click.UsageError("--agreement lists whole windows: only --window, --json and --csv apply")
     if not Path(db).exists():
         raise click.ClickException(f"no contribution log at {db}")
     windows = _parse_range(window_range)
@@ -520,6 +528,7 @@ def logs(
             summary=summary,
             as_json=as_json,
             as_csv=as_csv,
+            agreement=agreement,
         )
 
 

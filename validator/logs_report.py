@@ -5,8 +5,11 @@
              summary=True, as_json=False, as_csv=False)
 
 One row per decided contribution (the default), one per window (``per_window``), the periodic
-evaluations (``evaluations``) or the leaderboard (``summary``, with the evaluations under it in a
-table), printed as a rich table (not cut to 80 columns when piped), a JSON array or CSV.
+evaluations (``evaluations``), the leaderboard (``summary``, with the evaluations under it in a
+table) or, in a run with several validators, each window's agreement (``agreement``: who led, in
+which view, who signed, objections with their reasons, handovers; ``per_window`` shows it too),
+printed as a rich table (not cut to 80 columns when piped), a JSON array or CSV. A log of a run
+with one validator has no agreement: its output is what it always was.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from collections.abc import Callable
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from validator import reasons
 from validator.log import ContributionRecord, WindowRecord
-from validator.logview import LogView
+from validator.logview import AgreementSummary, LogView
 
 __all__ = ["HELP", "show"]
 
@@ -38,7 +42,14 @@ Fields of each row (--json: an array of objects; --csv: the same columns):
   --windows      window, status (decided | published), opened_at, closed_at,
                  published_at, base, digest (of the aggregate), fingerprint (of θ
                  after it), val_loss, accepted, rejected, unannounced (uploads under
-                 keys of peers without an announcement: counted, never read)
+                 keys of peers without an announcement: counted, never read);
+                 with several validators (--json) also agreement (as below) for
+                 the windows that have one; the table prints it under the windows
+  --agreement    several validators only: window, certified, leader (whose
+                 proposal was certified), view, digest, signers, proposals
+                 {validator: view}, endorsements {validator: digest}, objections
+                 [{validator, proposer, view, digest, reasons}], handovers
+                 [{validator, view}] (CSV: each list joined with ";")
   --evals        window (θ after its aggregate), fingerprint, sequences, tokens,
                  bytes, loss (nats/token), perplexity, bits_per_byte,
                  evaluated_at, seconds
@@ -99,13 +110,27 @@ def show(
     summary: bool,
     as_json: bool,
     as_csv: bool,
+    agreement: bool = False,
 ) -> None:
     """Print what ``logs`` was asked for (the flags as the command takes them, checked there):
     ``windows`` is an inclusive range, either end open; ``peer`` a prefix of a peer id."""
+    if agreement:
+        _emit(
+            [agreement_json(a, flat=as_csv) for a in log.agreements(windows=windows)], as_json, as_csv, _agreement_table
+        )
+        return
     if per_window:
         lo, hi = windows
         picked = [w for w in log.windows() if (lo is None or w.window >= lo) and (hi is None or w.window <= hi)]
-        _emit([_window_row(w) for w in picked], as_json, as_csv, _windows_table)
+        agreed = {a.window: a for a in log.agreements(windows=windows)}
+        picked_rows = [_window_row(w) for w in picked]
+        if as_json:
+            for r in picked_rows:
+                if r["window"] in agreed:
+                    r["agreement"] = agreement_json(agreed[r["window"]])
+        _emit(picked_rows, as_json, as_csv, _windows_table)
+        if agreed and not (as_json or as_csv):
+            _emit([agreement_json(a) for a in agreed.values()], False, False, _agreement_table)
         return
     evals = [dataclasses.asdict(e) for e in log.evaluations(windows=windows)]
     if evaluations:
@@ -133,6 +158,43 @@ def _window_row(w: WindowRecord) -> dict[str, object]:
     """A window as ``logs --windows`` prints it (``digest``: the published aggregate's)."""
     out: dict[str, object] = dataclasses.asdict(w)
     out["digest"] = out.pop("aggregate_digest")
+    return out
+
+
+def agreement_json(a: AgreementSummary, *, flat: bool = False) -> dict[str, object]:
+    """A window's agreement as ``logs --agreement --json`` prints it (``flat``: the CSV form, each
+    list joined with ";", each objection ``validator>proposer@view: reason | reason``)."""
+    objections = [
+        {
+            "validator": o.validator,
+            "proposer": o.proposer,
+            "view": o.view,
+            "digest": o.digest,
+            "reasons": list(o.reasons),
+        }
+        for o in a.objections
+    ]
+    handovers = [{"validator": v, "view": view} for v, view in a.handovers]
+    out: dict[str, object] = {
+        "window": a.window,
+        "certified": a.certified,
+        "leader": a.leader,
+        "view": a.view,
+        "digest": a.digest,
+        "signers": list(a.signers),
+        "proposals": dict(a.proposals),
+        "endorsements": dict(a.endorsements),
+        "objections": objections,
+        "handovers": handovers,
+    }
+    if flat:
+        out["signers"] = ";".join(a.signers)
+        out["proposals"] = ";".join(f"{v}@{view}" for v, view in a.proposals.items())
+        out["endorsements"] = ";".join(f"{v}:{d}" for v, d in a.endorsements.items())
+        out["objections"] = ";".join(
+            f"{o.validator}>{o.proposer}@{o.view}: {' | '.join(o.reasons)}" for o in a.objections
+        )
+        out["handovers"] = ";".join(f"{v}@{view}" for v, view in a.handovers)
     return out
 
 
@@ -237,5 +299,32 @@ def _evals_table(rows: list[dict[str, object]]) -> Table:
             str(r["sequences"]),
             _fmt(r["fingerprint"])[:16],
             _fmt(r["seconds"], 1),
+        )
+    return t
+
+
+def _agreement_table(rows: list[dict[str, object]]) -> Table:
+    t = Table(title=f"agreement of the validators ({len(rows)} windows)")
+    for c in ("window", "leader", "view", "signers", "proposals", "objections", "handovers"):
+        t.add_column(c, justify="right" if c in ("window", "view") else "left")
+    for r in rows:
+        objections = r["objections"]
+        handovers = r["handovers"]
+        proposals = r["proposals"]
+        t.add_row(
+            str(r["window"]),
+            str(r["leader"])[:12] if r["certified"] else "[yellow]not certified[/yellow]",
+            _fmt(r["view"]),
+            ", ".join(str(s)[:12] for s in r["signers"]) if isinstance(r["signers"], list) else "",
+            ", ".join(f"{str(v)[:12]}@{view}" for v, view in proposals.items()) if isinstance(proposals, dict) else "",
+            "\n".join(
+                escape(f"{str(o['validator'])[:12]} → {str(o['proposer'])[:12]}@{o['view']}: {'; '.join(o['reasons'])}")
+                for o in objections
+            )
+            if isinstance(objections, list)
+            else "",
+            ", ".join(f"{str(h['validator'])[:12]}@{h['view']}" for h in handovers)
+            if isinstance(handovers, list)
+            else "",
         )
     return t

@@ -12,6 +12,7 @@ WAL), or read a :class:`~validator.log.ContributionLog` that is open already:
         log.rejection_reasons()                     # [ReasonCount(reason, rejections, peers, last_window)]
         log.pending(after=7)                        # uploads read after window 7, not decided yet
         log.evaluations(windows=(0, None))          # the periodic evaluations of θ
+        log.agreements(windows=(0, None))           # runs with several validators: who led, who signed
     LogView(validator.log).leaderboard()
 
 The schema, the row encoding and the validator's writes are :mod:`validator.log`'s; every query here
@@ -27,6 +28,7 @@ from validator.log import (
     CONTRIBUTION_SELECT,
     EVALUATION_COLUMNS,
     WINDOW_COLUMNS,
+    AgreementRecord,
     CheckRow,
     ContributionLog,
     ContributionRecord,
@@ -36,7 +38,17 @@ from validator.log import (
     where,
 )
 
-__all__ = ["LeaderRow", "LogView", "PeerSummary", "ReasonCount", "Received", "WindowBucket"]
+__all__ = [
+    "AgreementSummary",
+    "LeaderRow",
+    "LogView",
+    "Objected",
+    "PeerSummary",
+    "ReasonCount",
+    "Received",
+    "WindowBucket",
+    "summarize_agreement",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +126,75 @@ class Received:
     bytes: int | None
 
 
+@dataclass(frozen=True, kw_only=True)
+class Objected:
+    """An objection seen in a window: ``validator`` refused the proposal of ``proposer`` (its
+    ``digest``, of view ``view``) for ``reasons`` (one line each: check, peer, numbers)."""
+
+    validator: str
+    proposer: str
+    view: int
+    digest: str
+    reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgreementSummary:
+    """One window's agreement among several validators, as this validator's log saw it: the
+    ``leader`` whose proposal was certified and its ``view`` ("" / None until one was), the
+    ``signers`` of the certificate, every proposal (proposer → view), the endorsements (validator →
+    the digest it endorsed), the objections with their reasons and the handovers (the views a
+    validator began leading in). A run with one validator has none of these rows."""
+
+    window: int
+    certified: bool
+    leader: str
+    view: int | None
+    digest: str
+    signers: tuple[str, ...]
+    proposals: dict[str, int]
+    endorsements: dict[str, str]
+    objections: tuple[Objected, ...]
+    handovers: tuple[tuple[str, int], ...]  # (validator, view)
+
+
+def summarize_agreement(records: list[AgreementRecord]) -> list[AgreementSummary]:
+    """The steps of :meth:`ContributionLog.agreement` taken together per window, by window."""
+    by_window: dict[int, list[AgreementRecord]] = {}
+    for rec in records:
+        by_window.setdefault(rec.window, []).append(rec)
+    return [_summary(w, recs) for w, recs in sorted(by_window.items())]
+
+
+def _summary(window: int, recs: list[AgreementRecord]) -> AgreementSummary:
+    proposer_of = {r.digest: r.validator for r in recs if r.event == "proposed" and r.digest}
+    proposals = {r.validator: r.view for r in recs if r.event == "proposed"}
+    certified = next((r for r in recs if r.event == "certified"), None)
+    objections = tuple(
+        Objected(
+            validator=r.validator,
+            proposer=proposer_of.get(r.digest, r.validator if not r.digest else ""),
+            view=r.view,
+            digest=r.digest,
+            reasons=tuple(line for line in (r.detail or "").splitlines() if line),
+        )
+        for r in recs
+        if r.event == "objected"
+    )
+    return AgreementSummary(
+        window=window,
+        certified=certified is not None,
+        leader=proposer_of.get(certified.digest, "") if certified is not None else "",
+        view=certified.view if certified is not None else None,
+        digest=certified.digest if certified is not None else "",
+        signers=tuple(s for s in (certified.detail or "").split(",") if s) if certified is not None else (),
+        proposals=proposals,
+        endorsements={r.validator: r.digest for r in recs if r.event == "endorsed"},
+        objections=objections,
+        handovers=tuple(sorted({(r.validator, r.view) for r in recs if r.event == "handover"}, key=lambda h: h[1])),
+    )
+
+
 class LogView:
     """Queries over an open contribution log; closes it on :meth:`close` only when it opened it."""
 
@@ -167,6 +248,28 @@ class LogView:
                 (lo, lo, hi, hi),
             ).fetchall()
         return [EvaluationRecord(**dict(zip(EVALUATION_COLUMNS, r))) for r in rows]
+
+    def agreements(
+        self, *, windows: tuple[int | None, int | None] = (None, None), limit: int | None = None
+    ) -> list[AgreementSummary]:
+        """The agreement of each window in ``windows`` that has agreement steps (none with one
+        validator), by window; ``limit``: only the newest that many windows."""
+        lo, hi = windows
+        with self._log.reading() as db:
+            # a log of an older version opened read-only has no agreement table
+            if not db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'agreement'").fetchone():
+                return []
+        if limit is not None:
+            with self._log.reading() as db:
+                newest = db.execute(
+                    "SELECT DISTINCT window FROM agreement WHERE window >= ? AND window <= ? "
+                    "ORDER BY window DESC LIMIT ?",
+                    (-1 if lo is None else lo, 2**62 if hi is None else hi, limit),
+                ).fetchall()
+            if not newest:
+                return []
+            lo = newest[-1][0]
+        return summarize_agreement(self._log.agreement((lo, hi)))
 
     def history(self, peer: str, *, limit: int, offset: int = 0) -> list[ContributionRecord]:
         """One peer's decided rows (exact id), newest window first, a page at a time."""

@@ -36,6 +36,7 @@ from protocol.config import RunSpec
 from protocol.errors import ProtocolError, StoreError
 from protocol.events import Applied, Resynced, SyncFailed
 from protocol.outcomes import PeerOutcome, read_outcomes, verdict
+from protocol.quorum import Signatures
 from protocol.replay import Position
 from protocol.store.base import ObjectStore
 from protocol.windows import upload_deadline
@@ -103,9 +104,14 @@ class Theta:
             return True
         return time.time() < upload_deadline(self.pos.opened_at, self.spec.windows)
 
-    def wait_for_next(self, should_stop: Callable[[], bool]) -> None:
-        """Until the aggregate that follows θ is published (or ``should_stop()``)."""
-        self.sync.wait_until_published(self.pos.window, base=self.pos.base, should_stop=should_stop)
+    def wait_for_next(
+        self, should_stop: Callable[[], bool], on_waiting: Callable[[Signatures], None] | None = None
+    ) -> None:
+        """Until the aggregate that follows θ is published (or ``should_stop()``); with several
+        validators ``on_waiting`` hears every few seconds whose signatures it still waits for."""
+        self.sync.wait_until_published(
+            self.pos.window, base=self.pos.base, should_stop=should_stop, on_waiting=on_waiting
+        )
 
     @property
     def poll_s(self) -> float:
@@ -117,6 +123,7 @@ class CatchUp:
 
     def __init__(self, ctx: PeerContext, theta: Theta, uploads: Uploads) -> None:
         self.ctx, self.theta, self.uploads = ctx, theta, uploads
+        self._signatures: Signatures | None = None  # the last one reported
 
     def between_windows(self, need: int) -> None:
         """Apply every published aggregate (rebuilding θ first if it diverged); while θ opens a
@@ -167,7 +174,15 @@ class CatchUp:
         may be what that window waits for)."""
         self.uploads.flush()
         self.ctx.display.update(phase="waiting for aggregate")
-        self.theta.wait_for_next(self.ctx.stopping)
+        self.theta.wait_for_next(self.ctx.stopping, self._awaiting)
+
+    def _awaiting(self, found: Signatures) -> None:
+        """Several validators: the next aggregate waits for their signatures. Shown every time it is
+        read; reported as an event when the count changed."""
+        self.ctx.display.update(phase=found.describe())
+        if found != self._signatures:
+            self._signatures = found
+            self.ctx.display.emit(found.event())
 
     # ------------------------------------------------------------------ reports
     def _report(self, step: Step) -> None:

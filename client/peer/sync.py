@@ -11,6 +11,8 @@ it keeps no θ of its own (the peer's is :class:`client.peer.position.Theta`'s):
         step.pos                                 #   Advanced (one applied) or Reloaded (θ rebuilt)
     pos = sync.advance(params, pos)              # the same, to its end
     sync.wait_until_published(pos.window, base=pos.base, stop_at=deadline)
+    sync.wait_until_published(pos.window, base=pos.base, on_waiting=show)  # several validators:
+                                                 #   show(Signatures) every SIGNATURES_EVERY_S
 
 ``Position`` (:mod:`protocol.replay`) is where a peer stands; applying one aggregate, θ₀ and the
 chain's reads are :mod:`protocol.replay`'s, the same for the validator and every tool.
@@ -36,11 +38,16 @@ from protocol import layout
 from protocol.chain import checkpoint_base
 from protocol.config import RunSpec
 from protocol.errors import DigestMismatch, ObjectNotFound, ProtocolError, StaleBase, StoreError
+from protocol.quorum import Signatures
 from protocol.replay import Chain, Position, apply_aggregate, replay
 from protocol.store.base import ObjectStore
 from protocol.wire import Aggregate, Verified
 
-__all__ = ["Advanced", "NotReady", "Position", "Reloaded", "Step", "Sync"]
+__all__ = ["SIGNATURES_EVERY_S", "Advanced", "NotReady", "Position", "Reloaded", "Step", "Sync"]
+
+# Several validators: while a reader waits for an aggregate it reads the endorsements so far at most
+# this often (a listing of at most n keys and as many GETs of 1 KiB), never on every poll.
+SIGNATURES_EVERY_S = 5.0
 
 
 class NotReady(ProtocolError):
@@ -123,14 +130,28 @@ class Sync:
         base: str | None = None,
         stop_at: float | None = None,
         should_stop: Callable[[], bool] = lambda: False,
+        on_waiting: Callable[[Signatures], None] | None = None,
+        signatures_every_s: float = SIGNATURES_EVERY_S,
     ) -> bool:
         """Poll until aggregate ``window`` is published (True; with ``base``: one chaining onto it),
-        ``stop_at`` passes or ``should_stop()`` (False)."""
+        ``stop_at`` passes or ``should_stop()`` (False). In a run with several validators,
+        ``on_waiting`` is told what the aggregate still waits for (:meth:`Chain.signatures`) once
+        ``signatures_every_s`` have passed without it, and again every ``signatures_every_s``; a
+        store error while reading the endorsements only skips that report."""
+        due = time.monotonic() + signatures_every_s
         while not should_stop():
             if self.aggregate_published(window, base):
                 return True
             if stop_at is not None and time.time() >= stop_at:
                 return False
+            if on_waiting is not None and self.chain.validators is not None and time.monotonic() >= due:
+                due = time.monotonic() + signatures_every_s
+                try:
+                    found = self.chain.signatures(window)
+                except StoreError:
+                    found = None
+                if found is not None:
+                    on_waiting(found)
             time.sleep(self.poll_s)
         return False
 

@@ -20,22 +20,30 @@ change) and accepts only a ``206`` of exactly that range, or a ``200`` whose who
 range; a store that ignores ``Range`` and sends a whole object is refused on its
 ``Content-Length``, its body unread. Nothing can be deleted.
 
+Several grant servers (a run with several validators, each serving grants): ``grant_url`` names
+them in order, comma-separated (``store.grant_url = "https://v1:8710,https://v2:8710"``). Every
+request goes to the one in use; when it is unreachable (connection refused, a timeout) or answers
+5xx, the next one is asked at once, and the one that answered is used from then on (``stats.failovers``
+counts the switches). A refusal (4xx) or a rate limit is that server's answer and is not asked again
+elsewhere.
+
 Failures: a refusal raises :class:`~protocol.errors.AccessDenied` (or ``PayloadTooLarge``) with the
-reason the grant server gave; an unreachable grant server, 5xx answers and rate limits are retried
-(``retries`` times, exponential backoff from ``backoff_s``, at least what ``Retry-After`` asks) and
-then raise :class:`~protocol.errors.StoreUnavailable`. A cached read grant the store refuses (it
-expired, the validator restarted with new credentials) is replaced once.
+reason the grant server gave; when no grant server answers, and on rate limits, the request is
+retried (``retries`` times, exponential backoff from ``backoff_s``, at least what ``Retry-After``
+asks) and then raises :class:`~protocol.errors.StoreUnavailable`. A cached read grant the store
+refuses (it expired, the validator restarted with new credentials) is replaced once.
 """
 
 from __future__ import annotations
 
 import http.client
+import logging
 import threading
 import time
 import urllib.error
 import urllib.request
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -72,8 +80,9 @@ from protocol.store.grants import (
 )
 from protocol.store.presign import Presigned
 
-__all__ = ["GrantNotGiven", "GrantStats", "GrantedStore", "parse_listing"]
+__all__ = ["GrantNotGiven", "GrantStats", "GrantedStore", "grant_urls", "parse_listing"]
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 CHUNK = 1 << 20
 MAX_LISTING_PAGE_BYTES = 8 << 20  # 1000 keys of 1 KiB and their XML
@@ -90,6 +99,7 @@ class GrantStats:
     bytes_uploaded: int = 0
     bytes_downloaded: int = 0
     retries: int = 0
+    failovers: int = 0  # switches to another grant server because the one in use did not answer
 
 
 class GrantNotGiven(AccessDenied):
@@ -109,6 +119,10 @@ class _Retry(Exception):
         self.wait_s = wait_s
 
 
+class _Down(_Retry):
+    """A grant server did not answer (unreachable, a timeout, 5xx): the next one may."""
+
+
 class _Regrant(Exception):
     """The store refused a cached grant (``denied``): ask for a new one and try again, once."""
 
@@ -124,7 +138,7 @@ class GrantedStore(ObjectStore):
 
     def __init__(
         self,
-        grant_url: str,
+        grant_url: str | Sequence[str],
         identity: Identity,
         run_hash: str,
         *,
@@ -134,10 +148,8 @@ class GrantedStore(ObjectStore):
         backoff_s: float = 0.5,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        parts = urlsplit(grant_url.strip())
-        if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
-            raise ConfigError(f"store.grant_url must be http(s)://host[:port][/path], got {grant_url!r}")
-        self.grant_url = grant_url.strip().rstrip("/")
+        self.grant_urls = grant_urls(grant_url)
+        self._at = 0  # the grant server in use: the first, until it does not answer
         self.identity, self.run_hash = identity, run_hash
         self.reads = reads
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
@@ -147,7 +159,35 @@ class GrantedStore(ObjectStore):
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"GrantedStore({self.grant_url})"
+        return f"GrantedStore({', '.join(self.grant_urls)})"
+
+    @property
+    def grant_url(self) -> str:
+        """The grant server in use."""
+        return self.grant_urls[self._at]
+
+    def _desk(self, once: Callable[[str], T]) -> T:
+        """``once(url)`` at the grant server in use; when it does not answer (:class:`_Down`), at
+        the next ones in turn. The first that answers is used from then on; when none does, one
+        :class:`_Retry` for the whole round."""
+        start, n = self._at, len(self.grant_urls)
+        down: list[_Down] = []
+        for i in range(n):
+            at = (start + i) % n
+            try:
+                answer = once(self.grant_urls[at])
+            except _Down as exc:
+                down.append(exc)
+                continue
+            if at != start:
+                with self._lock:
+                    self._at = at
+                self.stats.failovers += 1
+                log.warning("grant server %s did not answer; using %s", self.grant_urls[start], self.grant_urls[at])
+            return answer
+        if n == 1:
+            raise down[0]
+        raise _Retry("; ".join(str(d) for d in down), max(d.wait_s for d in down))
 
     # ------------------------------------------------------------------ grants
     def ask(self, request: GrantRequest) -> Presigned:
@@ -160,37 +200,35 @@ class GrantedStore(ObjectStore):
         """The grant server's ``/v1/info`` (run id and hash, the open window): whether it is up and
         serves this run."""
 
-        def once() -> dict[str, Any]:
+        def once(url: str) -> dict[str, Any]:
             try:
-                with urllib.request.urlopen(self.grant_url + INFO_PATH, timeout=self.timeout_s) as resp:
+                with urllib.request.urlopen(url + INFO_PATH, timeout=self.timeout_s) as resp:
                     answer = resp.read(MAX_GRANT_BYTES + 1)
             except urllib.error.HTTPError as exc:
-                raise self._refusal(exc) from None
+                raise _refusal(url, exc) from None
             except (OSError, http.client.HTTPException) as exc:
-                raise _Retry(f"grant server {self.grant_url} unreachable: {exc}") from None
+                raise _Down(f"grant server {url} unreachable: {exc}") from None
             return decode_info(answer)  # bounded in size and depth: the desk may be hostile too
 
-        return self._attempts("grant server info", once, regrant=False)
+        return self._attempts("grant server info", lambda: self._desk(once), regrant=False)
 
     def _ask_once(self, request: GrantRequest) -> Presigned:
         body, headers = encode_request(request, self.identity)
-        http_request = urllib.request.Request(self.grant_url + GRANT_PATH, data=body, method="POST", headers=headers)
-        try:
-            with urllib.request.urlopen(http_request, timeout=self.timeout_s) as resp:
-                answer = resp.read(MAX_GRANT_BYTES + 1)
-        except urllib.error.HTTPError as exc:
-            raise self._refusal(exc) from None
-        except (OSError, http.client.HTTPException) as exc:
-            raise _Retry(f"grant server {self.grant_url} unreachable: {exc}") from None
+
+        def once(url: str) -> bytes:
+            http_request = urllib.request.Request(url + GRANT_PATH, data=body, method="POST", headers=headers)
+            try:
+                with urllib.request.urlopen(http_request, timeout=self.timeout_s) as resp:
+                    answer: bytes = resp.read(MAX_GRANT_BYTES + 1)
+                    return answer
+            except urllib.error.HTTPError as exc:
+                raise _refusal(url, exc) from None
+            except (OSError, http.client.HTTPException) as exc:
+                raise _Down(f"grant server {url} unreachable: {exc}") from None
+
+        answer = self._desk(once)
         self.stats.grants += 1
         return decode_grant(answer)
-
-    def _refusal(self, exc: urllib.error.HTTPError) -> Exception:
-        refusal = decode_refusal(exc.code, exc.read(1 << 16), retry_after=exc.headers.get("Retry-After"))
-        exc.close()
-        if refusal.reason in ("rate_limited", "unavailable", "busy", "server_error"):  # transient
-            return _Retry(f"grant server {self.grant_url}: {refusal}", refusal.retry_after_s)
-        return refusal
 
     def _granted(self, op: str, key: str, token: str = "") -> Presigned:
         """A read grant, from the cache while it is fresh."""
@@ -367,6 +405,34 @@ class GrantedStore(ObjectStore):
         if len(body) > MAX_LISTING_PAGE_BYTES:
             raise StoreError(f"list {prefix!r}: a listing page over {MAX_LISTING_PAGE_BYTES} bytes")
         return parse_listing(body, grant.key_prefix)
+
+
+def grant_urls(setting: str | Sequence[str]) -> tuple[str, ...]:
+    """The grant servers ``store.grant_url`` names, in order: one URL, several comma-separated, or
+    a sequence of them; each ``http(s)://host[:port][/path]`` (a trailing ``/`` dropped)."""
+    parts = setting.split(",") if isinstance(setting, str) else list(setting)
+    urls = tuple(str(u).strip().rstrip("/") for u in parts)
+    if not urls or any(not u for u in urls):
+        raise ConfigError(f"store.grant_url must name one or more grant servers, comma-separated, got {setting!r}")
+    for url in urls:
+        p = urlsplit(url)
+        if p.scheme not in ("http", "https") or not p.netloc or p.query or p.fragment:
+            raise ConfigError(f"store.grant_url must be http(s)://host[:port][/path] (comma-separated), got {url!r}")
+    if len(set(urls)) != len(urls):
+        raise ConfigError(f"store.grant_url names a grant server twice: {setting!r}")
+    return urls
+
+
+def _refusal(url: str, exc: urllib.error.HTTPError) -> Exception:
+    """A grant server's HTTP error: :class:`_Down` for a 5xx (another server may answer), a
+    :class:`_Retry` for a rate limit, else the :class:`GrantRefused` it says."""
+    refusal = decode_refusal(exc.code, exc.read(1 << 16), retry_after=exc.headers.get("Retry-After"))
+    exc.close()
+    if exc.code >= 500 or refusal.status >= 500:  # server_error, unavailable, busy, a proxy's 502
+        return _Down(f"grant server {url}: {refusal}", refusal.retry_after_s)
+    if refusal.reason == "rate_limited":
+        return _Retry(f"grant server {url}: {refusal}", refusal.retry_after_s)
+    return refusal
 
 
 def parse_listing(body: bytes, key_prefix: str) -> Page:

@@ -16,7 +16,7 @@ from urllib.parse import quote
 from validator.dashboard import svg
 from validator.dashboard.views import PER_PAGE, Current, Overview, Page, PeerView
 from validator.log import ContributionRecord, WindowRecord
-from validator.logview import PeerSummary, ReasonCount
+from validator.logview import AgreementSummary, PeerSummary, ReasonCount
 
 __all__ = ["REFRESH_S", "error_page", "overview_page", "peer_page", "peer_url"]
 
@@ -58,6 +58,14 @@ def overview_page(ov: Overview, *, log_name: str) -> str:
         _windows_table(ov.recent),
         "</section>",
     ]
+    if ov.agreement:  # several validators; a run with one has no agreement to show
+        body += [
+            '<section id="agreement"><h2>Agreement</h2>',
+            '<p class="muted">Per window: whose proposal the validators certified (leader, view), whose '
+            "endorsements signed it, the objections with their reasons and the handovers to the next leader.</p>",
+            _agreement_table(ov.agreement),
+            "</section>",
+        ]
     return _layout("contribution log", log_name, "/api/overview", body)
 
 
@@ -200,6 +208,37 @@ def _windows_table(windows: Sequence[WindowRecord]) -> str:
     if not rows:
         rows.append(f'<tr><td colspan="{len(head)}" class="muted">no window decided yet</td></tr>')
     return _table(head, rows, "windows")
+
+
+def _agreement_table(windows: Sequence[AgreementSummary]) -> str:
+    head = ["window", "leader", "view", "signers", "objections", "handovers"]
+    rows = []
+    for a in windows:
+        leader = _peer_code(a.leader) if a.certified else '<span class="bad">not certified</span>'
+        signers = " ".join(_peer_code(s) for s in a.signers) or '<span class="muted">–</span>'
+        objections = (
+            "".join(
+                f'<div class="objection">{_peer_code(o.validator)} → {_peer_code(o.proposer)} (view {o.view}): '
+                + "; ".join(f"<code>{escape(r)}</code>" for r in o.reasons)
+                + "</div>"
+                for o in a.objections
+            )
+            or '<span class="muted">none</span>'
+        )
+        handovers = " ".join(f"{_peer_code(v)} (view {view})" for v, view in a.handovers) or (
+            '<span class="muted">none</span>'
+        )
+        rows.append(
+            f'<tr class="agreement-row" data-window="{a.window}"><td class="num">{a.window}</td>'
+            f'<td class="leader">{leader}</td><td class="num view">{_num(a.view)}</td>'
+            f'<td class="signers">{signers}</td><td class="objections">{objections}</td>'
+            f'<td class="handovers">{handovers}</td></tr>'
+        )
+    return _table(head, rows, "agreement")
+
+
+def _peer_code(validator: str) -> str:
+    return f'<code class="peer" title="{escape(validator)}">{escape(validator[:12])}</code>'
 
 
 def _history_table(rows_: Sequence[ContributionRecord]) -> str:

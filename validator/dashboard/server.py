@@ -13,6 +13,7 @@ windows, ``?points=N`` sets how many buckets a series has at most):
     /api/windows         {"windows", "first", "last", "per_bucket", "buckets": [...]}
     /api/rejections      [{"reason", "rejections", "peers", "last_window"}, ...]
     /api/current         the open window, uploads read in it so far, the last window
+    /api/agreement       several validators: per window the leader, view, signers, objections, handovers
 
     with Dashboard("vstate/contributions.sqlite", port=0) as dash:
         urllib.request.urlopen(dash.url + "api/leaderboard")
@@ -216,6 +217,7 @@ _ROUTES: dict[str, _Route] = {
     "/api/windows": lambda log, q, _: _json(views.series(log, windows=q.windows(), points=q.points())),
     "/api/rejections": lambda log, q, _: _json(log.rejection_reasons(windows=q.windows())),
     "/api/current": lambda log, q, _: _json(views.current(log)),
+    "/api/agreement": lambda log, q, _: _json(views.agreement(log, windows=q.windows())),
 }
 _PEER_ROUTES: tuple[tuple[str, _PeerRoute], ...] = (("/peer/", _peer_html), ("/api/peers/", _peer_json))
 

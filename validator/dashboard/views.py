@@ -8,6 +8,7 @@ newest few windows.
     with LogView.open(db) as log:
         ov = overview(log, page=1)
         ov.series.buckets[-1].val_loss, ov.current.open_window, ov.leaderboard.peers[0].reputation
+        ov.agreement[0].leader, ov.agreement[0].signers     # several validators: the newest windows' agreement
         json.dumps(to_json(ov))
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from validator.log import ContributionRecord, WindowRecord
-from validator.logview import LogView, PeerSummary, ReasonCount, Received, WindowBucket
+from validator.logview import AgreementSummary, LogView, PeerSummary, ReasonCount, Received, WindowBucket
 
 __all__ = [
     "CHART_POINTS",
@@ -34,6 +35,7 @@ __all__ = [
     "leaderboard",
     "overview",
     "peer",
+    "agreement",
     "series",
     "to_json",
 ]
@@ -41,7 +43,8 @@ __all__ = [
 PER_PAGE = 50  # leaderboard and history rows per page
 MAX_PER_PAGE = 500
 CHART_POINTS = 300  # at most this many points (buckets of windows) per chart: 2 px each
-RECENT_WINDOWS = 20  # window rows in the overview's table
+RECENT_WINDOWS = 20  # window rows in the overview's table (and windows in its agreement table)
+AGREEMENT_WINDOWS = 200  # at most this many windows' agreement per /api/agreement answer
 LIST_CAP = 200  # peer ids listed in the current window's box; the counts stay exact
 
 # What the current-window box shows instead of the validator's own waiting list, which the log does
@@ -134,6 +137,8 @@ class Overview:
     series: Series
     reasons: list[ReasonCount]
     recent: list[WindowRecord]
+    # several validators: the newest windows' agreement, newest first (empty with one validator)
+    agreement: list[AgreementSummary]
 
 
 def leaderboard(log: LogView, *, page: int = 1, per_page: int = PER_PAGE) -> Leaderboard:
@@ -207,7 +212,16 @@ def overview(log: LogView, *, page: int = 1, per_page: int = PER_PAGE) -> Overvi
         series=series(log),
         reasons=log.rejection_reasons(),
         recent=log.recent_windows(RECENT_WINDOWS),
+        agreement=agreement(log, limit=RECENT_WINDOWS),
     )
+
+
+def agreement(
+    log: LogView, *, windows: tuple[int | None, int | None] = (None, None), limit: int = AGREEMENT_WINDOWS
+) -> list[AgreementSummary]:
+    """The agreement of the newest ``limit`` windows in ``windows`` that have one, newest first:
+    who led, in which view, who signed, the objections and handovers (none with one validator)."""
+    return list(reversed(log.agreements(windows=windows, limit=limit)))
 
 
 def to_json(view: object) -> Any:
