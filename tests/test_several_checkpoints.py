@@ -27,6 +27,7 @@ import torch
 
 from client.checkpoints import Location, list_checkpoints, load_checkpoint
 from client.peer.sync import Sync
+from client.status import run_status
 from protocol import layout
 from protocol.aggregate import apply_outer
 from protocol.broadcast import plain
@@ -215,6 +216,9 @@ def test_a_checkpoint_the_certificate_vouches_for_is_read(run: Run) -> None:
     run.checkpoint(2, KEYS[1])
     chain = Chain(run.spec, run.store)
     assert chain.manifest(2).value.fingerprint == fingerprint(run.thetas[2])
+    status = run_status(run.spec, run.store, store_url=run.url, state_dir=None, peer_id=None)
+    assert status.checkpoint is not None and status.checkpoint["window"] == 2
+    assert load_checkpoint(run.spec, Location(run.url, None)).manifest.window == 2
     params: dict[str, torch.Tensor] = {}
     pos = Sync(run.spec, run.store).resync(params)
     assert pos.window == 2 and pos.base == run.digests[1] and fingerprint(params) == fingerprint(run.thetas[2])
@@ -250,6 +254,8 @@ def test_a_fake_checkpoint_counts_as_absent_for_every_reader(run: Run, lie: str)
     assert ckpt.manifest.window == 0
     infos = {i.window: i for i in list_checkpoints(run.spec, run.store)}
     assert infos[2].error is not None and "uncertified" in infos[2].error and infos[0].error is None
+    status = run_status(run.spec, run.store, store_url=run.url, state_dir=None, peer_id=None)
+    assert status.checkpoint is not None and status.checkpoint["window"] == 0
 
 
 def test_a_validator_without_state_never_restarts_from_a_fake_checkpoint(run: Run, tmp_path: Path) -> None:
