@@ -31,7 +31,7 @@ from torch import Tensor
 from protocol import layout
 from protocol.chain import read_weights
 from protocol.config import RunSpec
-from protocol.errors import ConfigError, ObjectNotFound, ProtocolError
+from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, Uncertified
 from protocol.identity import peer_id_of
 from protocol.model import Transformer
 from protocol.replay import Chain
@@ -209,21 +209,34 @@ def load_checkpoint(spec: RunSpec, loc: Location, settings: StoreSettings | None
     and a :class:`ProtocolError` when it does not verify. ``settings``: see :func:`open_location`."""
     store = open_location(loc, settings)
     try:
-        window = loc.window
-        if window is None:
-            windows = checkpoint_windows(spec, store)
-            if not windows:
-                raise ConfigError(f"no checkpoint of run {layout.run_id(spec.hash())} in {loc.store_url}")
-            window = windows[-1]
         chain = Chain(spec, store)
-        try:
-            v = chain.manifest(window)
-        except ObjectNotFound:
-            raise ConfigError(f"no checkpoint of window {window} in {loc.store_url}") from None
+        if loc.window is None:
+            v = _newest_usable(chain, loc.store_url)
+        else:
+            try:
+                v = chain.manifest(loc.window)
+            except ObjectNotFound:
+                raise ConfigError(f"no checkpoint of window {loc.window} in {loc.store_url}") from None
         params = read_weights(store, v.value, schema=chain.schema)  # what the store holds, even at window 0
         return Checkpoint(v.value, params, v.public_key.hex(), loc.store_url)
     finally:
         store.close()
+
+
+def _newest_usable(chain: Chain, url: str) -> Verified[CheckpointManifest]:
+    """The newest checkpoint's manifest, or with several validators the newest a certificate vouches
+    for (an uncertified one counts as absent, :meth:`protocol.replay.Chain.manifest`)."""
+    windows = chain.checkpoint_windows()
+    if not windows:
+        raise ConfigError(f"no checkpoint of run {chain.run} in {url}")
+    for window in reversed(windows):
+        try:
+            return chain.manifest(window)
+        except ObjectNotFound:
+            raise ConfigError(f"no checkpoint of window {window} in {url}") from None
+        except Uncertified:
+            continue
+    raise ConfigError(f"no checkpoint of run {chain.run} in {url} that a certificate vouches for")
 
 
 def model_of(spec: RunSpec, ckpt: Checkpoint, device: str | torch.device = "cpu") -> Transformer:

@@ -39,7 +39,7 @@ from client.footprint import USABLE, available_memory, footprint, suggest_micro_
 from client.trainer import InnerTrainer, pseudo_gradient, snapshot
 from protocol import layout
 from protocol.config import RunSpec
-from protocol.errors import ObjectNotFound, ProtocolError, ReasonedError, StoreError
+from protocol.errors import ObjectNotFound, ProtocolError, ReasonedError, StoreError, Uncertified
 from protocol.feedback import FeedbackState, compress_step
 from protocol.identity import Identity
 from protocol.model import build_model
@@ -48,7 +48,7 @@ from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
 from protocol.store.granted import GrantedStore, GrantNotGiven
 from protocol.store.grants import PROBE_MAX_BYTES, GrantRequest
-from protocol.wire import GENESIS, Contribution, encode_contribution
+from protocol.wire import GENESIS, CheckpointManifest, Contribution, encode_contribution
 
 __all__ = ["Check", "Preflight", "Report"]
 
@@ -283,7 +283,7 @@ class Preflight:
             windows = self._checkpoint_windows()
             if not windows:
                 return _failed("reads", "not_found", "the store lists no checkpoint of this run")
-            newest = self.chain.manifest(windows[-1]).value
+            newest = self._newest_manifest(windows)
             sizes = [self.store.size(f.key) for f in newest.files]
             try:
                 self._aggregate_bytes = self.store.size(layout.aggregate_key(self.run_id, newest.window))
@@ -298,6 +298,16 @@ class Preflight:
             checkpoint_bytes=sum(sizes),
             aggregate_bytes=self._aggregate_bytes,
         )
+
+    def _newest_manifest(self, windows: list[int]) -> CheckpointManifest:
+        """The newest checkpoint's manifest; with several validators one a certificate vouches for
+        (an uncertified one counts as absent, as for a joining peer)."""
+        for window in reversed(windows[1:]):
+            try:
+                return self.chain.manifest(window).value
+            except Uncertified:
+                continue
+        return self.chain.manifest(windows[0]).value
 
     def _checkpoint_windows(self) -> list[int]:
         """Windows with a checkpoint manifest, ascending (keys that do not parse are not ours)."""

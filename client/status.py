@@ -24,13 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from protocol import layout
-from protocol.chain import MAX_MANIFEST_BYTES
 from protocol.config import RunSpec
 from protocol.errors import MalformedPayload, ObjectNotFound, ProtocolError, StoreError
 from protocol.outcomes import PeerOutcome, read_outcomes
 from protocol.replay import Chain
 from protocol.store.base import ObjectStore
-from protocol.wire import Aggregate, Verified, decode_checkpoint
+from protocol.wire import Aggregate, Verified
 
 __all__ = ["Head", "LocalPeer", "RunStatus", "run_status"]
 
@@ -151,19 +150,15 @@ def _peers(store: ObjectStore, run: str, agg: Verified[Aggregate]) -> tuple[list
 
 
 def _checkpoint(spec: RunSpec, store: ObjectStore, run: str) -> dict[str, Any] | None:
-    """The newest checkpoint manifest that verifies: window, published_at, fingerprint, bytes."""
+    """The newest checkpoint manifest that verifies (with several validators: that the certificate
+    of the aggregate before it vouches for, :meth:`protocol.replay.Chain.manifest`): window,
+    published_at, fingerprint, bytes."""
+    chain = Chain(spec, store)
     for window in reversed(_windows(store, layout.checkpoints_prefix(run), run, "checkpoint")):
         try:
-            data = store.get(layout.checkpoint_manifest_key(run, window), max_bytes=MAX_MANIFEST_BYTES)
-            v = decode_checkpoint(
-                data,
-                run_hash=spec.hash(),
-                max_bytes=MAX_MANIFEST_BYTES,
-                allowed_signers=spec.validator.public_keys,
-                window=window,
-            )
+            v = chain.manifest(window)
         except (ProtocolError, StoreError):
-            continue  # an unfinished or foreign checkpoint: the one before it is the last good one
+            continue  # an unfinished, foreign or uncertified checkpoint: the one before it is the last good one
         m = v.value
         return {
             "window": m.window,

@@ -49,6 +49,7 @@ from protocol.errors import (
     ProtocolError,
     SchemaMismatch,
     StaleBase,
+    Uncertified,
 )
 from protocol.model import fingerprint
 from protocol.store.base import ObjectStore
@@ -58,6 +59,7 @@ from protocol.wire.quorum import decode_certificate
 __all__ = [
     "MAX_MANIFEST_BYTES",
     "WEIGHTS_FILE",
+    "certify_manifest",
     "checkpoint_base",
     "decode_published",
     "delta_of",
@@ -190,13 +192,67 @@ def delta_of(agg: Aggregate) -> SparseDict:
 
 
 def read_manifest(
-    store: ObjectStore, run: str, run_hash: str, window: int, *, allowed_signers: Signers
+    store: ObjectStore,
+    run: str,
+    run_hash: str,
+    window: int,
+    *,
+    allowed_signers: Signers,
+    quorum: int | None = None,
+    max_aggregate_bytes: int = 0,
+    schema: Schema | None = None,
 ) -> Verified[CheckpointManifest]:
-    """The signed checkpoint manifest of ``window``; ``ObjectNotFound`` when there is none."""
+    """The signed checkpoint manifest of ``window``; ``ObjectNotFound`` when there is none.
+
+    ``quorum`` (a run with several validators): a manifest is signed by one validator only, so
+    checkpoint ``window > 0`` is trusted only when the certificate of aggregate ``window − 1``
+    vouches for it (:func:`certify_manifest`); ``Uncertified`` otherwise (logged)."""
     data = store.get(layout.checkpoint_manifest_key(run, window), max_bytes=MAX_MANIFEST_BYTES)
-    return decode_checkpoint(
+    manifest = decode_checkpoint(
         data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=allowed_signers, window=window
     )
+    if quorum is not None and window > 0:
+        try:
+            certified = read_aggregate(
+                store,
+                run,
+                run_hash,
+                window - 1,
+                allowed_signers=allowed_signers,
+                max_bytes=max_aggregate_bytes,
+                schema=schema,
+                quorum=quorum,
+            )
+        except ProtocolError as exc:
+            certified = None
+            log.debug("aggregate %d does not verify: %s", window - 1, exc)
+        try:
+            certify_manifest(manifest.value, certified)
+        except Uncertified as exc:
+            log.warning("checkpoint %d counts as absent: %s", window, exc)
+            raise
+    return manifest
+
+
+def certify_manifest(manifest: CheckpointManifest, certified: Verified[Aggregate] | None) -> None:
+    """Whether ``certified`` (the certified aggregate of the window before the checkpoint, None when
+    there is none that verifies) vouches for ``manifest``: its digest is the manifest's
+    ``aggregate`` and the θ it leads to has the manifest's fingerprint. ``Uncertified`` otherwise:
+    a lying validator can sign a self-consistent manifest of a θ nobody agreed on, but not the m
+    endorsements of the aggregate that leads to it."""
+    w = manifest.window
+    if certified is None:
+        raise Uncertified(f"checkpoint {w}: no certified aggregate of window {w - 1} vouches for it")
+    if certified.digest != manifest.aggregate:
+        raise Uncertified(
+            f"checkpoint {w} follows aggregate {manifest.aggregate[:16]}, the certified aggregate of window "
+            f"{w - 1} is {certified.digest[:16]}"
+        )
+    if certified.value.fingerprint != manifest.fingerprint:
+        raise Uncertified(
+            f"checkpoint {w} holds θ {manifest.fingerprint[:16]}, the certified aggregate of window {w - 1} "
+            f"leads to {certified.value.fingerprint[:16]}"
+        )
 
 
 def read_launch(

@@ -115,6 +115,14 @@ class DigestMismatch(ProtocolError):
     reason = "digest_mismatch"
 
 
+class Uncertified(ProtocolError):
+    """A checkpoint of a run with several validators that no certificate vouches for: the certified
+    aggregate of the window before it is missing, or has another digest or fingerprint than the
+    checkpoint's manifest names. One validator's signature on a manifest is not enough there."""
+
+    reason = "uncertified"
+
+
 class StoreError(SparseLocoError):
     """A storage backend failed (network, permissions, server). Retryable unless stated."""
 

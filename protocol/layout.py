@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from protocol.errors import MalformedPayload
+from protocol.errors import InvalidKey, MalformedPayload
 from protocol.identity import is_peer_id
 
 WINDOW_DIGITS = 8
@@ -103,6 +103,13 @@ def aggregate_prefix(run: str) -> str:
 
 def aggregate_key(run: str, window: int) -> str:
     return aggregate_prefix(run) + window_str(window)
+
+
+def validator_objects_prefix(run: str, kind: str) -> str:
+    """Every window's objects of one of ``VALIDATOR_KINDS`` (proposals, endorsements, objections)."""
+    if kind not in VALIDATOR_KINDS:
+        raise InvalidKey(f"{kind!r} is not a kind of validator object")
+    return f"{_run(run)}/{kind}/"
 
 
 def proposal_prefix(run: str, window: int) -> str:

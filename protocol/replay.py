@@ -179,8 +179,20 @@ class Chain:
         return read_launch(self.store, self.run, self.run_hash, allowed_signers=self.signers)
 
     def manifest(self, window: int) -> Verified[CheckpointManifest]:
-        """The signed checkpoint manifest of ``window``; ``ObjectNotFound`` when there is none."""
-        return read_manifest(self.store, self.run, self.run_hash, window, allowed_signers=self.signers)
+        """The signed checkpoint manifest of ``window``; ``ObjectNotFound`` when there is none. With
+        several validators only one the certificate of aggregate ``window − 1`` vouches for
+        (:func:`protocol.chain.read_manifest`; ``Uncertified`` otherwise): every reader of a
+        checkpoint — catch-up, resync, ``status``, ``export``, the validator's restart — asks here."""
+        return read_manifest(
+            self.store,
+            self.run,
+            self.run_hash,
+            window,
+            allowed_signers=self.signers,
+            quorum=self.quorum,
+            max_aggregate_bytes=self.max_aggregate_bytes,
+            schema=self.schema,
+        )
 
     def checkpoint_windows(self) -> list[int]:
         """Windows that have a checkpoint manifest in the store, ascending (not yet verified)."""

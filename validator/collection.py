@@ -21,10 +21,11 @@ from rich.console import Console
 from rich.table import Table
 
 from protocol import layout
-from protocol.caps import object_caps
+from protocol.caps import published_bytes
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, ObjectNotFound
 from protocol.identity import Identity
+from protocol.quorum import Quorum
 from protocol.settings import LocalSettings
 from protocol.store import open_from_settings
 from protocol.store.base import ObjectStore
@@ -32,11 +33,14 @@ from validator.retention import Plan, Retention, collect, plan_collection, publi
 
 __all__ = ["CollectionReport", "collect_run"]
 
+#: The kinds of keys a collection deletes, as reported (with several validators, the agreement's too).
+KINDS = ("contrib", "aggregate", "checkpoint")
+
 
 @dataclass(frozen=True)
 class CollectionReport:
     """What a collection deleted (or, ``dry_run``, would delete): ``deleted`` (key, bytes) in the
-    order of deletion, ``kept`` the sizes of the run's chain keys that stay, by kind."""
+    order of deletion, ``kept`` the sizes of the run's chain keys that stay, by kind (``kinds``)."""
 
     run: str
     plan: Plan
@@ -44,6 +48,7 @@ class CollectionReport:
     dry_run: bool
     deleted: tuple[tuple[str, int], ...]
     kept: tuple[tuple[str, int], ...]
+    kinds: tuple[str, ...] = KINDS
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -58,7 +63,7 @@ class CollectionReport:
             "totals": {"delete": _totals(self.deleted), "keep": _totals(self.kept)},
             "by_kind": {
                 kind: {"delete": _totals(_of(self.deleted, kind)), "keep": _totals(_of(self.kept, kind))}
-                for kind in ("contrib", "aggregate", "checkpoint")
+                for kind in self.kinds
             },
         }
 
@@ -73,7 +78,7 @@ class CollectionReport:
             f"(checkpoint {self.plan.anchor} is the oldest a joiner may start from)"
         )
         table = Table("kind", f"{verb} objects", f"{verb} bytes", "kept objects", "kept bytes")
-        for kind in ("contrib", "aggregate", "checkpoint"):
+        for kind in self.kinds:
             gone, stay = _totals(_of(self.deleted, kind)), _totals(_of(self.kept, kind))
             table.add_row(
                 kind, f"{gone['objects']:,d}", _bytes(gone["bytes"]), f"{stay['objects']:,d}", _bytes(stay["bytes"])
@@ -100,13 +105,19 @@ def collect_run(
     # store.grant_url / public_reads are how peers reach the run; the operator holds the credential.
     settings = dataclasses.replace(local.store, grant_url="", public_reads=False)
     with open_from_settings(settings, identity=identity, validator_keys=signers) as store:
-        current = published_window(store, run, run_hash, signers=signers, max_bytes=object_caps(spec).aggregate)
-        plan = plan_collection(store, run, run_hash, current=current, policy=policy, signers=signers)
+        quorum = Quorum.of(spec)
+        m = quorum.m if quorum.several else None  # several validators: certificates at aggregate keys
+        cap = published_bytes(spec)
+        current = published_window(store, run, run_hash, signers=signers, max_bytes=cap, quorum=m)
+        plan = plan_collection(
+            store, run, run_hash, current=current, policy=policy, signers=signers, quorum=m, max_aggregate_bytes=cap
+        )
         deleted = _sizes(store, plan.delete)
         kept = _sizes(store, plan.kept)
         if not dry_run:
             collect(store, plan)
-    return CollectionReport(run, plan, policy, dry_run, deleted, kept)
+    kinds = KINDS if m is None else (*KINDS, *layout.VALIDATOR_KINDS)
+    return CollectionReport(run, plan, policy, dry_run, deleted, kept, kinds)
 
 
 def _sizes(store: ObjectStore, keys: Iterable[str]) -> tuple[tuple[str, int], ...]:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from protocol import broadcast, layout
-from protocol.caps import object_caps
+from protocol.caps import object_caps, published_bytes
 from protocol.config import RunSpec
 from protocol.errors import StoreError
 from protocol.events import CheckpointSkipped, Event, StoreObjectRejected, WindowPublished
@@ -40,6 +40,7 @@ from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import parameters_of
 from protocol.outcomes import OUTCOMES, encode_outcomes, outcomes_digest
+from protocol.quorum import Quorum
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
 from protocol.windows import is_checkpoint_window
@@ -92,6 +93,8 @@ class Committer:
         self.run_hash = spec.hash()
         self.run_id = layout.run_id(self.run_hash)
         self.signers = sorted(set(spec.validator.public_keys))
+        quorum = Quorum.of(spec)
+        self.quorum: int | None = quorum.m if quorum.several else None  # certificates at aggregate keys
         self.max_aggregate_bytes = object_caps(spec).aggregate
         v = local.validator
         self.retention = retention.Retention(v.retain_windows, v.retain_checkpoint_every)
@@ -325,6 +328,7 @@ class Committer:
                 identity=self.identity,
                 published_at=nxt.opened_at,
                 launch=nxt.launch,
+                signers=self.signers,
             )
         except StoreError as exc:
             log.warning("checkpoint %d not published, the run goes on without it: %s", nxt.window, exc)
@@ -356,6 +360,8 @@ class Committer:
                 max_deletes=MAX_DELETES_PER_WINDOW,
                 verified=self._verified_files,
                 rejected=self._rejected,
+                quorum=self.quorum,
+                max_aggregate_bytes=published_bytes(self.spec),
             )
             deleted = retention.collect(self.store, plan)
         except StoreError as exc:

@@ -11,11 +11,18 @@ gets the same one again, byte for byte) and refuses a store holding another (``C
 publishing, a lost state directory) with θ after each (:func:`protocol.replay.apply_aggregate`).
 Objects of other launches, and anything at a chain key that does not verify, are never adopted:
 they are overwritten when the validator publishes.
+
+With several validators (:mod:`protocol.quorum`) one genesis roots the chain of all of them: only
+the leader of window 0, view 0 (the *founder*) publishes it, the others wait for it in the store
+(until stopped: ``LaunchStopped``), and nobody replaces another validator's valid genesis
+(:func:`validator.publish.publish_checkpoint`). A checkpoint restarts a validator only when the
+certificate of the aggregate before it vouches for it (:meth:`protocol.replay.Chain.manifest`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,18 +32,23 @@ import torch
 from protocol import layout
 from protocol.chain import checkpoint_base
 from protocol.config import RunSpec
-from protocol.errors import ConfigError, DigestMismatch, ObjectNotFound, ProtocolError, StoreError
+from protocol.errors import ConfigError, DigestMismatch, ObjectNotFound, ProtocolError, SparseLocoError, StoreError
 from protocol.identity import Identity
 from protocol.model import fingerprint
+from protocol.quorum import Quorum
 from protocol.replay import Chain, Position, apply_aggregate, initial_params, replayed
 from protocol.store.base import ObjectStore
 from protocol.wire import GENESIS, Aggregate, CheckpointManifest, Verified
 from validator import publish
 from validator.state import ValidatorState, load_state, save_state
 
-__all__ = ["Launcher", "Resumed"]
+__all__ = ["LaunchStopped", "Launcher", "Resumed"]
 
 log = logging.getLogger(__name__)
+
+
+class LaunchStopped(SparseLocoError):
+    """The validator was stopped while it waited for the genesis another validator creates."""
 
 
 @dataclass(frozen=True)
@@ -60,11 +72,18 @@ class Launcher:
         *,
         chain: Chain,
         clock: Callable[[], float],
+        wait: Callable[[float], bool] | None = None,
+        poll_s: float = 1.0,
     ) -> None:
         self.spec, self.store, self.identity, self.state_dir = spec, store, identity, state_dir
         self.run_hash = spec.hash()
         self.run_id = layout.run_id(self.run_hash)
         self.chain, self.clock = chain, clock
+        self.wait = wait or threading.Event().wait  # True when the validator is stopped
+        self.poll_s = poll_s
+        quorum = Quorum.of(spec)
+        # several validators: the leader of window 0, view 0 alone creates the launch
+        self.founder = quorum.leader(0, 0) if quorum.several else identity.peer_id
 
     def resume(self) -> Resumed:
         """The saved state with θ of its window rebuilt, or a new state at genesis."""
@@ -91,11 +110,9 @@ class Launcher:
         genesis manifest, whose digest roots the chain. A genesis that does not verify counts as
         absent; objects of earlier launches never chain onto a new one."""
         params = initial_params(self.spec.model)
-        launch = self._stored_launch()
-        if launch is not None and launch.value.fingerprint != fingerprint(params):
+        launch = self._stored_launch() or self._new_launch(params, self.clock())
+        if launch.value.fingerprint != fingerprint(params):
             raise ConfigError("the store's genesis checkpoint differs from θ₀ built from this RunSpec")
-        if launch is None:
-            launch = self._publish_genesis(params, self.clock())
         at = launch.value.published_at
         state = ValidatorState(
             self.run_hash,
@@ -138,8 +155,7 @@ class Launcher:
         (written again, byte for byte, when the store lost it); another launch is a ConfigError."""
         stored = self._stored_launch()
         if stored is None:
-            params = initial_params(self.spec.model)
-            stored = self._publish_genesis(params, state.launched_at)
+            stored = self._new_launch(initial_params(self.spec.model), state.launched_at)
         if stored.digest != state.launch:
             raise ConfigError(
                 f"the store holds launch {stored.digest[:16]} of this run, but the state in {self.state_dir} "
@@ -180,6 +196,21 @@ class Launcher:
             log.warning("the store's genesis manifest does not verify; treated as absent: %s", exc)
             return None
 
+    def _new_launch(self, params: dict[str, torch.Tensor], published_at: float) -> Verified[CheckpointManifest]:
+        """The genesis of a store that holds none: published by this validator when it is the
+        founder (the only validator, or with several the leader of window 0, view 0 — two
+        genesis manifests would be two launches), else the founder's once it is in the store.
+        ``LaunchStopped`` when the validator is stopped meanwhile."""
+        if self.founder == self.identity.peer_id:
+            return self._publish_genesis(params, published_at)
+        log.info("waiting for validator %s, the leader of window 0, to publish the run's genesis", self.founder)
+        while not self.wait(self.poll_s):
+            launch = self._stored_launch()
+            if launch is not None:
+                log.info("genesis %s published by %s", launch.digest[:16], launch.public_key.hex()[:16])
+                return launch
+        raise LaunchStopped(f"stopped while waiting for the genesis of validator {self.founder}")
+
     def _publish_genesis(self, params: dict[str, torch.Tensor], published_at: float) -> Verified[CheckpointManifest]:
         return publish.publish_checkpoint(
             self.store,
@@ -190,4 +221,5 @@ class Launcher:
             params=params,
             identity=self.identity,
             published_at=published_at,
+            signers=self.spec.validator.public_keys,
         )

@@ -78,7 +78,7 @@ from validator.evaluation import PeriodicEval
 from validator.follow import Follower
 from validator.gather import PeerRegistry
 from validator.intake import Intake
-from validator.launch import Launcher
+from validator.launch import Launcher, LaunchStopped
 from validator.log import LOG_FILE, ContributionLog
 from validator.reputation import Standing
 from validator.retry import Retries
@@ -141,7 +141,16 @@ class Validator:
         self.emit = emit or _ignore  # WindowOpened, WindowWaiting, WindowPublished, WindowRetry
         self._gathering: int | None = None  # the window whose WindowOpened was emitted last
         chain = Chain(spec, store)  # the signed chain, read and replayed as every peer does
-        self.launcher = Launcher(spec, store, identity, state_dir, chain=chain, clock=clock)
+        self.launcher = Launcher(
+            spec,
+            store,
+            identity,
+            state_dir,
+            chain=chain,
+            clock=clock,
+            wait=self.stop.wait,
+            poll_s=local.poll_interval_s,
+        )
         self.intake = Intake(
             spec, store, identity, self.log, local=local, budgets=budgets, clock=clock, emit=self.emit, stop=self.stop
         )
@@ -214,7 +223,10 @@ class Validator:
     def run(self, windows: int | None = None) -> list[WindowPublished]:
         """Resume (or start at genesis) and run ``windows`` windows (None: until stopped or
         the local setting ``max_windows``)."""
-        state = self.state or self.resume()
+        try:
+            state = self.state or self.resume()
+        except LaunchStopped:  # stopped while waiting for another validator's genesis
+            return []
         reports: list[WindowPublished] = []
         limit = self.local.max_windows
         retries = Retries(self.local.validator.window_retries, self.local.poll_interval_s)

@@ -15,6 +15,11 @@ object already there (a restarted validator republishing) is success, another ob
 is a conflict (``ObjectExists``), and anything else at the key — junk, a forgery, an object of
 another launch — counts as absent and is replaced, so that nobody can block the chain by writing
 first.
+
+With several validators (:mod:`protocol.quorum`) every one of them reaches each checkpoint window;
+the first valid manifest of the launch for the certified θ, by any of the run's keys, is the
+checkpoint and the others return it (:func:`publish_checkpoint`). Readers trust it only through
+the certificate of the aggregate before it (:func:`protocol.chain.read_manifest`).
 """
 
 from __future__ import annotations
@@ -91,32 +96,78 @@ def publish_checkpoint(
     identity: Identity,
     published_at: float,
     launch: str = GENESIS,
+    signers: Signers = (),
 ) -> Verified[CheckpointManifest]:
     """Write θ_window and its signed manifest (weights first: a manifest never names a missing file).
     ``launch``: the digest of this chain's genesis manifest (GENESIS when writing the genesis
-    itself). If a manifest of this launch for the same θ is already there, nothing is written."""
+    itself). ``signers``: the run's validator keys (default: ``identity``'s alone).
+
+    If a manifest of this launch for the same θ is already there, nothing is written and it is
+    returned. With several validators (more than one of ``signers``) that manifest may be signed
+    by any of them and must also follow the same aggregate and name the same weights file (θ's
+    bytes are a pure function of θ): the first one written stands — the genesis above all, whose
+    digest is the launch — and a validator that finds it, or loses the race to create it, returns
+    it (putting the weights file back if it was damaged since). A valid manifest of another θ is
+    not this chain's checkpoint and is replaced."""
     fp = fingerprint(params)
-    existing = _existing_manifest(store, run, run_hash, window, identity)
-    if existing is not None and existing.value.fingerprint == fp and existing.value.launch == launch:
-        return existing
-    blob = weights_bytes(params, window=window)
+    signers = list(signers) or [identity.public_key]
+    several = len(signers) > 1
     key = layout.checkpoint_key(run, window, WEIGHTS_FILE)
-    store.put(key, blob)  # not if_absent: a weights file without a manifest is from a crashed attempt
+    blob = weights_bytes(params, window=window) if several else b""
     files = (CheckpointFile(key, hashlib.sha256(blob).hexdigest(), len(blob)),)
+
+    def stands(got: Verified[CheckpointManifest] | None) -> bool:
+        m = None if got is None else got.value
+        if m is None or m.fingerprint != fp or m.launch != launch:
+            return False
+        return not several or (m.aggregate == aggregate and tuple(m.files) == files)
+
+    existing = _existing_manifest(store, run, run_hash, window, signers)
+    if existing is not None and stands(existing):
+        if several:
+            _weights_in_place(store, key, blob)
+        return existing
+    if not several:
+        blob = weights_bytes(params, window=window)
+        files = (CheckpointFile(key, hashlib.sha256(blob).hexdigest(), len(blob)),)
+    store.put(key, blob)  # not if_absent: a weights file without a manifest is from a crashed attempt
     manifest = CheckpointManifest(run_hash, window, aggregate, fp, files, float(published_at), launch=launch)
     data = encode_checkpoint(manifest, identity)
-    signers = [identity.public_key]
 
     def of_this_launch(found: bytes) -> bool:
         got = _decoded_manifest(found, run_hash, window, signers)
-        return got is not None and (window == 0 or got.value.launch == launch)
+        if got is None or (window != 0 and got.value.launch != launch):
+            return False
+        return not several or stands(got)  # several: a manifest of another θ is not this chain's
 
-    put_chain(
-        store, layout.checkpoint_manifest_key(run, window), data, belongs=of_this_launch, max_bytes=MAX_MANIFEST_BYTES
-    )
+    try:
+        put_chain(
+            store,
+            layout.checkpoint_manifest_key(run, window),
+            data,
+            belongs=of_this_launch,
+            max_bytes=MAX_MANIFEST_BYTES,
+        )
+    except ObjectExists:
+        existing = _existing_manifest(store, run, run_hash, window, signers)
+        if not several or existing is None or not stands(existing):
+            raise
+        log.info("checkpoint %d is already published by validator %s", window, existing.public_key.hex()[:16])
+        return existing
     return decode_checkpoint(
         data, run_hash=run_hash, max_bytes=MAX_MANIFEST_BYTES, allowed_signers=signers, window=window
     )
+
+
+def _weights_in_place(store: ObjectStore, key: str, blob: bytes) -> None:
+    """Put ``blob`` back at ``key`` unless it is there already (a manifest that stands names it)."""
+    try:
+        there: bytes | None = store.get(key, max_bytes=len(blob))
+    except (ObjectNotFound, PayloadTooLarge):
+        there = None
+    if there != blob:
+        log.warning("the weights file %s differs from what its checkpoint manifest names; put back", key)
+        store.put(key, blob)
 
 
 def publish_aggregate(
@@ -180,14 +231,14 @@ def put_chain(store: ObjectStore, key: str, data: bytes, *, belongs: Callable[[b
 
 
 def _existing_manifest(
-    store: ObjectStore, run: str, run_hash: str, window: int, identity: Identity
+    store: ObjectStore, run: str, run_hash: str, window: int, signers: Signers
 ) -> Verified[CheckpointManifest] | None:
-    """The valid manifest of ``window`` signed by ``identity`` already in the store, if any."""
+    """The valid manifest of ``window`` signed by one of ``signers`` already in the store, if any."""
     try:
         data = store.get(layout.checkpoint_manifest_key(run, window), max_bytes=MAX_MANIFEST_BYTES)
     except (ObjectNotFound, PayloadTooLarge):
         return None
-    return _decoded_manifest(data, run_hash, window, [identity.public_key])
+    return _decoded_manifest(data, run_hash, window, signers)
 
 
 def _decoded_manifest(data: bytes, run_hash: str, window: int, signers: Signers) -> Verified[CheckpointManifest] | None:

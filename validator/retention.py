@@ -28,6 +28,11 @@ to replay: only a checkpoint at least that old, with a newer one also at least t
 aggregates after it. A checkpoint is deleted manifest first, then its files (the reverse of
 publishing: a manifest never names a missing file).
 
+With several validators (:mod:`protocol.quorum`) a checkpoint ``w`` is trusted only through the
+certificate of aggregate ``w − 1`` (:func:`protocol.chain.read_manifest`): that aggregate stays with
+every checkpoint kept (the anchor's too), a checkpoint no certificate vouches for is never an
+anchor, and the proposals, endorsements and objections of windows ``< h`` go with the contributions.
+
 The validator applies its policy after each publish (:meth:`validator.commit.Committer.advance`),
 at most ``max_deletes`` keys a window so that turning retention on for a long run spreads the
 backlog over the next windows; ``sparseloco-validator gc`` applies it at once (or shows it with
@@ -109,6 +114,8 @@ def plan_collection(
     max_deletes: int | None = None,
     verified: MutableSet[tuple[str, str]] | None = None,
     rejected: Rejected | None = None,
+    quorum: int | None = None,
+    max_aggregate_bytes: int = 0,
 ) -> Plan:
     """The keys ``policy`` deletes from ``store`` when the run is at window ``current`` (see the
     module doc); an empty plan when the policy is off. Reads three listings, the manifests of the
@@ -116,20 +123,33 @@ def plan_collection(
     nothing. ``verified``: (key, sha256) of files already read and verified, kept by a caller that
     plans every window so that an anchor's files are read once, not once a window. ``rejected``:
     called with (key, reason, detail) for every store object that failed verification on the way
-    (a checkpoint manifest, a missing or damaged checkpoint file): never a reason to delete it."""
+    (a checkpoint manifest, a missing or damaged checkpoint file): never a reason to delete it.
+
+    ``quorum`` (a run with several validators, with ``max_aggregate_bytes`` the read cap of a
+    certificate): a checkpoint is trusted only with the certificate of the aggregate before it
+    (:func:`protocol.chain.read_manifest`), so that aggregate stays with every checkpoint kept;
+    the window's proposals, endorsements and objections go with its contributions."""
     horizon = current - policy.windows
     if not policy.enabled or horizon <= 0:
         return Plan(current, max(horizon, 0), 0, (), ())
     contribs = _parsed(store.list(layout.contribs_prefix(run)), run)
     aggregates = _parsed(store.list(layout.aggregate_prefix(run)), run)
     checkpoints = _parsed(store.list(layout.checkpoints_prefix(run)), run)
+    agreement: list[tuple[int, str]] = []
+    if quorum is not None:
+        for kind in layout.VALIDATOR_KINDS:
+            agreement += _parsed(store.list(layout.validator_objects_prefix(run, kind)), run)
     seen = set() if verified is None else verified
-    anchor = _anchor(store, run, run_hash, checkpoints, horizon, signers, seen, rejected or _logged)
-    delete: list[str] = [k for w, k in contribs if w < horizon]
-    delete += [k for w, k in aggregates if w < anchor]
-    delete += _checkpoint_order((w, k) for w, k in checkpoints if w < anchor and not policy.archived(w))
+    certified = Certified(quorum, max_aggregate_bytes)
+    anchor = _anchor(store, run, run_hash, checkpoints, horizon, signers, seen, rejected or _logged, certified)
+    kept_checkpoints = {w for w, _ in checkpoints if w >= anchor or policy.archived(w)}
+    # several validators: aggregate w − 1 vouches for checkpoint w and stays while it does
+    vouching = {w - 1 for w in kept_checkpoints if w > 0} if quorum is not None else set()
+    delete: list[str] = [k for w, k in sorted(contribs + agreement) if w < horizon]
+    delete += [k for w, k in aggregates if w < anchor and w not in vouching]
+    delete += _checkpoint_order((w, k) for w, k in checkpoints if w not in kept_checkpoints)
     doomed = set(delete)
-    kept = tuple(k for _, k in (*contribs, *aggregates, *checkpoints) if k not in doomed)
+    kept = tuple(k for _, k in (*contribs, *agreement, *aggregates, *checkpoints) if k not in doomed)
     more = max_deletes is not None and len(delete) > max_deletes
     if more:
         delete = delete[:max_deletes]
@@ -144,14 +164,19 @@ def collect(store: ObjectStore, plan: Plan) -> int:
     return len(plan.delete)
 
 
-def published_window(store: ObjectStore, run: str, run_hash: str, *, signers: Signers, max_bytes: int) -> int:
+def published_window(
+    store: ObjectStore, run: str, run_hash: str, *, signers: Signers, max_bytes: int, quorum: int | None = None
+) -> int:
     """The window a run is at, read from its store (what ``sparseloco-validator gc`` collects
-    against, without the validator's state): one past its newest aggregate that verifies, 0 when
-    there is none. Keys that do not verify are skipped: a forged aggregate far ahead must not make
-    every real object look old."""
+    against, without the validator's state): one past its newest aggregate that verifies (with
+    several validators, ``quorum``: that a certificate vouches for), 0 when there is none. Keys that
+    do not verify are skipped: a forged aggregate far ahead must not make every real object look old."""
     for window, _ in reversed(_parsed(store.list(layout.aggregate_prefix(run)), run)):
         try:
-            if read_aggregate(store, run, run_hash, window, allowed_signers=signers, max_bytes=max_bytes) is not None:
+            found = read_aggregate(
+                store, run, run_hash, window, allowed_signers=signers, max_bytes=max_bytes, quorum=quorum
+            )
+            if found is not None:
                 return window + 1
         except ProtocolError as exc:
             log.warning("aggregate %d does not verify; not counted: %s", window, exc)
@@ -181,6 +206,7 @@ def _anchor(
     signers: Signers,
     verified: MutableSet[tuple[str, str]],
     rejected: Rejected,
+    certified: Certified,
 ) -> int:
     """The newest checkpoint window ``≤ horizon`` whose manifest verifies, belongs to the store's
     launch and whose files all have the size and sha256 it signed; 0 (genesis) when there is none.
@@ -201,7 +227,15 @@ def _anchor(
     for window in manifests:
         key = layout.checkpoint_manifest_key(run, window)
         try:
-            manifest = read_manifest(store, run, run_hash, window, allowed_signers=signers)
+            manifest = read_manifest(
+                store,
+                run,
+                run_hash,
+                window,
+                allowed_signers=signers,
+                quorum=certified.quorum,
+                max_aggregate_bytes=certified.max_bytes,
+            )
             checkpoint_base(manifest, launch)
         except (ObjectNotFound, ProtocolError) as exc:
             rejected(key, exc.reason, f"checkpoint {window} is not an anchor for retention: {exc}")
@@ -217,6 +251,15 @@ def _anchor(
         detail = f"checkpoint {window}: does not match its signed size and sha256; not an anchor for retention"
         rejected(damaged, "digest_mismatch", detail)
     return 0
+
+
+@dataclass(frozen=True)
+class Certified:
+    """How a run's checkpoints are vouched for: ``quorum`` None, by the one validator's signature;
+    else by the certificate (``max_bytes`` its read cap) of the aggregate before each."""
+
+    quorum: int | None
+    max_bytes: int
 
 
 def _logged(key: str, reason: str, detail: str) -> None:
