@@ -26,6 +26,7 @@ from protocol.caps import proposal_bytes, published_bytes
 from protocol.config import RunSpec
 from protocol.identity import Identity
 from protocol.model import fingerprint
+from protocol.quorum import Quorum
 from protocol.replay import Chain, Position, initial_params, replayed
 from protocol.store.memory import MemoryStore
 from protocol.wire import SparseDelta, encode_aggregate
@@ -68,7 +69,8 @@ def _build(n_validators: int, **sections: dict[str, object]) -> Run:
     sw.announce_all()
     with tempfile.TemporaryDirectory() as states:
         vs = [Validator(spec, sw.handle(), k, f"{states}/v{i}", local=LOCAL) for i, k in enumerate(keys)]
-        for v in vs:
+        genesis = Quorum.of(spec).leader(0, 0)  # the launch is its; the others find it in the store
+        for v in sorted(vs, key=lambda v: v.identity.peer_id != genesis):
             v.resume()
         for w in range(WINDOWS):
             st = vs[0].state

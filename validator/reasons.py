@@ -139,6 +139,12 @@ REASONS: tuple[Reason, ...] = (
         False,
         f"fewer validators' endorsements than the run's quorum {_SIGNED_BODY}",
     ),
+    Reason(
+        "uncertified",
+        ("format", "schema"),
+        False,
+        f"a checkpoint no certificate of the run vouches for {_SIGNED_BODY}",
+    ),
     Reason("wrong_run", ("run",), False, "signed by the peer for another run"),
     Reason("wrong_window", ("window",), False, "signed by the peer for another window"),
     Reason("unregistered", ("registered",), False, "no signed announcement of this peer"),
