@@ -24,14 +24,12 @@ import pytest
 from client.demo.swarm import KILL_WINDOW, KillLeader, LocalSwarm
 from protocol import layout
 from protocol.caps import published_bytes
-from protocol.errors import ObjectNotFound
+from protocol.errors import ConfigError, ObjectNotFound
 from protocol.store import open_store
 from protocol.store.base import ObjectStore
 from protocol.wire.quorum import decode_certificate, decode_endorsement
 from validator.log import ContributionLog
 from validator.signed import SIGNED_FILE
-
-pytestmark = pytest.mark.integration
 
 # ~0.1 M parameters, H = 8 steps of 4 × 64 tokens: the time goes to process start-up and the
 # protocol. The handover timeout leaves a leader on two busy cores time to decide and propose.
@@ -98,6 +96,7 @@ def endorsements(swarm: LocalSwarm, store: ObjectStore, window: int) -> dict[str
     return out
 
 
+@pytest.mark.integration
 def test_liar_and_killed_leader(tmp_path: Path) -> None:
     """4 validators, quorum 3: validator-1 lies when it leads (windows 1 and 5), validator-2 is
     SIGKILLed once it opened window 2 (which it leads) and restarted after window 2 is certified;
@@ -160,7 +159,9 @@ def test_liar_and_killed_leader(tmp_path: Path) -> None:
         # It rejoined: it resumed past the killed window and signed a later one (it leads window 6).
         assert max(signed) > KILL_WINDOW, signed
 
-        # Every honest validator's log holds the objections of the honest ones to each lie.
+        # The lies were objected to: a certificate of view 1 needs two honest endorsements, and an
+        # honest validator judges (and objects to) the proposal of view 0 before it endorses one
+        # of view 1. Each honest endorser's own log holds its objection, with the liar's digest.
         lies = {
             st.window: st.digest
             for v in swarm.followed.validators.values()
@@ -169,17 +170,22 @@ def test_liar_and_killed_leader(tmp_path: Path) -> None:
         }
         assert set(lies) == {1, 5}
         honest = [i for i in range(4) if ids[i] != liar]
-        for i in honest:
-            with_log = ContributionLog(swarm.log_db_of(i))
-            try:
-                rows = [r for r in with_log.agreement() if r.event == "objected"]
-            finally:
-                with_log.close()
-            for w, digest in lies.items():
-                objectors = {r.validator for r in rows if r.window == w and r.digest == digest}
-                assert objectors >= {ids[j] for j in honest if _was_up(swarm, j, w)}, (i, w, objectors)
-                assert objectors, (i, w)
+        objected = {i: _objections(swarm, i) for i in honest}
+        for w, digest in lies.items():
+            endorsers = [i for i in honest if _endorsed_by_self(swarm, i, w)]
+            assert len(endorsers) >= 2, (w, endorsers)
+            for i in endorsers:
+                assert (w, ids[i], digest) in objected[i], (w, i, objected[i])
         store.close()
+
+
+def _objections(swarm: LocalSwarm, i: int) -> set[tuple[int, str, str]]:
+    """(window, objector, digest) of every objection in validator ``i``'s log (its ``agreement`` table)."""
+    log = ContributionLog(swarm.log_db_of(i))
+    try:
+        return {(r.window, r.validator, r.digest) for r in log.agreement() if r.event == "objected"}
+    finally:
+        log.close()
 
 
 def _endorsed_by(swarm: LocalSwarm, window: int, vid: str) -> list[Any]:
@@ -188,11 +194,7 @@ def _endorsed_by(swarm: LocalSwarm, window: int, vid: str) -> list[Any]:
     ]
 
 
-def _was_up(swarm: LocalSwarm, i: int, window: int) -> bool:
-    """Whether validator ``i`` opened ``window`` (a validator restarted later adopts it instead)."""
-    return window in swarm.validator_view(i).opened
-
-
+@pytest.mark.integration
 def test_fewer_than_quorum_stalls_then_resumes(tmp_path: Path) -> None:
     """4 validators, quorum 3: validator-2 and validator-3 are SIGKILLed once window 0 is
     certified. The two left endorse a window's proposal and nothing is certified: no certificate,
@@ -256,3 +258,34 @@ def _endorsed_by_self(swarm: LocalSwarm, i: int, window: int) -> bool:
     """Whether validator ``i`` reported its own endorsement of ``window``."""
     vid = swarm.quorum.ids[i]
     return any(st.validator == vid for st in swarm.validator_view(i).steps_of(window, "endorsed"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"validators": 1, "faults": ("liar",)}, "needs several validators"),
+        ({"validators": 4, "faults": ("liar", "crash")}, "unknown fault"),
+        ({"validators": 4, "store": "s3"}, "file or dht store"),
+        ({"validators": 4, "quorum": 4, "faults": ("kill-leader",)}, "cannot continue with one of them down"),
+        ({"validators": 3, "faults": ("kill-leader",)}, None),  # 2 of 3 go on with one down
+    ],
+)
+def test_validators_the_swarm_cannot_run_are_refused_before_any_process(
+    tmp_path: Path, kwargs: dict[str, Any], says: str | None
+) -> None:
+    if says is None:
+        swarm = LocalSwarm(tmp_path / "run", **kwargs)
+        assert swarm.validator_names == ["validator-0", "validator-1", "validator-2"]
+        assert swarm.liar_index is None and swarm.group is None
+        return
+    with pytest.raises(ConfigError, match=says):
+        LocalSwarm(tmp_path / "run", **kwargs)
+    assert not (tmp_path / "run").exists()
+
+
+def test_one_validator_keeps_its_names(tmp_path: Path) -> None:
+    """The default run: one process named ``validator``, its key and state where they always were."""
+    swarm = LocalSwarm(tmp_path / "run")
+    assert swarm.validator_names == ["validator"] and not swarm.several
+    assert swarm.validator_key == tmp_path / "run" / "validator.pem"
+    assert swarm.log_db == tmp_path / "run" / "validator" / "contributions.sqlite"

@@ -363,7 +363,7 @@ class LocalSwarm:
         window 1 in view 0, so that it leads in the run's first windows."""
         return self.leader_index(1) if "liar" in self.setup.faults else None
 
-    def start_validators(self) -> None:
+    def start_validators(self, timeout_s: float = 300.0) -> None:
         """Start every validator: with several, validator-0 first (only the leader of window 0,
         view 0 publishes genesis) and the others once it opened window 0, so genesis is in the
         store when they start."""
@@ -371,7 +371,7 @@ class LocalSwarm:
         if not self.several:
             return
         view = self.validator_view(0)
-        self.follow(lambda: view.ready, timeout_s=INIT_TIMEOUT_S)
+        self.follow(lambda: view.ready, timeout_s=timeout_s)
         for i in range(1, len(self.validator_names)):
             self.start_validator(i)
 
@@ -392,7 +392,7 @@ class LocalSwarm:
             self.start_peer(i)
         self.follow(lambda: all(v.announced for v in self.peers.values()), timeout_s=timeout_s)
         if not self.backend.grant_port:
-            self.start_validators()
+            self.start_validators(timeout_s)
 
     def wait_validator_ready(self, timeout_s: float = 300.0) -> None:
         """Until the validator has published genesis (or resumed) and opened its window."""
