@@ -125,7 +125,8 @@ def demo(
     it opened window 0. --faults liar: validator-1 (the leader of window 1) proposes a false Δ̄ and
     endorses everything; the honest ones object and the next leader takes over. --faults
     kill-leader: the leader of window 2 is killed with SIGKILL once it opened the window and
-    restarted once another leader's aggregate of the window is certified. Summary fields added:
+    restarted once another leader's aggregate of the window is certified (or once the others
+    split their signatures, so that only its signature can complete a quorum). Summary fields added:
 
     \b
       validators, quorum, handover_s, faults, liar   (validator ids)
@@ -133,6 +134,8 @@ def demo(
       handovers                windows certified in a view > 0
       liar_proposals_applied   certified windows the liar proposed (0: none applied)
       objections               per validator, the proposals it objected to
+      killed_leader            window, validator, restarted_after (certified | split: the
+                               others signed different digests, so it had to come back)
 
     Exit status: 0 done, 1 a process failed or the run timed out, 2 the run cannot start
     (configuration), 130 interrupted (every process is stopped).

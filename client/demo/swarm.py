@@ -17,8 +17,14 @@ with the dataset's digest and the validator key) and a ``[local]`` table with th
 endpoint, DHT bootstrap nodes), ``max_windows`` and the preset's own local settings. Peers start
 with no data: each fetches the shards its batches need into its own cache directory, as separate
 machines would. Each process gets its per-process settings as flags and ``SPARSELOCO_*`` variables
-(device, threads, the join timeout, the data cache). The integration tests drive the same class to inject faults (kill a peer mid-window,
-restart the validator, start a late joiner, stop a peer cleanly).
+(device, threads, the join timeout, the data cache). The integration tests drive the same class
+to inject faults (kill a peer mid-window, restart the validator, start a late joiner, stop a peer
+cleanly). Peers run ``sparseloco-peer join --status-json`` and the validator ``sparseloco-validator
+run --status-json``: both write :mod:`protocol.events` records as JSON lines, read here with
+:func:`protocol.events.parse_line`. The contribution log is read through its owner,
+``sparseloco-validator logs --json`` (:mod:`client.demo.validator_log`), the events followed in a
+:class:`~client.demo.followed.Followed`. Nothing here imports the peer or ``validator/``; a process
+that crashes or a run that overruns its timeout is a :class:`~client.demo.errors.DemoError`.
 
 **Several validators** (``validators=4, quorum=3``): four keys are made, sorted as the rotation
 sorts them (:class:`protocol.quorum.Quorum`), and the RunSpec names them all with the quorum and a
@@ -28,13 +34,10 @@ view 0 (``validator-0``) may publish genesis: it starts first, the others once i
 Its state directory holds the log the summary reads. ``faults`` adds what ``sparseloco demo
 --faults`` shows: ``liar`` (the leader of window 1 runs with ``--fault liar``) and ``kill-leader``
 (:class:`KillLeader`: the leader of window 2 is SIGKILLed once it opened the window and restarted
-with its state directory and key once the window is certified). Peers run ``sparseloco-peer join --status-json`` and the validator
-``sparseloco-validator run --status-json``: both write :mod:`protocol.events` records as JSON lines,
-read here with :func:`protocol.events.parse_line`. The contribution log is read through its owner,
-``sparseloco-validator logs --json`` (:mod:`client.demo.validator_log`), the events followed in a
-:class:`~client.demo.followed.Followed`. Nothing here imports the
-peer or ``validator/``; a process that crashes or a run that overruns its timeout is a
-:class:`~client.demo.errors.DemoError`.
+with its state directory and key once the window is certified). The summary then adds who led and
+signed each certified window, the handovers and the liar's certified proposals
+(:meth:`LocalSwarm.agreement_summary`), from the validators' ``window_published`` and
+``agreement`` events.
 """
 
 from __future__ import annotations
@@ -72,7 +75,11 @@ INIT = "init"
 LOG_DB = "contributions.sqlite"
 CORPUS = "builtin:stdlib"
 INIT_TIMEOUT_S = 600.0
-HANDOVER_S = 6.0  # several validators: how long a view's leader has to propose (validator.handover_s)
+# Several validators: how long a view's leader has to propose (validator.handover_s). A leader
+# decides the window when its view begins (the demo preset's scoring takes ~10 s on two busy
+# cores); a shorter handover lets the leaders of consecutive views each propose and sign their
+# own aggregate, which splits the honest signatures of the window.
+HANDOVER_S = 30.0
 FAULTS = ("liar", "kill-leader")
 KILL_WINDOW = 2  # kill-leader: the window whose view-0 leader is killed
 
@@ -686,13 +693,18 @@ class KillLeader:
     """The ``kill-leader`` fault: SIGKILL the view-0 leader of ``window`` once it opened the window
     (before it can propose, or mid-window on a slow machine), restart it (same state directory,
     same key) once another leader's aggregate of the window is certified. Call :meth:`step`
-    between events; it says whether the fault has played out."""
+    between events; it says whether the fault has played out.
+
+    Should the validators left split their signatures (each honest one signed another digest:
+    leaders of consecutive views each proposed when the handover was shorter than a decision),
+    nothing can be certified without the killed one: it is restarted then (``split``)."""
 
     def __init__(self, swarm: LocalSwarm, window: int = KILL_WINDOW) -> None:
         self.swarm, self.window = swarm, window
         self.victim = swarm.leader_index(window)
         self.killed_at: float | None = None
         self.restarted = False
+        self.split = False  # restarted because the others split their signatures
 
     @property
     def name(self) -> str:
@@ -703,10 +715,29 @@ class KillLeader:
         if self.killed_at is None and self.window in view.opened:
             self.swarm.kill(self.name)
             self.killed_at = time.time()
-        elif self.killed_at is not None and not self.restarted and self.window in self.swarm.published:
-            self.swarm.start_validator(self.victim)
-            self.restarted = True
+        elif self.killed_at is not None and not self.restarted:
+            if self.window in self.swarm.published or self._split():
+                self.split = self.window not in self.swarm.published
+                self.swarm.start_validator(self.victim)
+                self.restarted = True
         return self.restarted
+
+    def _split(self) -> bool:
+        """Every honest validator left signed the window, not all the same digest."""
+        ids = self.swarm.quorum.ids
+        signed = set()
+        for i in range(len(ids)):
+            if i in (self.victim, self.swarm.liar_index):
+                continue
+            own = [
+                s.digest
+                for s in self.swarm.validator_view(i).steps_of(self.window, "endorsed")
+                if s.validator == ids[i]
+            ]
+            if not own:
+                return False
+            signed.add(own[-1])
+        return len(signed) > 1
 
 
 # ---------------------------------------------------------------------- the command
@@ -750,4 +781,11 @@ def run_demo(
         kill = KillLeader(swarm) if "kill-leader" in faults else None
         swarm.follow(lambda: (kill is None or kill.step()) and swarm.finished(), timeout_s=timeout_s)
         swarm.wait_exit(timeout_s=60.0)
-        return swarm.summary()
+        summary = swarm.summary()
+        if kill is not None:
+            summary["killed_leader"] = {
+                "window": kill.window,
+                "validator": swarm.quorum.ids[kill.victim],
+                "restarted_after": "split" if kill.split else "certified",
+            }
+        return summary
