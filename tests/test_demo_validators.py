@@ -168,10 +168,11 @@ def test_liar_and_killed_leader(tmp_path: Path) -> None:
             for st in v.steps
             if st.step == "proposed" and st.validator == liar
         }
-        assert set(lies) == {1, 5}
+        assert {1, 5} <= set(lies)  # (on a slow machine it may also lead a later view of another window)
         honest = [i for i in range(4) if ids[i] != liar]
         objected = {i: _objections(swarm, i) for i in honest}
-        for w, digest in lies.items():
+        for w in (1, 5):
+            digest = lies[w]
             endorsers = [i for i in honest if _endorsed_by_self(swarm, i, w)]
             assert len(endorsers) >= 2, (w, endorsers)
             for i in endorsers:
