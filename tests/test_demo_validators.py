@@ -21,10 +21,13 @@ from typing import Any
 
 import pytest
 
-from client.demo.swarm import KILL_WINDOW, KillLeader, LocalSwarm
+from client.demo.swarm import KILL_WINDOW, PRESET, KillLeader, LocalSwarm
 from protocol import layout
 from protocol.caps import published_bytes
+from protocol.config import RunSpec
 from protocol.errors import ConfigError, ObjectNotFound
+from protocol.events import AgreementStep, WindowOpened, WindowPublished
+from protocol.identity import Identity
 from protocol.store import open_store
 from protocol.store.base import ObjectStore
 from protocol.wire.quorum import decode_certificate, decode_endorsement
@@ -290,3 +293,51 @@ def test_one_validator_keeps_its_names(tmp_path: Path) -> None:
     assert swarm.validator_names == ["validator"] and not swarm.several
     assert swarm.validator_key == tmp_path / "run" / "validator.pem"
     assert swarm.log_db == tmp_path / "run" / "validator" / "contributions.sqlite"
+
+
+def test_kill_leader_restarts_after_the_certificate_or_a_split(tmp_path: Path) -> None:
+    """KillLeader's decisions from the validators' events alone (no process runs): kill once the
+    victim opened the window; restart once the window is certified, or once every honest validator
+    left signed and not all the same digest (only the killed one can complete a quorum then)."""
+    keys = sorted((Identity.generate() for _ in range(4)), key=lambda k: k.public_key_hex)
+    spec = RunSpec.load(PRESET).replace(validator={"public_keys": [k.public_key_hex for k in keys], "quorum": 3})
+    ids = [k.peer_id for k in keys]
+
+    def fresh() -> tuple[LocalSwarm, KillLeader, list[str]]:
+        swarm = LocalSwarm(tmp_path / "run", validators=4, quorum=3, faults=("liar", "kill-leader"))
+        swarm.spec = spec
+        actions: list[str] = []
+
+        def start(i: int = 0, **_: Any) -> str:
+            actions.append(f"start {i}")
+            return f"validator-{i}"
+
+        swarm.kill = lambda name: actions.append(f"kill {name}")  # type: ignore[method-assign]
+        swarm.start_validator = start  # type: ignore[method-assign]
+        return swarm, KillLeader(swarm), actions
+
+    def endorsed(swarm: LocalSwarm, i: int, digest: str) -> None:
+        step = AgreementStep(window=KILL_WINDOW, validator=ids[i], step="endorsed", digest=digest, view=1)
+        swarm.followed.on_validator(step, f"validator-{i}")
+
+    published = WindowPublished(
+        window=KILL_WINDOW, accepted=1, rejected=0, val_loss=1.0, digest="d" * 64, fingerprint="f", published_at=0.0
+    )
+    swarm, kill, actions = fresh()
+    assert not kill.step() and actions == []  # the victim has not opened the window yet
+    swarm.followed.on_validator(WindowOpened(window=KILL_WINDOW, base="b", opened_at=0.0), "validator-2")
+    assert not kill.step() and actions == ["kill validator-2"]
+    endorsed(swarm, 0, "a" * 64)
+    endorsed(swarm, 3, "a" * 64)  # the honest ones left agree: the certificate will come
+    endorsed(swarm, 1, "a" * 64)
+    assert not kill.step() and actions == ["kill validator-2"]
+    swarm.followed.on_validator(published, "validator-0")
+    assert kill.step() and actions == ["kill validator-2", "start 2"] and not kill.split
+
+    swarm, kill, actions = fresh()
+    swarm.followed.on_validator(WindowOpened(window=KILL_WINDOW, base="b", opened_at=0.0), "validator-2")
+    kill.step()
+    endorsed(swarm, 0, "a" * 64)
+    assert not kill.step()  # validator-3 has not signed yet
+    endorsed(swarm, 3, "c" * 64)  # split: a and c can each reach 2 of the 3 left, never 3
+    assert kill.step() and actions == ["kill validator-2", "start 2"] and kill.split
