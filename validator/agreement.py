@@ -319,6 +319,18 @@ class Agreement:
         o = Objection(self.run_hash, r.window, p.value.view, proposer, p.value.aggregate.digest, reasons)
         key = layout.objection_key(self.run_id, r.window, self.me, proposer)
         self.store.put(key, encode_objection(o, self.identity))
+        # Logged now, not when read back: the window may be certified before the next read.
+        r.objections.add(key)
+        self._note(
+            AgreementRecord(
+                window=r.window,
+                validator=self.me,
+                event="objected",
+                digest=o.aggregate,
+                view=o.view,
+                detail="\n".join(f"{x.check} {x.peer or '-'}: {x.detail}" for x in reasons),
+            )
+        )
         log.warning(
             "window %d: objection to %s's proposal (view %d): %s",
             r.window,

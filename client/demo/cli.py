@@ -3,6 +3,7 @@
     sparseloco demo                          # validator + 3 peers, file store, 6 windows
     sparseloco demo --peers 4 --store s3     # SeaweedFS on 127.0.0.1; peers hold no credential (grants)
     sparseloco demo --store dht --json       # hivemind DHT on 127.0.0.1; last line is JSON
+    sparseloco demo --validators 4 --quorum 3 --faults liar,kill-leader   # 3-of-4 co-signed aggregates
 
 Thin command: :func:`client.demo.swarm.run_demo` does the work; this module renders the processes'
 events and the summary table.
@@ -21,9 +22,10 @@ from rich.table import Table
 from client.demo.backends import KINDS
 from client.demo.errors import DemoError
 from client.demo.processes import install_signal_handlers
-from client.demo.swarm import PRESET, VALIDATOR, run_demo
+from client.demo.swarm import FAULTS, PRESET, VALIDATOR, run_demo
 from protocol.errors import ConfigError
 from protocol.events import (
+    AgreementStep,
     Event,
     Failed,
     Joined,
@@ -57,8 +59,36 @@ EXIT_INTERRUPTED = 130
     type=click.Path(exists=True, dir_okay=False),
     help="RunSpec TOML to run [default: protocol/presets/demo.toml].",
 )
+@click.option(
+    "--validators",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 16),
+    help="Validator processes; with several an aggregate counts once --quorum of them signed it.",
+)
+@click.option(
+    "--quorum",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Signatures an aggregate needs (validator.quorum; 0: a majority of --validators).",
+)
+@click.option(
+    "--faults",
+    default="",
+    help=f"Comma-separated faults to show with several validators: {', '.join(FAULTS)}.",
+)
 def demo(
-    peers: int, windows: int, store: str, run_dir: str | None, timeout_s: float, as_json: bool, preset: str
+    peers: int,
+    windows: int,
+    store: str,
+    run_dir: str | None,
+    timeout_s: float,
+    as_json: bool,
+    preset: str,
+    validators: int,
+    quorum: int,
+    faults: str,
 ) -> None:
     """Run a validator and N peers as separate processes on this machine (the demo RunSpec preset:
     a small LLaMA-style model on the Python standard library's source, H = 30).
@@ -89,6 +119,24 @@ def demo(
                                inner step (outer.forecast_wait)
       contribution_log         the validator's log (sparseloco-validator logs --db PATH)
 
+    With --validators N (file or dht store) the run names N validator keys and an aggregate counts
+    once --quorum of them co-signed it (a certificate); the leader of window t in view v is
+    validator-<(t + v) mod N>. validator-0 publishes genesis and starts first, the others once
+    it opened window 0. --faults liar: validator-1 (the leader of window 1) proposes a false Δ̄ and
+    endorses everything; the honest ones object and the next leader takes over. --faults
+    kill-leader: the leader of window 2 is killed with SIGKILL once it opened the window and
+    restarted once another leader's aggregate of the window is certified (or once the others
+    split their signatures, so that only its signature can complete a quorum). Summary fields added:
+
+    \b
+      validators, quorum, handover_s, faults, liar   (validator ids)
+      leader_per_window, view_per_window, signers_per_window   (certified windows)
+      handovers                windows certified in a view > 0
+      liar_proposals_applied   certified windows the liar proposed (0: none applied)
+      objections               per validator, the proposals it objected to
+      killed_leader            window, validator, restarted_after (certified | split: the
+                               others signed different digests, so it had to come back)
+
     Exit status: 0 done, 1 a process failed or the run timed out, 2 the run cannot start
     (configuration), 130 interrupted (every process is stopped).
     """
@@ -105,6 +153,9 @@ def demo(
             timeout_s=timeout_s,
             on_event=_Progress(err),
             preset=preset,
+            validators=validators,
+            quorum=quorum,
+            faults=[f.strip() for f in faults.split(",") if f.strip()],
         )
     except DemoError as exc:
         err.print(f"[red]demo failed:[/red] {exc}")
@@ -131,9 +182,12 @@ class _Progress:
 
     def __init__(self, console: Console) -> None:
         self.console = console
+        self.seen: set[tuple[object, ...]] = set()  # several validators: what was reported already
 
     def __call__(self, name: str, e: Event) -> None:
-        if name == VALIDATOR:
+        if name.startswith(f"{VALIDATOR}-"):
+            self._several(name, e)
+        elif name == VALIDATOR:
             if isinstance(e, WindowPublished):
                 self.console.print(
                     f"[bold]validator[/bold] window {e.window} published: val_loss {e.val_loss:.4f}"
@@ -156,6 +210,30 @@ class _Progress:
         elif isinstance(e, (Resynced, SyncFailed, Failed)):
             self.console.print(f"{name:>8} [yellow]{e.kind}[/yellow] {e.reason}: {e.detail}")
 
+    def _several(self, name: str, e: Event) -> None:
+        """One of several validators: each certified window, objection and handover once (every
+        validator reports what it saw of them all)."""
+        if isinstance(e, WindowPublished) and ("certified", e.window) not in self.seen:
+            self.seen.add(("certified", e.window))
+            self.console.print(
+                f"[bold]{name}[/bold] window {e.window} certified: leader {e.leader[:12]} view {e.view}"
+                f"  signers {len(e.signers)}  val_loss {e.val_loss:.4f}  accepted {e.accepted}"
+                f"  fingerprint {e.fingerprint[:12]}"
+            )
+        elif isinstance(e, AgreementStep) and e.step in ("objected", "handover"):
+            key = (e.step, e.window, e.validator, e.digest)
+            if key in self.seen:
+                return
+            self.seen.add(key)
+            what = "objects to a proposal" if e.step == "objected" else "takes over"
+            first = e.detail.splitlines()[0][:120] if e.detail else ""
+            self.console.print(
+                f"[bold]{name}[/bold] [yellow]window {e.window}: {e.validator[:12]} {what} (view {e.view})[/yellow]"
+                + (f" {first}" if first else "")
+            )
+        elif isinstance(e, (WindowRetry, Failed)):
+            self.console.print(f"[bold]{name}[/bold] [yellow]{describe(e)}[/yellow]")
+
 
 def summary_table(s: dict[str, Any]) -> Table:
     t = Table(title=f"sparseloco demo — {s['peers']} peers, {s['store']} store, {s['seconds']:.0f} s")
@@ -163,13 +241,25 @@ def summary_table(s: dict[str, Any]) -> Table:
     t.add_column("val loss", justify="right")
     t.add_column("accepted", justify="right")
     t.add_column("rejected", justify="right")
+    several = "leader_per_window" in s  # several validators: who led and signed each window
+    if several:
+        for column in ("leader", "view", "signers"):
+            t.add_column(column, justify="right")
     for i, loss in enumerate(s["val_loss_per_window"]):
-        t.add_row(
+        row = [
             str(i),
             f"{loss:.4f}" if loss is not None else "–",
             str(s["accepted_per_window"][i]),
             str(s["rejected_per_window"][i]),
-        )
+        ]
+        if several:
+            w = str(i)
+            row += [
+                s["leader_per_window"].get(w, "–")[:12],
+                str(s["view_per_window"].get(w, "–")),
+                str(len(s["signers_per_window"].get(w, []))),
+            ]
+        t.add_row(*row)
     ratio = s["dense_fp32_bytes"] / max(1, s["upload_bytes_per_peer_per_window"])
     t.caption = (
         f"fingerprints equal: {s['fingerprints_equal']} · contributions accounted: {s['contributions_accounted']} · "
@@ -178,4 +268,9 @@ def summary_table(s: dict[str, Any]) -> Table:
         f"data {s['data_bytes_per_peer_per_window']:,} B/peer/window, {s['data_cache_hit_rate']:.0%} cache hits · "
         f"download {s['download_bytes_per_peer_per_window']:,} B/peer/window"
     )
+    if several:
+        t.caption += (
+            f" · {len(s['validators'])} validators, quorum {s['quorum']} · handovers {s['handovers']}"
+            f" · liar's proposals applied {s['liar_proposals_applied']}"
+        )
     return t

@@ -1,9 +1,15 @@
 """What the local swarm's launcher learns from its processes' events (:mod:`protocol.events`).
 
 followed = Followed()
-followed.on_validator(event)                 # a validator event
+followed.on_validator(event)                 # a validator event ("validator-2": one of several)
 followed.on_peer(followed.peers[name], event)  # a peer's event, into its PeerView
 followed.published[3].val_loss, followed.peers["peer-0"].applied[3]
+followed.validators["validator-2"].steps    # its agreement steps (several validators)
+
+With several validators every one of them reports each certified window (``window_published``
+with the leader, view and signers of its certificate) and every agreement step it saw
+(``agreement``: proposed, endorsed, objected, handover, certified); ``published`` keeps the first
+report of each window, :class:`ValidatorView` what each validator reported.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol.events import (
+    AgreementStep,
     Announced,
     Applied,
     Event,
@@ -22,7 +29,7 @@ from protocol.events import (
     WindowPublished,
 )
 
-__all__ = ["Followed", "PeerView"]
+__all__ = ["Followed", "PeerView", "ValidatorView"]
 
 
 @dataclass
@@ -54,6 +61,21 @@ class PeerView:
 
 
 @dataclass
+class ValidatorView:
+    """What the launcher learned about one validator process (all its incarnations) from its events."""
+
+    name: str
+    ready: bool = False  # published genesis (or resumed) and opened a window, since its last start
+    opened: list[int] = field(default_factory=list)  # every window_opened, in order
+    published: dict[int, WindowPublished] = field(default_factory=dict)  # window -> its report
+    steps: list[AgreementStep] = field(default_factory=list)  # every agreement step it saw
+
+    def steps_of(self, window: int, step: str) -> list[AgreementStep]:
+        """Its agreement steps ``step`` (``endorsed``, ``objected`` …) of ``window``."""
+        return [s for s in self.steps if s.window == window and s.step == step]
+
+
+@dataclass
 class Followed:
     """What the launcher learned from the processes' events: every peer's :class:`PeerView`, the
     published windows, and the validator's (re)starts."""
@@ -63,17 +85,24 @@ class Followed:
     validator_ready: bool = False  # published genesis (or resumed) and opened its window
     validator_opened: list[int] = field(default_factory=list)  # the window each (re)start resumed at
     restarted: bool = False  # ValidatorStarted seen, its first WindowOpened not yet
+    validators: dict[str, ValidatorView] = field(default_factory=dict)  # by process name
 
-    def on_validator(self, event: Event) -> None:
+    def on_validator(self, event: Event, name: str = "validator") -> None:
+        view = self.validators.setdefault(name, ValidatorView(name))
         if isinstance(event, ValidatorStarted):
             self.restarted = True
+            view.ready = False
         elif isinstance(event, WindowOpened):
-            self.validator_ready = True
+            self.validator_ready = view.ready = True
+            view.opened.append(event.window)
             if self.restarted:
                 self.validator_opened.append(event.window)
                 self.restarted = False
         elif isinstance(event, WindowPublished):
-            self.published[event.window] = event
+            self.published.setdefault(event.window, event)
+            view.published[event.window] = event
+        elif isinstance(event, AgreementStep):
+            view.steps.append(event)
 
     @staticmethod
     def on_peer(view: PeerView, event: Event) -> None:

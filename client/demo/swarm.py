@@ -17,18 +17,32 @@ with the dataset's digest and the validator key) and a ``[local]`` table with th
 endpoint, DHT bootstrap nodes), ``max_windows`` and the preset's own local settings. Peers start
 with no data: each fetches the shards its batches need into its own cache directory, as separate
 machines would. Each process gets its per-process settings as flags and ``SPARSELOCO_*`` variables
-(device, threads, the join timeout, the data cache). The integration tests drive the same class to inject faults (kill a peer mid-window,
-restart the validator, start a late joiner, stop a peer cleanly). Peers run ``sparseloco-peer join --status-json`` and the validator
-``sparseloco-validator run --status-json``: both write :mod:`protocol.events` records as JSON lines,
-read here with :func:`protocol.events.parse_line`. The contribution log is read through its owner,
+(device, threads, the join timeout, the data cache). The integration tests drive the same class
+to inject faults (kill a peer mid-window, restart the validator, start a late joiner, stop a peer
+cleanly). Peers run ``sparseloco-peer join --status-json`` and the validator ``sparseloco-validator
+run --status-json``: both write :mod:`protocol.events` records as JSON lines, read here with
+:func:`protocol.events.parse_line`. The contribution log is read through its owner,
 ``sparseloco-validator logs --json`` (:mod:`client.demo.validator_log`), the events followed in a
-:class:`~client.demo.followed.Followed`. Nothing here imports the
-peer or ``validator/``; a process that crashes or a run that overruns its timeout is a
-:class:`~client.demo.errors.DemoError`.
+:class:`~client.demo.followed.Followed`. Nothing here imports the peer or ``validator/``; a process
+that crashes or a run that overruns its timeout is a :class:`~client.demo.errors.DemoError`.
+
+**Several validators** (``validators=4, quorum=3``): four keys are made, sorted as the rotation
+sorts them (:class:`protocol.quorum.Quorum`), and the RunSpec names them all with the quorum and a
+handover timeout suited to a local run (:data:`HANDOVER_S`); process ``validator-<i>`` holds key
+``i``, so ``validator-<(t + v) mod n>`` leads window t in view v. Only the leader of window 0,
+view 0 (``validator-0``) may publish genesis: it starts first, the others once it opened window 0.
+Its state directory holds the log the summary reads. ``faults`` adds what ``sparseloco demo
+--faults`` shows: ``liar`` (the leader of window 1 runs with ``--fault liar``) and ``kill-leader``
+(:class:`KillLeader`: the leader of window 2 is SIGKILLed once it opened the window and restarted
+with its state directory and key once the window is certified). The summary then adds who led and
+signed each certified window, the handovers and the liar's certified proposals
+(:meth:`LocalSwarm.agreement_summary`), from the validators' ``window_published`` and
+``agreement`` events.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -44,13 +58,15 @@ from typing import Any
 import protocol
 from client.demo.backends import Backend, open_backend
 from client.demo.errors import DemoError
-from client.demo.followed import Followed, PeerView
+from client.demo.followed import Followed, PeerView, ValidatorView
 from client.demo.processes import ProcessGroup, python_console
 from client.demo.validator_log import LoggedWindow, read_contributions, read_windows
 from protocol.config import RunSpec
+from protocol.errors import ConfigError
 from protocol.events import Event, PeerWindow, WindowPublished, parse_line
 from protocol.identity import Identity
 from protocol.outcomes import PeerOutcome
+from protocol.quorum import Quorum
 from protocol.settings import env_name, local_table, local_table_toml
 
 PRESET = Path(protocol.__file__).parent / "presets" / "demo.toml"
@@ -59,6 +75,13 @@ INIT = "init"
 LOG_DB = "contributions.sqlite"
 CORPUS = "builtin:stdlib"
 INIT_TIMEOUT_S = 600.0
+# Several validators: how long a view's leader has to propose (validator.handover_s). A leader
+# decides the window when its view begins (the demo preset's scoring takes ~10 s on two busy
+# cores); a shorter handover lets the leaders of consecutive views each propose and sign their
+# own aggregate, which splits the honest signatures of the window.
+HANDOVER_S = 30.0
+FAULTS = ("liar", "kill-leader")
+KILL_WINDOW = 2  # kill-leader: the window whose view-0 leader is killed
 
 
 @dataclass(frozen=True)
@@ -78,6 +101,10 @@ class SwarmSetup:
     validator_threads: int
     validator_args: list[str]
     join_timeout_s: float
+    validators: int = 1
+    quorum: int = 0  # 0: a majority of the validators
+    handover_s: float = HANDOVER_S
+    faults: tuple[str, ...] = ()
 
 
 class LocalSwarm:
@@ -100,12 +127,18 @@ class LocalSwarm:
         tokenizer: str = "bytes",
         shard_tokens: int | None = None,
         validator_args: Sequence[str] = (),
+        validators: int = 1,
+        quorum: int = 0,
+        handover_s: float = HANDOVER_S,
+        faults: Sequence[str] = (),
     ) -> None:
         """``overrides``: RunSpec sections over the preset's; ``local``: run.toml [local] settings
         over the preset's [local] table; ``join_timeout_s``: each peer's ``peer.join_timeout_s``;
         ``corpus``, ``tokenizer`` (``bytes`` or a tokenizer.json) and ``shard_tokens`` (None:
         init's default): how ``init`` makes the run's dataset; ``validator_args``: more options of
-        ``sparseloco-validator run`` (``--metrics-port``)."""
+        ``sparseloco-validator run`` (``--metrics-port``); ``validators``, ``quorum`` (0: a
+        majority), ``handover_s`` and ``faults``: several validators (module doc)."""
+        _check_validators(validators, quorum, store, tuple(faults))
         self._own_dir = run_dir is None
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="sparseloco-demo-"))
         self.setup = SwarmSetup(
@@ -119,10 +152,18 @@ class LocalSwarm:
             tokenizer=tokenizer,
             shard_tokens=shard_tokens,
             peer_threads=peer_threads,
-            validator_threads=max(1, (os.cpu_count() or 1) // max(1, peers + 1)) if peer_threads == 1 else peer_threads,
+            validator_threads=max(1, (os.cpu_count() or 1) // max(1, peers + validators))
+            if peer_threads == 1
+            else peer_threads,
             validator_args=list(validator_args),
             join_timeout_s=join_timeout_s,
+            validators=validators,
+            quorum=quorum,
+            handover_s=handover_s,
+            faults=tuple(faults),
         )
+        # One validator keeps the names it always had; several are validator-<rotation index>.
+        self.validator_names = [VALIDATOR] if validators == 1 else [f"{VALIDATOR}-{i}" for i in range(validators)]
         self._accounted: set[tuple[str, float]] = set()
         self.peer_envs: dict[str, dict[str, str]] = {}
         self.may_exit: set[str] = set()  # processes whose non-zero exit is expected (stopped, tested)
@@ -149,16 +190,39 @@ class LocalSwarm:
         """The window each validator (re)start resumed at."""
         return self.followed.validator_opened
 
+    @property
+    def several(self) -> bool:
+        """Whether the run has several validators (proposals, endorsements, certificates)."""
+        return len(self.validator_names) > 1
+
+    def validator_view(self, i: int) -> ValidatorView:
+        """What validator ``i`` (rotation order) reported so far."""
+        name = self.validator_names[i]
+        return self.followed.validators.setdefault(name, ValidatorView(name))
+
+    @property
+    def quorum(self) -> Quorum:
+        """The run's validators (rotation, quorum, handover timeout), from its RunSpec."""
+        assert self.spec is not None
+        return Quorum.of(self.spec)
+
+    def leader_index(self, window: int, view: int = 0) -> int:
+        """The rotation index (process ``validator-<i>``) of the leader of ``window`` in ``view``."""
+        return (window + view) % len(self.validator_names)
+
     # ------------------------------------------------------------------ setup
     def __enter__(self) -> LocalSwarm:
         try:
             self.group = self._stack.enter_context(ProcessGroup(self.run_dir / "logs", grace_s=10.0))
-            vkey = Identity.generate()  # first: every DHT node is told the run's validator key
-            vkey.save(self.validator_key)
+            # First: every DHT node is told the run's validator keys. Sorted as the rotation sorts
+            # them, so that the key of validator-<i> is the i-th of the run.
+            vkeys = sorted((Identity.generate() for _ in self.validator_names), key=lambda k: k.public_key_hex)
+            for i, vkey in enumerate(vkeys):
+                vkey.save(self.validator_key_of(i))
             self.backend = self._stack.enter_context(
-                open_backend(self.setup.store, self.run_dir, self.group, [vkey.public_key_hex])
+                open_backend(self.setup.store, self.run_dir, self.group, [k.public_key_hex for k in vkeys])
             )
-            self.spec = self._write_run(vkey)
+            self.spec = self._write_run([k.public_key_hex for k in vkeys])
         except BaseException:
             self._stack.close()
             raise
@@ -167,13 +231,21 @@ class LocalSwarm:
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
-    def _write_run(self, vkey: Identity) -> RunSpec:
-        """run.toml, made by ``sparseloco-validator init`` (with ``vkey``, saved at
-        ``validator_key``) from the base ``base.toml``: the preset's RunSpec with ``overrides``, and
-        a [local] table with the store, max_windows, the preset's own [local] table and ``local``.
-        init adds the dataset and the validator key."""
+    def _write_run(self, keys: list[str]) -> RunSpec:
+        """run.toml, made by ``sparseloco-validator init`` (with the key at ``validator_key``)
+        from the base ``base.toml``: the preset's RunSpec with ``overrides`` (and with several
+        validators their ``keys``, the quorum and the handover timeout), and a [local] table with
+        the store, max_windows, the preset's own [local] table and ``local``. init adds the dataset
+        and the validator key."""
         assert self.backend is not None
         sections: dict[str, dict[str, Any]] = {k: dict(v) for k, v in self.setup.overrides.items()}
+        if self.several:
+            sections["validator"] = {
+                **sections.get("validator", {}),
+                "public_keys": keys,
+                "quorum": self.setup.quorum,
+                "handover_s": self.setup.handover_s,
+            }
         base = RunSpec.load(self.setup.preset).replace(**sections)
         local: dict[str, Any] = {}
         for layer in (
@@ -222,7 +294,15 @@ class LocalSwarm:
 
     @property
     def validator_key(self) -> Path:
-        return self.run_dir / "validator.pem"
+        """The key of the validator that creates the run and publishes genesis (validator-0)."""
+        return self.validator_key_of(0)
+
+    def validator_key_of(self, i: int) -> Path:
+        return self.run_dir / f"{self.validator_names[i]}.pem"
+
+    def validator_dir(self, i: int) -> Path:
+        """The state directory of validator ``i`` (θ, its log, signed.json)."""
+        return self.run_dir / self.validator_names[i]
 
     @property
     def run_toml(self) -> Path:
@@ -235,7 +315,11 @@ class LocalSwarm:
 
     @property
     def log_db(self) -> Path:
-        return self.run_dir / VALIDATOR / LOG_DB
+        """The contribution log the summary reads: validator-0's (the only one with one validator)."""
+        return self.log_db_of(0)
+
+    def log_db_of(self, i: int) -> Path:
+        return self.validator_dir(i) / LOG_DB
 
     def peer_dir(self, i: int) -> Path:
         return self.run_dir / "peers" / f"peer-{i}"
@@ -247,21 +331,25 @@ class LocalSwarm:
         assert self.backend is not None
         return self.backend.url
 
-    def start_validator(self, *, wait_for_peers: int = 0) -> None:
-        """Start (or restart) the validator; ``wait_for_peers``: a new run opens window 0 only
-        once that many peers have announced."""
+    def start_validator(self, i: int = 0, *, wait_for_peers: int = 0) -> str:
+        """Start (or restart, with its state directory and key) validator ``i``; its process name.
+        ``wait_for_peers``: a new run opens window 0 only once that many peers have announced.
+        With ``faults = ("liar", …)`` the leader of window 1 runs with ``--fault liar``."""
         assert self.group is not None and self.backend is not None
+        name = self.validator_names[i]
+        fault = ["--fault", "liar"] if i == self.liar_index else []
         argv = python_console("sparseloco-validator") + [
             "run",
             "--run",
             str(self.run_toml),
             "--key",
-            str(self.validator_key),
+            str(self.validator_key_of(i)),
             "--state",
-            str(self.run_dir / VALIDATOR),
+            str(self.validator_dir(i)),
             "--status-json",
             "--wait-for-peers",
             str(wait_for_peers),
+            *fault,
             *self.backend.validator_args(),
             *self.setup.validator_args,
         ]
@@ -270,10 +358,29 @@ class LocalSwarm:
         env = {
             **self.backend.validator_env(),
             "OMP_NUM_THREADS": str(self.setup.validator_threads),
-            env_name("data.cache_dir"): str(self.run_dir / VALIDATOR / "cache"),
+            env_name("data.cache_dir"): str(self.validator_dir(i) / "cache"),
         }
-        self.may_exit.discard(VALIDATOR)
-        self.group.start(VALIDATOR, argv, env=env)
+        self.may_exit.discard(name)
+        self.group.start(name, argv, env=env)
+        return name
+
+    @property
+    def liar_index(self) -> int | None:
+        """The validator that runs with ``--fault liar`` (``faults`` names ``liar``): the leader of
+        window 1 in view 0, so that it leads in the run's first windows."""
+        return self.leader_index(1) if "liar" in self.setup.faults else None
+
+    def start_validators(self, timeout_s: float = 300.0) -> None:
+        """Start every validator: with several, validator-0 first (only the leader of window 0,
+        view 0 publishes genesis) and the others once it opened window 0, so genesis is in the
+        store when they start."""
+        self.start_validator(0)
+        if not self.several:
+            return
+        view = self.validator_view(0)
+        self.follow(lambda: view.ready, timeout_s=timeout_s)
+        for i in range(1, len(self.validator_names)):
+            self.start_validator(i)
 
     def start_peers_then_validator(self, timeout_s: float = 300.0) -> None:
         """Start every peer and the validator so that window 0 opens once every peer has announced.
@@ -292,7 +399,7 @@ class LocalSwarm:
             self.start_peer(i)
         self.follow(lambda: all(v.announced for v in self.peers.values()), timeout_s=timeout_s)
         if not self.backend.grant_port:
-            self.start_validator()
+            self.start_validators(timeout_s)
 
     def wait_validator_ready(self, timeout_s: float = 300.0) -> None:
         """Until the validator has published genesis (or resumed) and opened its window."""
@@ -386,7 +493,7 @@ class LocalSwarm:
             self._on_line(name, line)
 
     def _on_line(self, name: str, line: str) -> None:
-        if name != VALIDATOR and name not in self.peers:
+        if name not in self.validator_names and name not in self.peers:
             return  # a store's own process (a DHT bootstrap node) writes no events
         try:
             event = parse_line(line)
@@ -394,8 +501,8 @@ class LocalSwarm:
             raise DemoError(f"{name} wrote an event the launcher cannot read ({exc}): {line[:300]}") from exc
         if event is None:
             return  # a log line on stderr
-        if name == VALIDATOR:
-            self.followed.on_validator(event)
+        if name in self.validator_names:
+            self.followed.on_validator(event, name)
         else:
             self.followed.on_peer(self.peers[name], event)
         if self.on_event is not None:
@@ -419,7 +526,7 @@ class LocalSwarm:
         """Wait for the validator (which stops itself after the last window) and account wall time."""
         group = self.group
         assert group is not None
-        members = [VALIDATOR, *self.peers]  # not the store's own processes (a DHT bootstrap node)
+        members = [*self.validator_names, *self.peers]  # not the store's own processes (a DHT bootstrap node)
         self.follow(lambda: not group.running(members), timeout_s=timeout_s)
         for name in self.peers:
             self._account_wall(name)
@@ -434,7 +541,8 @@ class LocalSwarm:
         return read_contributions(self.log_db)
 
     def summary(self) -> dict[str, Any]:
-        """The demo's result record (see ``sparseloco demo --help`` for the fields)."""
+        """The demo's result record (see ``sparseloco demo --help`` for the fields; with several
+        validators also :meth:`agreement_summary`'s)."""
         from protocol.model import param_schema  # torch loads here, not for `sparseloco --help`
 
         assert self.spec is not None
@@ -453,7 +561,7 @@ class LocalSwarm:
             "store": self.setup.store,
             "peers": len(self.peers),
             "windows_completed": len(order),
-            "val_loss_per_window": [_round(windows[w].val_loss) for w in order],
+            "val_loss_per_window": [_round(self._val_loss(w, windows[w].val_loss)) for w in order],
             "accepted_per_window": [windows[w].accepted for w in order],
             "rejected_per_window": [windows[w].rejected for w in order],
             "fingerprints_equal": bool(order) and equal,
@@ -477,7 +585,53 @@ class LocalSwarm:
             "seconds": round(time.time() - self.started_at, 1),
             "contribution_log": str(self.log_db),
             "run_dir": str(self.run_dir),
+            **(self.agreement_summary() if self.several else {}),
         }
+
+    def agreement_summary(self) -> dict[str, Any]:
+        """Several validators: who led and signed each certified window, the handovers, and how
+        many certified aggregates the liar proposed (from the validators' ``window_published`` and
+        ``agreement`` events; windows as strings, JSON's object keys)."""
+        q = self.quorum
+        certified = {w: self.published[w] for w in sorted(self.published)}
+        liar = q.ids[self.liar_index] if self.liar_index is not None else None
+        lies = {
+            s.digest
+            for v in self.followed.validators.values()
+            for s in v.steps
+            if s.step == "proposed" and s.validator == liar
+        }
+        return {
+            "validators": list(q.ids),
+            "quorum": q.m,
+            "handover_s": q.handover_s,
+            "faults": list(self.setup.faults),
+            "leader_per_window": {str(w): e.leader for w, e in certified.items()},
+            "view_per_window": {str(w): e.view for w, e in certified.items()},
+            "signers_per_window": {str(w): sorted(e.signers) for w, e in certified.items()},
+            "handovers": sum(e.view > 0 for e in certified.values()),
+            "liar": liar,
+            "liar_proposals_applied": sum(e.leader == liar or e.digest in lies for e in certified.values()),
+            "objections": self._objections(),
+        }
+
+    def _objections(self) -> dict[str, int]:
+        """Per validator id: the proposals (window, digest) it objected to, as any validator read them."""
+        seen = {
+            (s.validator, s.window, s.digest)
+            for v in self.followed.validators.values()
+            for s in v.steps
+            if s.step == "objected" and s.digest
+        }
+        return {vid: sum(who == vid for who, _, _ in seen) for vid in self.quorum.ids}
+
+    def _val_loss(self, window: int, logged: float | None) -> float | None:
+        """The logged val loss of ``window``; with several validators one the summary's log did not
+        compute (another led the window) is the certified aggregate's, as its report gave it."""
+        if logged is not None or not self.several or window not in self.published:
+            return logged
+        loss = self.published[window].val_loss
+        return None if math.isnan(loss) else loss
 
     def _fingerprints_agree(self, window: int, validator_fp: str | None) -> bool:
         """Every peer that reported θ after ``window`` holds the validator's θ (and someone did)."""
@@ -516,6 +670,76 @@ def default_threads(peers: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, peers))
 
 
+def _check_validators(validators: int, quorum: int, store: str, faults: tuple[str, ...]) -> None:
+    """ConfigError for a set of validators the local swarm cannot run (checked before any process
+    starts; the RunSpec checks the quorum itself)."""
+    unknown = sorted(set(faults) - set(FAULTS))
+    if unknown:
+        raise ConfigError(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+    if validators < 1:
+        raise ConfigError("a run needs at least one validator")
+    if validators > 1 and store == "s3":
+        raise ConfigError("several validators run on the file or dht store (over s3 one validator serves grants)")
+    if faults and validators == 1:
+        raise ConfigError(f"--faults {','.join(faults)} needs several validators (--validators N)")
+    m = quorum or validators // 2 + 1
+    if "kill-leader" in faults and validators - m < 1:
+        raise ConfigError(
+            f"kill-leader: {m} of {validators} validators cannot continue with one of them down (lower --quorum)"
+        )
+
+
+class KillLeader:
+    """The ``kill-leader`` fault: SIGKILL the view-0 leader of ``window`` once it opened the window
+    (before it can propose, or mid-window on a slow machine), restart it (same state directory,
+    same key) once another leader's aggregate of the window is certified. Call :meth:`step`
+    between events; it says whether the fault has played out.
+
+    Should the validators left split their signatures (each honest one signed another digest:
+    leaders of consecutive views each proposed when the handover was shorter than a decision),
+    nothing can be certified without the killed one: it is restarted then (``split``)."""
+
+    def __init__(self, swarm: LocalSwarm, window: int = KILL_WINDOW) -> None:
+        self.swarm, self.window = swarm, window
+        self.victim = swarm.leader_index(window)
+        self.killed_at: float | None = None
+        self.restarted = False
+        self.split = False  # restarted because the others split their signatures
+
+    @property
+    def name(self) -> str:
+        return self.swarm.validator_names[self.victim]
+
+    def step(self) -> bool:
+        view = self.swarm.validator_view(self.victim)
+        if self.killed_at is None and self.window in view.opened:
+            self.swarm.kill(self.name)
+            self.killed_at = time.time()
+        elif self.killed_at is not None and not self.restarted:
+            if self.window in self.swarm.published or self._split():
+                self.split = self.window not in self.swarm.published
+                self.swarm.start_validator(self.victim)
+                self.restarted = True
+        return self.restarted
+
+    def _split(self) -> bool:
+        """Every honest validator left signed the window, not all the same digest."""
+        ids = self.swarm.quorum.ids
+        signed = set()
+        for i in range(len(ids)):
+            if i in (self.victim, self.swarm.liar_index):
+                continue
+            own = [
+                s.digest
+                for s in self.swarm.validator_view(i).steps_of(self.window, "endorsed")
+                if s.validator == ids[i]
+            ]
+            if not own:
+                return False
+            signed.add(own[-1])
+        return len(signed) > 1
+
+
 # ---------------------------------------------------------------------- the command
 def run_demo(
     *,
@@ -527,8 +751,17 @@ def run_demo(
     on_event: Callable[[str, Event], None] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     preset: str | Path = PRESET,
+    validators: int = 1,
+    quorum: int = 0,
+    faults: Sequence[str] = (),
+    handover_s: float = HANDOVER_S,
 ) -> dict[str, Any]:
-    """Start the swarm, follow it to the end, return :meth:`LocalSwarm.summary`."""
+    """Start the swarm, follow it to the end, return :meth:`LocalSwarm.summary`. ``validators``,
+    ``quorum``, ``faults``: several validators (the module doc)."""
+    if "kill-leader" in faults and windows <= KILL_WINDOW + 1:
+        raise ConfigError(
+            f"kill-leader kills the leader of window {KILL_WINDOW}: run at least {KILL_WINDOW + 2} windows"
+        )
     with LocalSwarm(
         run_dir,
         peers=peers,
@@ -539,8 +772,20 @@ def run_demo(
         on_event=on_event,
         overrides=overrides,
         preset=preset,
+        validators=validators,
+        quorum=quorum,
+        faults=faults,
+        handover_s=handover_s,
     ) as swarm:
         swarm.start_peers_then_validator(timeout_s=timeout_s)
-        swarm.follow(swarm.finished, timeout_s=timeout_s)
+        kill = KillLeader(swarm) if "kill-leader" in faults else None
+        swarm.follow(lambda: (kill is None or kill.step()) and swarm.finished(), timeout_s=timeout_s)
         swarm.wait_exit(timeout_s=60.0)
-        return swarm.summary()
+        summary = swarm.summary()
+        if kill is not None:
+            summary["killed_leader"] = {
+                "window": kill.window,
+                "validator": swarm.quorum.ids[kill.victim],
+                "restarted_after": "split" if kill.split else "certified",
+            }
+        return summary
