@@ -10,7 +10,10 @@ it always was, and nothing else of this module is used.
 sorted keys, so consecutive windows start with different leaders and a leader that censors peers
 does so only in its own turns. A validator waits ``handover_s`` (:func:`handover_s`) after it closed
 the window's intake for the leader of view 0; with no proposal it can endorse by then, view 1 begins,
-and so on: view v starts ``v × handover_s`` after the close.
+and so on, each view one ``handover_s`` longer than the one before: view v starts
+``handover_s × v(v + 1)/2`` after the close (0, 1, 3, 6 … timeouts). Views that grow let a slow
+but honest leader's proposal arrive before the next leader starts deciding a competing one, which
+would split the honest signatures between two digests.
 
 **Safety.** An honest validator signs at most one aggregate digest per window, and persists that it
 did before the signature leaves it (:mod:`validator.signed`). Two quorums share at least 2m − n
@@ -37,6 +40,7 @@ needs n ≥ 3f + 1 (n = 3f + 1: m = 2f + 1; n = 5: m = 4 for f = 1, m = 3 tolera
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -130,8 +134,19 @@ class Quorum:
         return self.ids[(window + view) % self.n]
 
     def view_at(self, seconds_since_close: float) -> int:
-        """The view a validator is in ``seconds_since_close`` after it closed a window's intake."""
-        return max(0, int(seconds_since_close // self.handover_s))
+        """The view a validator is in ``seconds_since_close`` after it closed a window's intake
+        (view v begins at ``view_start(v)``)."""
+        units = max(0.0, seconds_since_close / self.handover_s)
+        view = int((math.sqrt(8 * units + 1) - 1) / 2)
+        while self.view_start(view + 1) <= seconds_since_close:  # the square root's rounding
+            view += 1
+        while view > 0 and self.view_start(view) > seconds_since_close:
+            view -= 1
+        return view
+
+    def view_start(self, view: int) -> float:
+        """Seconds after the close at which ``view`` begins: each view lasts one handover longer."""
+        return self.handover_s * view * (view + 1) / 2
 
     def first_view_of(self, window: int, validator_id: str) -> int:
         """The first view of ``window`` in which ``validator_id`` leads."""

@@ -113,8 +113,23 @@ def test_the_rotation_follows_the_sorted_keys_whatever_the_spec_order() -> None:
 
 def test_views_change_every_handover() -> None:
     q = Quorum(Quorum.of(spec_of(4)).keys, 3, 30.0)
-    assert [q.view_at(s) for s in (-5.0, 0.0, 29.999, 30.0, 59.9, 60.0, 301.0)] == [0, 0, 0, 1, 1, 2, 10]
+    # each view lasts one handover longer than the one before: views begin at 0, 30, 90, 180, 300 s
+    assert [q.view_at(s) for s in (-5.0, 0.0, 29.999, 30.0, 89.9, 90.0, 179.9, 180.0, 301.0)] == [
+        0,
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+        4,
+    ]
     assert q.view_at(math.nextafter(30.0, 0.0)) == 0
+    assert all(
+        q.view_at(q.view_start(v)) == v and q.view_at(math.nextafter(q.view_start(v), 0.0)) == v - 1
+        for v in range(1, 200)
+    )
 
 
 def test_handover_is_configured_or_derived_from_the_upload_deadline() -> None:

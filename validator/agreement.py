@@ -14,7 +14,7 @@ takes these steps in order, each at most once per window:
    written down first (:mod:`validator.signed`), and a validator never endorses another digest for
    that window, also after a restart;
 4. **lead** when the rotation gives it a view that has begun (view 0: right after the intake
-   closes; view v: ``v × handover_s`` later, or as soon as more than n − m validators objected to
+   closes; view v: ``handover_s × v(v + 1)/2`` later (:mod:`protocol.quorum`), or as soon as more than n − m validators objected to
    the proposal of view v − 1, which can then never be certified) and it has endorsed nothing:
    decide the window as a
    single validator does (:mod:`validator.decide`), write the decision down, and publish the
@@ -398,6 +398,8 @@ class Agreement:
         if view > 0:
             self._note(AgreementRecord(window=r.window, validator=self.me, event="handover", view=view))
         d = lead(view)
+        if not self.liar and self._arrived(st, r):
+            return  # a valid proposal came while it decided: it endorsed that one instead of splitting the vote
         if self.liar:
             d = misstated(d, st.params, self.spec.outer.alpha)
         mine = self.committer.propose(st, d, unannounced, view=view)
@@ -411,6 +413,14 @@ class Agreement:
         r.mine = mine
         self._read_proposal(r, layout.proposal_key(self.run_id, r.window, self.me), self.me)
         self._put_endorsement(r, self.me)
+
+    def _arrived(self, st: ValidatorState, r: Round) -> bool:
+        """Whether a proposal it can endorse arrived while it decided (read, judged and endorsed
+        now, before its own decision is signed)."""
+        self._read(r)
+        self._judge(st, r)
+        self._endorse(r)
+        return self.record.signed(r.window) is not None
 
     # ------------------------------------------------------------------ 5. certify
     def _certify(self, r: Round) -> bool:

@@ -168,6 +168,9 @@ class Committer:
         outcomes = encode_outcomes(self.run_hash, t, [r.outcome() for r in d.rows])
         blob = self._encode(st, d, outcomes_digest(outcomes), published_at, view=view)
         self.log.record_window(self._window_record(st, d, unannounced, published_at), list(d.rows))
+        # out before the proposal (a peer may read the certificate before its leader does); put again
+        # once certified, in case another view's leader put its own meanwhile
+        publish.publish_outcomes(self.store, self.run_id, t, outcomes)
         digest = hashlib.sha256(blob).hexdigest()
         if broadcast.keeps_feedback(self.spec.outer):
             save_feedback(self.state_dir, t + 1, digest, d.trial.feedback)
