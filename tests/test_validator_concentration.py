@@ -13,6 +13,7 @@ from protocol.config import ModelConfig
 from protocol.model import build_model, sequence_losses
 from tests.validator_fixtures import TINY_MODEL
 from validator import concentration
+from validator.decide import TARGET_ROWS, measured_tokens
 from validator.reference import measured
 from validator.scoring import LossScore, token_losses
 from validator.significance import borderline, verdict
@@ -49,6 +50,24 @@ def test_row_excess_names_the_crowded_row_and_the_tokens_it_moves_most() -> None
     assert concentration.moved_tokens(edit, typical, vocab=8, count=5) == (5, 1)  # untouched rows: not named
     assert concentration.moved_tokens(edit, typical, vocab=7, count=2) == ()  # no tensor with a row per token
     assert concentration.row_excess(edit, {}) == concentration.Excess()
+
+
+def test_every_crowded_token_is_measured_even_behind_rows_that_are_fuller() -> None:
+    """Counts saturate at a row's length: rows the honest part fills (all 4 values) rank before an
+    edited row with 3 of 4 kept. The first TARGET_ROWS are measured, and beyond them every token
+    whose row passes the excess ratio (the rows an unscored contribution has held back)."""
+    honest = [measured(_contribution({r: 1 for r in range(8)}), SCHEMA) for _ in range(3)]
+    typical = concentration.typical_counts(honest)
+    update = measured(_contribution({0: 4, 1: 4, 2: 4, 3: 4, 4: 4, 6: 3, 7: 2}), SCHEMA)
+    moved = concentration.moved_tokens(update, typical, vocab=8, count=8)
+    assert moved == (0, 1, 2, 3, 4, 6, 7) and moved.index(6) >= TARGET_ROWS
+    crowded = concentration.crowded_tokens(update, typical, vocab=8, ratio=2.0)
+    rows = concentration.concentrated_rows(update, typical, 2.0)
+    assert crowded == frozenset(rows["emb"].nonzero().flatten().tolist()) == {0, 1, 2, 3, 4, 6}
+    assert measured_tokens(moved, crowded) == (0, 1, 2, 3, 4, 6)  # 7 (2 x typical) is not past the ratio
+    assert measured_tokens(moved, frozenset()) == moved[:TARGET_ROWS]
+    assert concentration.crowded_tokens(update, typical, vocab=8, ratio=0.0) == frozenset()  # the check off
+    assert concentration.crowded_tokens(update, typical, vocab=7, ratio=2.0) == frozenset()  # no row per token
 
 
 def test_an_unscored_concentrated_row_is_held_back_and_the_others_keep_their_caps() -> None:

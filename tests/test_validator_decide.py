@@ -8,6 +8,7 @@ buffer of the window.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,7 +28,7 @@ from tests.validator_fixtures import Swarm, tiny_spec
 from validator import checks, concentration, window_checks
 from validator import decide as decide_module
 from validator import reference as norm_reference
-from validator.decide import Decider, WindowDecision
+from validator.decide import TARGET_ROWS, Decider, WindowDecision
 from validator.gather import Received
 from validator.intake import Uploads
 from validator.reference import NormReference
@@ -460,6 +461,32 @@ def test_a_row_edit_is_rejected_when_scored_and_held_back_when_not(
         # the edit moves the token when nothing holds it back; held back, only the honest rest counts
         assert p_unchecked > 1.1 * p_rest, (p_unchecked, p_rest)
         assert abs(p_held - p_rest) < 0.25 * (p_unchecked - p_rest), (p_held, p_rest, p_unchecked)
+    finally:
+        sw.close()
+
+
+def _fixed(tag: str) -> Identity:
+    return Identity.from_seed(hashlib.sha256(tag.encode()).digest())
+
+
+def test_a_row_edit_behind_rows_its_honest_part_fills_is_still_measured() -> None:
+    """Keys fixed to a draw where this happens (random keys meet it in about 1 of 30): the
+    attacker's honest part keeps every value of the embedding rows of several tokens its data holds,
+    which rank before the edited output row (most of its values kept, not all). The edited row is
+    past the excess ratio, so its token is measured all the same, and the edit is rejected."""
+    vkey = _fixed("v:2")
+    spec = tiny_spec(vkey, validator={"eval_peers_per_window": 8}, outer={"clip": "none"})
+    sw = Swarm(spec, 3)
+    sw.peers = [_fixed(f"p{k}:2") for k in range(3)]
+    try:
+        attacker = _fixed("a:2")
+        decision = decide_row_edit(spec, vkey, sw, attacker, 0.5)
+        measured = decision.scores[attacker.peer_id].tokens
+        # the case this draw is for: more than TARGET_ROWS rows rank before the edited one
+        assert TARGET in measured and measured.index(TARGET) >= TARGET_ROWS, measured
+        assert decision.rejections == {attacker.peer_id: "targeted"}
+        row = next(r for r in decision.rows if r.peer == attacker.peer_id)
+        assert f"binary loss of token {TARGET}" in (row.detail or "")
     finally:
         sw.close()
 

@@ -17,11 +17,15 @@ all of them, and at least one).
 * :func:`concentrated_rows` and :func:`held_back`: for a concentrated contribution the validator
   did not score, its concentrated rows capped at 0 and left out of those coordinates' contributor
   counts.
+* :func:`crowded_tokens`: the tokens of those concentrated rows (in the tensors indexed by token),
+  every one of which the ``targeted`` verdict measures when the contribution is scored.
 
 A contribution whose excess passes ``validator.row_excess_ratio`` is scored whenever the budget
 allows (up to ``eval_peers_per_window`` more units, largest excess first), and an unscored one is
 aggregated without its concentrated rows: leaving it unscored never lets it move such a row at
-all, where a scored one is measured on the tokens of those rows.
+all, where a scored one is measured on the tokens of all those rows (not only of the few it is
+most concentrated on: a row's count saturates at the row's length, so an edited row can rank below
+rows its honest part fills, such as the embedding rows of the tokens its data holds).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 from protocol.aggregate import NormLimit
 from validator.reference import Measured
 
-__all__ = ["Excess", "concentrated_rows", "held_back", "moved_tokens", "row_excess", "typical_counts"]
+__all__ = ["Excess", "concentrated_rows", "crowded_tokens", "held_back", "moved_tokens", "row_excess", "typical_counts"]
 
 Limits = Mapping[str, NormLimit] | None
 
@@ -118,6 +122,19 @@ def concentrated_rows(norms: Measured, typical: Typical, ratio: float) -> dict[s
         if bool(mask.any()):
             out[name] = mask
     return out
+
+
+def crowded_tokens(norms: Measured, typical: Typical, vocab: int, ratio: float) -> frozenset[int]:
+    """The tokens whose row, in a tensor with one row per token, the contribution keeps more than
+    ``ratio`` × its typical count of values in (:func:`concentrated_rows`; none when ``ratio`` is 0,
+    the check off)."""
+    if ratio <= 0:
+        return frozenset()
+    out: set[int] = set()
+    for mask in concentrated_rows(norms, typical, ratio).values():
+        if mask.shape == (vocab,):
+            out.update(int(i) for i in torch.nonzero(mask).flatten())
+    return frozenset(out)
 
 
 def held_back(limits: Limits, rows: Mapping[str, torch.Tensor], row_lengths: Mapping[str, int]) -> Limits:

@@ -79,7 +79,7 @@ __all__ = ["Decider", "WindowDecision"]
 
 log = logging.getLogger(__name__)
 
-TARGET_ROWS = 4  # tokens whose rows the targeted verdict measures, per scored unit
+TARGET_ROWS = 4  # tokens the targeted verdict measures per scored unit, beyond those of its crowded rows
 EXPLAINED = 2.0  # a token next in a unit's own data more than this × θ_t's expectation is not measured
 
 
@@ -330,8 +330,9 @@ class Decider:
             update = {name: v for _, sp in self.aggregator.clipped(items, caps) for name, v in sp.items()}
             tokens: tuple[int, ...] = ()
             if expected is not None:
-                moved = _moved_tokens([live[p] for p in units[key]], typical or {}, self.spec)
-                tokens = unexplained(moved, batches, expected)[:TARGET_ROWS]
+                held = [live[p] for p in units[key]]
+                moved = unexplained(_moved_tokens(held, typical or {}, self.spec), batches, expected)
+                tokens = measured_tokens(moved, _crowded_tokens(held, typical or {}, self.spec))
             out[key] = score_update(
                 self.model,
                 update,
@@ -440,6 +441,21 @@ def _moved_tokens(held: Sequence[Held], typical: concentration.Typical, spec: Ru
             if t not in out:
                 out.append(t)
     return tuple(out)
+
+
+def _crowded_tokens(held: Sequence[Held], typical: concentration.Typical, spec: RunSpec) -> frozenset[int]:
+    """The tokens of the rows a unit's contributions are concentrated on past ``row_excess_ratio``:
+    the rows held back when it is not scored (:func:`concentration.crowded_tokens`)."""
+    vocab, ratio = spec.model.vocab_size, spec.validator.row_excess_ratio
+    return frozenset(t for h in held for t in concentration.crowded_tokens(h.norms, typical, vocab, ratio))
+
+
+def measured_tokens(moved: Sequence[int], crowded: Collection[int]) -> tuple[int, ...]:
+    """The tokens the ``targeted`` verdict measures, of ``moved`` (most concentrated first): the
+    first ``TARGET_ROWS`` and every ``crowded`` one. A scored unit is measured on every row an
+    unscored one would have held back, however many rows its honest part crowds more: counts
+    saturate at a row's length, so an edited row's rank among them says little."""
+    return tuple(t for i, t in enumerate(moved) if i < TARGET_ROWS or t in crowded)
 
 
 def unexplained(tokens: Sequence[int], batches: Sequence[torch.Tensor], expected: torch.Tensor) -> tuple[int, ...]:

@@ -19,7 +19,8 @@ loss on held-out data by more than ``eval_harm_tolerance`` × ``random_before``
 same window (``ineffective``: noise at a plausible norm helps a little, by chance). It is
 *targeted* when, on the random sequences, the binary log-loss of "the next token is v" rises by
 more than ``eval_target_tolerance`` × its level for one of the tokens v whose rows the update
-crowds most (:func:`validator.concentration.moved_tokens`) and that its own assigned data gives no
+crowds most (:func:`validator.concentration.moved_tokens`; every crowded one past
+``row_excess_ratio``, :func:`validator.decide.measured_tokens`) and that its own assigned data gives no
 reason to promote (:func:`validator.decide.unexplained`; :func:`token_losses` measures every
 token's in the same forward pass as the loss): a row edit promoting one token everywhere lowers
 the mean loss a little and multiplies that token's probability. Every loss

@@ -15,7 +15,8 @@ threshold by more than ``z = eval_confidence_z`` (3.0) standard errors:
   ``+ z · se_random``.
 - ``targeted``: the binary log-loss of "the next token is v", on the held-out sequences, for the
   tokens v whose rows the update moves most against their typical change
-  (:func:`validator.concentration.moved_tokens`), rises by more than ``eval_target_tolerance`` ×
+  (:func:`validator.concentration.moved_tokens`; the first few, and every one past
+  ``row_excess_ratio``, :func:`validator.decide.measured_tokens`), rises by more than ``eval_target_tolerance`` ×
   its level ``+ z · se_target`` (the level at least a fifth of the uniform probability, 0.2 / vocab:
   the binary loss of a token the model has all but ruled out moves by large factors at no cost). A row edit that promotes one token everywhere (a backdoor the
   mean loss barely sees: that token is rarely next) multiplies its probability wherever it is not
