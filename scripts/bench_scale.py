@@ -20,6 +20,15 @@ Everything runs in one process on the CPU, through the real code:
 * **Peer.** A real peer (:class:`client.peer.Peer`, full replica) for two windows against the
   validator: full-size θ copies it holds between windows (every tensor reachable from it, in units
   of 4·P bytes) and the time of its state commit per parameter.
+* **Followers.** With several validators (:mod:`protocol.quorum`) every validator that did not
+  lead a window re-checks the leader's proposal (:meth:`validator.follow.Follower.judge`): it reads
+  the proposal, fetches every named contribution by digest, screens it, and recomputes Δ̄ and
+  θ_{t+1} bit for bit (no scoring, no copy scan). The window the validator above decided is
+  wrapped in a proposal (its real clip caps, view 0) and judged by a follower holding θ_t, the
+  buffer and the norm reference from before the window; the verdict must be an endorsement.
+  Beside it, the bytes of several signatures: a proposal over its aggregate (the caps table, per
+  contributor), and a certificate over the plain aggregate for m of n ∈ {3 of 4, 5 of 7} (real
+  endorsements and certificates through :mod:`protocol.wire.quorum`).
 * **Projection.** Per-unit costs measured on one layer of the 1B model (51 M parameters:
   screening, decoding again, clipping, summing), the copy scan and agreement per sampled entry,
   θ operations per parameter and the aggregate's encoding per value, scaled to 1B parameters ×
@@ -49,9 +58,9 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +73,9 @@ from rss_peak import RssPeak
 from protocol import codec, layout
 from protocol.aggregate import NormLimit, SparseDict, SparseSum, apply_outer, clip_to_limits, sparse_of
 from protocol.broadcast import plain
+from protocol.caps import object_caps, proposal_bytes
 from protocol.config import OuterConfig, RunSpec
+from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import fingerprint, param_schema
 from protocol.settings import LocalSettings
@@ -77,13 +88,27 @@ from protocol.wire import (
     encode_announcement,
     encode_contribution,
 )
+from protocol.wire.quorum import (
+    Endorsement,
+    TensorCaps,
+    caps_of,
+    certificate_bytes,
+    decode_certificate,
+    decode_proposal,
+    encode_certificate,
+    encode_endorsement,
+    encode_proposal,
+)
 from validator import checks
 from validator.consensus import agreement
 from validator.copies import CopyRule, scan
+from validator.decide import WindowDecision
+from validator.follow import Follower
 from validator.held import clipped_entries, decode
 from validator.log import CheckRow, ContributionLog, ContributionRecord, WindowRecord
 from validator.node import Validator
 from validator.publish import encode_window_aggregate
+from validator.reference import NormReference
 from validator.reputation import Standing, standings
 from validator.sketch import Sketcher, expected_nnz, global_entries, offsets, sample_every
 from validator.state import ValidatorState, load_state, save_state
@@ -102,6 +127,8 @@ SEQ_LEN_1B = 2048
 PAIR_SAMPLE = 300  # pairs timed to extrapolate the pairwise baseline at the largest N
 REPEATS = 3  # runs of each per-unit cost; the least is kept
 FOLD_SAMPLE = 1_000  # windows of log folded to extrapolate the full-history baseline beyond them
+QUORUMS = ((4, 3), (7, 5))  # (n validators, m signatures) whose certificates are measured
+FETCH_BITS_PER_S = 10e9  # a follower's link when it fetches the named contributions again (projection)
 
 
 def bench_spec(vkey: Identity, n: int) -> RunSpec:
@@ -143,7 +170,7 @@ def least(repeats: int, key: str, fn: Callable[[], object]) -> float:
     return best
 
 
-def fit_exponent(xs: list[float], ys: list[float]) -> float:
+def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> float:
     """x of y ∝ N^x, least squares in log-log."""
     lx, ly = np.log(np.asarray(xs)), np.log(np.asarray(ys))
     return float(np.polyfit(lx, ly, 1)[0])
@@ -210,12 +237,14 @@ def window_costs(n: int, seed: int) -> dict[str, Any]:
         sw.upload_all(0, v.state.base)
         assert v.run_window() is not None  # window 0: the norm reference starts
         blobs = sw.upload_all(1, v.state.base)
+        before = Before.of(v)
+        decisions = captured_decisions(v)
         gc.collect()
         with RssPeak() as rss:
             t0, c0 = time.perf_counter(), time.process_time()
             report = v.run_window()
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0  # all threads: the pool's too
-        assert report is not None
+        assert report is not None and len(decisions) == 1
         agg_blob = sw.store.get(layout.aggregate_key(sw.run, 1), max_bytes=1 << 30)
         agg = decode_aggregate(agg_blob, run_hash=sw.run_hash, max_bytes=len(agg_blob), allowed_signers=None)
         rows = v.log.rows(windows=(1, 1))
@@ -236,11 +265,174 @@ def window_costs(n: int, seed: int) -> dict[str, Any]:
             "held_mb": rss.peak / 2**20,
         }
         out["copies"] = copy_baseline(sw, blobs, v)
+        out["follower"] = follower_costs(sw, v, vkey, before, decisions[0], agg_blob, blobs)
+        out["certificates"] = certificate_sizes(agg_blob, sw.run_hash, 1, vkey, object_caps(spec).aggregate)
         v.close()
         return out
     finally:
         sw.close()
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- followers
+@dataclass(frozen=True)
+class Before:
+    """What a follower holds when a window's proposal arrives: θ_t, the error-feedback buffer and
+    the norm reference from before the window, and the chain's head."""
+
+    params: dict[str, torch.Tensor]
+    feedback: FeedbackState
+    reference: NormReference
+    base: str
+    previous_base: str
+
+    @classmethod
+    def of(cls, v: Validator) -> Before:
+        st = v.state
+        assert st is not None
+        params = {n: p.detach().clone() for n, p in st.params.items()}
+        feedback = FeedbackState({n: b.detach().clone() for n, b in v.committer.feedback.buffers.items()})
+        return cls(params, feedback, st.reference, st.base, st.previous_base)
+
+
+def captured_decisions(v: Validator) -> list[WindowDecision]:
+    """The decisions ``v`` takes from now on (the window's clip caps are in them)."""
+    out: list[WindowDecision] = []
+    decide = v.decider.decide
+
+    def capture(*args: Any, **kwargs: Any) -> WindowDecision:
+        d = decide(*args, **kwargs)
+        out.append(d)
+        return d
+
+    v.decider.decide = capture  # type: ignore[method-assign]
+    return out
+
+
+def follower_costs(
+    sw: Swarm,
+    v: Validator,
+    vkey: Identity,
+    before: Before,
+    d: WindowDecision,
+    agg_blob: bytes,
+    blobs: dict[str, bytes],
+) -> dict[str, Any]:
+    """A follower's judgement of the window ``v`` decided, as a proposal with its real clip caps:
+    read the proposal, fetch and screen the named contributions, recompute Δ̄ and θ_{t+1}."""
+    window = d.window
+    live = {p: d.caps.get(p) for p in d.accepted}
+    caps = caps_of(live)
+    blob = encode_proposal(0, caps, agg_blob, window, sw.run_hash, vkey)
+    bare = encode_proposal(0, {}, agg_blob, window, sw.run_hash, vkey)
+    follower = Follower(sw.spec, MemoryStore(sw.name), v.decider.aggregator)
+    keys = [vkey.public_key_hex]
+    gc.collect()
+    t0, c0 = time.perf_counter(), time.process_time()
+    proposal = decode_proposal(
+        blob,
+        run_hash=sw.run_hash,
+        max_bytes=proposal_bytes(sw.spec),
+        allowed_signers=keys,
+        window=window,
+        schema=sw.schema,
+    )
+    read_wall, read_cpu = time.perf_counter() - t0, time.process_time() - c0
+    t0, c0 = time.perf_counter(), time.process_time()
+    verdict = follower.judge(
+        proposal,
+        base=before.base,
+        previous_base=before.previous_base,
+        params=before.params,
+        feedback=before.feedback,
+        reference=before.reference,
+    )
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0  # all threads: the pool's too
+    assert verdict.endorsed, verdict.reasons  # the same bits as the leader's Δ̄ and θ_{t+1}
+    # the fetch and the screening alone, once more (the rest of the judgement is the recomputation)
+    t0, c0 = time.perf_counter(), time.process_time()
+    held, reasons = follower._contributions(proposal.value.aggregate.value, before.previous_base)
+    screen_wall, screen_cpu = time.perf_counter() - t0, time.process_time() - c0
+    assert not reasons and len(held) == len(d.accepted)
+    return {
+        "judge_s": cpu,
+        "judge_wall_s": wall,
+        "read_proposal_s": read_cpu,
+        "read_proposal_wall_s": read_wall,
+        "fetch_screen_s": screen_cpu,
+        "fetch_screen_wall_s": screen_wall,
+        "fetched_bytes": sum(len(blobs[p]) for p in d.accepted),
+        "contributors": len(d.accepted),
+        "proposal_bytes": len(blob),
+        "proposal_frame_bytes": len(bare) - len(agg_blob),
+        "caps_bytes": len(blob) - len(bare),
+        "caps": caps_census(caps, sw.schema),
+    }
+
+
+def caps_census(caps: dict[str, dict[str, TensorCaps] | None], schema: dict[str, tuple[int, ...]]) -> dict[str, float]:
+    """How much of a caps table is per-tensor and how much per row: the share of the matrix rows
+    of the capped contributions listed with their own cap (what grows with the model)."""
+    listed = possible = tensors = 0
+    for per_tensor in caps.values():
+        for name, c in (per_tensor or {}).items():
+            tensors += 1
+            listed += len(c.rows)
+            if c.row_len > 0:
+                possible += math.prod(schema[name]) // c.row_len
+    return {
+        "tensors": tensors,
+        "rows_listed": listed,
+        "row_share": listed / possible if possible else 0.0,
+        "clipped_contributions": sum(1 for c in caps.values() if c is not None),
+    }
+
+
+def certificate_sizes(agg_blob: bytes, run_hash: str, window: int, vkey: Identity, cap: int) -> dict[str, Any]:
+    """Real endorsements and certificates of ``agg_blob`` (signed by ``vkey``) for m of n
+    validators: the bytes a peer reads at the aggregate key beyond the plain aggregate."""
+    digest = hashlib.sha256(agg_blob).hexdigest()
+    out: dict[str, Any] = {}
+    for n, m in QUORUMS:
+        keys = [vkey] + [Identity.generate() for _ in range(n - 1)]
+        ends = [encode_endorsement(Endorsement(run_hash, window, 0, vkey.peer_id, digest), k) for k in keys[:m]]
+        cert = encode_certificate(agg_blob, ends, window, run_hash, keys[-1])
+        checked = decode_certificate(
+            cert,
+            run_hash=run_hash,
+            max_bytes=certificate_bytes(cap, n),
+            allowed_signers=[k.public_key_hex for k in keys],
+            quorum=m,
+            window=window,
+        )
+        assert len(checked.value.signers) == m and checked.value.aggregate.digest == digest
+        out[f"{m}_of_{n}"] = {
+            "n": n,
+            "m": m,
+            "endorsement_bytes": len(ends[0]),
+            "extra_bytes": len(cert) - len(agg_blob),
+            "cap_extra_bytes": certificate_bytes(cap, n) - cap,
+        }
+    return out
+
+
+def projected_caps_bytes(census: Mapping[str, float], vkey: Identity) -> int:
+    """The caps of one clipped contributor of the 1B model, encoded: every tensor's norm and row
+    caps, and the measured share of each matrix's rows listed with their own cap."""
+    schema = param_schema(RunSpec().replace(model=ONE_B).model)
+    per_tensor: dict[str, TensorCaps] = {}
+    for name, shape in schema.items():
+        if len(shape) < 2:
+            per_tensor[name] = TensorCaps(1.0, 0.0, 0)
+            continue
+        rows, listed = shape[0], round(census["row_share"] * shape[0])
+        step = rows / listed if listed else 0
+        per_tensor[name] = TensorCaps(
+            1.0, 0.5, math.prod(shape[1:]), tuple((int(i * step), 0.25) for i in range(listed))
+        )
+    peer = Identity.generate().peer_id
+    one = encode_proposal(0, {peer: per_tensor}, b"", 0, "ab" * 32, vkey)
+    return len(one) - len(encode_proposal(0, {}, b"", 0, "ab" * 32, vkey))
 
 
 def copy_baseline(sw: Swarm, blobs: dict[str, bytes], v: Validator) -> dict[str, Any]:
@@ -514,7 +706,17 @@ def aggregate_encode_cost(vkey: Identity) -> dict[str, float]:
         identity=vkey,
     )
     hashlib.sha256(blob).hexdigest()
-    return {"seconds_per_value": (time.thread_time() - t0) / len(idx), "bytes_per_value": len(blob) / len(idx)}
+    encode_s = time.thread_time() - t0
+    t0 = time.thread_time()  # what a follower (and every peer) spends reading it back
+    decode_aggregate(
+        blob, run_hash="ab" * 32, max_bytes=len(blob), allowed_signers=[vkey.public_key_hex], schema=shapes
+    )
+    decode_s = time.thread_time() - t0
+    return {
+        "seconds_per_value": encode_s / len(idx),
+        "decode_seconds_per_value": decode_s / len(idx),
+        "bytes_per_value": len(blob) / len(idx),
+    }
 
 
 # ---------------------------------------------------------------------------- projection
@@ -568,6 +770,48 @@ def projection(
     }
 
 
+def follower_projection(
+    units: dict[str, float], window: dict[str, Any], agg: dict[str, float], caps_bytes: int
+) -> dict[str, Any]:
+    """Minutes of one follower's judgement at 1B parameters × 256 peers, per phase, from the same
+    per-unit costs as the leader's (:func:`projection`). The follower screens the named
+    contributions one after the other on its own thread (``Follower._contributions``), and
+    decodes, clips and sums them again on the worker pool, as the leader does."""
+    spec = RunSpec().replace(model=ONE_B)
+    schema = param_schema(spec.model)
+    p = sum(math.prod(s) for s in schema.values())
+    nnz = expected_nnz(schema, spec.codec)
+    n = 256
+    values = n * nnz
+    delta_values = window["aggregate_nnz"] / window["params"] * p
+    fetched = values * units["bytes_per_value"]
+    phases_s = {
+        "read the proposal (decode Δ̄, caps)": delta_values * agg["decode_seconds_per_value"],
+        "screen the named contributions (one thread)": values * units["screen"],
+        "aggregate (decode again, clip, sum)": values * (units["decode"] + units["clip"] + units["sum"]) / CORES,
+        "θ (clone, finite, fingerprint, apply)": p * units["theta_per_param"] + delta_values * units["apply_per_value"],
+    }
+    minutes = {k: round(s / 60.0, 3) for k, s in phases_s.items()}
+    fetch_s = fetched * 8 / FETCH_BITS_PER_S
+    pooled = dict(phases_s)
+    pooled["screen the named contributions (one thread)"] /= CORES
+    return {
+        **minutes,
+        "total": round(sum(phases_s.values()) / 60.0, 2),
+        "total_screening_on_the_pool": round(sum(pooled.values()) / 60.0, 2),
+        "fetch_again_bytes": int(fetched),
+        "fetch_again_minutes": round(fetch_s / 60.0, 3),
+        "proposal_extra_bytes_per_contributor": caps_bytes,
+        "proposal_extra_bytes": caps_bytes * n,
+        "assumptions": (
+            f"the leader's per-unit costs; screening on one core (the follower's loop), decoding, clipping "
+            f"and summing on {CORES} cores; no scoring, no copy scan; fetching the {n} named contributions "
+            f"again ({fetched / 1e9:.2f} GB) at {FETCH_BITS_PER_S / 1e9:.0f} Gbit/s counted apart; caps of "
+            "every contributor at the measured share of listed rows"
+        ),
+    }
+
+
 # ---------------------------------------------------------------------------- report
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -591,7 +835,12 @@ def main() -> None:
     units = unit_costs(seed=7)
     agg = aggregate_encode_cost(vkey)
     proj = projection(units, windows[max(peers)], history[max(history_windows)], agg)
+    largest = windows[max(peers)]
+    caps_bytes = projected_caps_bytes(largest["follower"]["caps"], vkey)
+    follow = follower_projection(units, largest, agg, caps_bytes)
+    follow["proposal_extra_bytes_per_contributor_every_row"] = projected_caps_bytes({"row_share": 1.0}, vkey)
     result = report(peers, windows, history_windows, history, peer, units, proj)
+    result.update(followers(peers, windows, follow, proj, recompressed))
     for key in ("aggregate_bytes_per_param", "peer_download_bytes_per_param"):
         for n, size in recompressed.items():
             result[key][str(n)]["recompressed"] = round(size, 4)
@@ -686,6 +935,60 @@ def report(
     }
 
 
+def followers(
+    peers: list[int],
+    windows: dict[int, dict[str, Any]],
+    follow: dict[str, Any],
+    proj: dict[str, Any],
+    recompressed: dict[int, float],
+) -> dict[str, Any]:
+    """The follower's figures beside the leader's, and the bytes of several signatures."""
+    f = {n: windows[n]["follower"] for n in peers}
+    largest = windows[max(peers)]
+    p1b = sum(math.prod(s) for s in param_schema(RunSpec().replace(model=ONE_B).model).values())
+    small = recompressed.get(max(peers))
+    certs = {}
+    for key, c in largest["certificates"].items():
+        certs[key] = {
+            **c,
+            "share_of_plain_aggregate_bench": round(c["extra_bytes"] / largest["aggregate_bytes"], 6),
+            "share_of_plain_aggregate_1b": c["extra_bytes"] / proj["aggregate_bytes"],
+            "share_of_recompressed_aggregate_1b": None if small is None else c["extra_bytes"] / (small * p1b),
+        }
+    return {
+        "follower_seconds_per_window": {str(n): round(f[n]["judge_s"] + f[n]["read_proposal_s"], 3) for n in peers},
+        "follower_wall_seconds_per_window": {
+            str(n): round(f[n]["judge_wall_s"] + f[n]["read_proposal_wall_s"], 3) for n in peers
+        },
+        "follower_growth_exponent": round(
+            fit_exponent(peers, [f[n]["judge_s"] + f[n]["read_proposal_s"] for n in peers]), 3
+        ),
+        "follower_phases_seconds": {
+            str(n): {
+                "read_proposal": round(f[n]["read_proposal_s"], 3),
+                "fetch_screen": round(f[n]["fetch_screen_s"], 3),
+                "recompute": round(max(0.0, f[n]["judge_s"] - f[n]["fetch_screen_s"]), 3),
+            }
+            for n in peers
+        },
+        "follower_fetched_bytes": {str(n): f[n]["fetched_bytes"] for n in peers},
+        "proposal_bytes": {
+            str(n): {
+                "aggregate": windows[n]["aggregate_bytes"],
+                "proposal": f[n]["proposal_bytes"],
+                "frame": f[n]["proposal_frame_bytes"],
+                "caps": f[n]["caps_bytes"],
+                "contributors": f[n]["contributors"],
+                "caps_per_contributor": round(f[n]["caps_bytes"] / max(1, f[n]["contributors"]), 1),
+                **f[n]["caps"],
+            }
+            for n in peers
+        },
+        "certificate_bytes": certs,
+        "projection_follower_1b_256_minutes": follow,
+    }
+
+
 def tables(r: dict[str, Any]) -> list[Table]:
     out = []
     t = Table(title=f"validator window 1, P = {r['params'] / 1e6:.1f} M parameters, established peers")
@@ -741,6 +1044,80 @@ def tables(r: dict[str, Any]) -> list[Table]:
     pt.add_row("total, screening and aggregation on one core", f"{proj['total_single_core']:.2f}")
     pt.caption = proj["assumptions"]
     out.append(pt)
+    ft = Table(title="followers: the leader's window and a follower's judgement of its proposal")
+    for c in (
+        "N",
+        "leader CPU s",
+        "without scoring",
+        "follower CPU s",
+        "wall s",
+        "read proposal",
+        "fetch + screen",
+        "recompute Δ̄, θ",
+        "fetched MB",
+        "proposal − aggregate B",
+        "caps B / contributor",
+        "rows listed",
+    ):
+        ft.add_column(c, justify="right")
+    for n, s in r["follower_seconds_per_window"].items():
+        ph, pb = r["follower_phases_seconds"][n], r["proposal_bytes"][n]
+        ft.add_row(
+            n,
+            f"{r['validator_seconds_per_window'][n]:.2f}",
+            f"{r['validator_seconds_without_scoring'][n]:.2f}",
+            f"{s:.2f}",
+            f"{r['follower_wall_seconds_per_window'][n]:.2f}",
+            f"{ph['read_proposal']:.3f}",
+            f"{ph['fetch_screen']:.2f}",
+            f"{ph['recompute']:.2f}",
+            f"{r['follower_fetched_bytes'][n] / 1e6:.1f}",
+            f"{pb['proposal'] - pb['aggregate']:,}",
+            f"{pb['caps_per_contributor']:.0f}",
+            f"{pb['rows_listed']} ({pb['row_share']:.2%})",
+        )
+    ft.caption = (
+        f"CPU seconds (the process's, all threads); follower growth exponent {r['follower_growth_exponent']}; "
+        "recompute = the judgement less the fetch and screening"
+    )
+    out.append(ft)
+    ct = Table(title="certificates: what a peer reads beyond the plain aggregate for m signatures")
+    for c in ("m of n", "endorsement B", "extra B", "≈ m × endorsement", "cap extra B", "share of 1B aggregate"):
+        ct.add_column(c, justify="right")
+    for c in r["certificate_bytes"].values():
+        small = c["share_of_recompressed_aggregate_1b"]
+        ct.add_row(
+            f"{c['m']} of {c['n']}",
+            str(c["endorsement_bytes"]),
+            str(c["extra_bytes"]),
+            str(c["m"] * c["endorsement_bytes"]),
+            f"{c['cap_extra_bytes']:,}",
+            f"{c['share_of_plain_aggregate_1b']:.2e} plain" + ("" if small is None else f", {small:.2e} re-compressed"),
+        )
+    out.append(ct)
+    fp = r["projection_follower_1b_256_minutes"]
+    pf = Table(title="projection: a follower's judgement at 1B parameters × 256 peers, beside the leader's window")
+    pf.add_column("phase")
+    pf.add_column("minutes", justify="right")
+    for k, v in fp.items():
+        if isinstance(v, float) and k not in ("total", "total_screening_on_the_pool", "fetch_again_minutes"):
+            pf.add_row(k, f"{v:.3f}")
+    pf.add_row("total (follower)", f"{fp['total']:.2f}")
+    pf.add_row("total, screening on the pool", f"{fp['total_screening_on_the_pool']:.2f}")
+    pf.add_row("leader's window (table above)", f"{proj['total']:.2f}")
+    pf.add_row(
+        f"fetching the contributions again ({fp['fetch_again_bytes'] / 1e9:.2f} GB)", f"{fp['fetch_again_minutes']:.3f}"
+    )
+    pf.add_row(
+        f"proposal − aggregate: {fp['proposal_extra_bytes_per_contributor']:,} B per contributor",
+        f"{fp['proposal_extra_bytes'] / 1e6:.2f} MB",
+    )
+    pf.add_row(
+        "  with every row's cap listed (row caps binding everywhere)",
+        f"{fp['proposal_extra_bytes_per_contributor_every_row'] * 256 / 1e6:.2f} MB",
+    )
+    pf.caption = fp["assumptions"]
+    out.append(pf)
     peer = Table(title="peer")
     peer.add_column("θ-size copies held")
     peer.add_column("commit s / param")
