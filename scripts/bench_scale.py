@@ -22,13 +22,16 @@ Everything runs in one process on the CPU, through the real code:
   of 4·P bytes) and the time of its state commit per parameter.
 * **Followers.** With several validators (:mod:`protocol.quorum`) every validator that did not
   lead a window re-checks the leader's proposal (:meth:`validator.follow.Follower.judge`): it reads
-  the proposal, fetches every named contribution by digest, screens it, and recomputes Δ̄ and
-  θ_{t+1} bit for bit (no scoring, no copy scan). The window the validator above decided is
-  wrapped in a proposal (its real clip caps, view 0) and judged by a follower holding θ_t, the
-  buffer and the norm reference from before the window; the verdict must be an endorsement.
+  the proposal, matches every named contribution by digest (fetched unless it read it during its
+  own intake), screens it, checks the stated norm reference, and recomputes Δ̄ and θ_{t+1} bit for
+  bit (no scoring, no copy scan). The window the validator above decided is proposed as a leader
+  would (the aggregate with the view and the reference's digest, its real clip caps, the
+  reference after the window) and judged by a follower holding θ_t, the buffer and the norm
+  reference from before the window and the bytes the validator read; the verdict must be an
+  endorsement. The screening is timed again alone, and once more fetching every contribution.
   Beside it, the bytes of several signatures: a proposal over its aggregate (the caps table, per
-  contributor), and a certificate over the plain aggregate for m of n ∈ {3 of 4, 5 of 7} (real
-  endorsements and certificates through :mod:`protocol.wire.quorum`).
+  contributor, and the reference), and a certificate over the aggregate for m of n ∈ {3 of 4,
+  5 of 7} (real endorsements and certificates through :mod:`protocol.wire.quorum`).
 * **Projection.** Per-unit costs measured on one layer of the 1B model (51 M parameters:
   screening, decoding again, clipping, summing), the copy scan and agreement per sampled entry,
   θ operations per parameter and the aggregate's encoding per value, scaled to 1B parameters ×
@@ -78,6 +81,7 @@ from protocol.config import OuterConfig, RunSpec
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import fingerprint, param_schema
+from protocol.outcomes import encode_outcomes, outcomes_digest
 from protocol.settings import LocalSettings
 from protocol.store.memory import MemoryStore
 from protocol.wire import (
@@ -108,7 +112,6 @@ from validator.held import clipped_entries, decode
 from validator.log import CheckRow, ContributionLog, ContributionRecord, WindowRecord
 from validator.node import Validator
 from validator.publish import encode_window_aggregate
-from validator.reference import NormReference
 from validator.reputation import Standing, standings
 from validator.sketch import Sketcher, expected_nnz, global_entries, offsets, sample_every
 from validator.state import ValidatorState, load_state, save_state
@@ -265,8 +268,8 @@ def window_costs(n: int, seed: int) -> dict[str, Any]:
             "held_mb": rss.peak / 2**20,
         }
         out["copies"] = copy_baseline(sw, blobs, v)
-        out["follower"] = follower_costs(sw, v, vkey, before, decisions[0], agg_blob, blobs)
-        out["certificates"] = certificate_sizes(agg_blob, sw.run_hash, 1, vkey, object_caps(spec).aggregate)
+        out["follower"], proposed = follower_costs(sw, v, vkey, before, decisions[0], blobs)
+        out["certificates"] = certificate_sizes(proposed, sw.run_hash, 1, vkey, object_caps(spec).aggregate)
         v.close()
         return out
     finally:
@@ -280,11 +283,9 @@ class Before:
     """What a follower holds when a window's proposal arrives: θ_t, the error-feedback buffer and
     the norm reference from before the window, and the chain's head."""
 
+    state: ValidatorState
     params: dict[str, torch.Tensor]
     feedback: FeedbackState
-    reference: NormReference
-    base: str
-    previous_base: str
 
     @classmethod
     def of(cls, v: Validator) -> Before:
@@ -292,7 +293,7 @@ class Before:
         assert st is not None
         params = {n: p.detach().clone() for n, p in st.params.items()}
         feedback = FeedbackState({n: b.detach().clone() for n, b in v.committer.feedback.buffers.items()})
-        return cls(params, feedback, st.reference, st.base, st.previous_base)
+        return cls(st, params, feedback)
 
 
 def captured_decisions(v: Validator) -> list[WindowDecision]:
@@ -315,16 +316,21 @@ def follower_costs(
     vkey: Identity,
     before: Before,
     d: WindowDecision,
-    agg_blob: bytes,
     blobs: dict[str, bytes],
-) -> dict[str, Any]:
-    """A follower's judgement of the window ``v`` decided, as a proposal with its real clip caps:
-    read the proposal, fetch and screen the named contributions, recompute Δ̄ and θ_{t+1}."""
+) -> tuple[dict[str, Any], bytes]:
+    """A follower's judgement of the window ``v`` decided, proposed as its leader would
+    (:mod:`validator.agreement`: the aggregate with the view and the reference's digest, the real
+    clip caps, the reference after the window): read the proposal, screen the named contributions
+    (the ones it read itself during its intake are not fetched again), recompute Δ̄ and θ_{t+1}. With the aggregate as the leader proposes it."""
     window = d.window
+    outcomes = outcomes_digest(encode_outcomes(sw.run_hash, window, [r.outcome() for r in d.rows]))
+    agg_blob = v.committer._encode(before.state, d, outcomes, time.time(), view=0)
     live = {p: d.caps.get(p) for p in d.accepted}
     caps = caps_of(live)
-    blob = encode_proposal(0, caps, agg_blob, window, sw.run_hash, vkey)
+    ref = d.reference.to_json().encode()
+    blob = encode_proposal(0, caps, agg_blob, window, sw.run_hash, vkey, ref)
     bare = encode_proposal(0, {}, agg_blob, window, sw.run_hash, vkey)
+    no_caps = encode_proposal(0, {}, agg_blob, window, sw.run_hash, vkey, ref)
     follower = Follower(sw.spec, MemoryStore(sw.name), v.decider.aggregator)
     keys = [vkey.public_key_hex]
     gc.collect()
@@ -341,33 +347,44 @@ def follower_costs(
     t0, c0 = time.perf_counter(), time.process_time()
     verdict = follower.judge(
         proposal,
-        base=before.base,
-        previous_base=before.previous_base,
+        base=before.state.base,
+        previous_base=before.state.previous_base,
         params=before.params,
         feedback=before.feedback,
-        reference=before.reference,
+        reference=before.state.reference,
+        read=blobs,
     )
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0  # all threads: the pool's too
     assert verdict.endorsed, verdict.reasons  # the same bits as the leader's Δ̄ and θ_{t+1}
-    # the fetch and the screening alone, once more (the rest of the judgement is the recomputation)
+    # the screening alone, once more (the rest of the judgement is the recomputation)
     t0, c0 = time.perf_counter(), time.process_time()
-    held, reasons = follower._contributions(proposal.value.aggregate.value, before.previous_base)
+    held, reasons = follower.contributions(proposal.value.aggregate.value, before.state.previous_base, blobs)
     screen_wall, screen_cpu = time.perf_counter() - t0, time.process_time() - c0
+    assert not reasons and len(held) == len(d.accepted)
+    # a follower that read none of them itself: every named contribution fetched by digest
+    t0, c0 = time.perf_counter(), time.process_time()
+    held, reasons = follower.contributions(proposal.value.aggregate.value, before.state.previous_base)
+    fetch_wall, fetch_cpu = time.perf_counter() - t0, time.process_time() - c0
     assert not reasons and len(held) == len(d.accepted)
     return {
         "judge_s": cpu,
         "judge_wall_s": wall,
         "read_proposal_s": read_cpu,
         "read_proposal_wall_s": read_wall,
-        "fetch_screen_s": screen_cpu,
-        "fetch_screen_wall_s": screen_wall,
-        "fetched_bytes": sum(len(blobs[p]) for p in d.accepted),
+        "screen_s": screen_cpu,
+        "screen_wall_s": screen_wall,
+        "fetch_screen_s": fetch_cpu,
+        "fetch_screen_wall_s": fetch_wall,
+        "named_bytes": sum(len(blobs[p]) for p in d.accepted),
         "contributors": len(d.accepted),
+        "aggregate_bytes": len(agg_blob),
         "proposal_bytes": len(blob),
         "proposal_frame_bytes": len(bare) - len(agg_blob),
-        "caps_bytes": len(blob) - len(bare),
+        "reference_bytes": len(no_caps) - len(bare),
+        "caps_bytes": len(blob) - len(no_caps),
         "caps": caps_census(caps, sw.schema),
-    }
+        "tensors": len(sw.schema),
+    }, agg_blob
 
 
 def caps_census(caps: dict[str, dict[str, TensorCaps] | None], schema: dict[str, tuple[int, ...]]) -> dict[str, float]:
@@ -771,12 +788,14 @@ def projection(
 
 
 def follower_projection(
-    units: dict[str, float], window: dict[str, Any], agg: dict[str, float], caps_bytes: int
+    units: dict[str, float], window: dict[str, Any], agg: dict[str, float], caps_bytes: int, reference_bytes: int
 ) -> dict[str, Any]:
     """Minutes of one follower's judgement at 1B parameters × 256 peers, per phase, from the same
     per-unit costs as the leader's (:func:`projection`). The follower screens the named
-    contributions one after the other on its own thread (``Follower._contributions``), and
-    decodes, clips and sums them again on the worker pool, as the leader does."""
+    contributions one after the other on its own thread (``Follower.contributions``), and
+    decodes, clips and sums them again on the worker pool, as the leader does. Contributions it
+    read itself during its intake are not fetched again; what one that read none would fetch is
+    counted apart."""
     spec = RunSpec().replace(model=ONE_B)
     schema = param_schema(spec.model)
     p = sum(math.prod(s) for s in schema.values())
@@ -802,12 +821,14 @@ def follower_projection(
         "fetch_again_bytes": int(fetched),
         "fetch_again_minutes": round(fetch_s / 60.0, 3),
         "proposal_extra_bytes_per_contributor": caps_bytes,
-        "proposal_extra_bytes": caps_bytes * n,
+        "proposal_reference_bytes": reference_bytes,
+        "proposal_extra_bytes": caps_bytes * n + reference_bytes,
         "assumptions": (
             f"the leader's per-unit costs; screening on one core (the follower's loop), decoding, clipping "
-            f"and summing on {CORES} cores; no scoring, no copy scan; fetching the {n} named contributions "
-            f"again ({fetched / 1e9:.2f} GB) at {FETCH_BITS_PER_S / 1e9:.0f} Gbit/s counted apart; caps of "
-            "every contributor at the measured share of listed rows"
+            f"and summing on {CORES} cores; no scoring, no copy scan; the contributions are the ones the "
+            f"follower read during its own intake (one that read none fetches {fetched / 1e9:.2f} GB, at "
+            f"{FETCH_BITS_PER_S / 1e9:.0f} Gbit/s counted apart); caps of every contributor at the measured "
+            "share of listed rows; the reference scaled by the number of tensors"
         ),
     }
 
@@ -837,7 +858,9 @@ def main() -> None:
     proj = projection(units, windows[max(peers)], history[max(history_windows)], agg)
     largest = windows[max(peers)]
     caps_bytes = projected_caps_bytes(largest["follower"]["caps"], vkey)
-    follow = follower_projection(units, largest, agg, caps_bytes)
+    lf = largest["follower"]
+    ref_1b = round(lf["reference_bytes"] / lf["tensors"] * len(param_schema(RunSpec().replace(model=ONE_B).model)))
+    follow = follower_projection(units, largest, agg, caps_bytes, ref_1b)
     follow["proposal_extra_bytes_per_contributor_every_row"] = projected_caps_bytes({"row_share": 1.0}, vkey)
     result = report(peers, windows, history_windows, history, peer, units, proj)
     result.update(followers(peers, windows, follow, proj, recompressed))
@@ -951,8 +974,8 @@ def followers(
     for key, c in largest["certificates"].items():
         certs[key] = {
             **c,
-            "share_of_plain_aggregate_bench": round(c["extra_bytes"] / largest["aggregate_bytes"], 6),
-            "share_of_plain_aggregate_1b": c["extra_bytes"] / proj["aggregate_bytes"],
+            "share_of_aggregate_bench": round(c["extra_bytes"] / largest["follower"]["aggregate_bytes"], 6),
+            "share_of_projected_aggregate_1b": c["extra_bytes"] / proj["aggregate_bytes"],
             "share_of_recompressed_aggregate_1b": None if small is None else c["extra_bytes"] / (small * p1b),
         }
     return {
@@ -966,17 +989,19 @@ def followers(
         "follower_phases_seconds": {
             str(n): {
                 "read_proposal": round(f[n]["read_proposal_s"], 3),
-                "fetch_screen": round(f[n]["fetch_screen_s"], 3),
-                "recompute": round(max(0.0, f[n]["judge_s"] - f[n]["fetch_screen_s"]), 3),
+                "screen": round(f[n]["screen_s"], 3),
+                "recompute": round(max(0.0, f[n]["judge_s"] - f[n]["screen_s"]), 3),
+                "fetch_and_screen_unread": round(f[n]["fetch_screen_s"], 3),
             }
             for n in peers
         },
-        "follower_fetched_bytes": {str(n): f[n]["fetched_bytes"] for n in peers},
+        "follower_named_bytes": {str(n): f[n]["named_bytes"] for n in peers},
         "proposal_bytes": {
             str(n): {
-                "aggregate": windows[n]["aggregate_bytes"],
+                "aggregate": f[n]["aggregate_bytes"],
                 "proposal": f[n]["proposal_bytes"],
                 "frame": f[n]["proposal_frame_bytes"],
+                "reference": f[n]["reference_bytes"],
                 "caps": f[n]["caps_bytes"],
                 "contributors": f[n]["contributors"],
                 "caps_per_contributor": round(f[n]["caps_bytes"] / max(1, f[n]["contributors"]), 1),
@@ -1052,10 +1077,12 @@ def tables(r: dict[str, Any]) -> list[Table]:
         "follower CPU s",
         "wall s",
         "read proposal",
-        "fetch + screen",
+        "screen",
         "recompute Δ̄, θ",
-        "fetched MB",
+        "fetch + screen, none read",
+        "named MB",
         "proposal − aggregate B",
+        "reference B",
         "caps B / contributor",
         "rows listed",
     ):
@@ -1069,19 +1096,22 @@ def tables(r: dict[str, Any]) -> list[Table]:
             f"{s:.2f}",
             f"{r['follower_wall_seconds_per_window'][n]:.2f}",
             f"{ph['read_proposal']:.3f}",
-            f"{ph['fetch_screen']:.2f}",
+            f"{ph['screen']:.2f}",
             f"{ph['recompute']:.2f}",
-            f"{r['follower_fetched_bytes'][n] / 1e6:.1f}",
+            f"{ph['fetch_and_screen_unread']:.2f}",
+            f"{r['follower_named_bytes'][n] / 1e6:.1f}",
             f"{pb['proposal'] - pb['aggregate']:,}",
+            f"{pb['reference']:,}",
             f"{pb['caps_per_contributor']:.0f}",
             f"{pb['rows_listed']} ({pb['row_share']:.2%})",
         )
     ft.caption = (
         f"CPU seconds (the process's, all threads); follower growth exponent {r['follower_growth_exponent']}; "
-        "recompute = the judgement less the fetch and screening"
+        "recompute = the judgement less the screening; the follower read the contributions during its intake "
+        "(fetch + screen, none read: a follower that fetches every named one)"
     )
     out.append(ft)
-    ct = Table(title="certificates: what a peer reads beyond the plain aggregate for m signatures")
+    ct = Table(title="certificates: what a peer reads beyond the aggregate for m signatures")
     for c in ("m of n", "endorsement B", "extra B", "≈ m × endorsement", "cap extra B", "share of 1B aggregate"):
         ct.add_column(c, justify="right")
     for c in r["certificate_bytes"].values():
@@ -1092,7 +1122,7 @@ def tables(r: dict[str, Any]) -> list[Table]:
             str(c["extra_bytes"]),
             str(c["m"] * c["endorsement_bytes"]),
             f"{c['cap_extra_bytes']:,}",
-            f"{c['share_of_plain_aggregate_1b']:.2e} plain" + ("" if small is None else f", {small:.2e} re-compressed"),
+            f"{c['share_of_projected_aggregate_1b']:.2e}" + ("" if small is None else f", {small:.2e} re-compressed"),
         )
     out.append(ct)
     fp = r["projection_follower_1b_256_minutes"]
@@ -1106,10 +1136,12 @@ def tables(r: dict[str, Any]) -> list[Table]:
     pf.add_row("total, screening on the pool", f"{fp['total_screening_on_the_pool']:.2f}")
     pf.add_row("leader's window (table above)", f"{proj['total']:.2f}")
     pf.add_row(
-        f"fetching the contributions again ({fp['fetch_again_bytes'] / 1e9:.2f} GB)", f"{fp['fetch_again_minutes']:.3f}"
+        f"fetching every named contribution, none read ({fp['fetch_again_bytes'] / 1e9:.2f} GB)",
+        f"{fp['fetch_again_minutes']:.3f}",
     )
     pf.add_row(
-        f"proposal − aggregate: {fp['proposal_extra_bytes_per_contributor']:,} B per contributor",
+        f"proposal − aggregate: {fp['proposal_extra_bytes_per_contributor']:,} B per contributor"
+        f" + {fp['proposal_reference_bytes']:,} B reference",
         f"{fp['proposal_extra_bytes'] / 1e6:.2f} MB",
     )
     pf.add_row(
