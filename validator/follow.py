@@ -43,7 +43,7 @@ from protocol.feedback import FeedbackState
 from protocol.model import fingerprint, param_schema
 from protocol.quorum import Quorum
 from protocol.store.base import ObjectStore
-from protocol.wire import Aggregate, AggregateTensor, SparseDelta, Verified
+from protocol.wire import Aggregate, AggregateTensor, ManifestEntry, SparseDelta, Verified
 from protocol.wire.quorum import Proposal, Reason, limits_of
 from validator import checks
 from validator.commit import REFERENCE_DIGEST
@@ -144,7 +144,7 @@ class Follower:
         self, agg: Aggregate, previous_base: str | None, read: Mapping[str, bytes] | None = None
     ) -> tuple[dict[str, Held], list[Reason]]:
         """Every contribution the manifest names, matched by digest (fetched by key unless
-        already ``read``: peer → bytes) and screened."""
+        already ``read``: peer → bytes) and screened, on the aggregator's worker pool."""
         read = read or {}
         ctx = checks.Context(
             run_hash=self.run_hash,
@@ -155,30 +155,36 @@ class Follower:
             schema=self.schema,
             max_bytes=self.max_bytes,
         )
+        ctx = checks.Context(**{**ctx.__dict__, "registered": frozenset(m.peer_id for m in agg.manifest)})
+
+        def one(m: ManifestEntry) -> Held | Reason:
+            return self._screened(m, agg.window, read.get(m.peer_id, b""), ctx)
+
         held: dict[str, Held] = {}
         reasons: list[Reason] = []
-        for m in agg.manifest:
-            data = read.get(m.peer_id, b"")
-            if hashlib.sha256(data).hexdigest() != m.digest:
-                try:
-                    data = self.store.get(layout.contrib_key(self.run, agg.window, m.peer_id), max_bytes=self.max_bytes)
-                except ObjectNotFound:
-                    reasons.append(Reason("contribution", m.peer_id, "not in the store"))
-                    continue
-            digest = hashlib.sha256(data).hexdigest()
-            if digest != m.digest:
-                reasons.append(
-                    Reason(
-                        "contribution", m.peer_id, f"the store holds {digest[:16]}, the manifest names {m.digest[:16]}"
-                    )
-                )
-                continue
-            s = checks.screen(m.peer_id, data, checks.Context(**{**ctx.__dict__, "registered": frozenset({m.peer_id})}))
-            if s.reason is not None or s.held is None:
-                reasons.append(Reason("contribution", m.peer_id, f"{s.reason}: {s.detail or ''}".strip()))
-                continue
-            held[m.peer_id] = s.held
+        for m, got in zip(agg.manifest, self.aggregator.pool.map(one, agg.manifest), strict=True):  # in order
+            if isinstance(got, Reason):
+                reasons.append(got)
+            else:
+                held[m.peer_id] = got
         return held, reasons
+
+    def _screened(self, m: ManifestEntry, window: int, data: bytes, ctx: checks.Context) -> Held | Reason:
+        """One named contribution matched by digest (fetched unless ``data`` is it) and screened."""
+        if hashlib.sha256(data).hexdigest() != m.digest:
+            try:
+                data = self.store.get(layout.contrib_key(self.run, window, m.peer_id), max_bytes=self.max_bytes)
+            except ObjectNotFound:
+                return Reason("contribution", m.peer_id, "not in the store")
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != m.digest:
+            return Reason(
+                "contribution", m.peer_id, f"the store holds {digest[:16]}, the manifest names {m.digest[:16]}"
+            )
+        s = checks.screen(m.peer_id, data, ctx)
+        if s.reason is not None or s.held is None:
+            return Reason("contribution", m.peer_id, f"{s.reason}: {s.detail or ''}".strip())
+        return s.held
 
     def _bounds(self, held: Mapping[str, Held], p: Proposal, ref: NormReference) -> list[Reason]:
         """Norms and clip caps within :data:`TOLERANCE` of this validator's own bounds."""
