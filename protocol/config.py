@@ -346,7 +346,7 @@ class ValidatorConfig:
     quorum: int = 0
     # How long the validators wait for the leader of a view to propose before the next key in the
     # rotation proposes (seconds after a validator closed the window's intake). 0: derived,
-    # max(10, upload_deadline_s / 4) (protocol/quorum.py).
+    # max(10, upload_deadline_s / 2) (protocol/quorum.py).
     handover_s: float = 0.0
 
     @property

@@ -73,7 +73,7 @@ def tolerance(n: int, m: int) -> Tolerance:
 
 def handover_s(spec: RunSpec) -> float:
     """Seconds the validators give a view's leader to propose (``validator.handover_s`` or derived)."""
-    return spec.validator.handover_s or max(MIN_HANDOVER_S, spec.windows.upload_deadline_s / 4)
+    return spec.validator.handover_s or max(MIN_HANDOVER_S, spec.windows.upload_deadline_s / 2)
 
 
 @dataclass(frozen=True)

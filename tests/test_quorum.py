@@ -134,7 +134,7 @@ def test_views_change_every_handover() -> None:
 
 def test_handover_is_configured_or_derived_from_the_upload_deadline() -> None:
     assert handover_s(spec_of(4, handover_s=12.5)) == 12.5
-    assert handover_s(spec_of(4).replace(windows={"upload_deadline_s": 600.0})) == 150.0
+    assert handover_s(spec_of(4).replace(windows={"upload_deadline_s": 600.0})) == 300.0
     assert handover_s(spec_of(4).replace(windows={"upload_deadline_s": 20.0})) == MIN_HANDOVER_S
     assert Quorum.of(spec_of(4, handover_s=7.0)).handover_s == 7.0
 
