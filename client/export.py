@@ -180,11 +180,23 @@ def _write_weights(path: Path, tensors: dict[str, Tensor], provenance: dict[str,
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_file(tensors, str(tmp), metadata={"format": "pt", **provenance})
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates 0600: readable like the files beside it
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())  # on disk before it has the final name, like every atomic_write
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` would, for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def _check_vocab(tokenizer: ByteTokenizer | HFTokenizer, cfg: ModelConfig) -> None:

@@ -78,6 +78,12 @@ def test_bf16_export_writes_bf16_weights_that_load(tmp_path: Path) -> None:
         assert (ours(tokens) - hf(tokens).logits).abs().max().item() < 0.5  # bf16 weights: rounding only
 
 
+def test_exported_weights_are_as_readable_as_the_other_files(tmp_path: Path) -> None:
+    _, _, out = exported(tmp_path, tied=False)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] and modes["config.json"] & 0o044, modes
+
+
 def test_every_parameter_has_a_llama_name(tmp_path: Path) -> None:
     run = make_run(tmp_path, windows=(0,))
     names = hf_names(run.spec.model)
