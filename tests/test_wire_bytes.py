@@ -33,7 +33,7 @@ from servers import SeaweedS3, weed_available
 from client.metered import MeteredStore
 from protocol import layout
 from protocol.config import RunSpec
-from protocol.events import Event, WindowOpened
+from protocol.events import Event, PeerWindow, WindowOpened, describe, parse_line, to_json
 from protocol.identity import Identity
 from protocol.store.granted import GrantedStore
 from protocol.store.memory import MemoryStore
@@ -180,6 +180,17 @@ def test_a_counting_socket_reads_binary_streams_only() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_window_report_carries_its_wire_bytes() -> None:
+    event = PeerWindow(
+        window=4, outcome="uploaded", upload_bytes=17_000, wire_up_bytes=19_512, wire_down_bytes=2_950_001
+    )
+    back = parse_line(to_json(event))
+    assert isinstance(back, PeerWindow)
+    assert (back.wire_up_bytes, back.wire_down_bytes) == (19_512, 2_950_001)
+    assert "wire ↑19,512 ↓2,950,001 B" in describe(event)
+    assert "wire" not in describe(PeerWindow(window=4, outcome="uploaded"))  # a store without sockets
 
 
 # ---------------------------------------------------------------------- urllib, against a relay
