@@ -16,6 +16,7 @@ from __future__ import annotations
 import http.server
 import importlib.util
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -230,6 +231,98 @@ def test_a_store_without_sockets_reports_zero_wire_bytes() -> None:
     assert store.get("a/b") == b"x" * 10
     assert (store.bytes_written, store.bytes_read) == (10, 10)
     assert (store.wire_sent, store.wire_received) == (0, 0)
+
+
+# ---------------------------------------------------------------------- TLS: the plaintext is counted
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_path, key_path
+
+
+class _ObjectHandler(_Handler):
+    """GET /<bucket>/<n>: n bytes, as an S3 object (boto3 parses nothing more of a GET)."""
+
+    def do_GET(self) -> None:
+        self.path = "/" + self.path.split("?")[0].rsplit("/", 1)[-1]
+        super().do_GET()
+
+
+@pytest.fixture
+def tls(tmp_path: Path) -> Iterator[tuple[Relay, Path]]:
+    """An HTTPS server on 127.0.0.1 behind a relay, and its certificate."""
+    cert, key = _self_signed(tmp_path)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ObjectHandler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    relay = Relay(("127.0.0.1", server.server_address[1]))
+    try:
+        yield relay, cert
+    finally:
+        relay.close()
+        server.shutdown()
+        server.server_close()
+
+
+def _tls_overhead(wire: WireCounter, relay: Relay, body: int) -> None:
+    """The counter saw the plaintext: the body and headers, less than the relay's ciphertext by
+    the handshake and the records' framing (a few KiB and about 0.2 % of a MiB)."""
+    assert body < wire.received < relay.down < wire.received + body // 100 + 8192
+    assert 0 < wire.sent < relay.up < wire.sent + 8192
+
+
+def test_over_tls_the_opener_counts_the_plaintext(tls: tuple[Relay, Path]) -> None:
+    relay, cert = tls
+    wire = WireCounter()
+    opener = counting_opener(wire, context=ssl.create_default_context(cafile=str(cert)))
+    with opener.open(f"https://127.0.0.1:{relay.port}/{MiB}", timeout=30) as resp:
+        assert len(resp.read()) == MiB
+    _tls_overhead(wire, relay, MiB)
+
+
+def test_over_tls_an_s3_store_counts_the_plaintext(tls: tuple[Relay, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from protocol.store.s3 import S3Store
+
+    relay, cert = tls
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(cert))
+    store = S3Store(
+        "bucket", endpoint_url=f"https://127.0.0.1:{relay.port}", region="us-east-1", access_key="a", secret_key="b"
+    )
+    try:
+        assert len(store.get(str(MiB), max_bytes=2 * MiB)) == MiB
+    finally:
+        store.close()
+    assert store.wire is not None
+    _tls_overhead(store.wire, relay, MiB)
 
 
 # ---------------------------------------------------------------------- S3 and grants, against relays
