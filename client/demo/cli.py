@@ -208,6 +208,11 @@ class _Progress:
                 + (f" loss {e.loss:.4f}" if e.loss is not None else "")
                 + (f" inner {e.inner_s:.1f}s" if e.inner_s else "")
                 + (f" upload {e.upload_bytes / 1024:.1f} KiB" if e.upload_bytes else "")
+                + (
+                    f" wire ↑{e.wire_up_bytes / 1024:.1f} ↓{e.wire_down_bytes / 1024:.1f} KiB"
+                    if e.wire_up_bytes or e.wire_down_bytes
+                    else ""
+                )
                 + (f" ({e.reason})" if e.reason else "")
             )
         elif isinstance(e, Joined):
