@@ -194,6 +194,19 @@ def test_a_window_report_carries_its_wire_bytes() -> None:
     assert "wire" not in describe(PeerWindow(window=4, outcome="uploaded"))  # a store without sockets
 
 
+def test_a_granted_store_with_direct_reads_counts_into_one_counter() -> None:
+    from protocol.store.s3 import S3Store
+
+    reads = S3Store("bucket", endpoint_url="http://127.0.0.1:9", anonymous=True)
+    try:
+        assert GrantedStore("http://127.0.0.1:9", ALICE, SPEC.hash(), reads=reads).wire is reads.wire
+        assert GrantedStore("http://127.0.0.1:9", ALICE, SPEC.hash()).wire is not None
+        own = WireCounter()
+        assert GrantedStore("http://127.0.0.1:9", ALICE, SPEC.hash(), reads=reads, wire=own).wire is own
+    finally:
+        reads.close()
+
+
 # ---------------------------------------------------------------------- urllib, against a relay
 def test_the_opener_counts_what_crossed_the_connection(relayed: Relay) -> None:
     wire = WireCounter()

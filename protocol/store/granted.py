@@ -160,9 +160,8 @@ class GrantedStore(ObjectStore):
         self.reads = reads
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.stats = GrantStats()
-        self.wire = (
-            wire if wire is not None else WireCounter()
-        )  # every byte of the grant server's and the store's requests
+        # Every byte of the grant server's and the store's requests, and of the direct reads' too.
+        self.wire = wire or (reads.wire if reads is not None else None) or WireCounter()
         self._opener = counting_opener(self.wire)
         self._sleep = sleep
         self._cache: dict[tuple[str, str, str], Presigned] = {}
