@@ -6,7 +6,8 @@ The peer loop reports through two calls and never formats anything itself::
         show.update(window=3, step=12, steps=30, loss=2.71, tokens_per_s=4100.0)
         show.emit(PeerWindow(window=3, outcome="uploaded", upload_bytes=48213, ...))
 
-``update`` refreshes the panel (window, inner step, loss, tokens/s, upload size/time, and the
+``update`` refreshes the panel (window, inner step, loss, tokens/s, upload size/time, the bytes the
+store's sockets sent and received in the last reported window, and the
 validator's verdict on the last contribution: accepted or rejected, score, reputation, from the
 window's published outcomes).
 ``emit`` records something that happened, as a typed :mod:`protocol.events` record: in JSON mode
@@ -100,6 +101,7 @@ class PeerDisplay:
         table.add_row("loss", _num(f.get("loss"), "{:.4f}"))
         table.add_row("tokens/s", _num(f.get("tokens_per_s"), "{:,.0f}"))
         table.add_row("upload", _upload(f))
+        table.add_row("wire", _wire(f))
         table.add_row("last verdict", _verdict(f))
         table.add_row("score / rep", f"{_num(f.get('score'), '{:+.4g}')} / {_num(f.get('reputation'), '{:.3f}')}")
         table.add_row("fingerprint", str(f.get("fingerprint", "-"))[:16])
@@ -121,3 +123,10 @@ def _upload(f: dict[str, Any]) -> str:
     if f.get("upload_bytes") is None:
         return "-"
     return f"{f['upload_bytes'] / 1024:.1f} KiB in {f.get('upload_s', 0.0):.2f} s"
+
+
+def _wire(f: dict[str, Any]) -> str:
+    """What the store's sockets moved in the last reported window (headers, grants, retries too)."""
+    if f.get("wire_up_bytes") is None:
+        return "-"
+    return f"↑ {f['wire_up_bytes'] / 1024:.1f} KiB  ↓ {f.get('wire_down_bytes', 0) / 1024:.1f} KiB"

@@ -179,6 +179,8 @@ class PeerWindow(Event):
     data_bytes: int = 0  # fetched from the store since the last trained window (blocks, prefetch)
     data_hits: int = 0  # blocks the window read that were already local (cached or prefetched)
     data_misses: int = 0  # blocks it had to wait for
+    wire_up_bytes: int = 0  # sent on the store's sockets since the previous window report: headers, grants, retries
+    wire_down_bytes: int = 0  # received on them since the previous window report (0: a store without sockets)
 
 
 @_event("resumed_upload")
@@ -444,6 +446,11 @@ def describe(event: Event) -> str:
             f"  upload {_num(event.upload_bytes or None, '{:,}')} B"
             f"  inner {event.inner_s:.1f} s"
             + (f"  data {event.data_bytes:,} B" if event.data_bytes else "")
+            + (
+                f"  wire ↑{event.wire_up_bytes:,} ↓{event.wire_down_bytes:,} B"
+                if event.wire_up_bytes or event.wire_down_bytes
+                else ""
+            )
             + (f"  ({event.reason})" if event.reason else "")
         )
     if isinstance(event, WindowPublished):

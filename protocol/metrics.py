@@ -21,6 +21,8 @@ Every metric is prefixed ``sparseloco_``; each process exposes those its events 
 ``upload_bytes_total``                 counter contribution bytes put in the store (peer)
 ``download_bytes_total``               counter contribution bytes read (validator)
 ``data_bytes_total``                   counter dataset bytes fetched (peer)
+``wire_bytes_total{direction}``        counter bytes the peer's store sockets sent (``up``) and
+                                               received (``down``): headers, grants, retries (peer)
 ``score`` / ``reputation``             gauge   the validator's loss score of this peer's last
                                                contribution and its reputation after it, from the
                                                window's published outcomes (peer)
@@ -114,6 +116,9 @@ class Metrics:
         self.upload_bytes = Counter(PREFIX + "upload_bytes", "Contribution bytes put in the store.", registry=r)
         self.download_bytes = Counter(PREFIX + "download_bytes", "Contribution bytes read.", registry=r)
         self.data_bytes = Counter(PREFIX + "data_bytes", "Dataset bytes fetched.", registry=r)
+        self.wire_bytes = Counter(
+            PREFIX + "wire_bytes", "Bytes on the store's sockets, by direction.", ["direction"], registry=r
+        )
         self.score = Gauge(PREFIX + "score", "The validator's score of this peer's last contribution.", registry=r)
         self.reputation = Gauge(PREFIX + "reputation", "This peer's reputation after its last window.", registry=r)
         self.contributions = Counter(
@@ -172,6 +177,8 @@ class Metrics:
         if e.outcome == "uploaded":
             self.upload_bytes.inc(e.upload_bytes)
         self.data_bytes.inc(e.data_bytes)
+        self.wire_bytes.labels("up").inc(e.wire_up_bytes)
+        self.wire_bytes.labels("down").inc(e.wire_down_bytes)
         for phase, seconds in (("inner", e.inner_s), ("compress", e.compress_s), ("upload", e.upload_s)):
             self.phase_seconds.labels(phase).set(seconds)
         self._set_phase("waiting_for_aggregate" if e.outcome == "uploaded" else "training")

@@ -28,6 +28,8 @@ REQUIRED = {
     "upload_bytes_per_peer_per_window",
     "data_bytes_per_peer_per_window",
     "download_bytes_per_peer_per_window",
+    "wire_up_bytes_per_peer_per_window",
+    "wire_down_bytes_per_peer_per_window",
     "data_cache_hit_rate",
     "compute_fraction",
     "seconds",

@@ -45,7 +45,17 @@ def test_peer_metrics_follow_events_over_http() -> None:
     metrics = Metrics(role="peer")
     with metrics.serve(0, "127.0.0.1") as server:
         metrics(
-            PeerWindow(window=3, outcome="uploaded", loss=2.5, tokens=1000, inner_s=2.0, upload_bytes=70, data_bytes=9)
+            PeerWindow(
+                window=3,
+                outcome="uploaded",
+                loss=2.5,
+                tokens=1000,
+                inner_s=2.0,
+                upload_bytes=70,
+                data_bytes=9,
+                wire_up_bytes=900,
+                wire_down_bytes=40,
+            )
         )
         phase = scrape(server.port)
         assert phase[("sparseloco_phase", (("phase", "waiting_for_aggregate"),))] == 1
@@ -68,6 +78,8 @@ def test_peer_metrics_follow_events_over_http() -> None:
     assert got[("sparseloco_tokens_per_second", ())] == 500
     assert got[("sparseloco_upload_bytes_total", ())] == 70
     assert got[("sparseloco_data_bytes_total", ())] == 9
+    assert got[("sparseloco_wire_bytes_total", (("direction", "up"),))] == 900
+    assert got[("sparseloco_wire_bytes_total", (("direction", "down"),))] == 40
     assert got[("sparseloco_score", ())] == -0.25
     assert got[("sparseloco_reputation", ())] == -0.1
     assert got[("sparseloco_contributions_total", (("outcome", "rejected"),))] == 1

@@ -55,6 +55,7 @@ from protocol.model import build_model, fingerprint
 from protocol.settings import LocalSettings, PeerSettings, local_table_toml
 from protocol.store import open_store
 from protocol.store.base import ObjectStore
+from protocol.store.traffic import WireCounter
 from protocol.wire import GENESIS, decode_announcement, decode_contribution
 from validator.publish import encode_window_aggregate, publish_checkpoint
 
@@ -464,6 +465,50 @@ class FlakyStore(ObjectStore):
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)
+
+
+class WiredStore(FlakyStore):
+    """Delegates to ``inner`` and counts each operation into a :class:`WireCounter` as a socket
+    store would: ``HEADER`` bytes of request and of answer, and the bodies each way."""
+
+    HEADER = 100
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner, window=-1)
+        self.wire = WireCounter()
+
+    def _op(self, sent: int, received: int) -> None:
+        self.wire.add_sent(self.HEADER + sent)
+        self.wire.add_received(self.HEADER + received)
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        self._op(len(data), 0)
+        super().put(key, data, if_absent=if_absent)
+
+    def get(self, key: str, *, max_bytes: int = 1 << 26) -> bytes:
+        data = super().get(key, max_bytes=max_bytes)
+        self._op(0, len(data))
+        return data
+
+    def list(self, prefix: str) -> list[str]:
+        self._op(0, 0)
+        return super().list(prefix)
+
+
+def test_window_reports_carry_the_store_wire_bytes_since_the_previous_report(swarm) -> None:
+    spec, store, val, root = swarm
+    wired = WiredStore(store)
+    peer, rec = make_peer(spec, wired, root, "wired")
+    run_peers(val, [peer], windows=3)
+    reports = rec.of(PeerWindow)
+    assert [e.outcome for e in reports] == ["uploaded"] * 3
+    for e in reports:
+        assert e.wire_up_bytes >= e.upload_bytes + WiredStore.HEADER  # its contribution, and the requests
+        assert e.wire_down_bytes >= e.download_bytes  # what it read, and the answers
+    # Deltas: together no more than the counter, which only the leave (a withdrawal) moved since.
+    assert sum(e.wire_up_bytes for e in reports) <= wired.wire.sent
+    assert sum(e.wire_down_bytes for e in reports) <= wired.wire.received
+    assert peer.store.bytes_written >= sum(e.upload_bytes for e in reports)
 
 
 class UnreadableKey(FlakyStore):

@@ -109,6 +109,10 @@ def demo(
       data_bytes_per_peer_per_window  mean bytes of the dataset a peer fetched per trained window
       download_bytes_per_peer_per_window  mean bytes a peer fetched from the store per window
                                (aggregates, checkpoints, data, contributions it forecast from)
+      wire_up_bytes_per_peer_per_window, wire_down_bytes_per_peer_per_window
+                               mean bytes a peer's store sockets sent / received per window:
+                               HTTP headers, grant requests, listings and retries included
+                               (0 for a directory or the DHT, whose traffic is not counted)
       data_cache_hit_rate      of the shards the peers' windows read, the share already local
                                (cached or prefetched in time)
       compute_fraction         peers' inner-loop time (less the waits for the forecast) / their
@@ -204,6 +208,11 @@ class _Progress:
                 + (f" loss {e.loss:.4f}" if e.loss is not None else "")
                 + (f" inner {e.inner_s:.1f}s" if e.inner_s else "")
                 + (f" upload {e.upload_bytes / 1024:.1f} KiB" if e.upload_bytes else "")
+                + (
+                    f" wire ↑{e.wire_up_bytes / 1024:.1f} ↓{e.wire_down_bytes / 1024:.1f} KiB"
+                    if e.wire_up_bytes or e.wire_down_bytes
+                    else ""
+                )
                 + (f" ({e.reason})" if e.reason else "")
             )
         elif isinstance(e, Joined):
@@ -268,6 +277,12 @@ def summary_table(s: dict[str, Any]) -> Table:
         f"compute fraction {s['compute_fraction']:.2f} at H = {s['inner_steps']} · "
         f"data {s['data_bytes_per_peer_per_window']:,} B/peer/window, {s['data_cache_hit_rate']:.0%} cache hits · "
         f"download {s['download_bytes_per_peer_per_window']:,} B/peer/window"
+        + (
+            f" · wire ↑{s['wire_up_bytes_per_peer_per_window']:,} ↓{s['wire_down_bytes_per_peer_per_window']:,}"
+            " B/peer/window"
+            if s["wire_up_bytes_per_peer_per_window"] or s["wire_down_bytes_per_peer_per_window"]
+            else ""
+        )
     )
     if several:
         t.caption += (

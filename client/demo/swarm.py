@@ -585,6 +585,12 @@ class LocalSwarm:
             "download_bytes_per_peer_per_window": round(sum(e.download_bytes for e in reported) / len(reported))
             if reported
             else 0,
+            "wire_up_bytes_per_peer_per_window": round(sum(e.wire_up_bytes for e in reported) / len(reported))
+            if reported
+            else 0,
+            "wire_down_bytes_per_peer_per_window": round(sum(e.wire_down_bytes for e in reported) / len(reported))
+            if reported
+            else 0,
             "dense_fp32_bytes": 4 * n_params,
             "parameters": n_params,
             "inner_steps": self.spec.inner.steps,

@@ -126,6 +126,7 @@ class Uploads:
         self._moments_at: int | None = None  # the window whose commit last wrote the moments
         self._moments_step = -1  # the trainer's step then (moments newer than that are unsaved)
         self._downloaded = 0  # store bytes read when the last window was reported
+        self._wire = (0, 0)  # the store's socket bytes (sent, received) when the last window was reported
 
     def restore(self, snap: Snapshot) -> None:
         """A restart: e, the inner optimizer and the moments' window as the state directory holds them."""
@@ -228,15 +229,19 @@ class Uploads:
         if not put.uploaded:
             self._give_back(staged)
         read = self.ctx.store.bytes_read
-        self.ctx.display.update(upload_bytes=len(staged.blob), upload_s=put.seconds)
-        self.ctx.display.emit(self._window_event(staged, put, read - self._downloaded))
-        self._downloaded = read
+        wire = (self.ctx.store.wire_sent, self.ctx.store.wire_received)
+        wire_up, wire_down = wire[0] - self._wire[0], wire[1] - self._wire[1]
+        self.ctx.display.update(
+            upload_bytes=len(staged.blob), upload_s=put.seconds, wire_up_bytes=wire_up, wire_down_bytes=wire_down
+        )
+        self.ctx.display.emit(self._window_event(staged, put, read - self._downloaded, wire_up, wire_down))
+        self._downloaded, self._wire = read, wire
         if self._refused >= self.ctx.local.peer.max_upload_failures:
             raise UploadsRefused(self._refused_message(put.reason))
 
-    def _window_event(self, staged: Staged, put: PutOutcome, read: int) -> PeerWindow:
+    def _window_event(self, staged: Staged, put: PutOutcome, read: int, wire_up: int, wire_down: int) -> PeerWindow:
         """The window's report: its training, its fold and its put (``read``: store bytes read since
-        the last report)."""
+        the last report; ``wire_up``, ``wire_down``: what the store's sockets sent and received since)."""
         st = staged.stats
         return PeerWindow(
             window=staged.window,
@@ -257,6 +262,8 @@ class Uploads:
             data_bytes=st.data.fetched_bytes,
             data_hits=st.data.hits,
             data_misses=st.data.misses,
+            wire_up_bytes=wire_up,
+            wire_down_bytes=wire_down,
         )
 
     def _refused_message(self, reason: str | None) -> str:

@@ -184,10 +184,12 @@ def open_peer_store(
             raise ConfigError("store.public_reads needs store.grant_url (writes go through its grants)")
         return open_from_settings(settings, identity=identity, validator_keys=validator_keys, **options)
     from protocol.store.granted import GrantedStore
+    from protocol.store.traffic import WireCounter
 
+    wire = WireCounter()  # one count of the grant server's, the store's and the public reads' traffic
     reads = None
     if settings.public_reads:
         if settings.url.partition("://")[0].lower() != "s3":
             raise ConfigError(f"store.public_reads reads an s3:// bucket anonymously, not {settings.url!r}")
-        reads = open_from_settings(settings, anonymous=True)
-    return GrantedStore(settings.grant_url, identity, run_hash, reads=reads, **options)
+        reads = open_from_settings(settings, anonymous=True, wire=wire)
+    return GrantedStore(settings.grant_url, identity, run_hash, reads=reads, wire=wire, **options)

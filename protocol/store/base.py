@@ -21,6 +21,7 @@ import builtins  # list() shadows the builtin in ObjectStore
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from protocol.errors import (
     InvalidKey,
@@ -31,6 +32,9 @@ from protocol.errors import (
     RangeNotSatisfiable,
     StoreError,
 )
+
+if TYPE_CHECKING:
+    from protocol.store.traffic import WireCounter
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 
@@ -140,6 +144,9 @@ class ObjectStore(ABC):
 
     #: True when ``put(if_absent=True)`` is atomic against concurrent writers.
     atomic_create: bool = False
+    #: The bytes this store's sockets sent and received (HTTP backends); None where it opens none
+    #: of its own (a directory, memory) or does not count them (the DHT's node).
+    wire: WireCounter | None = None
 
     @abstractmethod
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None: ...

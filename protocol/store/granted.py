@@ -32,6 +32,10 @@ reason the grant server gave; when no grant server answers, and on rate limits, 
 retried (``retries`` times, exponential backoff from ``backoff_s``, at least what ``Retry-After``
 asks) and then raises :class:`~protocol.errors.StoreUnavailable`. A cached read grant the store
 refuses (it expired, the validator restarted with new credentials) is replaced once.
+
+``wire`` (a :class:`~protocol.store.traffic.WireCounter`) counts every byte the store's connections
+send and receive, to the grant servers and to the store alike, headers and retries included: what
+a peer reports as its traffic on the wire.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ from protocol.store.grants import (
     encode_request,
 )
 from protocol.store.presign import Presigned
+from protocol.store.traffic import WireCounter, counting_opener
 
 __all__ = ["GrantNotGiven", "GrantStats", "GrantedStore", "grant_urls", "parse_listing"]
 
@@ -147,6 +152,7 @@ class GrantedStore(ObjectStore):
         retries: int = 3,
         backoff_s: float = 0.5,
         sleep: Callable[[float], None] = time.sleep,
+        wire: WireCounter | None = None,
     ) -> None:
         self.grant_urls = grant_urls(grant_url)
         self._at = 0  # the grant server in use: the first, until it does not answer
@@ -154,6 +160,9 @@ class GrantedStore(ObjectStore):
         self.reads = reads
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.stats = GrantStats()
+        # Every byte of the grant server's and the store's requests, and of the direct reads' too.
+        self.wire = wire or (reads.wire if reads is not None else None) or WireCounter()
+        self._opener = counting_opener(self.wire)
         self._sleep = sleep
         self._cache: dict[tuple[str, str, str], Presigned] = {}
         self._lock = threading.Lock()
@@ -202,7 +211,7 @@ class GrantedStore(ObjectStore):
 
         def once(url: str) -> dict[str, Any]:
             try:
-                with urllib.request.urlopen(url + INFO_PATH, timeout=self.timeout_s) as resp:
+                with self._opener.open(url + INFO_PATH, timeout=self.timeout_s) as resp:
                     answer = resp.read(MAX_GRANT_BYTES + 1)
             except urllib.error.HTTPError as exc:
                 raise _refusal(url, exc) from None
@@ -218,7 +227,7 @@ class GrantedStore(ObjectStore):
         def once(url: str) -> bytes:
             http_request = urllib.request.Request(url + GRANT_PATH, data=body, method="POST", headers=headers)
             try:
-                with urllib.request.urlopen(http_request, timeout=self.timeout_s) as resp:
+                with self._opener.open(http_request, timeout=self.timeout_s) as resp:
                     answer: bytes = resp.read(MAX_GRANT_BYTES + 1)
                     return answer
             except urllib.error.HTTPError as exc:
@@ -283,7 +292,7 @@ class GrantedStore(ObjectStore):
             headers.setdefault("Content-Type", "application/octet-stream")
         request = urllib.request.Request(grant.url, data=body, method=grant.method, headers=headers)
         try:
-            resp: http.client.HTTPResponse = urllib.request.urlopen(request, timeout=self.timeout_s)
+            resp: http.client.HTTPResponse = self._opener.open(request, timeout=self.timeout_s)
         except urllib.error.HTTPError as exc:
             status, text = exc.code, exc.read(1 << 16).decode("utf-8", "replace")
             exc.close()

@@ -24,11 +24,14 @@ Why each setting:
 - presigned requests (:meth:`S3Store.presign_put` and friends, what a validator hands out as upload
   grants) are always SigV4: it signs the headers in (``Content-Length``, ``If-None-Match``), where
   the older query signing some botocore versions pick for presigning would not.
+- ``wire`` (a :class:`~protocol.store.traffic.WireCounter`): every connection of the client counts
+  what it sends and receives, headers, listings and botocore's retries included.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import random
 import re
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import boto3
+import botocore
 import botocore.exceptions as bexc
 from botocore import UNSIGNED
 from botocore.config import Config
@@ -63,8 +67,10 @@ from protocol.store.base import (
     range_past_end,
 )
 from protocol.store.presign import Presigned
+from protocol.store.traffic import WireCounter, counted_connection
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 _MAX_PARTS = 10_000
@@ -155,6 +161,24 @@ def map_error(exc: Exception, key: str) -> Exception:
     return StoreError(f"{key!r}: {type(exc).__name__}: {exc}")
 
 
+def _count_connections(client: Any, counter: WireCounter) -> None:
+    """Make every HTTP(S) connection ``client`` opens count its bytes into ``counter``.
+
+    botocore sends through urllib3 pools of its own connection classes, named per scheme in one
+    dict its session shares with its pool managers (proxy managers copy it when they are made).
+    Before the first request there is no pool yet, so replacing the classes in that dict reaches
+    every connection. A botocore without that dict leaves the counter at 0, with a warning."""
+    http = getattr(getattr(client, "_endpoint", None), "http_session", None)
+    pools = getattr(http, "_pool_classes_by_scheme", None)
+    if not isinstance(pools, dict) or not pools:
+        log.warning("botocore %s: S3 traffic is not counted (no pool classes to wrap)", botocore.__version__)
+        return
+    for scheme, pool in list(pools.items()):
+        pools[scheme] = type(
+            f"Counted{pool.__name__}", (pool,), {"ConnectionCls": counted_connection(pool.ConnectionCls, counter)}
+        )
+
+
 def single_part_etag(data: bytes | memoryview) -> str:
     """The ETag S3 gives an object stored by one PUT."""
     return '"' + hashlib.md5(data, usedforsecurity=False).hexdigest() + '"'  # S3's ETag, not a security check
@@ -223,6 +247,7 @@ class S3Store(ObjectStore):
         part_size: int = 8 * MiB,
         max_concurrency: int = 4,
         page_size: int = 1000,
+        wire: WireCounter | None = None,
     ) -> None:
         if not _BUCKET.fullmatch(bucket):
             raise ConfigError(f"invalid S3 bucket name {bucket!r}")
@@ -257,6 +282,8 @@ class S3Store(ObjectStore):
             region_name=session.region_name or "us-east-1",
             config=config,
         )
+        self.wire = wire if wire is not None else WireCounter()
+        _count_connections(self._client, self.wire)
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="s3-part")
         self._closed = False
         self._anonymous = anonymous
