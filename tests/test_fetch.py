@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from servers import SeaweedS3
 
 from protocol.errors import DigestMismatch, ObjectNotFound, PayloadTooLarge, ProtocolError, StoreUnavailable
 from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore
@@ -219,24 +220,18 @@ def test_capped_reads_a_small_object_in_one_get_and_a_large_one_in_ranges() -> N
 
 # ---------------------------------------------------------------------- a real S3 server
 @pytest.fixture(scope="module")
-def s3() -> Iterator[object]:
-    from servers import SeaweedS3, weed_available
-
-    if not weed_available():
-        pytest.skip("weed (SeaweedFS) is not installed")
+def s3() -> Iterator[SeaweedS3]:
     with SeaweedS3() as server:
         yield server
 
 
 @pytest.mark.integration
-def test_fetch_over_seaweedfs(s3: object) -> None:
-    from servers import SeaweedS3
-
-    assert isinstance(s3, SeaweedS3)
+def test_fetch_over_seaweedfs(s3: SeaweedS3) -> None:
     mib = 1 << 20
     data = blob(21 * mib + 12345)
     digest = hashlib.sha256(data).hexdigest()
-    with s3.store(f"t{uuid.uuid4().hex[:12]}") as store:
+    store = s3.store(f"t{uuid.uuid4().hex[:12]}")
+    with store:
         store.put(KEY, data)
         before = store.stats.bytes_downloaded
         seen: list[int] = []
@@ -258,7 +253,7 @@ def test_fetch_over_seaweedfs(s3: object) -> None:
 
 
 @pytest.mark.integration
-def test_fetch_through_a_validators_grants(s3: object) -> None:
+def test_fetch_through_a_validators_grants(s3: SeaweedS3) -> None:
     from test_grants_s3 import RUN, Served
 
     from protocol import layout
@@ -266,7 +261,7 @@ def test_fetch_through_a_validators_grants(s3: object) -> None:
     data = blob(3 * (1 << 20) + 17)
     digest = hashlib.sha256(data).hexdigest()
     key = layout.shard_key(RUN, digest)
-    served = Served(s3)  # type: ignore[arg-type]
+    served = Served(s3)
     with served.server, served.admin:
         served.admin.put(key, data)
         alice = served.store()
