@@ -54,7 +54,10 @@ def test_refusals(store) -> None:  # type: ignore[no-untyped-def]
     blob = bytearray(store.get(key))
     blob[-1] ^= 1  # same size, other bytes
     store.put(key, bytes(blob))
-    with pytest.raises(DigestMismatch, match="does not match its manifest"):
+    with pytest.raises(DigestMismatch, match=f"{WEIGHTS_FILE}' hashes to"):  # names the file
+        read(store)
+    store.put(key, bytes(blob) + b"\0")  # one byte longer
+    with pytest.raises(DigestMismatch, match=f"{WEIGHTS_FILE}' is larger"):
         read(store)
 
 

@@ -59,6 +59,7 @@ __all__ = [
     "PATIENCE_S",
     "Progress",
     "SizeMismatch",
+    "Watch",
     "fetch",
     "fetch_capped",
 ]
@@ -77,6 +78,10 @@ T = TypeVar("T")
 
 Progress = Callable[[int, int], None]
 """``progress(done, total)``: bytes of the object read so far, of ``total``."""
+
+Watch = Callable[[str], Progress]
+"""What a reader that shows its downloads passes down: a :data:`Progress` for a labelled transfer
+(``watch("checkpoint 120")``); it is called only for objects fetched in ranges."""
 
 # Failures that say the object cannot be had this way, however often it is asked for.
 _FINAL: tuple[type[StoreError], ...] = (ObjectNotFound, AccessDenied, InvalidKey, InvalidRange)
