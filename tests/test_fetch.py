@@ -3,12 +3,14 @@
 The ranges land in order whatever order they arrive in; a range that fails is read again alone
 (the bytes read twice are that range's only); a damaged range or an object of another size is a
 named ``ProtocolError`` naming the key; no more ranges are in flight than asked; progress grows to
-the object's size. The same over a real S3 server (SeaweedFS) and through a validator's grants.
+the object's size; a peer shows it on its panel, or as a line every ten seconds. The same over a real S3 server (SeaweedFS) and through a validator's grants.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import os
 import threading
 import time
@@ -16,9 +18,12 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from rich.console import Console
 from servers import SeaweedS3
 
+from client.progress import DownloadMeter, PeerDisplay
 from protocol.errors import DigestMismatch, ObjectNotFound, PayloadTooLarge, ProtocolError, StoreUnavailable
+from protocol.events import Downloaded, Downloading, Event, download_line
 from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore
 from protocol.store.fetch import SizeMismatch, fetch, fetch_capped
 from protocol.store.memory import MemoryStore
@@ -269,3 +274,63 @@ def test_fetch_through_a_validators_grants(s3: SeaweedS3) -> None:
         assert alice.stats.bytes_downloaded == len(data) and alice.stats.grants <= 1 + 2
         # a HEAD grant, then one GET grant cached for every range (the first ranges in flight may
         # each ask before the first answer is cached)
+
+
+# ---------------------------------------------------------------------- what a peer shows
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_download_line_reads_like_a_person_would_write_it() -> None:
+    line = download_line("checkpoint 120", 1_200_000_000, 3_400_000_000, 12e6, 182.0)
+    assert line == "checkpoint 120 1.2/3.4 GB, 12.0 MB/s, ETA 3m02s"
+    assert download_line("aggregate 5", 0, 20_000_000, 0.0, None).endswith("ETA -")
+
+
+def test_off_a_terminal_progress_is_a_line_every_ten_seconds_then_downloaded(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    events: list[Event] = []
+    display = PeerDisplay(json_lines=True, sinks=[events.append])
+    clock = Clock()
+    meter = DownloadMeter("checkpoint 7", display, clock=clock)
+    total = 100 * PART
+    for i in range(1, 101):  # one range a second
+        clock.now += 1.0
+        meter(i * PART, total)
+    progress = [e for e in events if isinstance(e, Downloading)]
+    assert [e.done_bytes for e in progress] == [10 * PART * k for k in range(1, 10)]
+    assert all(e.total_bytes == total and e.bytes_per_s == pytest.approx(PART) for e in progress)
+    assert progress[0].eta_s == pytest.approx(90.0)
+    (done,) = [e for e in events if isinstance(e, Downloaded)]
+    assert (done.what, done.size_bytes, done.seconds) == ("checkpoint 7", total, 100.0)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["event"] for line in lines] == ["downloading"] * 9 + ["downloaded"]
+
+
+def test_on_a_terminal_the_panel_shows_progress_and_only_the_end_is_an_event() -> None:
+    events: list[Event] = []
+    out = io.StringIO()
+    clock = Clock()
+    with PeerDisplay(
+        console=Console(file=out, force_terminal=True, width=200, highlight=False), sinks=[events.append]
+    ) as display:
+        assert display.live
+        meter = display.watch("checkpoint 7")
+        assert isinstance(meter, DownloadMeter)
+        meter.clock = clock
+        meter.started = clock.now
+        for i in range(1, 31):
+            clock.now += 1.0
+            meter(i * PART * 1000, 40 * PART * 1000)
+            assert display.fields["download"] == download_line(
+                "checkpoint 7", i * PART * 1000, 40 * PART * 1000, PART * 1000, (40 - i)
+            )
+        meter(40 * PART * 1000, 40 * PART * 1000)
+        assert display.fields["download"] is None
+    assert [type(e) for e in events] == [Downloaded]
+    assert "checkpoint 7 downloaded" in out.getvalue()
