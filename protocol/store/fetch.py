@@ -255,11 +255,11 @@ def _ranged(
                 for future in finished:
                     start = pending.pop(future)
                     parts[start] = future.result()
+                    submit()  # the next range is read while this one is hashed
                     done += len(parts[start])
                     while hashed in parts and hashed < size:
                         hasher.update(parts[hashed])
                         hashed += len(parts[hashed])
-                    submit()
                     if progress is not None:
                         progress(done, size)
         except BaseException:
