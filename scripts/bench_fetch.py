@@ -7,7 +7,8 @@
 Starts a SeaweedFS S3 server on 127.0.0.1 (``weed mini``, :mod:`client.demo.seaweed`), puts one
 object of ``--mib`` MiB of random bytes, and reads it back ``--repeat`` times per way:
 
-* ``get``: one ``S3Store.get`` capped at the object's size (how checkpoints were read before);
+* ``get``: one ``S3Store.get`` capped at the object's size; ``get + sha256``: the same, then its
+  digest (how a checkpoint file was read before);
 * ``fetch ×N``: :func:`protocol.store.fetch.fetch` with ``--part-mib`` ranges, N in flight, the
   sha256 checked as the ranges land (the checkpoint path now);
 * ``fetch ×N, drops``: the same while every ``--drop-every``-th range read loses its answer after
@@ -114,6 +115,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(
                 {"way": "get", "parallel": 1, **measure(lambda: store.get(KEY, max_bytes=size), digest, args.repeat)}
             )
+
+            def verified_get() -> bytes:  # what a checkpoint file cost before: the whole body, then its hash
+                data = store.get(KEY, max_bytes=size)
+                hashlib.sha256(data).hexdigest()
+                return data
+
+            rows.append({"way": "get + sha256", "parallel": 1, **measure(verified_get, digest, args.repeat)})
             for n in args.parallel:
 
                 def ranged(n: int = n, on: ObjectStore = store) -> bytes:
