@@ -16,6 +16,17 @@ stdout (:func:`protocol.events.to_json`) and nothing else goes to stdout; in hum
 the local date and time and :func:`protocol.events.describe` above the panel; with
 ``log_format="json"`` (``--log-format json``) it prints :mod:`protocol.logformat` JSON lines on
 stderr instead, and no panel. Every event also goes to the ``sinks`` (the metrics endpoint).
+
+``watch`` follows one large download (a checkpoint a late joiner reads, a large aggregate; what
+:mod:`protocol.store.fetch` reads in ranges)::
+
+    progress = show.watch("checkpoint 120")    # a protocol.store.fetch.Progress
+    progress(done, total)                      # after every range
+
+On the live panel its row reads ``checkpoint 120 1.2/3.4 GB, 12 MB/s, ETA 3m02s``; without one
+(not a terminal, ``--status-json``, ``--log-format json``) a ``downloading`` event says the same
+at most every :data:`DOWNLOAD_EVERY_S` seconds. The end is a ``downloaded`` event (bytes, seconds)
+everywhere.
 """
 
 from __future__ import annotations
@@ -30,8 +41,12 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from protocol.events import Applied, Event, describe, to_json
+from protocol.events import Applied, Downloaded, Downloading, Event, describe, download_line, to_json
 from protocol.logformat import JsonLogLines
+from protocol.store.fetch import Progress
+
+#: Without a live panel, a download in progress is reported at most this often.
+DOWNLOAD_EVERY_S = 10.0
 
 
 class PeerDisplay:
@@ -70,6 +85,16 @@ class PeerDisplay:
         if self._live is not None:
             self._live.update(self._render(), refresh=False)
 
+    def watch(self, what: str) -> Progress:
+        """The progress callback of one download named ``what`` (module docstring). Creating it
+        costs nothing: a small object read in one request never calls it."""
+        return DownloadMeter(what, self)
+
+    @property
+    def live(self) -> bool:
+        """Whether a live panel is showing (a terminal, human output)."""
+        return self._live is not None
+
     def emit(self, event: Event) -> None:
         """Record one event: a JSON line (``{"event": kind, "time": ..., **fields}``) or a log line."""
         for sink in self.sinks:
@@ -102,6 +127,8 @@ class PeerDisplay:
         table.add_row("tokens/s", _num(f.get("tokens_per_s"), "{:,.0f}"))
         table.add_row("upload", _upload(f))
         table.add_row("wire", _wire(f))
+        if f.get("download"):
+            table.add_row("download", str(f["download"]))
         table.add_row("last verdict", _verdict(f))
         table.add_row("score / rep", f"{_num(f.get('score'), '{:+.4g}')} / {_num(f.get('reputation'), '{:.3f}')}")
         table.add_row("fingerprint", str(f.get("fingerprint", "-"))[:16])
@@ -130,3 +157,39 @@ def _wire(f: dict[str, Any]) -> str:
     if f.get("wire_up_bytes") is None:
         return "-"
     return f"↑ {f['wire_up_bytes'] / 1024:.1f} KiB  ↓ {f.get('wire_down_bytes', 0) / 1024:.1f} KiB"
+class DownloadMeter:
+    """One download's progress shown on a :class:`PeerDisplay`: speed since it began and the time
+    left at that speed; on the panel at every call, as a ``downloading`` event at most every
+    ``every_s`` without one, a ``downloaded`` event at the end."""
+
+    def __init__(
+        self,
+        what: str,
+        display: PeerDisplay,
+        *,
+        every_s: float = DOWNLOAD_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.what, self.display, self.every_s, self.clock = what, display, every_s, clock
+        self.started = clock()
+        self._next_line = self.started + every_s
+        self._finished = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._finished:
+            return
+        now = self.clock()
+        seconds = max(now - self.started, 1e-9)
+        rate = done / seconds
+        eta = (total - done) / rate if rate > 0 else None
+        if done >= total:
+            self._finished = True
+            self.display.update(download=None)
+            self.display.emit(Downloaded(what=self.what, size_bytes=total, seconds=round(seconds, 3), bytes_per_s=rate))
+        elif self.display.live:
+            self.display.update(download=download_line(self.what, done, total, rate, eta))
+        elif now >= self._next_line:
+            self._next_line = now + self.every_s
+            self.display.emit(
+                Downloading(what=self.what, done_bytes=done, total_bytes=total, bytes_per_s=rate, eta_s=eta)
+            )

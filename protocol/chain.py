@@ -23,7 +23,10 @@ reason to stop. :func:`read_aggregate` is the strict read underneath, raising ``
 
 A checkpoint's weights are only trusted through its signed manifest: every file must have the size
 and sha256 the manifest lists, and the loaded θ must have the manifest's fingerprint. The signed size
-is also the read cap (a 1B-parameter θ is 4 GiB, far above any aggregate cap).
+is also the read cap (a 1B-parameter θ is 4 GiB, far above any aggregate cap). Large objects — a
+checkpoint's files, an aggregate past one range — are read in parallel byte ranges, each retried
+alone and hashed as it lands (:mod:`protocol.store.fetch`); a reader that shows progress passes
+``watch``, which gives a progress callback for a label (``"checkpoint 120"``, ``"aggregate 57"``).
 
 Aggregates and manifests come back with their proof (:class:`~protocol.wire.Verified`): an
 aggregate's digest is the base of the next window, the genesis manifest's digest the launch.
@@ -31,7 +34,6 @@ aggregate's digest is the base of the next window, the genesis manifest's digest
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Collection, Mapping
 
@@ -53,6 +55,7 @@ from protocol.errors import (
 )
 from protocol.model import fingerprint
 from protocol.store.base import ObjectStore
+from protocol.store.fetch import Progress, Watch, fetch, fetch_capped
 from protocol.wire import GENESIS, Aggregate, CheckpointManifest, Verified, decode_aggregate, decode_checkpoint
 from protocol.wire.quorum import decode_certificate
 
@@ -90,6 +93,7 @@ def read_aggregate(
     max_bytes: int,
     schema: Schema | None = None,
     quorum: int | None = None,
+    watch: Watch | None = None,
 ) -> Verified[Aggregate] | None:
     """The published aggregate of ``window``, or None when there is none yet. With ``schema``,
     unknown tensors and wrong shapes are refused before the payload is read; a subset of θ is fine
@@ -97,7 +101,12 @@ def read_aggregate(
     validators, :mod:`protocol.quorum`): what is there must be a certificate with that many
     validators' endorsements of its aggregate (``NoQuorum`` otherwise)."""
     try:
-        data = store.get(layout.aggregate_key(run, window), max_bytes=max_bytes)
+        data = fetch_capped(
+            store,
+            layout.aggregate_key(run, window),
+            max_bytes=max_bytes,
+            progress=_progress(watch, f"aggregate {window}"),
+        )
     except ObjectNotFound:
         return None
     return decode_published(
@@ -156,6 +165,7 @@ def next_aggregate(
     max_bytes: int,
     schema: Schema | None = None,
     quorum: int | None = None,
+    watch: Watch | None = None,
 ) -> Verified[Aggregate] | None:
     """The aggregate of ``window`` that continues the chain at ``base`` (the digest the reader holds
     for window ``window``), or None: nothing is published there yet, or what is there does not
@@ -170,6 +180,7 @@ def next_aggregate(
             max_bytes=max_bytes,
             schema=schema,
             quorum=quorum,
+            watch=watch,
         )
     except ProtocolError as exc:
         log.warning("aggregate %d in the store does not verify; treated as absent: %s", window, exc)
@@ -280,16 +291,17 @@ def checkpoint_base(manifest: Verified[CheckpointManifest], launch: str) -> str:
 
 
 def read_weights(
-    store: ObjectStore, manifest: CheckpointManifest, *, schema: Schema | None = None
+    store: ObjectStore, manifest: CheckpointManifest, *, schema: Schema | None = None, watch: Watch | None = None
 ) -> dict[str, torch.Tensor]:
-    """θ from the files a verified manifest lists (float32, CPU), each checked against its entry."""
+    """θ from the files a verified manifest lists (float32, CPU), each checked against its entry
+    (size and sha256, ``DigestMismatch`` naming the file) as it is fetched in ranges."""
     if not manifest.files:
         raise MalformedPayload(f"checkpoint {manifest.window} lists no files")
     params: dict[str, torch.Tensor] = {}
     for f in manifest.files:
-        data = store.get(f.key, max_bytes=max(f.size, 1))
-        if len(data) != f.size or hashlib.sha256(data).hexdigest() != f.sha256:
-            raise DigestMismatch(f"checkpoint file {f.key} does not match its manifest entry")
+        data = fetch(
+            store, f.key, size=f.size, sha256=f.sha256, progress=_progress(watch, f"checkpoint {manifest.window}")
+        )
         try:
             params.update(st_load(data))
         except (SafetensorError, ValueError) as exc:
@@ -306,8 +318,19 @@ def read_weights(
 
 
 def read_checkpoint(
-    store: ObjectStore, run: str, run_hash: str, window: int, *, allowed_signers: Signers, schema: Schema | None = None
+    store: ObjectStore,
+    run: str,
+    run_hash: str,
+    window: int,
+    *,
+    allowed_signers: Signers,
+    schema: Schema | None = None,
+    watch: Watch | None = None,
 ) -> tuple[CheckpointManifest, dict[str, torch.Tensor]]:
     """(manifest, θ_window) of the signed checkpoint of ``window``, every file verified."""
     manifest = read_manifest(store, run, run_hash, window, allowed_signers=allowed_signers).value
-    return manifest, read_weights(store, manifest, schema=schema)
+    return manifest, read_weights(store, manifest, schema=schema, watch=watch)
+
+
+def _progress(watch: Watch | None, label: str) -> Progress | None:
+    return None if watch is None else watch(label)

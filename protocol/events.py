@@ -155,6 +155,32 @@ class SyncFailed(Event):
     detail: str = ""
 
 
+@_event("downloading")
+@dataclass(frozen=True, kw_only=True)
+class Downloading(Event):
+    """A large object (``what``: ``checkpoint 120``, ``aggregate 57``) is being read in ranges:
+    ``done_bytes`` of ``total_bytes`` so far at ``bytes_per_s`` since it began, ``eta_s`` left at
+    that rate (None before anything arrived). Reported at most every 10 s where no live panel
+    shows it."""
+
+    what: str
+    done_bytes: int
+    total_bytes: int
+    bytes_per_s: float
+    eta_s: float | None = None
+
+
+@_event("downloaded")
+@dataclass(frozen=True, kw_only=True)
+class Downloaded(Event):
+    """A large object was read whole and verified: ``size_bytes`` in ``seconds``."""
+
+    what: str
+    size_bytes: int
+    seconds: float
+    bytes_per_s: float
+
+
 @_event("window")
 @dataclass(frozen=True, kw_only=True)
 class PeerWindow(Event):
@@ -489,6 +515,13 @@ def describe(event: Event) -> str:
             f"window {event.window} applied: {event.contributors} contributor(s)"
             f"  fingerprint {event.fingerprint[:16]}{verdict}"
         )
+    if isinstance(event, Downloading):
+        return download_line(event.what, event.done_bytes, event.total_bytes, event.bytes_per_s, event.eta_s)
+    if isinstance(event, Downloaded):
+        return (
+            f"{event.what} downloaded: {_bytes(event.size_bytes)} in {_duration(event.seconds)}"
+            f" ({_bytes(event.bytes_per_s)}/s)"
+        )
     if isinstance(event, WindowOpened):
         return f"window {event.window} open (base {event.base[:16]})"
     if isinstance(event, ModelEvaluated):
@@ -526,6 +559,35 @@ def describe(event: Event) -> str:
         )
     fields = {k: v for k, v in dataclasses.asdict(event).items() if k != "time" and v not in (None, "")}
     return f"[dim]{event.kind}[/dim] " + "  ".join(f"{k}={_plain(v)}" for k, v in fields.items())
+
+
+def download_line(what: str, done: int, total: int, bytes_per_s: float, eta_s: float | None) -> str:
+    """``checkpoint 120 1.2/3.4 GB, 12 MB/s, ETA 3m02s``: a transfer in progress, for people."""
+    unit, scale = _unit(total)
+    eta = "-" if eta_s is None else _duration(eta_s)
+    return f"{what} {done / scale:.1f}/{total / scale:.1f} {unit}, {_bytes(bytes_per_s)}/s, ETA {eta}"
+
+
+def _unit(n: float) -> tuple[str, float]:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return unit, scale
+    return "B", 1.0
+
+
+def _bytes(n: float) -> str:
+    unit, scale = _unit(n)
+    return f"{n:.0f} B" if unit == "B" else f"{n / scale:.1f} {unit}"
+
+
+def _duration(seconds: float) -> str:
+    """``12s``, ``3m02s``, ``1h05m``."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _plain(value: object) -> str:

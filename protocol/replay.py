@@ -46,6 +46,7 @@ from protocol.errors import DigestMismatch, MalformedPayload, ObjectNotFound, Pr
 from protocol.model import build_model, fingerprint, param_schema, parameters_of
 from protocol.quorum import Quorum, Signatures
 from protocol.store.base import ObjectStore
+from protocol.store.fetch import Watch
 from protocol.wire import Aggregate, CheckpointManifest, Verified
 from protocol.wire.quorum import MAX_ENDORSEMENT_BYTES, decode_endorsement
 
@@ -89,12 +90,15 @@ class Chain:
     """The signed chain of one run in one store, read with the run's keys, caps and schema.
 
     An aggregate that continues the chain is read once: the validator never replaces one, so
-    waiting for it and applying it both ask for the same object.
+    waiting for it and applying it both ask for the same object. ``watch``: where large reads
+    (checkpoint files, an aggregate past one range) report their progress
+    (:data:`protocol.store.fetch.Watch`).
     """
 
-    def __init__(self, spec: RunSpec, store: ObjectStore) -> None:
+    def __init__(self, spec: RunSpec, store: ObjectStore, *, watch: Watch | None = None) -> None:
         self.spec = spec
         self.store = store
+        self.watch = watch
         self.run_hash = spec.hash()
         self.run = layout.run_id(self.run_hash)
         self.schema = param_schema(spec.model)
@@ -118,6 +122,7 @@ class Chain:
             max_bytes=self.max_aggregate_bytes,
             schema=self.schema,
             quorum=self.quorum,
+            watch=self.watch,
         )
 
     def next_aggregate(self, window: int, base: str) -> Verified[Aggregate] | None:
@@ -135,6 +140,7 @@ class Chain:
                 max_bytes=self.max_aggregate_bytes,
                 schema=self.schema,
                 quorum=self.quorum,
+                watch=self.watch,
             )
             if found is not None:
                 self._next = {k: v for k, v in self._next.items() if k[0] >= window - 1}
@@ -210,7 +216,7 @@ class Chain:
         """θ of a verified checkpoint manifest. θ₀ is built rather than downloaded, and proven by the
         fingerprint to be the bytes the validator signed."""
         if manifest.window != 0:
-            return read_weights(self.store, manifest, schema=self.schema)
+            return read_weights(self.store, manifest, schema=self.schema, watch=self.watch)
         params = initial_params(self.spec.model)
         got = fingerprint(params)
         if got != manifest.fingerprint:

@@ -9,9 +9,17 @@ import torch
 
 from protocol import layout
 from protocol.chain import WEIGHTS_FILE, read_checkpoint
-from protocol.errors import DigestMismatch, MalformedPayload, ObjectNotFound, SchemaMismatch, UnknownSigner
+from protocol.errors import (
+    DigestMismatch,
+    MalformedPayload,
+    ObjectNotFound,
+    SchemaMismatch,
+    StoreUnavailable,
+    UnknownSigner,
+)
 from protocol.identity import Identity
 from protocol.store import open_store
+from protocol.store.fetch import Progress
 from protocol.wire import CheckpointManifest, encode_checkpoint
 from validator.publish import publish_checkpoint
 
@@ -54,7 +62,10 @@ def test_refusals(store) -> None:  # type: ignore[no-untyped-def]
     blob = bytearray(store.get(key))
     blob[-1] ^= 1  # same size, other bytes
     store.put(key, bytes(blob))
-    with pytest.raises(DigestMismatch, match="does not match its manifest"):
+    with pytest.raises(DigestMismatch, match=f"{WEIGHTS_FILE}' hashes to"):  # names the file
+        read(store)
+    store.put(key, bytes(blob) + b"\0")  # one byte longer
+    with pytest.raises(DigestMismatch, match=f"{WEIGHTS_FILE}' is larger"):
         read(store)
 
 
@@ -63,3 +74,24 @@ def test_manifest_without_files_is_malformed(store) -> None:  # type: ignore[no-
     store.put(layout.checkpoint_manifest_key(RUN, 2), encode_checkpoint(empty, VALIDATOR))
     with pytest.raises(MalformedPayload, match="lists no files"):
         read(store)
+
+
+def test_a_large_checkpoint_is_read_in_ranges_with_its_progress() -> None:
+    big = {"w": torch.randn(5 << 20)}  # 20 MiB of float32: three 8 MiB ranges
+    s = open_store(f"memory://chain-{time.time_ns()}")
+    publish_checkpoint(
+        s, RUN, RUN_HASH, 2, aggregate="d" * 64, params=big, identity=VALIDATOR, published_at=1.0, launch=LAUNCH
+    )
+    key = layout.checkpoint_key(RUN, 2, WEIGHTS_FILE)
+    s.faults.fail(key, ops=("get",), nth=2, error=StoreUnavailable)  # the second range drops once
+    seen: dict[str, list[tuple[int, int]]] = {}
+
+    def watch(label: str) -> Progress:
+        return lambda done, total: seen.setdefault(label, []).append((done, total))
+
+    before = s.counts["get"]
+    _, params = read(s, watch=watch)
+    assert torch.equal(params["w"], big["w"])
+    size = s.size(key)
+    assert list(seen) == ["checkpoint 2"] and seen["checkpoint 2"][-1] == (size, size)
+    assert len(seen["checkpoint 2"]) == 3 and s.counts["get"] - before == 1 + 3 + 1  # manifest, ranges, the retry

@@ -57,7 +57,7 @@ class Peer:
         self.display = display or PeerDisplay(json_lines=True)
         self.run_id = layout.run_id(spec.hash())
         self.ctx = PeerContext(spec, self.store, identity, state, trainer, self.local, self.display, self.run_id)
-        self.theta = Theta(spec, self.store, poll_interval_s=self.local.poll_interval_s)
+        self.theta = Theta(spec, self.store, poll_interval_s=self.local.poll_interval_s, watch=self.display.watch)
         self.uploads = Uploads(self.ctx, self.theta)
         self.catchup = CatchUp(self.ctx, self.theta, self.uploads)
         self.inflight = InFlight(self.ctx, self.theta, self.catchup, self.uploads)

@@ -39,6 +39,7 @@ from protocol.outcomes import PeerOutcome, read_outcomes, verdict
 from protocol.quorum import Signatures
 from protocol.replay import Position
 from protocol.store.base import ObjectStore
+from protocol.store.fetch import Watch
 from protocol.windows import upload_deadline
 from protocol.wire import Aggregate, Verified
 
@@ -50,9 +51,11 @@ _log = logging.getLogger(__name__)
 class Theta:
     """θ's master copy and where it stands (module docstring)."""
 
-    def __init__(self, spec: RunSpec, store: ObjectStore, *, poll_interval_s: float) -> None:
+    def __init__(
+        self, spec: RunSpec, store: ObjectStore, *, poll_interval_s: float, watch: Watch | None = None
+    ) -> None:
         self.spec = spec
-        self.sync = Sync(spec, store, poll_interval_s=poll_interval_s)
+        self.sync = Sync(spec, store, poll_interval_s=poll_interval_s, watch=watch)
         self.params: dict[str, Tensor] = {}  # θ master copy: CPU float32, changed only by signed objects
         self.pos = Position(0, "", "")
         self.diverged = False  # θ must be rebuilt from a checkpoint before training again

@@ -41,6 +41,7 @@ from protocol.errors import DigestMismatch, ObjectNotFound, ProtocolError, Stale
 from protocol.quorum import Signatures
 from protocol.replay import Chain, Position, apply_aggregate, replay
 from protocol.store.base import ObjectStore
+from protocol.store.fetch import Watch
 from protocol.wire import Aggregate, Verified
 
 __all__ = ["SIGNATURES_EVERY_S", "Advanced", "NotReady", "Position", "Reloaded", "Step", "Sync"]
@@ -79,9 +80,11 @@ Step = Advanced | Reloaded
 class Sync:
     """Reads signed aggregates and checkpoints of one run from a store and applies them to θ."""
 
-    def __init__(self, spec: RunSpec, store: ObjectStore, *, poll_interval_s: float = 1.0) -> None:
+    def __init__(
+        self, spec: RunSpec, store: ObjectStore, *, poll_interval_s: float = 1.0, watch: Watch | None = None
+    ) -> None:
         self.spec = spec
-        self.chain = Chain(spec, store)
+        self.chain = Chain(spec, store, watch=watch)  # watch: the progress of large reads
         self.run = self.chain.run
         self.max_aggregate_bytes = self.chain.max_aggregate_bytes
         self.poll_s = poll_interval_s  # the local setting poll_interval_s

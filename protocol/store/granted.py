@@ -92,6 +92,7 @@ T = TypeVar("T")
 CHUNK = 1 << 20
 MAX_LISTING_PAGE_BYTES = 8 << 20  # 1000 keys of 1 KiB and their XML
 _STALE_MARGIN_S = 10.0  # a cached grant this close to expiry is asked for again
+_ASK_STRIPES = 16  # locks that readers asking for the same grant wait on (by hash of op, key, token)
 Page = tuple[list[str], str]  # one listing page: keys, and the continuation token ("" on the last)
 
 
@@ -166,6 +167,8 @@ class GrantedStore(ObjectStore):
         self._sleep = sleep
         self._cache: dict[tuple[str, str, str], Presigned] = {}
         self._lock = threading.Lock()
+        # Concurrent reads of one key (the ranges of a large object) wait for one grant, not one each.
+        self._asking = [threading.Lock() for _ in range(_ASK_STRIPES)]
 
     def __repr__(self) -> str:
         return f"GrantedStore({', '.join(self.grant_urls)})"
@@ -240,20 +243,31 @@ class GrantedStore(ObjectStore):
         return decode_grant(answer)
 
     def _granted(self, op: str, key: str, token: str = "") -> Presigned:
-        """A read grant, from the cache while it is fresh."""
+        """A read grant, from the cache while it is fresh; readers of one key that find none wait
+        for the one that asks."""
+        fresh = self._fresh(op, key, token)
+        if fresh is not None:
+            return fresh
+        with self._asking[hash((op, key, token)) % _ASK_STRIPES]:
+            fresh = self._fresh(op, key, token)
+            if fresh is not None:
+                return fresh
+            if op == "list":
+                request = GrantRequest.listing(self.run_hash, key, token)
+            else:
+                request = GrantRequest.read(self.run_hash, op, key)
+            grant = self._ask_once(request)
+            with self._lock:
+                self._cache[(op, key, token)] = grant
+            return grant
+
+    def _fresh(self, op: str, key: str, token: str) -> Presigned | None:
         with self._lock:
             cached = self._cache.get((op, key, token))
-        if cached is not None and cached.expires_at - _STALE_MARGIN_S > time.time():
-            self.stats.cached += 1
-            return cached
-        if op == "list":
-            request = GrantRequest.listing(self.run_hash, key, token)
-        else:
-            request = GrantRequest.read(self.run_hash, op, key)
-        grant = self._ask_once(request)
-        with self._lock:
-            self._cache[(op, key, token)] = grant
-        return grant
+            if cached is not None and cached.expires_at - _STALE_MARGIN_S > time.time():
+                self.stats.cached += 1
+                return cached
+        return None
 
     def _forget(self, op: str, key: str, token: str = "") -> None:
         with self._lock:
