@@ -157,6 +157,8 @@ def _wire(f: dict[str, Any]) -> str:
     if f.get("wire_up_bytes") is None:
         return "-"
     return f"↑ {f['wire_up_bytes'] / 1024:.1f} KiB  ↓ {f.get('wire_down_bytes', 0) / 1024:.1f} KiB"
+
+
 class DownloadMeter:
     """One download's progress shown on a :class:`PeerDisplay`: speed since it began and the time
     left at that speed; on the panel at every call, as a ``downloading`` event at most every
