@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from client.footprint import USABLE, available_memory, footprint, suggest_micro_batch
-from client.link import megabits, megabytes, required_bits_per_s
 from client.trainer import InnerTrainer, pseudo_gradient, snapshot
+from client.uplink import megabits, megabytes, required_bits_per_s
 from protocol import layout
 from protocol.caps import contribution_bound
 from protocol.config import RunSpec

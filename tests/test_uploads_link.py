@@ -1,7 +1,7 @@
 """Uploads over a slow link that drops: retried until the window's deadline, never sent twice,
 not started when the measured uplink cannot make it, and an HTTP put that notices a dead link.
 
-Most tests run :func:`client.link.put_by_deadline` on a fake clock: the store below advances it by
+Most tests run :func:`client.uplink.put_by_deadline` on a fake clock: the store below advances it by
 the time a transfer takes, so a link down for 30 s or a 2 Mbit/s uplink costs the test nothing.
 The granted store's timeouts are tested over real sockets (a server that never reads, one that
 reads slowly); the peer's handling of a skipped or retried put with a real peer.
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from client.link import Backoff, LinkRate, put_by_deadline, transient
 from client.peer import Staged
+from client.uplink import Backoff, LinkRate, put_by_deadline, transient
 from protocol import layout
 from protocol.errors import (
     AccessDenied,

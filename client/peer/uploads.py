@@ -9,7 +9,7 @@ refused, and when the inner optimizer's moments were last written::
     uploads.flush()             # the lane drained and its last put reported
 
 A put is retried until the window's upload deadline and not started when the measured uplink
-cannot make it (:func:`client.link.put_by_deadline`; the rate is this peer's own completed puts).
+cannot make it (:func:`client.uplink.put_by_deadline`; the rate is this peer's own completed puts).
 It ends as one :class:`PutOutcome` (uploaded; skipped or failed with a reason; whether the store
 refused the write; how long it took, in how many attempts, how long the link was down), logged as
 one line per window. One that was not uploaded gives its Δ̂ back to e (e ← e′ + decode(Δ̂)); each is
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from client.lane import Lane
-from client.link import LinkRate, Sent, put_by_deadline
 from client.peer.context import PeerContext
 from client.state import Snapshot, detached
+from client.uplink import LinkRate, Sent, put_by_deadline
 from client.window import WindowStats
 from protocol import layout
 from protocol.codec import Encoded
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 UPLOAD_RETRIES = 3  # announcements and withdrawals (put_with_retry); contributions retry until their deadline
 
 PutOutcome = Sent
-"""How the put of a staged contribution ended (:class:`client.link.Sent`)."""
+"""How the put of a staged contribution ended (:class:`client.uplink.Sent`)."""
 
 
 class UploadsRefused(ReasonedError):
