@@ -31,7 +31,8 @@ Time: every HTTP request waits at most ``timeout_s`` for the network to move (a 
 block of a body sent, an answer), and an upload's body must be sent within ``timeout_s`` plus its
 size at ``floor_bytes_per_s``: a link that went down, or crawls below that rate, is noticed and
 the attempt retried, not waited on for ever. Under a :func:`~protocol.store.base.deadline` both
-are clipped to the time left, and no retry starts (nor backoff sleeps) past it.
+are clipped to the time left and a transient failure raises at once: the caller retries by its
+deadline (:func:`client.uplink.put_by_deadline`), and its count of attempts is the true one.
 
 Failures: a refusal raises :class:`~protocol.errors.AccessDenied` (or ``PayloadTooLarge``) with the
 reason the grant server gave; when no grant server answers, and on rate limits, the request is
@@ -278,12 +279,9 @@ class GrantedStore(ObjectStore):
             except _Retry as exc:
                 if attempt >= self.retries:
                     raise StoreUnavailable(f"{what}: {exc} (after {attempt + 1} attempts)") from None
+                if seconds_left() is not None:  # the caller retries by its deadline, counting its attempts
+                    raise StoreUnavailable(f"{what}: {exc}") from None
                 wait = max(exc.wait_s, self.backoff_s * 2**attempt)
-                left = seconds_left()
-                if left is not None and left <= wait:
-                    raise StoreUnavailable(
-                        f"{what}: {exc} (after {attempt + 1} attempts; its deadline is near)"
-                    ) from None
                 self.stats.retries += 1
                 self._sleep(wait)
                 attempt += 1
