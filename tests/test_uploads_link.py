@@ -315,6 +315,24 @@ def test_a_put_on_a_dead_link_ends_by_the_deadline(sink_factory: type[Sink]) -> 
     assert store.stats.retries == 0  # under a deadline the caller retries, and counts
 
 
+def test_retried_puts_reuse_their_grant_across_calls(sink_factory: type[Sink]) -> None:
+    """The grant server gives a contribution only a few grants a window: the peer's retries,
+    each a new put, must not spend them."""
+    sink = sink_factory(0)
+    body = b"x" * (16 << 20)
+    store = granted_to(sink.url, len(body), timeout_s=0.2)
+    asked: list[str] = []
+    grant = store._ask_once(None)  # type: ignore[arg-type]
+    store._ask_once = lambda request: asked.append(request.key) or grant  # type: ignore[method-assign]
+    for _ in range(3):
+        with deadline(time.time() + 0.5), pytest.raises(StoreUnavailable):
+            store.put(KEY, body, if_absent=True)
+    assert asked == [KEY]
+    with deadline(time.time() + 0.5), pytest.raises(StoreUnavailable):
+        store.put(KEY, body[:-1], if_absent=True)  # another size: another grant
+    assert asked == [KEY, KEY]
+
+
 def test_a_put_slower_than_the_floor_rate_is_cut_off(sink_factory: type[Sink]) -> None:
     sink = sink_factory(256 << 10)  # reads 2 Mbit/s: 16 MiB would take a minute
     body = b"x" * (16 << 20)

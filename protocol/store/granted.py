@@ -168,6 +168,7 @@ class GrantedStore(ObjectStore):
         self.stats = GrantStats()
         self._sleep = sleep
         self._cache: dict[tuple[str, str, str], Presigned] = {}
+        self._put_grants: dict[tuple[str, int, bool], Presigned] = {}  # (key, size, if_absent)
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -322,12 +323,24 @@ class GrantedStore(ObjectStore):
         check_key(key)
         body = bytes(data)
 
-        granted: list[Presigned] = []  # a retried upload reuses its grant while it is valid
+        # A retried upload, in this call or the caller's next, reuses its grant while it is valid:
+        # the grant server gives a contribution only a few grants a window.
+        cached = (key, len(body), if_absent)
 
         def once() -> None:
-            if not granted or granted[0].expires_at - _STALE_MARGIN_S <= time.time():
-                granted[:] = [self._ask_once(GrantRequest.put(self.run_hash, key, len(body), if_absent=if_absent))]
-            self._send(granted[0], key, body=body).close()
+            with self._lock:
+                grant = self._put_grants.get(cached)
+            if grant is None or grant.expires_at - _STALE_MARGIN_S <= time.time():
+                grant = self._ask_once(GrantRequest.put(self.run_hash, key, len(body), if_absent=if_absent))
+                with self._lock:
+                    self._put_grants = {k: g for k, g in self._put_grants.items() if g.expires_at > time.time()}
+                    self._put_grants[cached] = grant
+            try:
+                self._send(grant, key, body=body).close()
+            except AccessDenied:
+                with self._lock:
+                    self._put_grants.pop(cached, None)  # refused by the store: never used again
+                raise
 
         self._attempts(f"put {key!r}", once, regrant=False)
         self.stats.bytes_uploaded += len(body)
