@@ -155,11 +155,14 @@ def put_by_deadline(
     rate: LinkRate,
     backoff: Backoff | None = None,
     clock: Callable[[], float] = time.time,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], object] = time.sleep,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> Sent:
     """Create ``key`` holding ``data`` (:func:`put_once`), retried on transient failures until
     ``deadline_at()`` (Unix time, asked before every attempt: a window that opens meanwhile gets
-    its real deadline); see the module docstring. A completed put feeds ``rate``."""
+    its real deadline); see the module docstring. A completed put feeds ``rate``. Once
+    ``stopping()`` (the peer is leaving) no further attempt starts; ``sleep`` may return early
+    then (an event's ``wait``)."""
     backoff = backoff or Backoff()
     started = clock()
     attempts, down = 0, 0.0
@@ -169,6 +172,8 @@ def put_by_deadline(
         return Sent(outcome, reason, refused, attempts, clock() - started, down)
 
     while True:
+        if attempts and stopping():
+            return ended("failed", f"the peer is stopping (last: {last_error})")
         at = deadline_at()
         left = at - clock()
         if left <= 0:

@@ -151,6 +151,25 @@ def test_retries_stop_at_the_deadline_and_no_wait_runs_past_it() -> None:
     assert sent.seconds == pytest.approx(sent.down_s)
 
 
+def test_a_peer_that_stops_starts_no_further_attempt() -> None:
+    clock = Clock()
+    link = Link(clock, down_until=float("inf"))
+    stop = threading.Event()
+
+    def wait(seconds: float) -> bool:
+        stop.set()  # asked to stop during the first wait
+        clock.t += 0.01
+        return True
+
+    at = clock() + 600
+    sent = put_by_deadline(
+        link, KEY, b"c", deadline_at=lambda: at, rate=LinkRate(), clock=clock, sleep=wait, stopping=stop.is_set
+    )
+    assert (sent.outcome, sent.attempts, link.puts) == ("failed", 1, 1)
+    assert sent.reason is not None and sent.reason.startswith("the peer is stopping (last: unavailable")
+    assert clock.t < at - 500
+
+
 @pytest.mark.parametrize(
     "error",
     [AccessDenied("denied"), GrantNotGiven("the window closed", "window_closed"), PayloadTooLarge("too large")],

@@ -162,7 +162,16 @@ class Uploads:
             at = self.theta.deadline(staged.window)
             return bound if at is None else at
 
-        return put_by_deadline(self.ctx.store, key, staged.blob, deadline_at=deadline_at, rate=self.rate)
+        stop = self.ctx.stop  # a peer that leaves stops retrying (its wait between attempts ends at once)
+        return put_by_deadline(
+            self.ctx.store,
+            key,
+            staged.blob,
+            deadline_at=deadline_at,
+            rate=self.rate,
+            sleep=stop.wait,
+            stopping=stop.is_set,
+        )
 
     def resume(self, window: int, blob: bytes) -> None:
         """A contribution staged before a restart (e and the moments were restored with it):
