@@ -19,7 +19,8 @@ time::
   is ``uploaded`` (``"already present"``), with no second object.
 * **not late**: before each attempt, when the time left is shorter than the object at the
   measured uplink rate (:class:`LinkRate`, an EWMA of completed puts; none measured yet: try),
-  the put is ``skipped`` with the figures (``the link needs ~95 s for 23.4 MB, 40 s left``).
+  the put is ``skipped`` with the figures (``the link needs ~95 s for 23.4 MB, 40 s left``);
+  three skips in a row forget the rate, so that one slow moment does not skip every later window.
 * **bounded**: each attempt runs under the deadline (:func:`~protocol.store.base.deadline`), so a
   store that waits on the network clips its timeouts to the time left.
 
@@ -67,21 +68,30 @@ def required_bits_per_s(size: int, seconds: float) -> float:
 class LinkRate:
     """An exponentially weighted mean of the upload rate, bytes per second, of completed puts.
 
-    Puts smaller than ``min_bytes`` measure latency rather than the rate and are not counted.
+    Puts smaller than ``min_bytes`` measure latency rather than the rate and are not counted. A
+    rate is only measured by puts, and puts skipped for it measure nothing: after ``forget_after``
+    skips in a row it is forgotten, so that a link that got faster is tried (and measured) again.
     """
 
-    def __init__(self, *, weight: float = 0.3, min_bytes: int = 64 << 10) -> None:
-        self.weight, self.min_bytes = weight, min_bytes
+    def __init__(self, *, weight: float = 0.3, min_bytes: int = 64 << 10, forget_after: int = 3) -> None:
+        self.weight, self.min_bytes, self.forget_after = weight, min_bytes, forget_after
         self.bytes_per_s: float | None = None
+        self._skips = 0
 
     def observe(self, size: int, seconds: float) -> None:
         """A put of ``size`` bytes took ``seconds``."""
         if size < self.min_bytes or seconds <= 0:
             return
         rate = size / seconds
-        self.bytes_per_s = (
-            rate if self.bytes_per_s is None else (1 - self.weight) * self.bytes_per_s + self.weight * rate
-        )
+        old = self.bytes_per_s
+        self.bytes_per_s = rate if old is None else (1 - self.weight) * old + self.weight * rate
+        self._skips = 0
+
+    def skipped(self) -> None:
+        """A put was not started for this rate."""
+        self._skips += 1
+        if self._skips >= self.forget_after:
+            self.bytes_per_s, self._skips = None, 0
 
     def seconds_for(self, size: int) -> float | None:
         """How long ``size`` bytes take at the measured rate (``None``: nothing measured yet)."""
@@ -182,6 +192,7 @@ def put_by_deadline(
             return ended("failed", f"the upload deadline passed after {attempts} attempts (last: {last_error})")
         need = rate.seconds_for(len(data))
         if need is not None and need > left:
+            rate.skipped()
             return ended(
                 "skipped",
                 f"the link needs ~{need:.0f} s for {megabytes(len(data))} at {megabits(rate.bytes_per_s or 0)}, "

@@ -243,6 +243,17 @@ def test_the_rate_is_a_moving_mean_of_real_transfers() -> None:
     assert rate.bytes_per_s == pytest.approx(1_500_000)
 
 
+def test_a_rate_that_only_skips_is_forgotten_and_measured_again() -> None:
+    """A slow moment must not skip every later window: after 3 skips in a row the peer tries."""
+    clock = Clock()
+    link = Link(clock, bytes_per_s=1e6)
+    rate = LinkRate(forget_after=3)
+    rate.observe(1_000_000, 100.0)  # 80 kbit/s, once
+    outcomes = [send(link, clock, b"c" * 1_000_000, left_s=60, rate=rate).outcome for _ in range(4)]
+    assert outcomes == ["skipped", "skipped", "skipped", "uploaded"]
+    assert rate.bytes_per_s == pytest.approx(1e6)
+
+
 def test_store_deadlines_nest_to_the_earliest() -> None:
     assert seconds_left() is None
     now = time.time()
