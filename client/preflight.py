@@ -5,8 +5,8 @@
         print(check.name, check.status, check.detail)
     checks.report().ok                    # no check failed
 
-The checks, in order (each :class:`Check` is ``ok``, ``failed`` or ``skipped``, with a stable
-``reason`` and the figures it measured):
+The checks, in order (each :class:`Check` is ``ok``, ``warning`` (passed, but close), ``failed``
+or ``skipped``, with a stable ``reason`` and the figures it measured):
 
 ``memory``   the model's training footprint (:mod:`client.footprint`) against this device's free
              memory; suggests ``compute.micro_batch_size``
@@ -18,7 +18,13 @@ The checks, in order (each :class:`Check` is ``ok``, ``failed`` or ``skipped``, 
 ``grant``    (with ``store.grant_url``) the grant server serves this run and would grant this
              peer's contribution to the open window
 ``write``    this peer writes its probe key (``<run>/probe/<peer id>``, nobody reads it) and reads
-             it back: upload and download bandwidth to the store
+             it back: upload and download rates to the store, measured with a 1 MiB probe, then
+             a 4 MiB one unless the first says it would take over a quarter of ``probe_budget_s``
+``link``     the contribution (its size from ``compute``, else the codec's bound for the model)
+             at the measured uplink, and the aggregate at the downlink, against
+             ``windows.upload_deadline_s``: fails with the rate it needs when the contribution
+             cannot be uploaded in time, warns when upload and download take over half of it;
+             the checkpoint's download at join is reported
 ``window``   one window's time (download the aggregate, H inner steps, compress, upload) against
              ``windows.upload_deadline_s``
 
@@ -37,12 +43,14 @@ import torch
 
 from client.footprint import USABLE, available_memory, footprint, suggest_micro_batch
 from client.trainer import InnerTrainer, pseudo_gradient, snapshot
+from client.uplink import megabits, megabytes, required_bits_per_s
 from protocol import layout
+from protocol.caps import contribution_bound
 from protocol.config import RunSpec
 from protocol.errors import ObjectNotFound, ProtocolError, ReasonedError, StoreError, Uncertified
 from protocol.feedback import FeedbackState, compress_step
 from protocol.identity import Identity
-from protocol.model import build_model
+from protocol.model import build_model, param_schema
 from protocol.replay import Chain
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
@@ -54,7 +62,9 @@ __all__ = ["Check", "Preflight", "Report"]
 
 GiB = 1 << 30
 TIMED_STEPS = 2
-PROBE_MIN_BYTES = 256 << 10  # smaller probes measure latency, not bandwidth
+PROBE_SIZES = (1 << 20, 4 << 20)  # smaller probes measure latency, not bandwidth; larger cost a slow link
+PROBE_BUDGET_S = 20.0  # a larger probe is put only when the last one suggests it fits this
+MARGINAL = 0.5  # of the upload deadline: a link that needs more is warned about
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,10 @@ def _failed(name: str, reason: str, detail: str, **figures: Any) -> Check:
     return Check(name, "failed", reason, detail, figures)
 
 
+def _warning(name: str, reason: str, detail: str, **figures: Any) -> Check:
+    return Check(name, "warning", reason, detail, figures)
+
+
 def _skipped(name: str, reason: str, detail: str) -> Check:
     return Check(name, "skipped", reason, detail)
 
@@ -137,6 +151,8 @@ class Preflight:
         *,
         device: str,
         clock: Callable[[], float] = time.perf_counter,
+        probe_sizes: tuple[int, ...] = PROBE_SIZES,
+        probe_budget_s: float = PROBE_BUDGET_S,
     ) -> None:
         self.spec, self.local, self.identity, self.store, self.device = spec, local, identity, store, device
         self.chain = Chain(spec, store)  # the run's signed objects, read as a peer reads them
@@ -149,7 +165,9 @@ class Preflight:
         self._step_s: float | None = None
         self._compress_s = 0.0
         self._contribution_bytes: int | None = None
+        self.probe_sizes, self.probe_budget_s = probe_sizes, probe_budget_s
         self._aggregate_bytes = 0
+        self._checkpoint_bytes = 0
         self._up_bps: float | None = None
         self._down_bps: float | None = None
 
@@ -162,6 +180,7 @@ class Preflight:
             self._reads,
             self._grant,
             self._write,
+            self._link,
             self._window,
         ):
             check = step()
@@ -285,6 +304,7 @@ class Preflight:
                 return _failed("reads", "not_found", "the store lists no checkpoint of this run")
             newest = self._newest_manifest(windows)
             sizes = [self.store.size(f.key) for f in newest.files]
+            self._checkpoint_bytes = sum(sizes)
             try:
                 self._aggregate_bytes = self.store.size(layout.aggregate_key(self.run_id, newest.window))
             except ObjectNotFound:
@@ -348,26 +368,79 @@ class Preflight:
 
     def _write(self) -> Check:
         key = layout.probe_key(self.run_id, self.identity.peer_id)
-        size = min(PROBE_MAX_BYTES, max(PROBE_MIN_BYTES, self._contribution_bytes or 0))
-        payload = os.urandom(size)
-        try:
-            t0 = self.clock()
-            self.store.put(key, payload)
-            t1 = self.clock()
-            back = self.store.get(key, max_bytes=size)
-            t2 = self.clock()
-        except (ProtocolError, StoreError) as exc:
-            return _failed("write", _reason(exc), f"cannot write and read back {key}: {exc}")
-        if back != payload:
-            return _failed("write", "corrupted", f"{key} read back different bytes")
-        self._up_bps, self._down_bps = size / max(t1 - t0, 1e-6), size / max(t2 - t1, 1e-6)
+        size, up_s, down_s = 0, 0.0, 0.0
+        for n in self.probe_sizes:
+            if size and up_s * n / size > self.probe_budget_s / 4:
+                break  # the last probe measured the rate; a larger one would cost a slow link too much
+            payload = os.urandom(min(n, PROBE_MAX_BYTES))
+            try:
+                t0 = self.clock()
+                self.store.put(key, payload)
+                t1 = self.clock()
+                back = self.store.get(key, max_bytes=len(payload))
+                t2 = self.clock()
+            except (ProtocolError, StoreError) as exc:
+                return _failed("write", _reason(exc), f"cannot write and read back {key}: {exc}")
+            if back != payload:
+                return _failed("write", "corrupted", f"{key} read back different bytes")
+            size, up_s, down_s = len(payload), t1 - t0, t2 - t1
+        self._up_bps, self._down_bps = size / max(up_s, 1e-6), size / max(down_s, 1e-6)
         return _ok(
             "write",
-            f"wrote {key}: up {self._up_bps * 8 / 1e6:.1f} Mbit/s, down {self._down_bps * 8 / 1e6:.1f} Mbit/s",
+            f"wrote {key} ({megabytes(size)}): up {megabits(self._up_bps)}, down {megabits(self._down_bps)}",
             probe_bytes=size,
             up_bytes_per_s=round(self._up_bps),
             down_bytes_per_s=round(self._down_bps),
         )
+
+    def contribution_estimate(self) -> tuple[int, str]:
+        """(bytes of one signed contribution, where the figure comes from): the one ``compute``
+        encoded, else the codec's bound for the model (window 0's codec, the largest k)."""
+        if self._contribution_bytes is not None:
+            return self._contribution_bytes, "measured"
+        return contribution_bound(param_schema(self.spec.model), self.spec.codec_at(0)), "bound"
+
+    def _link(self) -> Check:
+        if not self._up_bps or not self._down_bps:
+            return _skipped("link", "not_measured", "the write check did not measure the link")
+        up, down, deadline = self._up_bps, self._down_bps, self.spec.windows.upload_deadline_s
+        size, source = self.contribution_estimate()
+        upload_s = size / up
+        aggregate_s = self._aggregate_bytes / down
+        checkpoint_s = self._checkpoint_bytes / down
+        needed = required_bits_per_s(size, deadline)
+        figures = {
+            "contribution_bytes": size,
+            "contribution_source": source,
+            "upload_s": round(upload_s, 2),
+            "aggregate_bytes": self._aggregate_bytes,
+            "aggregate_download_s": round(aggregate_s, 2),
+            "checkpoint_bytes": self._checkpoint_bytes,
+            "checkpoint_download_s": round(checkpoint_s, 2),
+            "upload_deadline_s": deadline,
+            "up_bits_per_s": round(8 * up),
+            "down_bits_per_s": round(8 * down),
+            "needed_up_bits_per_s": round(needed),
+        }
+        uplink = (
+            f"uplink {megabits(up)}: a {megabytes(size)} contribution needs {upload_s:.0f} s, "
+            f"the upload window is {deadline:.0f} s"
+        )
+        downlink = (
+            f"downlink {megabits(down)}: the aggregate ({megabytes(self._aggregate_bytes)}) takes {aggregate_s:.0f} s, "
+            f"the checkpoint at join ({megabytes(self._checkpoint_bytes)}) {checkpoint_s:.0f} s"
+        )
+        if upload_s > deadline:
+            return _failed("link", "uplink_too_slow", f"{uplink}; needs ≥ {needed / 1e6:.1f} Mbit/s", **figures)
+        if upload_s + aggregate_s > MARGINAL * deadline:
+            return _warning(
+                "link",
+                "marginal",
+                f"{uplink}, with the aggregate's download {upload_s + aggregate_s:.0f} s: over "
+                f"{MARGINAL:.0%} of it, a slower moment misses windows; {downlink}",
+                **figures,
+            )
+        return _ok("link", f"{uplink}; {downlink}", **figures)
 
     def _window(self) -> Check:
         if self._step_s is None or self._contribution_bytes is None:

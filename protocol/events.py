@@ -196,7 +196,9 @@ class PeerWindow(Event):
     inner_s: float = 0.0
     compress_s: float = 0.0
     upload_bytes: int = 0
-    upload_s: float = 0.0
+    upload_s: float = 0.0  # from the put's first attempt to its end, waits between attempts included
+    upload_attempts: int = 0  # puts tried (retried on transient failures until the upload deadline)
+    upload_down_s: float = 0.0  # of upload_s, in failed attempts and the waits after them
     feedback_norm: float | None = None
     trained_from: int | None = None  # the window θ opened when training started (window − 1: overlapped)
     stale_steps: int = 0  # inner steps trained before θ held the aggregate that opens the window

@@ -229,6 +229,7 @@ def test_preflight_passes_for_a_volunteer_who_holds_only_run_toml(operator: Oper
         "reads": "ok",
         "grant": "ok",
         "write": "ok",
+        "link": "ok",
         "window": "ok",
     }
     assert report["run_hash"] == operator.spec.hash()

@@ -107,6 +107,17 @@ class Theta:
             return True
         return time.time() < upload_deadline(self.pos.opened_at, self.spec.windows)
 
+    def deadline(self, window: int) -> float | None:
+        """Unix time by which a contribution for ``window`` must be uploaded: its upload deadline
+        once θ opens it, 0 once θ is past it (its aggregate is out), ``None`` while it has not
+        opened yet. Read from the upload lane too: ``pos`` is replaced whole, never changed."""
+        pos = self.pos
+        if window < pos.window:
+            return 0.0
+        if pos.opened_at is None or window != pos.window:
+            return None
+        return upload_deadline(pos.opened_at, self.spec.windows)
+
     def wait_for_next(
         self, should_stop: Callable[[], bool], on_waiting: Callable[[Signatures], None] | None = None
     ) -> None:

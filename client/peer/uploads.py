@@ -8,8 +8,11 @@ refused, and when the inner optimizer's moments were last written::
     uploads.reap()              # between inner steps: the last put, once done, reported
     uploads.flush()             # the lane drained and its last put reported
 
-A put ends as one :class:`PutOutcome` (uploaded, or failed with a reason; whether the store refused
-the write; how long it took). A failed one gives its Δ̂ back to e (e ← e′ + decode(Δ̂)); each is
+A put is retried until the window's upload deadline and not started when the measured uplink
+cannot make it (:func:`client.uplink.put_by_deadline`; the rate is this peer's own completed puts).
+It ends as one :class:`PutOutcome` (uploaded; skipped or failed with a reason; whether the store
+refused the write; how long it took, in how many attempts, how long the link was down), logged as
+one line per window. One that was not uploaded gives its Δ̂ back to e (e ← e′ + decode(Δ̂)); each is
 reported as a :class:`~protocol.events.PeerWindow` event, and ``peer.max_upload_failures``
 refusals in a row stop the peer (:class:`UploadsRefused`). e changes only on the main thread, after
 the lane has drained (:mod:`client.peer`).
@@ -17,7 +20,7 @@ the lane has drained (:mod:`client.peer`).
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from client.lane import Lane
 from client.peer.context import PeerContext
 from client.state import Snapshot, detached
+from client.uplink import LinkRate, Sent, put_by_deadline
 from client.window import WindowStats
 from protocol import layout
 from protocol.codec import Encoded
@@ -41,7 +45,12 @@ if TYPE_CHECKING:
 
 __all__ = ["UPLOAD_RETRIES", "PutOutcome", "Staged", "Uploads", "UploadsRefused", "put_with_retry"]
 
-UPLOAD_RETRIES = 3
+log = logging.getLogger(__name__)
+
+UPLOAD_RETRIES = 3  # announcements and withdrawals (put_with_retry); contributions retry until their deadline
+
+PutOutcome = Sent
+"""How the put of a staged contribution ended (:class:`client.uplink.Sent`)."""
 
 
 class UploadsRefused(ReasonedError):
@@ -66,25 +75,6 @@ class Staged:
     stats: WindowStats
     optimizer_after: Mapping[str, Any]
     trained_from: int
-
-
-@dataclass(frozen=True)
-class PutOutcome:
-    """How the put of a staged contribution ended.
-
-    ``outcome``: ``"uploaded"`` or ``"failed"``; ``reason``: why it failed, or ``"already present"``
-    for bytes an earlier attempt had put; ``refused``: the store refused the write (it counts
-    towards ``peer.max_upload_failures``); ``seconds``: how long the put took.
-    """
-
-    outcome: str
-    reason: str | None = None
-    refused: bool = False
-    seconds: float = 0.0
-
-    @property
-    def uploaded(self) -> bool:
-        return self.outcome == "uploaded"
 
 
 @dataclass(frozen=True)
@@ -127,6 +117,7 @@ class Uploads:
         self._moments_step = -1  # the trainer's step then (moments newer than that are unsaved)
         self._downloaded = 0  # store bytes read when the last window was reported
         self._wire = (0, 0)  # the store's socket bytes (sent, received) when the last window was reported
+        self.rate = LinkRate()  # the uplink, measured by this peer's puts (used on the lane only)
 
     def restore(self, snap: Snapshot) -> None:
         """A restart: e, the inner optimizer and the moments' window as the state directory holds them."""
@@ -142,9 +133,7 @@ class Uploads:
 
         def put() -> PutOutcome:
             saved.result()  # write-ahead: a commit that failed means the bytes are never put
-            t0 = time.perf_counter()
-            outcome = self.put_contribution(staged)
-            return dataclasses.replace(outcome, seconds=time.perf_counter() - t0)
+            return self.put_contribution(staged)
 
         self._upload = _Upload(staged, self.lane.submit(put))
         self.ctx.display.update(phase="uploading")
@@ -163,16 +152,27 @@ class Uploads:
         return saved
 
     def put_contribution(self, staged: Staged) -> PutOutcome:
-        """Put the staged bytes (safe on the lane: touches no state); ``seconds`` is left to the caller."""
+        """Put the staged bytes until the window's upload deadline (safe on the lane: it touches
+        only the link's rate). Our own earlier attempt (a restart, a retried put whose answer was
+        lost) counts when its bytes are identical."""
         key = layout.contrib_key(self.ctx.run_id, staged.window, self.ctx.identity.peer_id)
-        try:
-            # Our own earlier attempt (a restart, a retried put that did land) counts when identical.
-            created = put_with_retry(self.ctx.store, key, staged.blob, once=True)
-        except ObjectExists:
-            return PutOutcome("failed", "a different contribution exists")
-        except StoreError as exc:
-            return PutOutcome("failed", f"{exc.reason}: {exc}", refused=True)
-        return PutOutcome("uploaded", None if created else "already present")
+        # Until the window opens its deadline is unknown; it is at least the deadline's length away.
+        bound = time.time() + self.ctx.spec.windows.upload_deadline_s
+
+        def deadline_at() -> float:
+            at = self.theta.deadline(staged.window)
+            return bound if at is None else at
+
+        stop = self.ctx.stop  # a peer that leaves stops retrying (its wait between attempts ends at once)
+        return put_by_deadline(
+            self.ctx.store,
+            key,
+            staged.blob,
+            deadline_at=deadline_at,
+            rate=self.rate,
+            sleep=stop.wait,
+            stopping=stop.is_set,
+        )
 
     def resume(self, window: int, blob: bytes) -> None:
         """A contribution staged before a restart (e and the moments were restored with it):
@@ -228,6 +228,8 @@ class Uploads:
             self._refused += 1  # AccessDenied, or a store that keeps failing our writes
         if not put.uploaded:
             self._give_back(staged)
+        summary = put.summary(f"upload of window {staged.window}")
+        log.log(logging.INFO if put.uploaded and put.attempts <= 1 else logging.WARNING, "%s", summary)
         read = self.ctx.store.bytes_read
         wire = (self.ctx.store.wire_sent, self.ctx.store.wire_received)
         wire_up, wire_down = wire[0] - self._wire[0], wire[1] - self._wire[1]
@@ -254,6 +256,8 @@ class Uploads:
             compress_s=round(st.compress_s, 3),
             upload_bytes=len(staged.blob),
             upload_s=round(put.seconds, 3),
+            upload_attempts=put.attempts,
+            upload_down_s=round(put.down_s, 3),
             feedback_norm=round(self.feedback.norm(), 6),
             trained_from=staged.trained_from,
             stale_steps=st.stale_steps,

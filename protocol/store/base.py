@@ -13,14 +13,24 @@ backend allows it. ``get_range`` reads a byte range of an object (at most
     keys = store.list("run/contrib/3/")
     keys = store.list_written_by("run/contrib/3/", announced)   # the DHT decodes only their entries
     put_once(store, "run/aggregate/3", blob)        # create; the same bytes already there are fine
+    with deadline(time.time() + 40):               # this thread's store calls end by then
+        put_once(store, "run/contrib/3/abc", blob)
+
+A :func:`deadline` bounds a caller's store calls on its thread (a context variable): a backend
+that retries or waits on the network (the granted store) stops retrying and clips its timeouts
+to the time left (:func:`seconds_left`), so a window's upload deadline holds however the link
+behaves. Backends without network waits ignore it.
 """
 
 from __future__ import annotations
 
 import builtins  # list() shadows the builtin in ObjectStore
 import re
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 from protocol.errors import (
@@ -45,6 +55,8 @@ _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 # How often the default get_range looks again at an object replaced by a larger one mid-read.
 _RANGE_READ_ATTEMPTS = 3
+
+_DEADLINE: ContextVar[float | None] = ContextVar("store_deadline", default=None)
 
 #: Longest key in UTF-8 bytes (S3's own limit).
 MAX_KEY_BYTES = 1024
@@ -237,3 +249,21 @@ def put_once(store: ObjectStore, key: str, data: bytes) -> bool:
             raise
         return False
     return True
+
+
+@contextmanager
+def deadline(at: float | None) -> Iterator[None]:
+    """Store calls made in this block, on this thread, should end by ``at`` (Unix time; ``None``:
+    no bound). An enclosing earlier deadline still holds."""
+    outer = _DEADLINE.get()
+    token = _DEADLINE.set(at if outer is None else outer if at is None else min(at, outer))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def seconds_left() -> float | None:
+    """Seconds until this thread's :func:`deadline` (negative once past), or ``None`` without one."""
+    at = _DEADLINE.get()
+    return None if at is None else at - time.time()

@@ -27,6 +27,13 @@ request goes to the one in use; when it is unreachable (connection refused, a ti
 counts the switches). A refusal (4xx) or a rate limit is that server's answer and is not asked again
 elsewhere.
 
+Time: every HTTP request waits at most ``timeout_s`` for the network to move (a connection, each
+block of a body sent, an answer), and an upload's body must be sent within ``timeout_s`` plus its
+size at ``floor_bytes_per_s``: a link that went down, or crawls below that rate, is noticed and
+the attempt retried, not waited on for ever. Under a :func:`~protocol.store.base.deadline` both
+are clipped to the time left and a transient failure raises at once: the caller retries by its
+deadline (:func:`client.uplink.put_by_deadline`), and its count of attempts is the true one.
+
 Failures: a refusal raises :class:`~protocol.errors.AccessDenied` (or ``PayloadTooLarge``) with the
 reason the grant server gave; when no grant server answers, and on rate limits, the request is
 retried (``retries`` times, exponential backoff from ``backoff_s``, at least what ``Retry-After``
@@ -70,6 +77,7 @@ from protocol.store.base import (
     check_prefix,
     check_range,
     check_range_answer,
+    seconds_left,
 )
 from protocol.store.grants import (
     GRANT_PATH,
@@ -93,6 +101,8 @@ CHUNK = 1 << 20
 MAX_LISTING_PAGE_BYTES = 8 << 20  # 1000 keys of 1 KiB and their XML
 _STALE_MARGIN_S = 10.0  # a cached grant this close to expiry is asked for again
 _ASK_STRIPES = 16  # locks that readers asking for the same grant wait on (by hash of op, key, token)
+FLOOR_BYTES_PER_S = 32 << 10  # 256 kbit/s: an upload slower than this is taken for a dead link
+_MIN_WAIT_S = 0.05  # shortest network wait left under a deadline (a zero timeout means non-blocking)
 Page = tuple[list[str], str]  # one listing page: keys, and the continuation token ("" on the last)
 
 
@@ -152,6 +162,7 @@ class GrantedStore(ObjectStore):
         timeout_s: float = 30.0,
         retries: int = 3,
         backoff_s: float = 0.5,
+        floor_bytes_per_s: float = FLOOR_BYTES_PER_S,
         sleep: Callable[[float], None] = time.sleep,
         wire: WireCounter | None = None,
     ) -> None:
@@ -160,12 +171,14 @@ class GrantedStore(ObjectStore):
         self.identity, self.run_hash = identity, run_hash
         self.reads = reads
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.floor_bytes_per_s = floor_bytes_per_s
         self.stats = GrantStats()
         # Every byte of the grant server's and the store's requests, and of the direct reads' too.
         self.wire = wire or (reads.wire if reads is not None else None) or WireCounter()
         self._opener = counting_opener(self.wire)
         self._sleep = sleep
         self._cache: dict[tuple[str, str, str], Presigned] = {}
+        self._put_grants: dict[tuple[str, int, bool], Presigned] = {}  # (key, size, if_absent)
         self._lock = threading.Lock()
         # Concurrent reads of one key (the ranges of a large object) wait for one grant, not one each.
         self._asking = [threading.Lock() for _ in range(_ASK_STRIPES)]
@@ -290,8 +303,11 @@ class GrantedStore(ObjectStore):
             except _Retry as exc:
                 if attempt >= self.retries:
                     raise StoreUnavailable(f"{what}: {exc} (after {attempt + 1} attempts)") from None
+                if seconds_left() is not None:  # the caller retries by its deadline, counting its attempts
+                    raise StoreUnavailable(f"{what}: {exc}") from None
+                wait = max(exc.wait_s, self.backoff_s * 2**attempt)
                 self.stats.retries += 1
-                self._sleep(max(exc.wait_s, self.backoff_s * 2**attempt))
+                self._sleep(wait)
                 attempt += 1
 
     # ------------------------------------------------------------------ HTTP to the store
@@ -301,12 +317,16 @@ class GrantedStore(ObjectStore):
         """Send one presigned request (with the unsigned headers ``extra`` as well); an open
         response on 2xx, named errors otherwise."""
         headers = {**(extra or {}), **grant.headers}
+        timeout = self._wait_s(self.timeout_s)
+        data: _Budgeted | None = None
         if body is not None:
             # urllib would label a body as a form (x-www-form-urlencoded), which some servers parse.
             headers.setdefault("Content-Type", "application/octet-stream")
-        request = urllib.request.Request(grant.url, data=body, method=grant.method, headers=headers)
+            headers.setdefault("Content-Length", str(len(body)))  # a file-like body is sent chunked otherwise
+            data = _Budgeted(body, self._wait_s(self.timeout_s + len(body) / self.floor_bytes_per_s), key)
+        request = urllib.request.Request(grant.url, data=data, method=grant.method, headers=headers)
         try:
-            resp: http.client.HTTPResponse = self._opener.open(request, timeout=self.timeout_s)
+            resp: http.client.HTTPResponse = self._opener.open(request, timeout=timeout)
         except urllib.error.HTTPError as exc:
             status, text = exc.code, exc.read(1 << 16).decode("utf-8", "replace")
             exc.close()
@@ -315,17 +335,35 @@ class GrantedStore(ObjectStore):
             raise _Retry(f"{key!r}: the store did not answer: {exc}") from None
         return resp
 
+    def _wait_s(self, seconds: float) -> float:
+        """``seconds``, clipped to what is left of this thread's deadline (never zero: a zero
+        socket timeout would not wait at all)."""
+        left = seconds_left()
+        return seconds if left is None else max(_MIN_WAIT_S, min(seconds, left))
+
     # ------------------------------------------------------------------ ObjectStore
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         check_key(key)
         body = bytes(data)
 
-        granted: list[Presigned] = []  # a retried upload reuses its grant while it is valid
+        # A retried upload, in this call or the caller's next, reuses its grant while it is valid:
+        # the grant server gives a contribution only a few grants a window.
+        cached = (key, len(body), if_absent)
 
         def once() -> None:
-            if not granted or granted[0].expires_at - _STALE_MARGIN_S <= time.time():
-                granted[:] = [self._ask_once(GrantRequest.put(self.run_hash, key, len(body), if_absent=if_absent))]
-            self._send(granted[0], key, body=body).close()
+            with self._lock:
+                grant = self._put_grants.get(cached)
+            if grant is None or grant.expires_at - _STALE_MARGIN_S <= time.time():
+                grant = self._ask_once(GrantRequest.put(self.run_hash, key, len(body), if_absent=if_absent))
+                with self._lock:
+                    self._put_grants = {k: g for k, g in self._put_grants.items() if g.expires_at > time.time()}
+                    self._put_grants[cached] = grant
+            try:
+                self._send(grant, key, body=body).close()
+            except AccessDenied:
+                with self._lock:
+                    self._put_grants.pop(cached, None)  # refused by the store: never used again
+                raise
 
         self._attempts(f"put {key!r}", once, regrant=False)
         self.stats.bytes_uploaded += len(body)
@@ -428,6 +466,30 @@ class GrantedStore(ObjectStore):
         if len(body) > MAX_LISTING_PAGE_BYTES:
             raise StoreError(f"list {prefix!r}: a listing page over {MAX_LISTING_PAGE_BYTES} bytes")
         return parse_listing(body, grant.key_prefix)
+
+
+class _Budgeted:
+    """An upload body that must be sent within ``budget_s`` of its first read: read in blocks by
+    ``http.client``, it raises :class:`TimeoutError` (an ``OSError``, so the attempt is retried)
+    once the time is up, however slowly each block still moves."""
+
+    def __init__(self, body: bytes, budget_s: float, key: str) -> None:
+        self._body, self._budget_s, self._key = memoryview(body), budget_s, key
+        self._at = 0
+        self._until: float | None = None
+
+    def read(self, n: int = -1) -> bytes:
+        now = time.monotonic()
+        if self._until is None:
+            self._until = now + self._budget_s
+        elif now > self._until and self._at < len(self._body):
+            raise TimeoutError(
+                f"{self._key!r}: {self._at:,} of {len(self._body):,} bytes sent in {self._budget_s:.1f} s: the link is too slow or down"
+            )
+        end = len(self._body) if n < 0 else min(len(self._body), self._at + n)
+        block = bytes(self._body[self._at : end])
+        self._at = end
+        return block
 
 
 def grant_urls(setting: str | Sequence[str]) -> tuple[str, ...]:

@@ -1,0 +1,520 @@
+"""Uploads over a slow link that drops: retried until the window's deadline, never sent twice,
+not started when the measured uplink cannot make it, and an HTTP put that notices a dead link.
+
+Most tests run :func:`client.uplink.put_by_deadline` on a fake clock: the store below advances it by
+the time a transfer takes, so a link down for 30 s or a 2 Mbit/s uplink costs the test nothing.
+The granted store's timeouts are tested over real sockets (a server that never reads, one that
+reads slowly); the peer's handling of a skipped or retried put with a real peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from client.peer import Staged
+from client.uplink import Backoff, LinkRate, put_by_deadline, transient
+from protocol import layout
+from protocol.errors import (
+    AccessDenied,
+    ObjectExists,
+    PayloadTooLarge,
+    StoreError,
+    StoreUnavailable,
+)
+from protocol.events import PeerWindow
+from protocol.store import open_store
+from protocol.store.base import ObjectStore, deadline, seconds_left
+from protocol.store.granted import GrantedStore, GrantNotGiven
+from protocol.store.memory import MemoryStore
+from protocol.store.presign import Presigned
+from tests.test_peer_state import FlakyStore, MiniValidator, assert_window_kept, copy_of, make_peer, tiny_spec
+
+KEY = "run/contrib/00000007/peer"
+
+
+class Clock:
+    """A fake Unix clock; ``sleep`` advances it and records the wait."""
+
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.slept.append(seconds)
+        self.t += seconds
+
+
+class Link(ObjectStore):
+    """A store behind a link of ``bytes_per_s`` that is down until ``down_until`` (fake time): a put
+    then costs ``timeout_s`` and raises ``StoreUnavailable``. ``lose_answers``: that many puts land
+    but their answer is lost (they raise after storing)."""
+
+    def __init__(self, clock: Clock, *, bytes_per_s: float = 1e6, down_until: float = 0.0, timeout_s: float = 5.0):
+        self.inner = MemoryStore(f"link-{time.time_ns()}")
+        self.clock, self.bytes_per_s, self.down_until, self.timeout_s = clock, bytes_per_s, down_until, timeout_s
+        self.lose_answers = 0
+        self.puts = 0
+        self.late: list[float] = []  # how far past the caller's deadline each put began
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        self.puts += 1
+        left = seconds_left()
+        assert left is not None, "a put by deadline runs under a store deadline"
+        if self.clock.t < self.down_until:
+            self.clock.t += min(self.timeout_s, max(left, 0.05))  # the store clips its wait to the deadline
+            raise StoreUnavailable(f"{key!r}: connection timed out")
+        self.clock.t += len(data) / self.bytes_per_s
+        self.inner.put(key, data, if_absent=if_absent)
+        if self.lose_answers:
+            self.lose_answers -= 1
+            raise StoreError(f"{key!r}: connection reset by peer")  # it landed; the answer did not
+
+    def get(self, key: str, *, max_bytes: int = 1 << 26) -> bytes:
+        return self.inner.get(key, max_bytes=max_bytes)
+
+    def list(self, prefix: str) -> list[str]:
+        return self.inner.list(prefix)
+
+    def size(self, key: str) -> int:
+        return self.inner.size(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+
+def send(link: Link, clock: Clock, data: bytes, *, left_s: float, rate: LinkRate | None = None):
+    at = clock() + left_s
+    return put_by_deadline(
+        link,
+        KEY,
+        data,
+        deadline_at=lambda: at,
+        rate=rate or LinkRate(),
+        backoff=Backoff(rng=random.Random(7)),
+        clock=clock,
+        sleep=clock.sleep,
+    )
+
+
+# ---------------------------------------------------------------------- retried until the deadline
+def test_a_link_down_for_30_s_is_retried_until_it_is_back() -> None:
+    clock = Clock()
+    link = Link(clock, down_until=clock.t + 30)
+    blob = b"c" * 300_000
+    sent = send(link, clock, blob, left_s=600)
+    assert sent.outcome == "uploaded" and sent.reason is None
+    assert link.get(KEY) == blob
+    assert sent.attempts == link.puts >= 3
+    assert 30 <= sent.down_s <= sent.seconds <= 30 + 15 * 1.25 + 5 + 1
+    # exponential backoff with jitter: 1, 2, 4, 8 s ± 25 %, never above the 15 s cap
+    for n, wait in enumerate(clock.slept):
+        assert 0.75 * min(15, 2**n) <= wait <= 1.25 * min(15, 2**n)
+    line = sent.summary("upload of window 7")
+    assert line.startswith(f"upload of window 7 took {sent.attempts} attempts, ") and re.search(
+        r"; link was down \d+ s$", line
+    )
+
+
+def test_backoff_is_capped_and_jittered() -> None:
+    waits = [Backoff(rng=random.Random(1)).next() for _ in range(3)]
+    assert len(set(waits)) == 1  # the same seed, the same first wait
+    backoff = Backoff(first_s=1.0, cap_s=15.0, jitter=0.25, rng=random.Random(3))
+    seq = [backoff.next() for _ in range(10)]
+    assert all(11.25 <= w <= 18.75 for w in seq[4:])  # capped at 15 s (± jitter)
+    assert len({round(w, 6) for w in seq[4:]}) > 1  # and not in step
+
+
+def test_retries_stop_at_the_deadline_and_no_wait_runs_past_it() -> None:
+    clock = Clock()
+    link = Link(clock, down_until=float("inf"))
+    started = clock.t
+    sent = send(link, clock, b"c" * 1000, left_s=60)
+    assert sent.outcome == "failed" and not sent.refused
+    assert sent.reason is not None and sent.reason.startswith(
+        f"the upload deadline passed after {sent.attempts} attempts"
+    )
+    assert "connection timed out" in sent.reason
+    assert clock.t <= started + 60 + 0.05  # every wait and every attempt clipped to the deadline
+    assert sent.seconds == pytest.approx(sent.down_s)
+
+
+def test_a_peer_that_stops_starts_no_further_attempt() -> None:
+    clock = Clock()
+    link = Link(clock, down_until=float("inf"))
+    stop = threading.Event()
+
+    def wait(seconds: float) -> bool:
+        stop.set()  # asked to stop during the first wait
+        clock.t += 0.01
+        return True
+
+    at = clock() + 600
+    sent = put_by_deadline(
+        link, KEY, b"c", deadline_at=lambda: at, rate=LinkRate(), clock=clock, sleep=wait, stopping=stop.is_set
+    )
+    assert (sent.outcome, sent.attempts, link.puts) == ("failed", 1, 1)
+    assert sent.reason is not None and sent.reason.startswith("the peer is stopping (last: unavailable")
+    assert clock.t < at - 500
+
+
+@pytest.mark.parametrize(
+    "error",
+    [AccessDenied("denied"), GrantNotGiven("the window closed", "window_closed"), PayloadTooLarge("too large")],
+)
+def test_a_refusal_is_not_retried(error: StoreError) -> None:
+    clock = Clock()
+
+    class Refusing(Link):
+        def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+            self.puts += 1
+            raise error
+
+    refusing = Refusing(clock)
+    sent = send(refusing, clock, b"c" * 100, left_s=600)
+    assert sent.outcome == "failed" and sent.refused and sent.attempts == refusing.puts == 1
+    assert not clock.slept and not transient(error)
+
+
+def test_transient_errors_are_the_unanswered_ones() -> None:
+    assert transient(StoreUnavailable("grant server down")) and transient(StoreError("reset"))
+    assert not any(transient(e) for e in (AccessDenied("x"), ObjectExists("x"), PayloadTooLarge("x")))
+
+
+# ---------------------------------------------------------------------- never twice
+def test_a_put_that_landed_but_lost_its_answer_is_not_sent_twice() -> None:
+    clock = Clock()
+    link = Link(clock)
+    link.lose_answers = 1  # the store commits, then the connection drops before the answer
+    blob = b"ours" * 50_000
+    sent = send(link, clock, blob, left_s=600)
+    assert (sent.outcome, sent.reason, sent.attempts) == ("uploaded", "already present", 2)
+    assert link.list("run/contrib/") == [KEY] and link.get(KEY) == blob
+
+
+def test_a_different_object_under_our_key_is_not_overwritten() -> None:
+    clock = Clock()
+    link = Link(clock)
+    link.inner.put(KEY, b"someone else's bytes")
+    sent = send(link, clock, b"ours", left_s=600)
+    assert (sent.outcome, sent.reason, sent.refused) == ("failed", "a different contribution exists", False)
+    assert link.get(KEY) == b"someone else's bytes"
+
+
+# ---------------------------------------------------------------------- late is not sent
+def test_a_link_that_cannot_make_the_deadline_skips_with_the_figures() -> None:
+    clock = Clock()
+    link = Link(clock)
+    rate = LinkRate()
+    rate.observe(2_500_000, 10.0)  # 2 Mbit/s measured on an earlier put
+    sent = send(link, clock, b"c" * 23_400_000, left_s=40, rate=rate)
+    assert sent.outcome == "skipped" and sent.attempts == link.puts == 0
+    assert sent.reason == "the link needs ~94 s for 23.4 MB at 2.0 Mbit/s, 40 s left"
+    assert link.list("run/") == []
+
+
+def test_an_unmeasured_link_tries_and_a_completed_put_measures_it() -> None:
+    clock = Clock()
+    link = Link(clock, bytes_per_s=250_000)
+    rate = LinkRate()
+    sent = send(link, clock, b"c" * 2_500_000, left_s=5, rate=rate)  # would need 10 s: unknown, so tried
+    assert sent.outcome == "uploaded" and rate.bytes_per_s == pytest.approx(250_000)
+    assert rate.seconds_for(23_400_000) == pytest.approx(93.6)
+
+
+def test_the_rate_is_a_moving_mean_of_real_transfers() -> None:
+    rate = LinkRate(weight=0.5)
+    rate.observe(1000, 0.001)  # too small to measure bandwidth
+    assert rate.bytes_per_s is None and rate.seconds_for(10) is None
+    rate.observe(1_000_000, 1.0)
+    rate.observe(1_000_000, 0.5)
+    assert rate.bytes_per_s == pytest.approx(1_500_000)
+
+
+def test_a_rate_that_only_skips_is_forgotten_and_measured_again() -> None:
+    """A slow moment must not skip every later window: after 3 skips in a row the peer tries."""
+    clock = Clock()
+    link = Link(clock, bytes_per_s=1e6)
+    rate = LinkRate(forget_after=3)
+    rate.observe(1_000_000, 100.0)  # 80 kbit/s, once
+    outcomes = [send(link, clock, b"c" * 1_000_000, left_s=60, rate=rate).outcome for _ in range(4)]
+    assert outcomes == ["skipped", "skipped", "skipped", "uploaded"]
+    assert rate.bytes_per_s == pytest.approx(1e6)
+
+
+def test_store_deadlines_nest_to_the_earliest() -> None:
+    assert seconds_left() is None
+    now = time.time()
+    with deadline(now + 100):
+        with deadline(now + 10):
+            assert 9 < (seconds_left() or 0) <= 10
+        with deadline(now + 1000):
+            assert 99 < (seconds_left() or 0) <= 100
+        with deadline(None):
+            assert 99 < (seconds_left() or 0) <= 100
+    assert seconds_left() is None
+
+
+# ---------------------------------------------------------------------- the granted store's HTTP put
+class Sink:
+    """A TCP server that accepts a connection and reads ``bytes_per_s`` of it (0: never reads, a
+    socket stuck on a link that is down). Its receive buffer is small, so the sender feels it."""
+
+    def __init__(self, bytes_per_s: int) -> None:
+        self.bytes_per_s = bytes_per_s
+        self.server = socket.socket()
+        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(4)
+        self.stop = threading.Event()
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.getsockname()[1]}/bucket/key"
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
+
+    def _drain(self, conn: socket.socket) -> None:
+        block = max(1, self.bytes_per_s // 20)
+        while self.bytes_per_s and not self.stop.wait(0.05):
+            try:
+                if not conn.recv(block):
+                    return
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        for conn in self.conns:
+            conn.close()
+        self.server.close()
+
+
+@pytest.fixture
+def sink_factory() -> Iterator[type[Sink]]:
+    made: list[Sink] = []
+
+    class Made(Sink):
+        def __init__(self, bytes_per_s: int) -> None:
+            super().__init__(bytes_per_s)
+            made.append(self)
+
+    yield Made
+    for sink in made:
+        sink.close()
+
+
+def granted_to(url: str, size: int, **options: float) -> GrantedStore:
+    from protocol.identity import Identity
+
+    store = GrantedStore("http://127.0.0.1:9", Identity.from_seed(bytes(32)), "0" * 64, **options)  # type: ignore[arg-type]
+    grant = Presigned("PUT", url, time.time() + 600, {"Content-Length": str(size)})
+    store._ask_once = lambda request: grant  # type: ignore[method-assign]  # the grant server is not under test
+    return store
+
+
+def test_a_put_on_a_dead_link_ends_by_the_deadline(sink_factory: type[Sink]) -> None:
+    sink = sink_factory(0)
+    body = b"x" * (16 << 20)  # more than the socket buffers hold
+    store = granted_to(sink.url, len(body), timeout_s=30.0, retries=3, backoff_s=0.1)
+    t0 = time.monotonic()
+    with deadline(time.time() + 1.5), pytest.raises(StoreUnavailable, match="did not answer"):
+        store.put(KEY, body, if_absent=True)
+    assert time.monotonic() - t0 < 4.0  # not the 30 s socket timeout, nor its retries
+    assert store.stats.retries == 0  # under a deadline the caller retries, and counts
+
+
+def test_retried_puts_reuse_their_grant_across_calls(sink_factory: type[Sink]) -> None:
+    """The grant server gives a contribution only a few grants a window: the peer's retries,
+    each a new put, must not spend them."""
+    sink = sink_factory(0)
+    body = b"x" * (16 << 20)
+    store = granted_to(sink.url, len(body), timeout_s=0.2)
+    asked: list[str] = []
+    grant = store._ask_once(None)  # type: ignore[arg-type]
+    store._ask_once = lambda request: asked.append(request.key) or grant  # type: ignore[method-assign]
+    for _ in range(3):
+        with deadline(time.time() + 0.5), pytest.raises(StoreUnavailable):
+            store.put(KEY, body, if_absent=True)
+    assert asked == [KEY]
+    with deadline(time.time() + 0.5), pytest.raises(StoreUnavailable):
+        store.put(KEY, body[:-1], if_absent=True)  # another size: another grant
+    assert asked == [KEY, KEY]
+
+
+def test_a_put_slower_than_the_floor_rate_is_cut_off(sink_factory: type[Sink]) -> None:
+    sink = sink_factory(256 << 10)  # reads 2 Mbit/s: 16 MiB would take a minute
+    body = b"x" * (16 << 20)
+    store = granted_to(sink.url, len(body), timeout_s=0.5, retries=0, floor_bytes_per_s=8 << 20)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="too slow or down"):
+        store.put(KEY, body, if_absent=True)
+    assert time.monotonic() - t0 < 0.5 + 2.0 + 2.0  # its budget: 0.5 s + 16 MiB at 8 MiB/s
+
+
+# ---------------------------------------------------------------------- the peer
+@pytest.fixture
+def one_peer(tmp_path: Path):
+    from protocol.identity import Identity
+
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident).replace(outer={"delay": 0})
+    store = open_store(f"memory://uploads-link-{time.time_ns()}")
+    return spec, store, MiniValidator(spec, store, vident), tmp_path
+
+
+def test_a_peer_whose_link_is_too_slow_skips_and_keeps_its_contribution_in_e(one_peer, caplog) -> None:
+    spec, store, val, root = one_peer
+    peer, rec = make_peer(spec, store, root, "dsl")
+    peer.join()
+    e_0 = copy_of(peer.feedback)
+    peer.uploads.rate.observe(1 << 20, 1 << 20)  # measured: 1 byte a second
+    staged = peer.train(0)
+    assert isinstance(staged, Staged)
+    with caplog.at_level(logging.INFO, logger="client.peer.uploads"):
+        peer.upload(staged)
+        peer.flush()
+    report = rec.of(PeerWindow)[-1]
+    assert report.outcome == "skipped" and report.upload_attempts == 0
+    assert report.reason is not None and report.reason.startswith("the link needs ~")
+    assert_window_kept(peer, e_0, peer)  # Δ̂ went back to e: nothing is lost
+    assert peer.pending is None and not store.list(layout.contrib_prefix(val.run, 0))
+    assert [r.getMessage() for r in caplog.records if "upload of window 0" in r.getMessage()] == [
+        f"upload of window 0 took 0 attempts, 0 s: skipped ({report.reason})"
+    ]
+
+
+class LosesOneAnswer(FlakyStore):
+    """Contribution puts land, but the first one's answer is lost (the connection dropped)."""
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        self.inner.put(key, data, if_absent=if_absent)
+        if self.bad in key and not self.refused:
+            self.refused += 1
+            raise StoreError(f"{key!r}: connection reset by peer")
+
+
+def test_a_peer_whose_put_lost_its_answer_reports_one_upload(one_peer, caplog) -> None:
+    spec, store, val, root = one_peer
+    peer, rec = make_peer(spec, LosesOneAnswer(store, window=0), root, "reset")
+    peer.join()
+    staged = peer.train(0)
+    assert isinstance(staged, Staged)
+    with caplog.at_level(logging.INFO, logger="client.peer.uploads"):
+        peer.upload(staged)
+        peer.flush()
+    report = rec.of(PeerWindow)[-1]
+    assert (report.outcome, report.reason, report.upload_attempts) == ("uploaded", "already present", 2)
+    assert report.upload_down_s > 0 and report.upload_s >= report.upload_down_s
+    assert store.list(layout.contrib_prefix(val.run, 0)) == [layout.contrib_key(val.run, 0, peer.identity.peer_id)]
+    assert peer.pending is staged  # uploaded: it stays staged until its aggregate is out
+    lines = [r for r in caplog.records if "upload of window 0" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING and "took 2 attempts" in lines[0].getMessage()
+
+
+# ---------------------------------------------------------------------- preflight's link check
+class Throttled(MemoryStore):
+    """A store behind a link of ``up`` and ``down`` bytes per second (it sleeps for the transfer:
+    unit tests only). ``puts`` records the size of every put."""
+
+    def __init__(self, name: str, *, up: float, down: float) -> None:
+        super().__init__(name)
+        self.up, self.down = up, down
+        self.puts: list[int] = []
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        self.puts.append(len(data))
+        time.sleep(len(data) / self.up)
+        super().put(key, data, if_absent=if_absent)
+
+    def get(self, key: str, *, max_bytes: int = 1 << 26) -> bytes:
+        data = super().get(key, max_bytes=max_bytes)
+        time.sleep(len(data) / self.down)
+        return data
+
+
+def preflight_over(store: ObjectStore, deadline_s: float, contribution: int | None = None, **options: float):
+    from client.preflight import Preflight
+    from protocol.identity import Identity
+    from protocol.settings import LocalSettings
+
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident, upload_deadline_s=deadline_s)
+    checks = Preflight(spec, LocalSettings(), Identity.from_seed(b"v" * 32), store, device="cpu", **options)  # type: ignore[arg-type]
+    checks._contribution_bytes = contribution
+    return checks
+
+
+def test_preflight_measures_the_link_with_probes_sized_to_it() -> None:
+    fast = Throttled(f"fast-{time.time_ns()}", up=16e6, down=64e6)
+    checks = preflight_over(fast, 600, probe_sizes=(256 << 10, 1 << 20), probe_budget_s=20.0)
+    write = checks._write()
+    assert write.status == "ok" and fast.puts == [256 << 10, 1 << 20]  # the larger probe measures the rate
+    assert write.figures["probe_bytes"] == 1 << 20
+    assert 8e6 < write.figures["up_bytes_per_s"] <= 16e6 and 16e6 < write.figures["down_bytes_per_s"] <= 64e6
+    slow = Throttled(f"slow-{time.time_ns()}", up=2e6, down=8e6)
+    checks = preflight_over(slow, 600, probe_sizes=(256 << 10, 4 << 20), probe_budget_s=2.0)
+    assert checks._write().status == "ok" and slow.puts == [256 << 10]  # 4 MiB would take 2 s: not tried
+
+
+def test_preflight_fails_a_link_too_slow_for_the_contribution_with_the_numbers() -> None:
+    store = Throttled(f"dsl-{time.time_ns()}", up=4e6, down=16e6)
+    checks = preflight_over(store, 1.0, contribution=8_000_000, probe_sizes=(256 << 10,))
+    assert checks._write().status == "ok"
+    link = checks._link()
+    assert (link.status, link.reason) == ("failed", "uplink_too_slow")
+    up = link.figures["up_bits_per_s"]
+    assert 16e6 < up <= 32e6 and link.figures["needed_up_bits_per_s"] == 64_000_000
+    assert link.figures["contribution_source"] == "measured" and link.figures["upload_s"] > 1.0
+    assert re.fullmatch(
+        r"uplink \d+\.\d Mbit/s: a 8\.0 MB contribution needs \d+ s, the upload window is 1 s; needs ≥ 64\.0 Mbit/s",
+        link.detail,
+    ), link.detail
+    assert link.to_json()["needed_up_bits_per_s"] == 64_000_000
+
+
+def test_preflight_warns_when_the_link_is_marginal_and_passes_when_it_is_not() -> None:
+    store = Throttled(f"dsl-{time.time_ns()}", up=4e6, down=16e6)
+    checks = preflight_over(store, 4.0, contribution=8_000_000, probe_sizes=(256 << 10,))
+    checks._write()
+    checks._aggregate_bytes = 1_000_000
+    marginal = checks._link()  # ~2-4 s of a 4 s window
+    assert (marginal.status, marginal.reason) == ("warning", "marginal") and "the aggregate" in marginal.detail
+    checks = preflight_over(store, 600.0, contribution=8_000_000, probe_sizes=(256 << 10,))
+    checks._write()
+    fine = checks._link()
+    assert fine.status == "ok" and fine.figures["upload_deadline_s"] == 600.0
+
+
+def test_preflight_estimates_the_contribution_from_the_codec_without_compute() -> None:
+    from protocol.caps import contribution_bound
+    from protocol.model import param_schema
+
+    store = Throttled(f"est-{time.time_ns()}", up=64e6, down=64e6)
+    checks = preflight_over(store, 600.0, probe_sizes=(256 << 10,))
+    size, source = checks.contribution_estimate()
+    assert source == "bound" and size == contribution_bound(param_schema(checks.spec.model), checks.spec.codec_at(0))
+    assert checks._link().status == "skipped"  # nothing measured yet
+    checks._write()
+    assert checks._link().figures["contribution_source"] == "bound"
