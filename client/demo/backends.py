@@ -37,6 +37,7 @@ from client.demo.wan import Wan
 from protocol import layout
 from protocol.errors import ConfigError
 from protocol.settings import env_name
+from protocol.store.base import ObjectStore
 
 KINDS = ("file", "s3", "dht")
 
@@ -70,6 +71,12 @@ class Backend:
             return self.args()
         host = self.grant_hosts[i] if self.grant_hosts else "127.0.0.1"
         return [*self.args(), "--grant-port", str(self.grant_ports[i]), "--grant-host", host]
+
+    def admin_store(self) -> ObjectStore:
+        """The S3 store with the bucket's credential (what a test or a benchmark reads back)."""
+        if self._server is None:
+            raise ConfigError(f"a {self.kind} store has no admin credential")
+        return self._server.store()
 
     def validator_env(self) -> dict[str, str]:
         return dict(self._validator_env)
