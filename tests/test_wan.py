@@ -150,6 +150,16 @@ def test_leftovers_of_a_dead_process_are_removed() -> None:
         subprocess.run(["ip", "link", "delete", host], capture_output=True)
 
 
+def listening(pid: int) -> list[str]:
+    """The TCP sockets listening in the network namespace of process ``pid`` (state 0A)."""
+    out = []
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        lines = path.read_text().splitlines()[1:] if path.exists() else []
+        out += [line.split()[1] for line in lines if line.split()[3] == "0A"]
+    return out
+
+
 @pytest.mark.integration
 def test_mix_swarm_survives_an_outage_of_the_dsl_peer(tmp_path: Path) -> None:
     _box()
@@ -171,6 +181,10 @@ def test_mix_swarm_survives_an_outage_of_the_dsl_peer(tmp_path: Path) -> None:
         assert swarm.backend is not None and swarm.spec is not None
         run = layout.run_id(swarm.spec.hash())
         swarm.start_peers_then_validator(timeout_s=TIMEOUT_S)
+        assert swarm.group is not None
+        for name in swarm.peers:  # peers only connect out: nothing listens in their namespaces
+            assert listening(swarm.group.children[name].pid) == [], name
+        assert listening(swarm.group.children[swarm.validator_names[0]].pid)  # its grant server does
         view = swarm.peers[victim]
         key = layout.contrib_key(run, OUTAGE_WINDOW, view.peer_id)
 

@@ -7,7 +7,7 @@ a link shaped to a home, DSL or cloud connection, on one Linux machine.
         wan.down("peer-1"); wan.up("peer-1")          # an outage of peer-1's link
         wan.counters("peer-0")                        # bytes and packets up and down, at the link
 
-**The box.** A bridge in the root namespace holds the run's /24 (``10.213.N.0/24``, the first N no
+**The box.** A bridge in the root namespace holds the run's /24 (``10.213.N.0/24``, an N no
 interface of the root namespace uses yet) with ``.1`` on the bridge itself, so the process that
 built the box (a test, the launcher) reaches every participant. Each participant gets a namespace
 and a veth pair: the host end is a port of the bridge, the namespace end holds the participant's
@@ -273,10 +273,12 @@ def _kill_ns_processes(ns: str) -> None:
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
-    """The first ``10.213.N.0/24`` no address of the root namespace lies in."""
+    """A ``10.213.N.0/24`` no address of the root namespace lies in: the first from N = pid mod
+    256 on, so that boxes of processes started together rarely try the same one (nothing locks
+    the choice against another process's box that is being built at the same instant)."""
     out = _run("ip", "-o", "-4", "addr", "show", check=False).stdout
     used = [ipaddress.ip_interface(tok) for tok in re.findall(r"inet (\S+)", out)]
-    for n in range(256):
+    for n in ((os.getpid() + i) % 256 for i in range(256)):
         net = ipaddress.IPv4Network(f"{SUBNET_BASE}.{n}.0/24")
         if not any(addr.ip in net or net.overlaps(addr.network) for addr in used):
             return net
