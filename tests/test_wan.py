@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,53 @@ def test_leftovers_of_a_dead_process_are_removed() -> None:
     finally:
         subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
         subprocess.run(["ip", "link", "delete", host], capture_output=True)
+
+
+SEND = """
+import socket, sys
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with socket.create_connection((host, port), timeout=30) as s:
+    s.sendall(bytes(n))
+"""
+RECEIVE = """
+import socket, sys, time
+with socket.create_server((sys.argv[1], 0)) as srv:
+    print(srv.getsockname()[1], flush=True)
+    conn, _ = srv.accept()
+    got, first = 0, None
+    while chunk := conn.recv(1 << 16):
+        first = first or time.monotonic()
+        got += len(chunk)
+    print(got, time.monotonic() - first, flush=True)
+"""
+
+
+def transfer_mbit(wan: Wan, sender: str | None, receiver: str | None, nbytes: int) -> float:
+    """Mbit/s of ``nbytes`` sent from ``sender`` to ``receiver`` (None: the root namespace)."""
+
+    def argv(name: str | None, script: str, *args: str) -> list[str]:
+        return [*(wan.launcher(name) if name else []), sys.executable, "-c", script, *args]
+
+    host = wan.address(receiver) if receiver else wan.gateway
+    with subprocess.Popen(argv(receiver, RECEIVE, host), stdout=subprocess.PIPE, text=True) as rx:
+        assert rx.stdout is not None
+        port = rx.stdout.readline().strip()
+        subprocess.run(argv(sender, SEND, host, port, str(nbytes)), check=True, timeout=60)
+        got, seconds = rx.stdout.readline().split()
+    assert int(got) == nbytes
+    return nbytes * 8 / float(seconds) / 1e6
+
+
+def test_links_are_shaped() -> None:
+    """A dsl link carries about 2 Mbit/s up and 16 down, not more (the bucket's burst aside)."""
+    reason = Wan.available()
+    if reason is not None:
+        pytest.skip(reason)
+    with Wan({"peer-0": LINKS["dsl"]}) as wan:
+        up = transfer_mbit(wan, "peer-0", None, 400_000)
+        down = transfer_mbit(wan, None, "peer-0", 2_000_000)
+    assert 0.5 < up < 2.0 * 1.1, up
+    assert 4.0 < down < 16.0 * 1.1, down
 
 
 def listening(pid: int) -> list[str]:
