@@ -14,6 +14,10 @@ next when the one it uses does not answer, :mod:`protocol.store.granted`)::
         backend.peer_env(run_hash, peer_id)  # nothing: peers of an S3 swarm ask for grants
         backend.credential_env(run_hash, peer_id)   # or a credential scoped to that peer's keys instead
         backend.args()                       # ["--dht-peer", maddr, ...] for dht
+
+In a :class:`~client.demo.wan.Wan` box (``wan=``, S3 only) the SeaweedFS server runs in the
+``store`` namespace bound to its address, and validator ``i``'s grant server is reached at the
+address of ``validator-<i>``: peers connect out to those two only and listen on nothing.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from typing import Any
 from client.demo.errors import DemoError
 from client.demo.processes import ProcessGroup
 from client.demo.seaweed import INSTALL_HINT, SeaweedS3, free_ports, peer_grants, weed_available
+from client.demo.wan import Wan
 from protocol import layout
 from protocol.errors import ConfigError
 from protocol.settings import env_name
+from protocol.store.base import ObjectStore
 
 KINDS = ("file", "s3", "dht")
 
@@ -39,7 +45,8 @@ KINDS = ("file", "s3", "dht")
 @dataclass
 class Backend:
     """A started store for a local swarm (see the module docstring). ``grant_ports``: the port of
-    each validator's grant server, in rotation order (S3), none for other stores."""
+    each validator's grant server, in rotation order (S3), none for other stores; ``grant_hosts``:
+    the address each binds (127.0.0.1, or its address in a WAN box)."""
 
     kind: str
     url: str
@@ -48,6 +55,7 @@ class Backend:
     _validator_env: dict[str, str] = field(default_factory=dict)
     _server: SeaweedS3 | None = None
     grant_ports: tuple[int, ...] = ()
+    grant_hosts: tuple[str, ...] = ()
 
     @property
     def grants(self) -> bool:
@@ -61,7 +69,14 @@ class Backend:
         """The options of validator ``i`` (rotation order): its own grant port, if it serves grants."""
         if not self.grant_ports:
             return self.args()
-        return [*self.args(), "--grant-port", str(self.grant_ports[i]), "--grant-host", "127.0.0.1"]
+        host = self.grant_hosts[i] if self.grant_hosts else "127.0.0.1"
+        return [*self.args(), "--grant-port", str(self.grant_ports[i]), "--grant-host", host]
+
+    def admin_store(self) -> ObjectStore:
+        """The S3 store with the bucket's credential (what a test or a benchmark reads back)."""
+        if self._server is None:
+            raise ConfigError(f"a {self.kind} store has no admin credential")
+        return self._server.store()
 
     def validator_env(self) -> dict[str, str]:
         return dict(self._validator_env)
@@ -84,23 +99,28 @@ class Backend:
 
 @contextmanager
 def open_backend(
-    kind: str, run_dir: Path, group: ProcessGroup, validator_keys: Sequence[str] = ()
+    kind: str, run_dir: Path, group: ProcessGroup, validator_keys: Sequence[str] = (), wan: Wan | None = None
 ) -> Iterator[Backend]:
     """Start the store of kind ``file``, ``s3`` or ``dht`` for a swarm in ``run_dir``.
     ``validator_keys`` (hex): the run's validator keys, which every DHT node must know; over S3 one
-    grant port per key (one when none are given)."""
+    grant port per key (one when none are given). ``wan``: the box the swarm runs in (S3 only)."""
+    if wan is not None and kind != "s3":
+        raise ConfigError(f"a swarm in a WAN box runs over an S3 store, not {kind!r}")
     if kind == "file":
         yield Backend("file", f"file://{(run_dir / 'store').resolve()}")
     elif kind == "s3":
-        with _seaweed() as server:
+        with _seaweed(wan) as server:
             env = server.admin.env(server.endpoint_url)
             ports = tuple(free_ports(max(1, len(validator_keys))))
+            hosts = tuple(wan.address(f"validator-{i}") if wan else "127.0.0.1" for i in range(len(ports)))
             store = {
                 "s3_endpoint": server.endpoint_url,
                 "s3_region": "us-east-1",
-                "grant_url": ",".join(f"http://127.0.0.1:{port}" for port in ports),
+                "grant_url": ",".join(f"http://{host}:{port}" for host, port in zip(hosts, ports)),
             }
-            yield Backend("s3", server.url(), store, _validator_env=env, _server=server, grant_ports=ports)
+            yield Backend(
+                "s3", server.url(), store, _validator_env=env, _server=server, grant_ports=ports, grant_hosts=hosts
+            )
     elif kind == "dht":
         maddrs = _dht_bootstrap(group, validator_keys)
         yield Backend("dht", "dht://", {"dht_bootstrap": maddrs}, [a for m in maddrs for a in ("--dht-peer", m)])
@@ -110,13 +130,13 @@ def open_backend(
 
 # ---------------------------------------------------------------------- S3 (SeaweedFS)
 @contextmanager
-def _seaweed() -> Iterator[SeaweedS3]:
+def _seaweed(wan: Wan | None = None) -> Iterator[SeaweedS3]:
     if not weed_available():
         raise ConfigError(
             f"--store s3 runs a local SeaweedFS server and needs its `weed` binary: {INSTALL_HINT} "
             "(or use --store file / --store dht)"
         )
-    server = SeaweedS3()
+    server = SeaweedS3(host=wan.address("store"), launcher=wan.launcher("store")) if wan else SeaweedS3()
     try:
         server.start()
     except RuntimeError as exc:

