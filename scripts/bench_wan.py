@@ -45,17 +45,19 @@ from wan import SIZES, progress
 
 from client.demo.processes import install_signal_handlers
 from client.demo.swarm import LocalSwarm, default_threads
-from client.demo.wan import LINKS, PROFILES, Counters, Link, Wan, swarm_links
-from protocol.events import PeerWindow
+from client.demo.wan import LINKS, PROFILES, Counters, Ledger, Link, Wan, swarm_links
+from protocol.events import Event, PeerWindow
 
 SLOWEST = {"home": "home", "dsl": "dsl", "cloud": "cloud", "mix": "dsl"}  # the late joiner's link
 
 
 # ---------------------------------------------------------------------- hooks filled elsewhere
-def reported_vs_interface_max_rel_diff(swarm: LocalSwarm, wan: Wan) -> float | None:
-    """Largest relative difference between a peer's reported bytes and its interface's; None: not
-    measured yet."""
-    return None
+def reported_vs_interface_max_rel_diff(ledger: Ledger, originals: list[str]) -> float | None:
+    """Largest relative difference, over the original peers and both directions, between the wire
+    bytes a peer's window reports carry and the TCP payload its link carried up to its last report
+    (:class:`client.demo.wan.Ledger`); None: no report."""
+    diff = ledger.max_rel_diff(originals)
+    return None if diff is None else round(diff, 5)
 
 
 def requests_per_peer_per_window(swarm: LocalSwarm) -> float | None:
@@ -83,6 +85,13 @@ def bench_profile(
     profile: str, *, peers: int, windows: int, late_after: int, size: str, timeout_s: float
 ) -> dict[str, Any]:
     late = f"peer-{peers}"
+    ledgers: list[Ledger] = []
+
+    def on_event(name: str, event: Event) -> None:
+        progress(name, event)
+        for ledger in ledgers:
+            ledger.on_event(name, event)
+
     with (
         Wan(box_links(profile, peers)) as wan,
         LocalSwarm(
@@ -92,10 +101,11 @@ def bench_profile(
             overrides=SIZES[size],
             peer_threads=default_threads(peers + 1),
             join_timeout_s=timeout_s,
-            on_event=progress,
+            on_event=on_event,
             wan=wan,
         ) as swarm,
     ):
+        ledgers.append(Ledger(wan))
         try:
             originals = [f"peer-{i}" for i in range(peers)]
             swarm.start_peers_then_validator(timeout_s=timeout_s)
@@ -119,7 +129,7 @@ def bench_profile(
                 "fingerprints_equal": summary["fingerprints_equal"],
                 "reported_upload_bytes_per_peer_per_window": summary["upload_bytes_per_peer_per_window"],
                 "reported_download_bytes_per_peer_per_window": summary["download_bytes_per_peer_per_window"],
-                "reported_vs_interface_max_rel_diff": reported_vs_interface_max_rel_diff(swarm, wan),
+                "reported_vs_interface_max_rel_diff": reported_vs_interface_max_rel_diff(ledgers[0], originals),
                 "requests_per_peer_per_window": requests_per_peer_per_window(swarm),
                 "outage": outage(swarm, wan),
                 "seconds": summary["seconds"],

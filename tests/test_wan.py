@@ -30,6 +30,7 @@ from client.demo.wan import (
     MIN_BURST,
     PROFILES,
     Counters,
+    Ledger,
     Wan,
     bridge_name,
     burst_bytes,
@@ -213,10 +214,13 @@ def test_mix_swarm_survives_an_outage_of_the_dsl_peer(tmp_path: Path) -> None:
     _box()
     windows, peers = 3, 3
     grants: list[Granted] = []
+    ledgers: list[Ledger] = []
 
     def on_event(name: str, event: Event) -> None:
         if isinstance(event, Granted):
             grants.append(event)
+        for ledger in ledgers:
+            ledger.on_event(name, event)
 
     with (
         Wan.for_swarm("mix", peers) as wan,
@@ -224,6 +228,7 @@ def test_mix_swarm_survives_an_outage_of_the_dsl_peer(tmp_path: Path) -> None:
             tmp_path / "run", peers=peers, windows=windows, store="s3", overrides=SMALL, on_event=on_event, wan=wan
         ) as swarm,
     ):
+        ledgers.append(Ledger(wan))
         victim = "peer-2"
         assert wan.links[victim].profile == "dsl"
         assert swarm.backend is not None and swarm.spec is not None
@@ -276,6 +281,10 @@ def test_mix_swarm_survives_an_outage_of_the_dsl_peer(tmp_path: Path) -> None:
         assert c.up_packets > 0 and c.down_packets > 0, (name, c)
         assert sent <= c.up_payload <= 50 * sent + 2_000_000, (name, sent, c)
         assert read <= c.down_payload <= 20 * read + 2_000_000, (name, read, c)
+    # What each peer reports its store sockets moved is what its link carried, within 5 %.
+    for name in swarm.peers:
+        up, down = ledgers[0].rel_diff(name)
+        assert up <= 0.05 and down <= 0.05, (name, up, down, ledgers[0].reported[name], ledgers[0].counted[name])
     stored = sum(e.upload_bytes for v in swarm.peers.values() for e in v.events if isinstance(e, PeerWindow))
     assert interface["store"].down_payload >= stored
     assert not list(Path("/sys/class/net").glob(f"w{wan.tag}*")), "the box was not removed"

@@ -62,11 +62,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from protocol.events import Event, PeerWindow
+from protocol.store.traffic import FRAME_BYTES, framing_estimate
+
 __all__ = [
     "FRAME_OVERHEAD",
     "LINKS",
     "PROFILES",
     "Counters",
+    "Ledger",
     "Link",
     "Wan",
     "WanError",
@@ -75,7 +79,7 @@ __all__ = [
     "swarm_links",
 ]
 
-FRAME_OVERHEAD = 14 + 20 + 32  # Ethernet header, IPv4 header, TCP header with the timestamp option
+FRAME_OVERHEAD = FRAME_BYTES  # Ethernet header, IPv4 header, TCP header with the timestamp option
 MIN_BURST = 16 * 1024
 BURST_S = 0.010
 LATENCY_MS = 100
@@ -136,8 +140,8 @@ def burst_bytes(rate_mbit: float) -> int:
 
 def payload_estimate(nbytes: int, packets: int) -> int:
     """TCP payload in ``nbytes`` of ``packets`` frames: bytes − packets × :data:`FRAME_OVERHEAD`
-    (an estimate, see the module docstring)."""
-    return max(0, nbytes - packets * FRAME_OVERHEAD)
+    (:func:`protocol.store.traffic.framing_estimate`; an estimate, see the module docstring)."""
+    return framing_estimate(nbytes, packets)
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,41 @@ class Counters:
             "up_payload_est": self.up_payload,
             "down_payload_est": self.down_payload,
         }
+
+
+class Ledger:
+    """What each peer says its store traffic was, against what its link counted.
+
+    Fed every event of a swarm (``LocalSwarm(on_event=ledger.on_event)``): each peer window report
+    adds its ``wire_up_bytes`` / ``wire_down_bytes`` (what the peer's store sockets moved since its
+    previous report, headers, grant requests and retries included) to the peer's sum, and the
+    peer's link counters are read as the report arrives. :meth:`rel_diff` then compares the sums
+    with the TCP payload the link carried up to the last report: the same interval, both ends
+    counted independently (the peer in its sockets, the kernel at the veth).
+    """
+
+    def __init__(self, wan: Wan) -> None:
+        self.wan = wan
+        self.reported: dict[str, tuple[int, int]] = {}  # peer → (wire up, wire down) summed
+        self.counted: dict[str, Counters] = {}  # peer → its link's counters at its last report
+
+    def on_event(self, name: str, event: Event) -> None:
+        if isinstance(event, PeerWindow) and name in self.wan.links:
+            up, down = self.reported.get(name, (0, 0))
+            self.reported[name] = (up + event.wire_up_bytes, down + event.wire_down_bytes)
+            self.counted[name] = self.wan.counters(name)
+
+    def rel_diff(self, name: str) -> tuple[float, float]:
+        """(up, down): |reported − link payload| / link payload, up to the peer's last report."""
+        (up, down), link = self.reported[name], self.counted[name]
+        return abs(up - link.up_payload) / max(link.up_payload, 1), abs(down - link.down_payload) / max(
+            link.down_payload, 1
+        )
+
+    def max_rel_diff(self, names: Sequence[str]) -> float | None:
+        """The largest :meth:`rel_diff` over ``names`` and both directions; None: no report yet."""
+        diffs = [d for name in names if name in self.counted for d in self.rel_diff(name)]
+        return max(diffs) if diffs else None
 
 
 # ---------------------------------------------------------------------- names
