@@ -4,10 +4,17 @@
     ...
     store.get_range(key, start, length)   # ranges count too: the bytes returned
     store.bytes_read            # bytes of every object and range fetched so far (aggregates, checkpoints, data)
+    store.requests()            # {"GET": n, "HEAD": n, "LIST": n, "PUT": n} sent to the bucket so far
 
 The peer reads everything it needs from the run through one of these (its reports carry the bytes
 fetched per window, ``sparseloco demo`` the mean per peer and window). Writes, listings and size
 queries pass through uncounted; so does everything else the wrapped store does.
+
+:meth:`MeteredStore.requests` is what the bucket bills: the requests the wrapped store sent to it
+by kind, counted where they are sent (a :class:`~protocol.store.granted.GrantedStore` counts every
+attempt and every listing page, and every reader of the process that shares it — the data feed
+too). A store that does not count its requests (a directory, a credential's own S3 client)
+reports none.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import threading
 
 from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore
+from protocol.store.granted import GrantStats
 
 __all__ = ["MeteredStore"]
 
@@ -32,6 +40,11 @@ class MeteredStore(ObjectStore):
     @property
     def bytes_read(self) -> int:
         return self._read
+
+    def requests(self) -> dict[str, int]:
+        """Requests the wrapped store sent to the bucket so far, by kind ({} when it does not count)."""
+        stats = getattr(self.inner, "stats", None)
+        return dict(stats.requests) if isinstance(stats, GrantStats) else {}
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         self.inner.put(key, data, if_absent=if_absent)

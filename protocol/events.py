@@ -179,6 +179,9 @@ class PeerWindow(Event):
     data_bytes: int = 0  # fetched from the store since the last trained window (blocks, prefetch)
     data_hits: int = 0  # blocks the window read that were already local (cached or prefetched)
     data_misses: int = 0  # blocks it had to wait for
+    requests: dict[str, int] = field(
+        default_factory=dict
+    )  # sent to the bucket since the previous report, by kind (GET, HEAD, LIST, PUT)
 
 
 @_event("resumed_upload")

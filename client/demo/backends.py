@@ -14,6 +14,7 @@ next when the one it uses does not answer, :mod:`protocol.store.granted`)::
         backend.peer_env(run_hash, peer_id)  # nothing: peers of an S3 swarm ask for grants
         backend.credential_env(run_hash, peer_id)   # or a credential scoped to that peer's keys instead
         backend.args()                       # ["--dht-peer", maddr, ...] for dht
+        backend.request_counts()             # s3: requests the bucket answered so far, by kind (None elsewhere)
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class Backend:
         if not self.grant_ports:
             return self.args()
         return [*self.args(), "--grant-port", str(self.grant_ports[i]), "--grant-host", "127.0.0.1"]
+
+    def request_counts(self) -> dict[str, int] | None:
+        """The S3 requests the store answered so far, all clients together, by billed kind
+        (:meth:`SeaweedS3.request_counts`); None for a store that does not count them."""
+        return self._server.request_counts() if self._server is not None else None
 
     def validator_env(self) -> dict[str, str]:
         return dict(self._validator_env)

@@ -126,6 +126,7 @@ class Uploads:
         self._moments_at: int | None = None  # the window whose commit last wrote the moments
         self._moments_step = -1  # the trainer's step then (moments newer than that are unsaved)
         self._downloaded = 0  # store bytes read when the last window was reported
+        self._requested: dict[str, int] = {}  # requests sent to the bucket by then, by kind
 
     def restore(self, snap: Snapshot) -> None:
         """A restart: e, the inner optimizer and the moments' window as the state directory holds them."""
@@ -227,16 +228,17 @@ class Uploads:
             self._refused += 1  # AccessDenied, or a store that keeps failing our writes
         if not put.uploaded:
             self._give_back(staged)
-        read = self.ctx.store.bytes_read
+        read, requested = self.ctx.store.bytes_read, self.ctx.store.requests()
+        sent = {kind: n - self._requested.get(kind, 0) for kind, n in requested.items()}
         self.ctx.display.update(upload_bytes=len(staged.blob), upload_s=put.seconds)
-        self.ctx.display.emit(self._window_event(staged, put, read - self._downloaded))
-        self._downloaded = read
+        self.ctx.display.emit(self._window_event(staged, put, read - self._downloaded, sent))
+        self._downloaded, self._requested = read, requested
         if self._refused >= self.ctx.local.peer.max_upload_failures:
             raise UploadsRefused(self._refused_message(put.reason))
 
-    def _window_event(self, staged: Staged, put: PutOutcome, read: int) -> PeerWindow:
+    def _window_event(self, staged: Staged, put: PutOutcome, read: int, requests: dict[str, int]) -> PeerWindow:
         """The window's report: its training, its fold and its put (``read``: store bytes read since
-        the last report)."""
+        the last report, ``requests``: requests sent to the bucket since then, by kind)."""
         st = staged.stats
         return PeerWindow(
             window=staged.window,
@@ -257,6 +259,7 @@ class Uploads:
             data_bytes=st.data.fetched_bytes,
             data_hits=st.data.hits,
             data_misses=st.data.misses,
+            requests=requests,
         )
 
     def _refused_message(self, reason: str | None) -> str:

@@ -44,7 +44,7 @@ import urllib.error
 import urllib.request
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -80,7 +80,7 @@ from protocol.store.grants import (
 )
 from protocol.store.presign import Presigned
 
-__all__ = ["GrantNotGiven", "GrantStats", "GrantedStore", "grant_urls", "parse_listing"]
+__all__ = ["REQUEST_KINDS", "GrantNotGiven", "GrantStats", "GrantedStore", "grant_urls", "parse_listing"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,9 +90,14 @@ _STALE_MARGIN_S = 10.0  # a cached grant this close to expiry is asked for again
 Page = tuple[list[str], str]  # one listing page: keys, and the continuation token ("" on the last)
 
 
+REQUEST_KINDS = ("GET", "HEAD", "LIST", "PUT")  # what the bucket bills: one per request sent to it
+
+
 @dataclass
 class GrantStats:
-    """Counters for preflight, benchmarks and tests."""
+    """Counters for preflight, benchmarks and tests. ``requests``: the requests sent to the
+    store (not to the grant server) by kind, every attempt counted, each listing page one ``LIST``:
+    what the bucket bills this peer for."""
 
     grants: int = 0
     cached: int = 0
@@ -100,6 +105,7 @@ class GrantStats:
     bytes_downloaded: int = 0
     retries: int = 0
     failovers: int = 0  # switches to another grant server because the one in use did not answer
+    requests: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REQUEST_KINDS, 0))
 
 
 class GrantNotGiven(AccessDenied):
@@ -273,10 +279,18 @@ class GrantedStore(ObjectStore):
 
     # ------------------------------------------------------------------ HTTP to the store
     def _send(
-        self, grant: Presigned, key: str, *, body: bytes | None = None, extra: dict[str, str] | None = None
+        self,
+        grant: Presigned,
+        key: str,
+        kind: str,
+        *,
+        body: bytes | None = None,
+        extra: dict[str, str] | None = None,
     ) -> http.client.HTTPResponse:
-        """Send one presigned request (with the unsigned headers ``extra`` as well); an open
-        response on 2xx, named errors otherwise."""
+        """Send one presigned request (with the unsigned headers ``extra`` as well), counted as a
+        request of ``kind`` (:data:`REQUEST_KINDS`); an open response on 2xx, named errors otherwise."""
+        with self._lock:
+            self.stats.requests[kind] += 1
         headers = {**(extra or {}), **grant.headers}
         if body is not None:
             # urllib would label a body as a form (x-www-form-urlencoded), which some servers parse.
@@ -302,7 +316,7 @@ class GrantedStore(ObjectStore):
         def once() -> None:
             if not granted or granted[0].expires_at - _STALE_MARGIN_S <= time.time():
                 granted[:] = [self._ask_once(GrantRequest.put(self.run_hash, key, len(body), if_absent=if_absent))]
-            self._send(granted[0], key, body=body).close()
+            self._send(granted[0], key, "PUT", body=body).close()
 
         self._attempts(f"put {key!r}", once, regrant=False)
         self.stats.bytes_uploaded += len(body)
@@ -355,7 +369,7 @@ class GrantedStore(ObjectStore):
     ) -> tuple[Presigned, http.client.HTTPResponse]:
         grant = self._granted(op, key, token)
         try:
-            return grant, self._send(grant, key, extra=extra)
+            return grant, self._send(grant, key, op.upper(), extra=extra)
         except AccessDenied as exc:
             self._forget(op, key, token)  # expired, or signed by a credential that is gone
             raise _Regrant(exc) from None
