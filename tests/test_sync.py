@@ -203,3 +203,35 @@ def test_the_peer_shows_what_it_waits_for_and_reports_each_change() -> None:
 def untimed(event: Event) -> dict[str, object]:
     """An event's fields without the time it was made (two events made a millisecond apart compare equal)."""
     return {k: v for k, v in event.to_dict().items() if k != "time"}
+
+
+def test_polls_back_off_to_the_schedules_cap() -> None:
+    from itertools import islice
+
+    from protocol.config import WindowConfig
+    from protocol.windows import MAX_POLL_S, max_poll_s, poll_delays
+
+    demo = WindowConfig(upload_deadline_s=120.0)
+    assert list(islice(poll_delays(0.05, demo), 7)) == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.8, 1.2, 1.2])
+    assert max_poll_s(1.0, WindowConfig(upload_deadline_s=1200.0)) == MAX_POLL_S  # 12 s would be too late
+    assert max_poll_s(0.001, WindowConfig(upload_deadline_s=1200.0)) == pytest.approx(0.032)  # 32 × poll_s
+    assert max_poll_s(30.0, demo) == 30.0  # never more often than asked
+
+
+def test_a_waiting_peer_asks_a_few_times_not_once_every_poll() -> None:
+    spec = RunSpec.from_dict(
+        {"model": TINY, "validator": {"public_keys": [VALIDATOR.public_key_hex]}, "windows": {"upload_deadline_s": 2.0}}
+    )
+    reads: list[str] = []
+
+    class Reads(MemoryStore):
+        def get(self, key: str, *, max_bytes: int = 1 << 30) -> bytes:
+            reads.append(key)
+            return super().get(key, max_bytes=max_bytes)
+
+    sync = Sync(spec, Reads(), poll_interval_s=0.001)
+    started = time.monotonic()
+    assert not sync.wait_until_published(0, base="b" * 64, stop_at=time.time() + 0.3)
+    # 0.001, 0.002 … 0.016, then every 0.02 s (upload_deadline_s / 100): ~20 looks in 0.3 s, not 300
+    assert 5 <= len(reads) <= 25 and set(reads) == {layout.aggregate_key(layout.run_id(spec.hash()), 0)}
+    assert time.monotonic() - started < 1.0

@@ -33,6 +33,7 @@ from client.window import Trained, WindowJob, WindowTrainer
 from protocol.aggregate import SparseDict
 from protocol.config import RunSpec
 from protocol.feedback import FeedbackState
+from protocol.windows import poll_delays
 
 __all__ = ["InFlight", "overlap_steps", "overlaps"]
 
@@ -161,6 +162,7 @@ class InFlight:
             return self._refresh(alpha)
         started = time.monotonic()
         self.ctx.display.update(phase="waiting for contributions")
+        delays = poll_delays(self.theta.poll_s, spec.windows)  # each look is billed: back off
         while True:
             arrived = self._arrivals()
             if arrived:
@@ -170,7 +172,7 @@ class InFlight:
             left = budget - (time.monotonic() - started)
             if forecast.complete or self.abandoned or self.ctx.stopping() or left <= 0:
                 break
-            time.sleep(min(self.theta.poll_s, left))
+            time.sleep(min(next(delays), left))
         self.waited_s = time.monotonic() - started
         self._refreshed = time.monotonic()
         log.info(
@@ -192,8 +194,8 @@ class InFlight:
     def _refresh(self, alpha: float) -> Moves:
         """A newer forecast replaces the stand-in (at most every ``poll_interval_s``)."""
         forecast = self.forecast
-        if forecast is None or time.monotonic() - self._refreshed < self.theta.poll_s:
-            return []
+        if forecast is None or forecast.complete or time.monotonic() - self._refreshed < self.theta.poll_s:
+            return []  # complete: nothing more can come before the aggregate
         self._refreshed = time.monotonic()
         if not forecast.refresh():
             return []

@@ -41,6 +41,7 @@ from protocol.errors import DigestMismatch, ObjectNotFound, ProtocolError, Stale
 from protocol.quorum import Signatures
 from protocol.replay import Chain, Position, apply_aggregate, replay
 from protocol.store.base import ObjectStore
+from protocol.windows import poll_delays
 from protocol.wire import Aggregate, Verified
 
 __all__ = ["SIGNATURES_EVERY_S", "Advanced", "NotReady", "Position", "Reloaded", "Step", "Sync"]
@@ -134,11 +135,13 @@ class Sync:
         signatures_every_s: float = SIGNATURES_EVERY_S,
     ) -> bool:
         """Poll until aggregate ``window`` is published (True; with ``base``: one chaining onto it),
-        ``stop_at`` passes or ``should_stop()`` (False). In a run with several validators,
+        ``stop_at`` passes or ``should_stop()`` (False); the polls back off from ``poll_s`` to
+        :func:`protocol.windows.max_poll_s` (one GET of the aggregate's key each). In a run with several validators,
         ``on_waiting`` is told what the aggregate still waits for (:meth:`Chain.signatures`) once
         ``signatures_every_s`` have passed without it, and again every ``signatures_every_s``; a
         store error while reading the endorsements only skips that report."""
         due = time.monotonic() + signatures_every_s
+        delays = poll_delays(self.poll_s, self.spec.windows)  # backs off: each look is a billed request
         while not should_stop():
             if self.aggregate_published(window, base):
                 return True
@@ -152,7 +155,8 @@ class Sync:
                     found = None
                 if found is not None:
                     on_waiting(found)
-            time.sleep(self.poll_s)
+            delay = next(delays)
+            time.sleep(delay if stop_at is None else max(0.0, min(delay, stop_at - time.time())))
         return False
 
     def apply(self, params: dict[str, Tensor], pos: Position, verified: Verified[Aggregate]) -> Position:

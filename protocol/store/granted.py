@@ -9,6 +9,7 @@ needs only its own Ed25519 key::
     store.get(aggregate_key(run, 2), max_bytes=cap)                          # granted GET
     store.get_range(shard_key(run, sha), start=4096, length=512)             # the same GET, one range
     store.list(checkpoints_prefix(run))                                      # granted listing
+    store.stats.requests                     # {"GET": n, "HEAD": n, "LIST": n, "PUT": n} sent to the bucket
 
 ``put`` asks for a PUT of exactly that key and size (create-only with ``if_absent``, which the S3
 server enforces) and sends the bytes with plain HTTP. Reads ask for presigned GETs, HEADs and
