@@ -218,7 +218,7 @@ def test_polls_back_off_to_the_schedules_cap() -> None:
     assert max_poll_s(30.0, demo) == 30.0  # never more often than asked
 
 
-def test_a_waiting_peer_asks_a_few_times_not_once_every_poll() -> None:
+def test_a_waiting_peer_backs_off_until_the_aggregate_is_due_then_polls_every_poll_s() -> None:
     spec = RunSpec.from_dict(
         {"model": TINY, "validator": {"public_keys": [VALIDATOR.public_key_hex]}, "windows": {"upload_deadline_s": 2.0}}
     )
@@ -231,7 +231,23 @@ def test_a_waiting_peer_asks_a_few_times_not_once_every_poll() -> None:
 
     sync = Sync(spec, Reads(), poll_interval_s=0.001)
     started = time.monotonic()
-    assert not sync.wait_until_published(0, base="b" * 64, stop_at=time.time() + 0.3)
-    # 0.001, 0.002 … 0.016, then every 0.02 s (upload_deadline_s / 100): ~20 looks in 0.3 s, not 300
+    assert not sync.wait_until_published(0, base="b" * 64, stop_at=time.time() + 0.3, due_at=time.time() + 60)
+    # not due: 0.001, 0.002 … 0.016, then every 0.02 s (upload_deadline_s / 100): ~20 looks in 0.3 s, not 300
     assert 5 <= len(reads) <= 25 and set(reads) == {layout.aggregate_key(layout.run_id(spec.hash()), 0)}
     assert time.monotonic() - started < 1.0
+    reads.clear()
+    assert not sync.wait_until_published(0, base="b" * 64, stop_at=time.time() + 0.3, due_at=time.time())
+    assert len(reads) > 40  # due: one look every poll_s (a waiting peer idles; a GET costs less)
+
+
+def test_the_next_aggregate_is_due_after_most_of_the_last_windows_length() -> None:
+    from client.peer.position import DUE_SHARE, Theta
+    from protocol.replay import Position
+
+    spec = RunSpec.from_dict({"model": TINY, "validator": {"public_keys": [VALIDATOR.public_key_hex]}})
+    theta = Theta(spec, MemoryStore(), poll_interval_s=0.1)
+    assert theta.due_at() is None  # nothing known yet: no back-off
+    theta.pos = Position(3, "b" * 64, "f" * 64, opened_at=1000.0)
+    assert theta.due_at() is None
+    theta.window_s = 100.0
+    assert theta.due_at() == pytest.approx(1000.0 + DUE_SHARE * 100.0)

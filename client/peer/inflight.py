@@ -33,7 +33,6 @@ from client.window import Trained, WindowJob, WindowTrainer
 from protocol.aggregate import SparseDict
 from protocol.config import RunSpec
 from protocol.feedback import FeedbackState
-from protocol.windows import poll_delays
 
 __all__ = ["InFlight", "overlap_steps", "overlaps"]
 
@@ -162,7 +161,6 @@ class InFlight:
             return self._refresh(alpha)
         started = time.monotonic()
         self.ctx.display.update(phase="waiting for contributions")
-        delays = poll_delays(self.theta.poll_s, spec.windows)  # each look is billed: back off
         while True:
             arrived = self._arrivals()
             if arrived:
@@ -172,7 +170,7 @@ class InFlight:
             left = budget - (time.monotonic() - started)
             if forecast.complete or self.abandoned or self.ctx.stopping() or left <= 0:
                 break
-            time.sleep(min(next(delays), left))
+            time.sleep(min(self.theta.poll_s, left))  # idle: poll_s (the forecast's reads are GETs)
         self.waited_s = time.monotonic() - started
         self._refreshed = time.monotonic()
         log.info(
