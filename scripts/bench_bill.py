@@ -77,9 +77,12 @@ def run_demo() -> dict[str, Any]:
     return summary
 
 
-def sizes(model: str, peers: int) -> dict[str, float]:
-    """Bytes of the target run's objects and of a peer's reads per window (module docstring)."""
+def sizes(model: str, peers: int, eager: bool | None = None) -> dict[str, float]:
+    """Bytes of the target run's objects and of a peer's reads per window (module docstring);
+    ``eager`` None: the RunSpec's default ``outer.eager``."""
     spec = RunSpec.from_dict({"model": {"preset": model}})
+    if eager is not None:
+        spec = spec.replace(outer={"eager": eager})
     schema = param_schema(spec.model)
     params = sum(math.prod(s) for s in schema.values())
     contribution = contribution_bound(schema, spec.codec)
@@ -97,6 +100,7 @@ def sizes(model: str, peers: int) -> dict[str, float]:
         "data_bytes_per_window": data,
         "bytes_down_per_peer_per_window": aggregate + forecast + data,
         "checkpoint_every": spec.windows.checkpoint_every,
+        "eager": spec.outer.eager,
     }
 
 
@@ -128,6 +132,12 @@ def main() -> None:
     ap.add_argument("--window-minutes", type=float, default=20.0)
     ap.add_argument("--retain-windows", type=int, default=ValidatorSettings().retain_windows)
     ap.add_argument("--day", type=int, default=1, help="which day of the run (storage grows without retention)")
+    ap.add_argument(
+        "--eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="outer.eager: each peer reads every other contribution for its forecast [default: the RunSpec's]",
+    )
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--demo", type=Path, help="a JSON summary of `sparseloco demo --store s3 --json`")
     src.add_argument("--run-demo", action="store_true", help="run that demo now (minutes)")
@@ -144,7 +154,7 @@ def main() -> None:
         per_peer, validator, source = parse_counts(args.requests), parse_counts(args.validator_requests), "arguments"
     else:
         raise SystemExit("give --demo FILE, --run-demo or --requests")
-    sz = sizes(args.model, args.peers)
+    sz = sizes(args.model, args.peers, args.eager)
     usage = Usage(
         params=int(sz["params"]),
         peers=args.peers,

@@ -98,7 +98,8 @@ REQUEST_KINDS = ("GET", "HEAD", "LIST", "PUT")  # what the bucket bills: one per
 class GrantStats:
     """Counters for preflight, benchmarks and tests. ``requests``: the requests sent to the
     store (not to the grant server) by kind, every attempt counted, each listing page one ``LIST``:
-    what the bucket bills this peer for."""
+    what the bucket bills this peer for (reads that go to a public-read bucket directly, ``reads``,
+    are that store's and not counted here)."""
 
     grants: int = 0
     cached: int = 0
