@@ -18,11 +18,13 @@ window's progress, as if the peer had waited. Otherwise the difference is correc
     forecast.complete               # every trusted peer's contribution looked at: Δ̄′ is final
 
 Each contribution is fetched once; what a peer downloads for it is one contribution per peer of
-the last aggregate and window. A refresh costs the bucket one LIST (class A) of the window's
-contributions, or, once at most :data:`EXACT_READS` trusted peers are still missing, a GET of
-each of their exact keys instead (class B: a 404 while it is not there, the contribution itself
-once it is, which a LIST would have been followed by anyway); a complete forecast asks nothing. Objects that fail a check are left out (never an error: they are
+the last aggregate and window. Objects that fail a check are left out (never an error: they are
 someone else's problem, and the validator's).
+
+A refresh costs the bucket one LIST (class A) of the window's contributions, or, once at most
+:data:`EXACT_READS` trusted peers are still missing, a GET of each of their exact keys instead
+(class B: a 404 while one is not there, the contribution itself once it is, which a LIST would
+have been followed by anyway); a complete forecast asks nothing.
 """
 
 from __future__ import annotations
