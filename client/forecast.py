@@ -43,14 +43,10 @@ from protocol.config import RunSpec
 from protocol.errors import ProtocolError, StoreError
 from protocol.feedback import FeedbackState
 from protocol.model import param_schema
-from protocol.store.base import ObjectStore
+from protocol.store.base import EXACT_READS, ObjectStore
 from protocol.wire import decode_contribution
 
 __all__ = ["EXACT_READS", "Forecast", "same_delta"]
-
-# A LIST costs what 12.5 GETs cost on R2 (class A $4.50/M, class B $0.36/M) and on S3 alike
-# ($0.005 and $0.0004 per 1000): up to 12 missing keys are cheaper to GET one by one.
-EXACT_READS = 12
 
 log = logging.getLogger(__name__)
 

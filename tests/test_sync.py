@@ -100,15 +100,20 @@ FOUR = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(4)]
 
 
 class CountingStore(MemoryStore):
-    """A memory store that counts its listings (what reading the endorsements costs)."""
+    """A memory store that counts its listings and reads (what reading the endorsements costs)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.listings: list[str] = []
+        self.reads: list[str] = []
 
     def list(self, prefix: str) -> list[str]:
         self.listings.append(prefix)
         return super().list(prefix)
+
+    def get(self, key: str, *, max_bytes: int = 1 << 30) -> bytes:
+        self.reads.append(key)
+        return super().get(key, max_bytes=max_bytes)
 
 
 def endorse(spec: RunSpec, store: ObjectStore, window: int, who: Identity, digest: str) -> None:
@@ -135,7 +140,11 @@ def test_a_waiting_peer_reads_how_many_validators_signed() -> None:
         "waiting for 3 of 4 validators to sign aggregate 7 (2 endorsements so far, 3 validators endorsed different digests)"
     )
     assert describe(found.event()) == found.describe()
+    # 4 validators: each one's endorsement key is read (a GET, a 404 for one not there), no LIST
+    assert not any("endorsement" in p for p in store.listings)
+    assert sum("endorsement" in k for k in store.reads) == 2 * 4  # two readings so far
     store.listings.clear()
+    store.reads.clear()
 
     # every poll checks the aggregate; the endorsements are read only every signatures_every_s
     polls, heard = [0], []
@@ -150,10 +159,10 @@ def test_a_waiting_peer_reads_how_many_validators_signed() -> None:
     assert not sync.wait_until_published(
         7, should_stop=stop_after(20), on_waiting=heard.append, signatures_every_s=3600
     )
-    assert heard == [] and not any("endorsement" in p for p in store.listings)
+    assert heard == [] and not any("endorsement" in k for k in [*store.listings, *store.reads])
     polls[0] = 0
     assert not sync.wait_until_published(7, should_stop=stop_after(3), on_waiting=heard.append, signatures_every_s=0)
-    assert heard == [found] * 3 and sum("endorsement" in p for p in store.listings) == 3
+    assert heard == [found] * 3 and sum("endorsement" in k for k in store.reads) == 3 * 4
 
 
 def test_one_validator_reads_no_endorsement() -> None:
