@@ -275,6 +275,9 @@ def summary_table(s: dict[str, Any]) -> Table:
         f"data {s['data_bytes_per_peer_per_window']:,} B/peer/window, {s['data_cache_hit_rate']:.0%} cache hits · "
         f"download {s['download_bytes_per_peer_per_window']:,} B/peer/window"
     )
+    if "requests_per_peer_per_window" in s:  # s3: what the bucket bills
+        asked = ", ".join(f"{kind} {n:g}" for kind, n in s["requests_per_peer_per_window"].items())
+        t.caption += f" · requests/peer/window: {asked}"
     if several:
         t.caption += (
             f" · {len(s['validators'])} validators, quorum {s['quorum']} · handovers {s['handovers']}"
