@@ -20,6 +20,11 @@ window's progress, as if the peer had waited. Otherwise the difference is correc
 Each contribution is fetched once; what a peer downloads for it is one contribution per peer of
 the last aggregate and window. Objects that fail a check are left out (never an error: they are
 someone else's problem, and the validator's).
+
+A refresh costs the bucket one LIST (class A) of the window's contributions, or, once at most
+:data:`EXACT_READS` trusted peers are still missing, a GET of each of their exact keys instead
+(class B: a 404 while one is not there, the contribution itself once it is, which a LIST would
+have been followed by anyway); a complete forecast asks nothing.
 """
 
 from __future__ import annotations
@@ -38,10 +43,10 @@ from protocol.config import RunSpec
 from protocol.errors import ProtocolError, StoreError
 from protocol.feedback import FeedbackState
 from protocol.model import param_schema
-from protocol.store.base import ObjectStore
+from protocol.store.base import EXACT_READS, ObjectStore
 from protocol.wire import decode_contribution
 
-__all__ = ["Forecast", "same_delta"]
+__all__ = ["EXACT_READS", "Forecast", "same_delta"]
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +96,25 @@ class Forecast:
 
     def refresh(self) -> bool:
         """Fetch the contributions uploaded since the last call; True when Δ̄′ changed. A store
-        that fails leaves the forecast as it is (tried again on the next call)."""
-        try:
-            prefix = layout.contrib_prefix(self.run, self.window)
-            # a DHT store decodes only the listing entries of the trusted peers
-            keys = self.store.list(prefix) if self.trusted is None else self.store.list_written_by(prefix, self.trusted)
-        except StoreError as exc:
-            log.info("forecast of aggregate %d: listing failed (%s)", self.window, exc)
+        that fails leaves the forecast as it is (tried again on the next call). Complete: nothing
+        is asked (module docstring for what a refresh asks)."""
+        if self.complete:
             return False
+        missing = self._missing()
+        if missing is not None and len(missing) <= EXACT_READS:
+            keys = missing  # a GET each (a 404 for one not there yet) instead of a LIST
+        else:
+            try:
+                prefix = layout.contrib_prefix(self.run, self.window)
+                # a DHT store decodes only the listing entries of the trusted peers
+                keys = (
+                    self.store.list(prefix)
+                    if self.trusted is None
+                    else self.store.list_written_by(prefix, self.trusted)
+                )
+            except StoreError as exc:
+                log.info("forecast of aggregate %d: listing failed (%s)", self.window, exc)
+                return False
         added = False
         for key in keys:
             if key in self._seen:
@@ -114,6 +130,13 @@ class Forecast:
         if added:
             self.delta = self._aggregate()
         return added
+
+    def _missing(self) -> list[str] | None:
+        """The keys of the trusted peers' contributions not looked at yet (None: no trusted set)."""
+        if self.trusted is None:
+            return None
+        keys = (layout.contrib_key(self.run, self.window, p) for p in sorted(self.trusted))
+        return [k for k in keys if k not in self._seen]
 
     def _peer_of(self, key: str) -> str | None:
         try:

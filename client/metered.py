@@ -6,6 +6,7 @@
     store.bytes_read            # bytes of every object and range fetched so far (aggregates, checkpoints, data)
     store.bytes_written         # bytes of every object put so far (contributions, announcements)
     store.wire_sent, store.wire_received   # what the wrapped store's sockets moved, headers and all
+    store.requests()            # {"GET": n, "HEAD": n, "LIST": n, "PUT": n} sent to the bucket so far
 
 The peer reads everything it needs from the run through one of these (its reports carry the bytes
 fetched per window, ``sparseloco demo`` the mean per peer and window). ``bytes_read`` and
@@ -15,6 +16,12 @@ retries are not in them. ``wire_sent`` and ``wire_received`` are: they read the 
 for callers that use it directly (the peer's data feed does), so they are what the peer's store
 traffic put on its link. A store without sockets of its own (a directory, memory, the DHT's node)
 reports 0.
+
+:meth:`MeteredStore.requests` is what the bucket bills: the requests the wrapped store sent to it
+by kind, counted where they are sent (a :class:`~protocol.store.granted.GrantedStore` counts every
+attempt and every listing page, and every reader of the process that shares it — the data feed
+too). A store that does not count its requests (a directory, a credential's own S3 client)
+reports none.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import threading
 
 from protocol.store.base import DEFAULT_MAX_BYTES, ObjectStore
+from protocol.store.granted import GrantStats
 
 __all__ = ["MeteredStore"]
 
@@ -56,6 +64,11 @@ class MeteredStore(ObjectStore):
     def wire_received(self) -> int:
         """Bytes the wrapped store's sockets received (0 without any)."""
         return self.wire.received if self.wire is not None else 0
+
+    def requests(self) -> dict[str, int]:
+        """Requests the wrapped store sent to the bucket so far, by kind ({} when it does not count)."""
+        stats = getattr(self.inner, "stats", None)
+        return dict(stats.requests) if isinstance(stats, GrantStats) else {}
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         self.inner.put(key, data, if_absent=if_absent)

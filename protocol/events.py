@@ -209,6 +209,9 @@ class PeerWindow(Event):
     data_misses: int = 0  # blocks it had to wait for
     wire_up_bytes: int = 0  # sent on the store's sockets since the previous window report: headers, grants, retries
     wire_down_bytes: int = 0  # received on them since the previous window report (0: a store without sockets)
+    requests: dict[str, int] = field(
+        default_factory=dict
+    )  # sent to the bucket since the previous report, by kind (GET, HEAD, LIST, PUT)
 
 
 @_event("resumed_upload")

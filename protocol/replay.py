@@ -45,7 +45,7 @@ from protocol.config import ModelConfig, RunSpec
 from protocol.errors import DigestMismatch, MalformedPayload, ObjectNotFound, ProtocolError, StaleBase
 from protocol.model import build_model, fingerprint, param_schema, parameters_of
 from protocol.quorum import Quorum, Signatures
-from protocol.store.base import ObjectStore
+from protocol.store.base import EXACT_READS, ObjectStore
 from protocol.store.fetch import Watch
 from protocol.wire import Aggregate, CheckpointManifest, Verified
 from protocol.wire.quorum import MAX_ENDORSEMENT_BYTES, decode_endorsement
@@ -149,16 +149,21 @@ class Chain:
 
     def signatures(self, window: int) -> Signatures | None:
         """Several validators: the endorsements of ``window`` found so far (what a reader waiting
-        for its certificate is waiting for); None with one validator. One listing of the window's
-        endorsements (at most n keys are read, one per validator, each a GET of at most 1 KiB);
-        an endorsement that does not verify or is not there any more counts as none."""
+        for its certificate is waiting for); None with one validator. Up to
+        :data:`~protocol.store.base.EXACT_READS` validators, a GET of each one's endorsement key (a
+        404 for one not there: cheaper in the bucket than a LIST); more, one listing of the window's
+        endorsements, then a GET of each listed one (at most n, each at most 1 KiB). An endorsement
+        that does not verify or is not there any more counts as none."""
         q = self.validators
         if q is None:
             return None
         prefix = layout.endorsement_prefix(self.run, window)
         ids = set(q.ids)
-        listed = self.store.list_written_by(prefix, ids)
-        signers = sorted({k[len(prefix) :] for k in listed if k.startswith(prefix)} & ids)
+        if len(ids) <= EXACT_READS:
+            signers = sorted(ids)
+        else:
+            listed = self.store.list_written_by(prefix, ids)
+            signers = sorted({k[len(prefix) :] for k in listed if k.startswith(prefix)} & ids)
         digests: dict[str, int] = {}
         for signer in signers:
             try:

@@ -46,8 +46,10 @@ from wan import SIZES, progress
 from client.demo.processes import install_signal_handlers
 from client.demo.swarm import LocalSwarm, default_threads
 from client.demo.wan import LINKS, PROFILES, Counters, Ledger, Link, Wan, swarm_links
-from protocol.events import Event, PeerWindow
+from protocol import layout
+from protocol.events import Event, Granted, PeerWindow
 
+OUTAGE_WINDOW = 1  # the window whose upload the outage interrupts (mix only: its last dsl peer)
 SLOWEST = {"home": "home", "dsl": "dsl", "cloud": "cloud", "mix": "dsl"}  # the late joiner's link
 
 
@@ -65,9 +67,54 @@ def requests_per_peer_per_window(swarm: LocalSwarm) -> float | None:
     return None
 
 
-def outage(swarm: LocalSwarm, wan: Wan) -> dict[str, Any] | None:
-    """A link taken down mid-run and what it cost; None: not part of this run yet."""
-    return None
+class Outage:
+    """The link of ``victim`` taken down for ``seconds`` as soon as the validator grants it the
+    upload of window ``window`` (its put is then on the wire, or about to be), then up again."""
+
+    def __init__(self, victim: str, seconds: float, window: int) -> None:
+        self.victim, self.seconds, self.window = victim, seconds, window
+        self.granted = False
+        self.down_at: float | None = None
+        self.up_at: float | None = None
+
+    def on_event(self, swarm: LocalSwarm, name: str, event: Event) -> None:
+        if isinstance(event, Granted) and event.op == "put" and swarm.spec is not None:
+            peer_id = swarm.peers[self.victim].peer_id
+            key = layout.contrib_key(layout.run_id(swarm.spec.hash()), self.window, peer_id or "")
+            self.granted = self.granted or event.key.endswith(key)
+
+    def run(self, swarm: LocalSwarm, wan: Wan, timeout_s: float) -> None:
+        swarm.follow(lambda: self.granted, timeout_s=timeout_s)
+        wan.down(self.victim)
+        self.down_at = time.monotonic()
+        print(f"link of {self.victim} down for {self.seconds:.0f} s (window {self.window}'s upload)", file=sys.stderr)
+        swarm.follow(lambda: time.monotonic() - (self.down_at or 0.0) >= self.seconds, timeout_s=self.seconds + 60)
+        wan.up(self.victim)
+        self.up_at = time.monotonic()
+
+    def cost(self, swarm: LocalSwarm, windows: int) -> dict[str, Any]:
+        """``windows_lost``: windows of the run the victim did not get an upload accepted for;
+        ``duplicate_uploads``: its contributions beyond one per window, in the store or the
+        validator's log; ``resent``: windows whose retry found its own bytes already stored."""
+        assert swarm.backend is not None and swarm.spec is not None
+        view = swarm.peers[self.victim]
+        run = layout.run_id(swarm.spec.hash())
+        stored = [
+            k for k in swarm.backend.admin_store().list(layout.contribs_prefix(run)) if k.endswith(view.peer_id or "")
+        ]
+        logged = [r for r in swarm.log_contributions() if r.peer == view.peer_id]
+        reports = [e for e in view.events if isinstance(e, PeerWindow)]
+        uploaded = {e.window for e in reports if e.outcome == "uploaded"}
+        return {
+            "victim": self.victim,
+            "seconds": self.seconds,
+            "window": self.window,
+            "windows_lost": sum(1 for w in range(windows) if w not in uploaded),
+            "duplicate_uploads": (len(stored) - len(set(stored))) + (len(logged) - len({r.window for r in logged})),
+            "resent": sum(1 for e in reports if e.reason == "already present"),
+            "attempts": {e.window: e.upload_attempts for e in reports if e.upload_attempts > 1},
+            "upload_s": {e.window: e.upload_s for e in reports if e.window == self.window},
+        }
 
 
 def bill_per_day_usd(row: dict[str, Any]) -> float | None:
@@ -82,18 +129,24 @@ def box_links(profile: str, peers: int) -> dict[str, Link]:
 
 
 def bench_profile(
-    profile: str, *, peers: int, windows: int, late_after: int, size: str, timeout_s: float
+    profile: str, *, peers: int, windows: int, late_after: int, size: str, timeout_s: float, outage_s: float
 ) -> dict[str, Any]:
     late = f"peer-{peers}"
     ledgers: list[Ledger] = []
+    links = box_links(profile, peers)
+    dsl = [name for name, link in links.items() if link.profile == "dsl" and name != late]
+    cut = Outage(dsl[-1], outage_s, OUTAGE_WINDOW) if outage_s > 0 and profile == "mix" and dsl else None
+    swarms: list[LocalSwarm] = []
 
     def on_event(name: str, event: Event) -> None:
         progress(name, event)
         for ledger in ledgers:
             ledger.on_event(name, event)
+        if cut is not None and swarms:
+            cut.on_event(swarms[0], name, event)
 
     with (
-        Wan(box_links(profile, peers)) as wan,
+        Wan(links) as wan,
         LocalSwarm(
             peers=peers,
             windows=windows,
@@ -106,10 +159,13 @@ def bench_profile(
         ) as swarm,
     ):
         ledgers.append(Ledger(wan))
+        swarms.append(swarm)
         try:
             originals = [f"peer-{i}" for i in range(peers)]
             swarm.start_peers_then_validator(timeout_s=timeout_s)
             start = {name: wan.counters(name) for name in originals}
+            if cut is not None:
+                cut.run(swarm, wan, timeout_s)
             swarm.follow(lambda: late_after in swarm.published, timeout_s=timeout_s)
             swarm.start_peer(peers)
             late_started = time.time()
@@ -131,7 +187,7 @@ def bench_profile(
                 "reported_download_bytes_per_peer_per_window": summary["download_bytes_per_peer_per_window"],
                 "reported_vs_interface_max_rel_diff": reported_vs_interface_max_rel_diff(ledgers[0], originals),
                 "requests_per_peer_per_window": requests_per_peer_per_window(swarm),
-                "outage": outage(swarm, wan),
+                "outage": None if cut is None else cut.cost(swarm, windows),
                 "seconds": summary["seconds"],
             }
             row["bill_per_day_usd"] = bill_per_day_usd(row)
@@ -201,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--late-after", type=int, default=2, help="start the late joiner once this window is published")
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for each profile's run")
+    parser.add_argument(
+        "--outage-s", type=float, default=30.0, help="mix: its dsl peer's link is down this long mid-upload (0: none)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     profiles = [p for p in args.profiles.split(",") if p]
@@ -224,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                     late_after=args.late_after,
                     size=args.size,
                     timeout_s=args.timeout,
+                    outage_s=args.outage_s,
                 )
             )
     except KeyboardInterrupt:

@@ -194,3 +194,28 @@ def test_public_reads_go_to_the_bucket_with_the_peers_own_endpoint(served: Serve
 
 def contribution(key: str, size: int) -> GrantRequest:
     return GrantRequest.put(RUN_HASH, key, size, if_absent=True)
+
+
+def test_a_peers_request_counts_are_what_the_store_counted(served: Served, s3: SeaweedS3) -> None:
+    """Every request a granted store sends is counted by kind, and the store's own metrics see the
+    same: a PUT, GETs (a 404 and a range too), a HEAD (SeaweedFS labels it GET) and a listing."""
+    alice = served.store()
+    before = s3.request_counts()
+    key = layout.contrib_key(RUN, 3, ALICE.peer_id)
+    alice.put(key, b"x" * 10, if_absent=True)
+    assert alice.get(key) == b"x" * 10
+    assert alice.get_range(key, 2, 3) == b"xxx"
+    assert alice.size(key) == 10
+    with pytest.raises(ObjectNotFound):
+        alice.get(layout.aggregate_key(RUN, 3))
+    assert alice.list(layout.contrib_prefix(RUN, 3)) == [key]
+    assert alice.stats.requests == {"GET": 3, "HEAD": 1, "LIST": 1, "PUT": 1}
+    expected = {"GET": 4, "HEAD": 0, "LIST": 1, "PUT": 1, "other": 0}
+    deadline = time.monotonic() + 10.0  # the gateway counts a request as its handler returns
+    while (seen := _delta(before, s3.request_counts())) != expected and time.monotonic() < deadline:
+        pass
+    assert seen == expected
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {kind: after[kind] - before.get(kind, 0) for kind in after}

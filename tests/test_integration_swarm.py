@@ -198,6 +198,12 @@ def test_s3_swarm_peers_hold_no_credential(run_dir: Path) -> None:
         run = run_id(swarm.spec.hash())
         assert {contrib_key(run, w, view.peer_id) for w in range(4)} <= puts
         assert any(e.op == "get" for e in granted if e.peer_id == view.peer_id)  # and read the chain
+    # what the bucket bills: each peer's requests by kind, and the store's count of everyone's
+    per_peer, store = summary["requests_per_peer_per_window"], summary["store_requests_per_window"]
+    assert set(per_peer) == {"GET", "HEAD", "LIST", "PUT"} and per_peer["PUT"] >= 1 and per_peer["GET"] > 0
+    peers_get = 3 * (per_peer["GET"] + per_peer["HEAD"])  # the store counts a HEAD as a GET
+    assert store["GET"] >= 0.99 * peers_get and store["PUT"] >= 0.99 * 3 * per_peer["PUT"]
+    assert summary["grants_per_peer_per_window"]["put"] >= 1
 
 
 def check_refusals(grant_url: str, run_hash: str, peer: Identity, swarm: LocalSwarm) -> None:

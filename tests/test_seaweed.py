@@ -69,3 +69,27 @@ def test_demo_uses_no_test_code_no_validator_and_no_private_launcher_parts() -> 
     source = Path(backends.__file__).read_text()
     private = ("_new_credentials", "_Identity", "_write_identities", "_publish_identities", "_wait_for", "_identities")
     assert "tests/servers.py" not in source and not [name for name in private if name in source]
+
+
+def test_request_counts_fold_seaweeds_labels_into_billed_kinds() -> None:
+    text = "\n".join(
+        [
+            "# HELP SeaweedFS_s3_request_total Counter of s3 requests.",
+            "# TYPE SeaweedFS_s3_request_total counter",
+            'SeaweedFS_s3_request_total{bucket="",code="403",type="LIST"} 5',
+            'SeaweedFS_s3_request_total{bucket="b",code="200",type="GET"} 4',
+            'SeaweedFS_s3_request_total{bucket="b",code="404",type="GET"} 5',
+            'SeaweedFS_s3_request_total{bucket="b",code="200",type="LIST"} 1',
+            'SeaweedFS_s3_request_total{bucket="b",code="200",type="POST"} 2',
+            'SeaweedFS_s3_request_total{bucket="b",code="200",type="PUT"} 4',
+            'SeaweedFS_s3_request_total{bucket="b",code="204",type="DELETE"} 1',
+            "# HELP SeaweedFS_s3_request_seconds Bucketed histogram of s3 request processing time.",
+            "# TYPE SeaweedFS_s3_request_seconds histogram",
+            'SeaweedFS_s3_request_seconds_count{bucket="b",type="GET"} 9',
+            "# TYPE SeaweedFS_s3_bucket_traffic_sent_bytes_total counter",
+            'SeaweedFS_s3_bucket_traffic_sent_bytes_total{bucket="b"} 15',
+        ]
+    )
+    # a multipart upload's POSTs (create, complete) are billed as PUTs; a DELETE is "other"
+    assert seaweed.request_counts(text) == {"GET": 9, "HEAD": 0, "LIST": 6, "PUT": 6, "other": 1}
+    assert seaweed.request_counts("") == dict.fromkeys(seaweed.REQUEST_KINDS, 0)

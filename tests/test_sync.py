@@ -100,15 +100,20 @@ FOUR = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(4)]
 
 
 class CountingStore(MemoryStore):
-    """A memory store that counts its listings (what reading the endorsements costs)."""
+    """A memory store that counts its listings and reads (what reading the endorsements costs)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.listings: list[str] = []
+        self.reads: list[str] = []
 
     def list(self, prefix: str) -> list[str]:
         self.listings.append(prefix)
         return super().list(prefix)
+
+    def get(self, key: str, *, max_bytes: int = 1 << 30) -> bytes:
+        self.reads.append(key)
+        return super().get(key, max_bytes=max_bytes)
 
 
 def endorse(spec: RunSpec, store: ObjectStore, window: int, who: Identity, digest: str) -> None:
@@ -135,7 +140,11 @@ def test_a_waiting_peer_reads_how_many_validators_signed() -> None:
         "waiting for 3 of 4 validators to sign aggregate 7 (2 endorsements so far, 3 validators endorsed different digests)"
     )
     assert describe(found.event()) == found.describe()
+    # 4 validators: each one's endorsement key is read (a GET, a 404 for one not there), no LIST
+    assert not any("endorsement" in p for p in store.listings)
+    assert sum("endorsement" in k for k in store.reads) == 2 * 4  # two readings so far
     store.listings.clear()
+    store.reads.clear()
 
     # every poll checks the aggregate; the endorsements are read only every signatures_every_s
     polls, heard = [0], []
@@ -150,10 +159,10 @@ def test_a_waiting_peer_reads_how_many_validators_signed() -> None:
     assert not sync.wait_until_published(
         7, should_stop=stop_after(20), on_waiting=heard.append, signatures_every_s=3600
     )
-    assert heard == [] and not any("endorsement" in p for p in store.listings)
+    assert heard == [] and not any("endorsement" in k for k in [*store.listings, *store.reads])
     polls[0] = 0
     assert not sync.wait_until_published(7, should_stop=stop_after(3), on_waiting=heard.append, signatures_every_s=0)
-    assert heard == [found] * 3 and sum("endorsement" in p for p in store.listings) == 3
+    assert heard == [found] * 3 and sum("endorsement" in k for k in store.reads) == 3 * 4
 
 
 def test_one_validator_reads_no_endorsement() -> None:
@@ -203,3 +212,51 @@ def test_the_peer_shows_what_it_waits_for_and_reports_each_change() -> None:
 def untimed(event: Event) -> dict[str, object]:
     """An event's fields without the time it was made (two events made a millisecond apart compare equal)."""
     return {k: v for k, v in event.to_dict().items() if k != "time"}
+
+
+def test_polls_back_off_to_the_schedules_cap() -> None:
+    from itertools import islice
+
+    from protocol.config import WindowConfig
+    from protocol.windows import MAX_POLL_S, max_poll_s, poll_delays
+
+    demo = WindowConfig(upload_deadline_s=120.0)
+    assert list(islice(poll_delays(0.05, demo), 7)) == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.8, 1.2, 1.2])
+    assert max_poll_s(1.0, WindowConfig(upload_deadline_s=1200.0)) == MAX_POLL_S  # 12 s would be too late
+    assert max_poll_s(0.001, WindowConfig(upload_deadline_s=1200.0)) == pytest.approx(0.032)  # 32 × poll_s
+    assert max_poll_s(30.0, demo) == 30.0  # never more often than asked
+
+
+def test_a_waiting_peer_backs_off_until_the_aggregate_is_due_then_polls_every_poll_s() -> None:
+    spec = RunSpec.from_dict(
+        {"model": TINY, "validator": {"public_keys": [VALIDATOR.public_key_hex]}, "windows": {"upload_deadline_s": 2.0}}
+    )
+    reads: list[str] = []
+
+    class Reads(MemoryStore):
+        def get(self, key: str, *, max_bytes: int = 1 << 30) -> bytes:
+            reads.append(key)
+            return super().get(key, max_bytes=max_bytes)
+
+    sync = Sync(spec, Reads(), poll_interval_s=0.001)
+    started = time.monotonic()
+    assert not sync.wait_until_published(0, base="b" * 64, stop_at=time.time() + 0.3, due_at=time.time() + 60)
+    # not due: 0.001, 0.002 … 0.016, then every 0.02 s (upload_deadline_s / 100): ~20 looks in 0.3 s, not 300
+    assert 5 <= len(reads) <= 25 and set(reads) == {layout.aggregate_key(layout.run_id(spec.hash()), 0)}
+    assert time.monotonic() - started < 1.0
+    reads.clear()
+    assert not sync.wait_until_published(0, base="b" * 64, stop_at=time.time() + 0.3, due_at=time.time())
+    assert len(reads) > 40  # due: one look every poll_s (a waiting peer idles; a GET costs less)
+
+
+def test_the_next_aggregate_is_due_after_most_of_the_last_windows_length() -> None:
+    from client.peer.position import DUE_SHARE, Theta
+    from protocol.replay import Position
+
+    spec = RunSpec.from_dict({"model": TINY, "validator": {"public_keys": [VALIDATOR.public_key_hex]}})
+    theta = Theta(spec, MemoryStore(), poll_interval_s=0.1)
+    assert theta.due_at() is None  # nothing known yet: no back-off
+    theta.pos = Position(3, "b" * 64, "f" * 64, opened_at=1000.0)
+    assert theta.due_at() is None
+    theta.window_s = 100.0
+    assert theta.due_at() == pytest.approx(1000.0 + DUE_SHARE * 100.0)

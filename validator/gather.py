@@ -1,6 +1,8 @@
 """Gathering a window's contributions: polling listings, bounded and prioritised fetches, budgets.
 
-:func:`gather` polls ``contrib/<window>/`` every ``poll_interval_s`` (a local setting). Only keys of announced,
+:func:`gather` polls ``contrib/<window>/`` every ``poll_interval_s`` (a local setting) while uploads
+arrive, and backs off while none does (:func:`protocol.windows.poll_delays`: each look is a LIST
+the bucket bills, class A). Only keys of announced,
 non-excluded peers are read (``admit``); the others are counted (``unannounced``) or logged
 without a read (``excluded``). The listing names the announced peers (``writers``): a DHT store
 decodes no listing entry of anyone else, so a flood of self-signed entries costs it no more. Admitted keys wait in a queue and are read on a pool of
@@ -43,7 +45,7 @@ from protocol import layout
 from protocol.config import WindowConfig
 from protocol.errors import ObjectNotFound, PayloadTooLarge, ProtocolError, StoreError
 from protocol.store.base import ObjectStore
-from protocol.windows import should_close
+from protocol.windows import poll_delays, should_close
 from protocol.wire import Announcement, decode_announcement
 from validator.budgets import Budgets
 from validator.checks import Screened
@@ -431,8 +433,10 @@ def gather(
     f = _Fetcher(store, budgets, max_bytes, concurrency, screen, priority, clock)
     uploaded: set[str] = set()
     unannounced: set[str] = set()
+    delays = poll_delays(poll_interval_s, windows)
     try:
         while True:
+            before = len(uploaded)
             f.collect()
             try:
                 listed = list_contributions(store, run, window, None if writers is None else writers())
@@ -460,7 +464,9 @@ def gather(
             want = expected(done) if callable(expected) else expected  # peers come and go mid-window
             if stop.is_set() or should_close(now, opened_at, windows, expected=want, uploaded=uploaded):
                 break
-            stop.wait(poll_interval_s)
+            if len(uploaded) > before:
+                delays = poll_delays(poll_interval_s, windows)  # uploads arrive: the next may be close behind
+            stop.wait(next(delays))
         f.drain(time.monotonic() + budgets.fetch_timeout_s, stop)
     finally:
         f.pool.shutdown(wait=False, cancel_futures=True)

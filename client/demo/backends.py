@@ -14,6 +14,7 @@ next when the one it uses does not answer, :mod:`protocol.store.granted`)::
         backend.peer_env(run_hash, peer_id)  # nothing: peers of an S3 swarm ask for grants
         backend.credential_env(run_hash, peer_id)   # or a credential scoped to that peer's keys instead
         backend.args()                       # ["--dht-peer", maddr, ...] for dht
+        backend.request_counts()             # s3: requests the bucket answered so far, by kind (None elsewhere)
 
 In a :class:`~client.demo.wan.Wan` box (``wan=``, S3 only) the SeaweedFS server runs in the
 ``store`` namespace bound to its address, and validator ``i``'s grant server is reached at the
@@ -77,6 +78,11 @@ class Backend:
         if self._server is None:
             raise ConfigError(f"a {self.kind} store has no admin credential")
         return self._server.store()
+
+    def request_counts(self) -> dict[str, int] | None:
+        """The S3 requests the store answered so far, all clients together, by billed kind
+        (:meth:`SeaweedS3.request_counts`); None for a store that does not count them."""
+        return self._server.request_counts() if self._server is not None else None
 
     def validator_env(self) -> dict[str, str]:
         return dict(self._validator_env)

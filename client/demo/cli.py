@@ -122,6 +122,12 @@ def demo(
       forecast_wait_s_per_window  mean wait for the others' contributions before a window's first
                                inner step (outer.forecast_wait)
       contribution_log         the validator's log (sparseloco-validator logs --db PATH)
+      requests_per_peer_per_window  (s3) mean requests a peer's store sent to the bucket per
+                               window, by kind: GET, HEAD, LIST, PUT (what the bucket bills)
+      store_requests_per_window  (s3) requests the store answered per window, every peer and
+                               the validator together (SeaweedFS's metrics; HEADs count as GET)
+      grants_per_peer_per_window  (s3) presigned requests the grant servers gave a peer per
+                               window, by op (a cached read grant serves many polls)
 
     With --validators N the run names N validator keys and an aggregate counts once --quorum of
     them co-signed it (a certificate); the leader of window t in view v is validator-<(t + v) mod
@@ -284,6 +290,9 @@ def summary_table(s: dict[str, Any]) -> Table:
             else ""
         )
     )
+    if "requests_per_peer_per_window" in s:  # s3: what the bucket bills
+        asked = ", ".join(f"{kind} {n:g}" for kind, n in s["requests_per_peer_per_window"].items())
+        t.caption += f" · requests/peer/window: {asked}"
     if several:
         t.caption += (
             f" · {len(s['validators'])} validators, quorum {s['quorum']} · handovers {s['handovers']}"

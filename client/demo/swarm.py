@@ -188,6 +188,7 @@ class LocalSwarm:
         self.group: ProcessGroup | None = None
         self.backend: Backend | None = None
         self.spec: RunSpec | None = None
+        self.store_requests_at_start: dict[str, int] | None = None  # S3: the store's count once init is done
 
     @property
     def peers(self) -> dict[str, PeerView]:
@@ -239,6 +240,7 @@ class LocalSwarm:
                 )
             )
             self.spec = self._write_run([k.public_key_hex for k in vkeys])
+            self.store_requests_at_start = self.backend.request_counts()  # after init: the run's own
         except BaseException:
             self._stack.close()
             raise
@@ -628,10 +630,31 @@ class LocalSwarm:
             "forecast_wait_s_per_window": round(sum(e.forecast_wait_s for e in trained) / len(trained), 3)
             if trained
             else 0.0,
+            **self.request_summary(len(order)),
             "seconds": round(time.time() - self.started_at, 1),
             "contribution_log": str(self.log_db),
             "run_dir": str(self.run_dir),
             **(self.agreement_summary() if self.several else {}),
+        }
+
+    def request_summary(self, windows: int) -> dict[str, Any]:
+        """Over S3, the bucket's requests: ``requests_per_peer_per_window`` (by kind, the mean of
+        the peers' window reports: what each peer's store sent), ``store_requests_per_window`` (by
+        kind, counted at the store since init: every peer and the validator together) and
+        ``grants_per_peer_per_window`` (by op, the grant servers' ``granted`` events: a cached read
+        grant serves many requests). Nothing for a store that does not count requests."""
+        assert self.backend is not None
+        now = self.backend.request_counts()
+        if now is None or self.store_requests_at_start is None:
+            return {}
+        reports = [e for v in self.peers.values() for e in v.events if isinstance(e, PeerWindow)]
+        per_peer = _mean_counts([e.requests for e in reports], len(reports))
+        store = {k: n - self.store_requests_at_start.get(k, 0) for k, n in now.items()}
+        grants = [ops for peer, ops in self.followed.grants.items() if peer in {v.peer_id for v in self.peers.values()}]
+        return {
+            "requests_per_peer_per_window": per_peer,
+            "store_requests_per_window": _mean_counts([store], windows),
+            "grants_per_peer_per_window": _mean_counts(grants, len(self.peers) * windows),
         }
 
     def agreement_summary(self) -> dict[str, Any]:
@@ -705,6 +728,15 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _mean_counts(counts: Sequence[Mapping[str, int]], over: int) -> dict[str, float]:
+    """The sum of ``counts`` by key, divided by ``over`` (0: nothing to divide by, all 0)."""
+    total: dict[str, int] = {}
+    for one in counts:
+        for key, n in one.items():
+            total[key] = total.get(key, 0) + n
+    return {key: round(n / over, 2) if over else 0.0 for key, n in sorted(total.items())}
 
 
 def _round(x: float | None) -> float | None:

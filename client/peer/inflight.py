@@ -170,7 +170,7 @@ class InFlight:
             left = budget - (time.monotonic() - started)
             if forecast.complete or self.abandoned or self.ctx.stopping() or left <= 0:
                 break
-            time.sleep(min(self.theta.poll_s, left))
+            time.sleep(min(self.theta.poll_s, left))  # idle: poll_s (the forecast's reads are GETs)
         self.waited_s = time.monotonic() - started
         self._refreshed = time.monotonic()
         log.info(
@@ -192,8 +192,8 @@ class InFlight:
     def _refresh(self, alpha: float) -> Moves:
         """A newer forecast replaces the stand-in (at most every ``poll_interval_s``)."""
         forecast = self.forecast
-        if forecast is None or time.monotonic() - self._refreshed < self.theta.poll_s:
-            return []
+        if forecast is None or forecast.complete or time.monotonic() - self._refreshed < self.theta.poll_s:
+            return []  # complete: nothing more can come before the aggregate
         self._refreshed = time.monotonic()
         if not forecast.refresh():
             return []

@@ -23,6 +23,7 @@ from protocol import layout
 from protocol.errors import ProtocolError, ReasonedError, StoreError, StoreUnavailable
 from protocol.events import Announced, Joined, PeerStarted, WaitingForGenesis
 from protocol.replay import initial_params
+from protocol.windows import poll_delays
 from protocol.wire import Announcement, encode_announcement
 
 __all__ = ["CLIENT_VERSION", "GENESIS_REPORT_S", "Entry", "Lifecycle", "RunNotFound"]
@@ -155,6 +156,7 @@ class Lifecycle:
         start = time.monotonic()
         reported: float | None = None
         inner_s = 0.0
+        delays = poll_delays(self.theta.poll_s, ctx.spec.windows)  # each look is a GET: back off
         while True:
             try:
                 checkpoint = self.theta.load()
@@ -173,7 +175,7 @@ class Lifecycle:
                 inner_s += self._train_before_genesis(deadline=start + timeout)
                 continue
             ctx.display.update(phase="waiting for genesis")
-            time.sleep(self.theta.poll_s)
+            time.sleep(next(delays))
         self.catch_up.replay()
         return checkpoint, inner_s
 

@@ -46,6 +46,7 @@ from protocol.wire import Aggregate, Verified
 __all__ = ["CatchUp", "Theta"]
 
 _log = logging.getLogger(__name__)
+DUE_SHARE = 0.8  # the next aggregate is expected no sooner than this share of the last window's length
 
 
 class Theta:
@@ -61,6 +62,7 @@ class Theta:
         self.diverged = False  # θ must be rebuilt from a checkpoint before training again
         self.last_manifest: frozenset[str] | None = None  # the peers of the last aggregate applied
         self.previous_base = ""  # the base of the window before θ's (what aggregate pos.window−1 built on)
+        self.window_s: float | None = None  # how long the last window took (published_at to published_at)
 
     def load(self) -> int:
         """θ from the newest checkpoint that verifies (``NotReady`` while there is none); its window."""
@@ -71,7 +73,9 @@ class Theta:
         """Every aggregate published after θ, applied; θ's state holds each step before it is
         yielded, so that one that fails later does not undo it."""
         for step in self.sync.steps(self.params, self.pos):
-            self.pos = step.pos
+            before, self.pos = self.pos, step.pos
+            if before.opened_at is not None and step.pos.opened_at is not None and isinstance(step, Advanced):
+                self.window_s = step.pos.opened_at - before.opened_at
             if isinstance(step, Advanced):
                 agg = step.aggregate.value
                 self.last_manifest = frozenset(m.peer_id for m in agg.manifest)
@@ -124,8 +128,17 @@ class Theta:
         """Until the aggregate that follows θ is published (or ``should_stop()``); with several
         validators ``on_waiting`` hears every few seconds whose signatures it still waits for."""
         self.sync.wait_until_published(
-            self.pos.window, base=self.pos.base, should_stop=should_stop, on_waiting=on_waiting
+            self.pos.window, base=self.pos.base, should_stop=should_stop, on_waiting=on_waiting, due_at=self.due_at()
         )
+
+    def due_at(self) -> float | None:
+        """When the aggregate that follows θ is expected at the soonest: :data:`DUE_SHARE` of the
+        last window's length after θ's window opened (None while that is unknown). Before, a wait
+        for it backs off; a window that runs faster than the last one costs its waiting peers at
+        most :func:`protocol.windows.max_poll_s`."""
+        if self.pos.opened_at is None or self.window_s is None or self.window_s <= 0:
+            return None
+        return self.pos.opened_at + DUE_SHARE * self.window_s
 
     @property
     def poll_s(self) -> float:

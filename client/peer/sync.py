@@ -11,6 +11,7 @@ it keeps no θ of its own (the peer's is :class:`client.peer.position.Theta`'s):
         step.pos                                 #   Advanced (one applied) or Reloaded (θ rebuilt)
     pos = sync.advance(params, pos)              # the same, to its end
     sync.wait_until_published(pos.window, base=pos.base, stop_at=deadline)
+    sync.wait_until_published(pos.window, base=pos.base, due_at=expected)  # backs off until then
     sync.wait_until_published(pos.window, base=pos.base, on_waiting=show)  # several validators:
                                                  #   show(Signatures) every SIGNATURES_EVERY_S
 
@@ -42,6 +43,7 @@ from protocol.quorum import Signatures
 from protocol.replay import Chain, Position, apply_aggregate, replay
 from protocol.store.base import ObjectStore
 from protocol.store.fetch import Watch
+from protocol.windows import poll_delays
 from protocol.wire import Aggregate, Verified
 
 __all__ = ["SIGNATURES_EVERY_S", "Advanced", "NotReady", "Position", "Reloaded", "Step", "Sync"]
@@ -135,13 +137,19 @@ class Sync:
         should_stop: Callable[[], bool] = lambda: False,
         on_waiting: Callable[[Signatures], None] | None = None,
         signatures_every_s: float = SIGNATURES_EVERY_S,
+        due_at: float | None = None,
     ) -> bool:
         """Poll until aggregate ``window`` is published (True; with ``base``: one chaining onto it),
-        ``stop_at`` passes or ``should_stop()`` (False). In a run with several validators,
+        ``stop_at`` passes or ``should_stop()`` (False). Each poll is one GET of the aggregate's
+        key. Before ``due_at`` (unix time; the aggregate is not expected sooner, e.g.
+        :meth:`client.peer.position.Theta.due_at`) the polls back off from ``poll_s`` to
+        :func:`protocol.windows.max_poll_s`; from then on, or without it, one every ``poll_s``:
+        a reader that waits idles, and a GET costs far less than its idle time. In a run with several validators,
         ``on_waiting`` is told what the aggregate still waits for (:meth:`Chain.signatures`) once
         ``signatures_every_s`` have passed without it, and again every ``signatures_every_s``; a
         store error while reading the endorsements only skips that report."""
         due = time.monotonic() + signatures_every_s
+        delays = poll_delays(self.poll_s, self.spec.windows)  # before due_at: each look is a billed request
         while not should_stop():
             if self.aggregate_published(window, base):
                 return True
@@ -155,7 +163,11 @@ class Sync:
                     found = None
                 if found is not None:
                     on_waiting(found)
-            time.sleep(self.poll_s)
+            now = time.time()
+            delay = (
+                self.poll_s if due_at is None or now >= due_at else max(self.poll_s, min(next(delays), due_at - now))
+            )
+            time.sleep(delay if stop_at is None else max(0.0, min(delay, stop_at - now)))
         return False
 
     def apply(self, params: dict[str, Tensor], pos: Position, verified: Verified[Aggregate]) -> Position:

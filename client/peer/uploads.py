@@ -118,6 +118,7 @@ class Uploads:
         self._downloaded = 0  # store bytes read when the last window was reported
         self._wire = (0, 0)  # the store's socket bytes (sent, received) when the last window was reported
         self.rate = LinkRate()  # the uplink, measured by this peer's puts (used on the lane only)
+        self._requested: dict[str, int] = {}  # requests sent to the bucket by then, by kind
 
     def restore(self, snap: Snapshot) -> None:
         """A restart: e, the inner optimizer and the moments' window as the state directory holds them."""
@@ -230,20 +231,24 @@ class Uploads:
             self._give_back(staged)
         summary = put.summary(f"upload of window {staged.window}")
         log.log(logging.INFO if put.uploaded and put.attempts <= 1 else logging.WARNING, "%s", summary)
-        read = self.ctx.store.bytes_read
+        read, requested = self.ctx.store.bytes_read, self.ctx.store.requests()
+        sent = {kind: n - self._requested.get(kind, 0) for kind, n in requested.items()}
         wire = (self.ctx.store.wire_sent, self.ctx.store.wire_received)
         wire_up, wire_down = wire[0] - self._wire[0], wire[1] - self._wire[1]
         self.ctx.display.update(
             upload_bytes=len(staged.blob), upload_s=put.seconds, wire_up_bytes=wire_up, wire_down_bytes=wire_down
         )
-        self.ctx.display.emit(self._window_event(staged, put, read - self._downloaded, wire_up, wire_down))
-        self._downloaded, self._wire = read, wire
+        self.ctx.display.emit(self._window_event(staged, put, read - self._downloaded, (wire_up, wire_down), sent))
+        self._downloaded, self._wire, self._requested = read, wire, requested
         if self._refused >= self.ctx.local.peer.max_upload_failures:
             raise UploadsRefused(self._refused_message(put.reason))
 
-    def _window_event(self, staged: Staged, put: PutOutcome, read: int, wire_up: int, wire_down: int) -> PeerWindow:
+    def _window_event(
+        self, staged: Staged, put: PutOutcome, read: int, wire: tuple[int, int], requests: dict[str, int]
+    ) -> PeerWindow:
         """The window's report: its training, its fold and its put (``read``: store bytes read since
-        the last report; ``wire_up``, ``wire_down``: what the store's sockets sent and received since)."""
+        the last report; ``wire``: what the store's sockets sent and received since; ``requests``:
+        requests sent to the bucket since then, by kind)."""
         st = staged.stats
         return PeerWindow(
             window=staged.window,
@@ -266,8 +271,9 @@ class Uploads:
             data_bytes=st.data.fetched_bytes,
             data_hits=st.data.hits,
             data_misses=st.data.misses,
-            wire_up_bytes=wire_up,
-            wire_down_bytes=wire_down,
+            wire_up_bytes=wire[0],
+            wire_down_bytes=wire[1],
+            requests=requests,
         )
 
     def _refused_message(self, reason: str | None) -> str:

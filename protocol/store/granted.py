@@ -9,6 +9,7 @@ needs only its own Ed25519 key::
     store.get(aggregate_key(run, 2), max_bytes=cap)                          # granted GET
     store.get_range(shard_key(run, sha), start=4096, length=512)             # the same GET, one range
     store.list(checkpoints_prefix(run))                                      # granted listing
+    store.stats.requests                     # {"GET": n, "HEAD": n, "LIST": n, "PUT": n} sent to the bucket
 
 ``put`` asks for a PUT of exactly that key and size (create-only with ``if_absent``, which the S3
 server enforces) and sends the bytes with plain HTTP. Reads ask for presigned GETs, HEADs and
@@ -55,7 +56,7 @@ import urllib.error
 import urllib.request
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -93,7 +94,7 @@ from protocol.store.grants import (
 from protocol.store.presign import Presigned
 from protocol.store.traffic import WireCounter, counting_opener
 
-__all__ = ["GrantNotGiven", "GrantStats", "GrantedStore", "grant_urls", "parse_listing"]
+__all__ = ["REQUEST_KINDS", "GrantNotGiven", "GrantStats", "GrantedStore", "grant_urls", "parse_listing"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,9 +107,15 @@ _MIN_WAIT_S = 0.05  # shortest network wait left under a deadline (a zero timeou
 Page = tuple[list[str], str]  # one listing page: keys, and the continuation token ("" on the last)
 
 
+REQUEST_KINDS = ("GET", "HEAD", "LIST", "PUT")  # what the bucket bills: one per request sent to it
+
+
 @dataclass
 class GrantStats:
-    """Counters for preflight, benchmarks and tests."""
+    """Counters for preflight, benchmarks and tests. ``requests``: the requests sent to the
+    store (not to the grant server) by kind, every attempt counted, each listing page one ``LIST``:
+    what the bucket bills this peer for (reads that go to a public-read bucket directly, ``reads``,
+    are that store's and not counted here)."""
 
     grants: int = 0
     cached: int = 0
@@ -116,6 +123,7 @@ class GrantStats:
     bytes_downloaded: int = 0
     retries: int = 0
     failovers: int = 0  # switches to another grant server because the one in use did not answer
+    requests: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REQUEST_KINDS, 0))
 
 
 class GrantNotGiven(AccessDenied):
@@ -312,10 +320,18 @@ class GrantedStore(ObjectStore):
 
     # ------------------------------------------------------------------ HTTP to the store
     def _send(
-        self, grant: Presigned, key: str, *, body: bytes | None = None, extra: dict[str, str] | None = None
+        self,
+        grant: Presigned,
+        key: str,
+        kind: str,
+        *,
+        body: bytes | None = None,
+        extra: dict[str, str] | None = None,
     ) -> http.client.HTTPResponse:
-        """Send one presigned request (with the unsigned headers ``extra`` as well); an open
-        response on 2xx, named errors otherwise."""
+        """Send one presigned request (with the unsigned headers ``extra`` as well), counted as a
+        request of ``kind`` (:data:`REQUEST_KINDS`); an open response on 2xx, named errors otherwise."""
+        with self._lock:
+            self.stats.requests[kind] += 1
         headers = {**(extra or {}), **grant.headers}
         timeout = self._wait_s(self.timeout_s)
         data: _Budgeted | None = None
@@ -359,7 +375,7 @@ class GrantedStore(ObjectStore):
                     self._put_grants = {k: g for k, g in self._put_grants.items() if g.expires_at > time.time()}
                     self._put_grants[cached] = grant
             try:
-                self._send(grant, key, body=body).close()
+                self._send(grant, key, "PUT", body=body).close()
             except AccessDenied:
                 with self._lock:
                     self._put_grants.pop(cached, None)  # refused by the store: never used again
@@ -416,7 +432,7 @@ class GrantedStore(ObjectStore):
     ) -> tuple[Presigned, http.client.HTTPResponse]:
         grant = self._granted(op, key, token)
         try:
-            return grant, self._send(grant, key, extra=extra)
+            return grant, self._send(grant, key, op.upper(), extra=extra)
         except AccessDenied as exc:
             self._forget(op, key, token)  # expired, or signed by a credential that is gone
             raise _Regrant(exc) from None
