@@ -13,13 +13,14 @@ for a checkpoint; a contribution and an aggregate of ``--peers`` contributions a
 (:mod:`protocol.caps`, the RunSpec's default codec; the aggregate re-compressed, ``outer.recompress``
 from ``recompress_from`` contributions on, like a contribution of ``recompress_k``); what a peer reads per
 window is the aggregate, with ``outer.eager`` (the default) every other trusted peer's contribution
-for the forecast, and its training data (inner steps × batch × (sequence + 1) tokens). The
+for the forecast (the peers of the last aggregate: at most ``validator.max_contributors``), and its training data (inner steps × batch × (sequence + 1) tokens). The
 projection is :func:`validator.bill.project_day`; JSON with ``--json``, else a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -39,7 +40,7 @@ from protocol.caps import aggregate_bound, contribution_bound  # noqa: E402
 from protocol.config import RunSpec  # noqa: E402
 from protocol.model import param_schema  # noqa: E402
 from protocol.settings import ValidatorSettings  # noqa: E402
-from validator.bill import Usage, project_day  # noqa: E402
+from validator.bill import R2, S3_STANDARD, Usage, project_day  # noqa: E402
 
 KINDS = ("GET", "HEAD", "LIST", "PUT")
 
@@ -86,13 +87,16 @@ def sizes(model: str, peers: int, eager: bool | None = None) -> dict[str, float]
     schema = param_schema(spec.model)
     params = sum(math.prod(s) for s in schema.values())
     contribution = contribution_bound(schema, spec.codec)
-    if recompresses(spec.outer, peers):  # Δ̄ of that many is published Top-k coded, contribution-like
+    # An aggregate takes at most max_contributors contributions, and the forecast reads those of
+    # the peers of the last aggregate only (client/forecast.py): neither grows past that cap.
+    contributors = min(peers, spec.validator.max_contributors)
+    if recompresses(spec.outer, contributors):  # Δ̄ of that many is published Top-k coded, contribution-like
         aggregate = contribution_bound(schema, recompress_codec(spec.outer, spec.codec))
     else:
-        aggregate = aggregate_bound(schema, spec, peers)
+        aggregate = aggregate_bound(schema, spec, contributors)
     token_bytes = 2 if spec.model.vocab_size <= 1 << 16 else 4
     data = spec.inner.steps * spec.data.batch_size * (spec.data.seq_len + 1) * token_bytes
-    forecast = (peers - 1) * contribution if spec.outer.eager else 0
+    forecast = (contributors - 1) * contribution if spec.outer.eager else 0
     return {
         "params": params,
         "contribution_bytes": contribution,
@@ -101,6 +105,48 @@ def sizes(model: str, peers: int, eager: bool | None = None) -> dict[str, float]
         "bytes_down_per_peer_per_window": aggregate + forecast + data,
         "checkpoint_every": spec.windows.checkpoint_every,
         "eager": spec.outer.eager,
+        "contributors": contributors,
+    }
+
+
+def project(
+    per_peer: dict[str, float],
+    validator: dict[str, float],
+    *,
+    model: str = "1b",
+    peers: int = 256,
+    window_minutes: float = 20.0,
+    retain_windows: int = ValidatorSettings().retain_windows,
+    day: int = 1,
+    eager: bool | None = None,
+) -> dict[str, Any]:
+    """The day's bill of the target run (``model`` × ``peers`` × ``window_minutes``) from measured
+    requests per peer and per validator window, with the prices as inputs (``prices``)."""
+    sz = sizes(model, peers, eager)
+    usage = Usage(
+        params=int(sz["params"]),
+        peers=peers,
+        window_minutes=window_minutes,
+        requests_per_peer_per_window=per_peer,
+        bytes_down_per_peer_per_window=sz["bytes_down_per_peer_per_window"],
+        contribution_bytes=sz["contribution_bytes"],
+        aggregate_bytes=sz["aggregate_bytes"],
+        validator_requests_per_window=validator,
+        checkpoint_every=int(sz["checkpoint_every"]),
+        retain_windows=retain_windows,
+        day=day,
+    )
+    return {
+        "model": model,
+        "peers": peers,
+        "window_minutes": window_minutes,
+        "retain_windows": retain_windows,
+        "day": day,
+        "requests_per_peer_per_window": per_peer,
+        "validator_requests_per_window": validator,
+        "sizes": sz,
+        "prices": {p.name: dataclasses.asdict(p) for p in (R2, S3_STANDARD)},
+        "projection": project_day(usage),
     }
 
 
@@ -154,32 +200,16 @@ def main() -> None:
         per_peer, validator, source = parse_counts(args.requests), parse_counts(args.validator_requests), "arguments"
     else:
         raise SystemExit("give --demo FILE, --run-demo or --requests")
-    sz = sizes(args.model, args.peers, args.eager)
-    usage = Usage(
-        params=int(sz["params"]),
+    result = project(
+        per_peer,
+        validator,
+        model=args.model,
         peers=args.peers,
         window_minutes=args.window_minutes,
-        requests_per_peer_per_window=per_peer,
-        bytes_down_per_peer_per_window=sz["bytes_down_per_peer_per_window"],
-        contribution_bytes=sz["contribution_bytes"],
-        aggregate_bytes=sz["aggregate_bytes"],
-        validator_requests_per_window=validator,
-        checkpoint_every=int(sz["checkpoint_every"]),
         retain_windows=args.retain_windows,
         day=args.day,
-    )
-    result = {
-        "model": args.model,
-        "peers": args.peers,
-        "window_minutes": args.window_minutes,
-        "retain_windows": args.retain_windows,
-        "day": args.day,
-        "requests_from": source,
-        "requests_per_peer_per_window": per_peer,
-        "validator_requests_per_window": validator,
-        "sizes": sz,
-        "projection": project_day(usage),
-    }
+        eager=args.eager,
+    ) | {"requests_from": source}
     if args.json:
         print(json.dumps(result, indent=1))
         return

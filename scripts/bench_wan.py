@@ -20,11 +20,20 @@ Per profile (home, dsl, cloud, mix; the store and the validator always on cloud)
   trained none before the original peers applied the last window: give it more windows; a peer
   process takes ~20 s to start on two busy cores).
 
-Fields other work fills, printed as null until then (one hook function each below):
-``reported_vs_interface_max_rel_diff`` (the processes' own byte counts against the interface's),
-``requests_per_peer_per_window`` (store requests, from the server's request counters),
-``outage`` (a link taken down mid-run and what it cost) and ``bill_per_day_usd`` (what the store
-traffic would cost a day at a provider's prices).
+* ``reported_vs_interface_max_rel_diff``: the largest relative difference, over the original
+  peers and both directions, between the wire bytes the peers' window reports carry (what their
+  store sockets moved) and the TCP payload their links carried up to their last report
+  (:class:`client.demo.wan.Ledger`).
+* ``requests_per_peer_per_window``: bucket requests by kind (GET, HEAD, LIST, PUT) each peer's
+  store sent, from its window reports; ``store_requests_per_window`` what SeaweedFS counted from
+  everyone (a HEAD counts as a GET there).
+
+Over the whole run: ``outage`` (mix: its dsl peer's link is down ``--outage-s`` seconds from the
+moment the validator grants it window 1's upload: ``windows_lost`` of the run it had no upload
+accepted for, ``duplicate_uploads`` beyond one per window in the store or the validator's log);
+``bill_per_day_usd`` (``r2``, ``s3``): a day of a 1B run with 256 peers and 20-minute windows at
+list ``prices`` (inputs of ``scripts/bench_bill.py``), from the mix run's measured requests per
+peer and per validator window, with sizes at the codec's bounds.
 
 Prints progress to stderr, then a table, or one JSON object with ``--json``.
 """
@@ -41,6 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_bill import demo_counts, project
 from wan import SIZES, progress
 
 from client.demo.processes import install_signal_handlers
@@ -62,9 +72,11 @@ def reported_vs_interface_max_rel_diff(ledger: Ledger, originals: list[str]) -> 
     return None if diff is None else round(diff, 5)
 
 
-def requests_per_peer_per_window(swarm: LocalSwarm) -> float | None:
-    """Store requests per peer per window (the S3 server's request counters); None: not measured yet."""
-    return None
+def requests_per_peer_per_window(summary: dict[str, Any]) -> dict[str, float] | None:
+    """Bucket requests per peer per window by kind (GET, HEAD, LIST, PUT): what each peer's store
+    sent, from its window reports (the demo's summary); None: not over S3."""
+    counts: dict[str, float] | None = summary.get("requests_per_peer_per_window")
+    return counts
 
 
 class Outage:
@@ -114,12 +126,24 @@ class Outage:
             "resent": sum(1 for e in reports if e.reason == "already present"),
             "attempts": {e.window: e.upload_attempts for e in reports if e.upload_attempts > 1},
             "upload_s": {e.window: e.upload_s for e in reports if e.window == self.window},
+            "not_uploaded": {e.window: f"{e.outcome}: {e.reason}" for e in reports if e.outcome != "uploaded"},
         }
 
 
-def bill_per_day_usd(row: dict[str, Any]) -> float | None:
-    """The store traffic of a day at a provider's prices; None: not priced yet."""
-    return None
+def bill(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The day's bucket bill of a 1B run with 256 peers and 20-minute windows, from the requests
+    ``row``'s run measured per peer and per validator window (:func:`bench_bill.project`: R2 and
+    S3 Standard list prices as inputs, sizes from the codec's bounds); None: no counts."""
+    if not row.get("requests_per_peer_per_window") or not row.get("store_requests_per_window"):
+        return None
+    per_peer, validator = demo_counts(
+        {
+            "requests_per_peer_per_window": row["requests_per_peer_per_window"],
+            "store_requests_per_window": row["store_requests_per_window"],
+            "peers": row["peers"],
+        }
+    )
+    return project(per_peer, validator)
 
 
 # ---------------------------------------------------------------------- one profile
@@ -186,11 +210,11 @@ def bench_profile(
                 "reported_upload_bytes_per_peer_per_window": summary["upload_bytes_per_peer_per_window"],
                 "reported_download_bytes_per_peer_per_window": summary["download_bytes_per_peer_per_window"],
                 "reported_vs_interface_max_rel_diff": reported_vs_interface_max_rel_diff(ledgers[0], originals),
-                "requests_per_peer_per_window": requests_per_peer_per_window(swarm),
+                "requests_per_peer_per_window": requests_per_peer_per_window(summary),
+                "store_requests_per_window": summary.get("store_requests_per_window"),
                 "outage": None if cut is None else cut.cost(swarm, windows),
                 "seconds": summary["seconds"],
             }
-            row["bill_per_day_usd"] = bill_per_day_usd(row)
         except BaseException:
             print(f"logs kept in {swarm.run_dir / 'logs'}", file=sys.stderr)
             raise
@@ -289,11 +313,31 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: processes stopped, box removed", file=sys.stderr)
         return 130
+    result = summarise(rows) | {"peers": args.peers, "windows": args.windows, "size": args.size}
     if args.json:
-        print(json.dumps({"peers": args.peers, "windows": args.windows, "size": args.size, "profiles": rows}, indent=1))
+        print(json.dumps(result, indent=1))
     else:
         print_table(rows)
+        print(f"outage: {json.dumps(result['outage'])}")
+        print(f"bill per day at 1B x 256 x 20 min (USD): {json.dumps(result['bill_per_day_usd'])}")
     return 0
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON: ``profiles`` by name, the outage (mix), the bill from the mix run's requests (else
+    the first profile's) and the prices it used."""
+    by_name = {row["profile"]: row for row in rows}
+    source = by_name.get("mix", rows[0] if rows else {})
+    priced = bill(source) if source else None
+    return {
+        "profiles": by_name,
+        "outage": next((row["outage"] for row in rows if row.get("outage")), None),
+        "bill_per_day_usd": None
+        if priced is None
+        else {"r2": priced["projection"]["r2"], "s3": priced["projection"]["s3"], "from_profile": source["profile"]},
+        "bill": priced,
+        "prices": None if priced is None else priced["prices"],
+    }
 
 
 if __name__ == "__main__":
