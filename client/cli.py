@@ -289,8 +289,9 @@ def preflight(run_path: str, overrides: Overrides, key_path: str | None, state_d
     Checks: memory (suggests compute.micro_batch_size), compute (inner steps
     timed on this device, the contribution's size), run (its genesis for
     this run hash), reads (the chain), grant (the grant server would grant
-    this peer's upload), write (a probe object: up/down bandwidth), window
-    (one window's time against windows.upload_deadline_s).
+    this peer's upload), write (a probe object: up/down bandwidth), link
+    (the contribution's upload at that bandwidth against
+    windows.upload_deadline_s), window (one window's time against it).
 
     Exit status: 0 ready, 1 not ready (the failed checks say why), 2 configuration error.
     """

@@ -11,7 +11,10 @@ or ``skipped``, with a stable ``reason`` and the figures it measured):
 ``memory``   the model's training footprint (:mod:`client.footprint`) against this device's free
              memory; suggests ``compute.micro_batch_size``
 ``compute``  a few inner steps of the real model on this device (synthetic tokens), the
-             compression of their pseudo-gradient, and the size of the signed contribution
+             compression of their pseudo-gradient with the codec of the run's largest k (window
+             0's when a Top-k warm-up starts above ``codec.k``, else ``codec.k``'s, from window
+             ``outer.warmup_windows`` on: :func:`largest_window`), and the size of the signed
+             contribution
 ``run``      the run's signed genesis checkpoint, for this run hash, in the store
 ``reads``    reading the chain: a listing of the checkpoints, the newest manifest, the size of its
              files and of the newest aggregate
@@ -58,7 +61,7 @@ from protocol.store.granted import GrantedStore, GrantNotGiven
 from protocol.store.grants import PROBE_MAX_BYTES, GrantRequest
 from protocol.wire import GENESIS, CheckpointManifest, Contribution, encode_contribution
 
-__all__ = ["Check", "Preflight", "Report"]
+__all__ = ["Check", "Preflight", "Report", "largest_window"]
 
 GiB = 1 << 30
 TIMED_STEPS = 2
@@ -266,10 +269,11 @@ class Preflight:
         _synchronize(device)
         self._step_s = (self.clock() - t0) / TIMED_STEPS
         t1 = self.clock()
-        codec = spec.codec_at(0)  # window 0's, the largest k of a Top-k warm-up
+        window = largest_window(spec)
+        codec = spec.codec_at(window)
         encoded, _ = compress_step(FeedbackState(), pseudo_gradient(theta, model), beta=spec.outer.beta, cfg=codec)
         self._compress_s = self.clock() - t1
-        blob = encode_contribution(Contribution(self.run_hash, 0, GENESIS, codec, encoded, {}), self.identity)
+        blob = encode_contribution(Contribution(self.run_hash, window, GENESIS, codec, encoded, {}), self.identity)
         self._contribution_bytes = len(blob)
         figures: dict[str, Any] = {
             "step_s": round(self._step_s, 4),
@@ -395,10 +399,10 @@ class Preflight:
 
     def contribution_estimate(self) -> tuple[int, str]:
         """(bytes of one signed contribution, where the figure comes from): the one ``compute``
-        encoded, else the codec's bound for the model (window 0's codec, the largest k)."""
+        encoded, else the codec's bound for the model (the codec of the largest k, :func:`largest_window`)."""
         if self._contribution_bytes is not None:
             return self._contribution_bytes, "measured"
-        return contribution_bound(param_schema(self.spec.model), self.spec.codec_at(0)), "bound"
+        return contribution_bound(param_schema(self.spec.model), self.spec.codec_at(largest_window(self.spec))), "bound"
 
     def _link(self) -> Check:
         if not self._up_bps or not self._down_bps:
@@ -465,6 +469,14 @@ class Preflight:
         if total > deadline:
             return _failed("window", "too_slow", f"one window takes about {parts}", **figures)
         return _ok("window", f"one window takes about {parts}", **figures)
+
+
+def largest_window(spec: RunSpec) -> int:
+    """The first window whose codec keeps the most values per 4096, so the largest contribution:
+    window 0 when the Top-k warm-up starts at or above ``codec.k``, else ``outer.warmup_windows``
+    (the warm-up climbs to ``codec.k`` and stays there)."""
+    outer, k = spec.outer, spec.codec.k
+    return 0 if outer.k_at(0, k) >= k else outer.warmup_windows
 
 
 def _synchronize(device: torch.device) -> None:

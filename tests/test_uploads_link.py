@@ -518,3 +518,35 @@ def test_preflight_estimates_the_contribution_from_the_codec_without_compute() -
     assert checks._link().status == "skipped"  # nothing measured yet
     checks._write()
     assert checks._link().figures["contribution_source"] == "bound"
+
+
+def test_preflight_sizes_the_contribution_with_the_largest_k_of_the_run() -> None:
+    """A Top-k warm-up may start below ``codec.k`` (512, then up to 1024 from window 4): the link
+    is judged against the contribution of the largest k, not window 0's smaller one."""
+    from client.preflight import Preflight, largest_window
+    from protocol.caps import contribution_bound
+    from protocol.identity import Identity
+    from protocol.model import param_schema
+    from protocol.settings import LocalSettings
+
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident, upload_deadline_s=600.0)
+    assert spec.codec.k < spec.outer.warmup_k and largest_window(spec) == 0
+    wide = spec.replace(codec={"k": 1024})
+    assert largest_window(wide) == wide.outer.warmup_windows and wide.codec_at(largest_window(wide)).k == 1024
+    assert largest_window(wide.replace(outer={"warmup_k": 0})) == 0
+    sizes = []
+    for s in (spec.replace(codec={"k": 512}), wide):  # window 0 keeps 512 per 4096 in both
+        checks = Preflight(
+            s, LocalSettings(), Identity.from_seed(b"v" * 32), MemoryStore(f"k-{time.time_ns()}"), device="cpu"
+        )
+        bound, source = checks.contribution_estimate()
+        assert source == "bound" and bound == contribution_bound(param_schema(s.model), s.codec_at(largest_window(s)))
+        assert checks._memory().status == "ok"
+        compute = checks._compute()
+        assert compute.status == "ok" and checks.contribution_estimate() == (
+            compute.figures["contribution_bytes"],
+            "measured",
+        )
+        sizes.append(compute.figures["contribution_bytes"])
+    assert sizes[1] > 1.5 * sizes[0], sizes  # twice the values kept

@@ -8,10 +8,18 @@ upload: it must still make every window, its contribution of each window is crea
 participant ends with the same θ, and the links' counters carry at least what the processes say
 they sent and received. Skips with :meth:`Wan.available`'s reason where the box cannot be built
 (not root, no iproute2) and when SeaweedFS's ``weed`` is missing.
+
+Preflight in the box: ``sparseloco-peer preflight --json`` runs in a dsl peer's namespace and in a
+cloud peer's, against a run whose validator serves grants and whose dense contribution (~1.4 MB)
+cannot be uploaded at 2 Mbit/s within its 3 s upload deadline: the dsl peer's ``link`` check fails
+``uplink_too_slow`` with the figures it measured through its shaped link, the cloud peer's does not
+fail.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from client.demo.processes import python_console
 from client.demo.seaweed import weed_available
 from client.demo.swarm import LocalSwarm
 from client.demo.wan import (
@@ -42,6 +51,7 @@ from client.demo.wan import (
     run_tag,
     swarm_links,
 )
+from client.uplink import megabits, megabytes
 from protocol import layout
 from protocol.events import Event, Granted, PeerWindow
 
@@ -288,4 +298,113 @@ def test_mix_swarm_survives_an_outage_of_the_dsl_peer(tmp_path: Path) -> None:
     stored = sum(e.upload_bytes for v in swarm.peers.values() for e in v.events if isinstance(e, PeerWindow))
     assert interface["store"].down_payload >= stored
     assert not list(Path("/sys/class/net").glob(f"w{wan.tag}*")), "the box was not removed"
+    shutil.rmtree(tmp_path / "run", ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- preflight in the box
+# A run whose contribution a dsl uplink cannot carry in time: ~3.7 M parameters sent dense (k = 4096
+# of every 4096 values from window 4 on, after the default Top-k warm-up from 512: ~1.4 MB signed)
+# within 3 s, which needs ~3.7 Mbit/s; a cloud link does it in a fraction of a second. Short
+# sequences and a small batch keep genesis and the compute check cheap.
+DENSE: dict[str, dict[str, Any]] = {
+    "model": {"preset": "tiny", "dim": 384, "n_layers": 2, "n_heads": 4, "ffn_dim": 1024, "max_seq_len": 32},
+    "data": {"seq_len": 32, "batch_size": 2},
+    "inner": {"steps": 2, "lr": 3e-3, "warmup_steps": 1, "total_steps": 100},
+    "codec": {"k": 4096},
+    "windows": {"upload_deadline_s": 3.0, "gather_grace_s": 0.5, "checkpoint_every": 1000},
+    "validator": {"eval_sequences": 2, "eval_peers_per_window": 1},
+}
+DSL_UP_BITS = LINKS["dsl"].up_mbit * 1e6
+PREFLIGHT_TIMEOUT_S = 120.0
+
+
+def preflight_in(wan: Wan, name: str, swarm: LocalSwarm) -> subprocess.Popen[str]:
+    """``sparseloco-peer preflight --json`` started in ``name``'s namespace, as a peer of ``swarm``
+    would run it (the store and grant server from run.toml, a key of its own, one CPU thread)."""
+    assert swarm.backend is not None
+    state = swarm.run_dir / "preflight" / name
+    argv = [
+        *wan.launcher(name),
+        *python_console("sparseloco-peer"),
+        "preflight",
+        "--run",
+        str(swarm.run_toml),
+        "--state",
+        str(state),
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--json",
+        *swarm.backend.args(),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finished(child: subprocess.Popen[str]) -> tuple[int, dict[str, Any]]:
+    """The exit status and JSON report of a preflight started by :func:`preflight_in`."""
+    out, err = child.communicate(timeout=PREFLIGHT_TIMEOUT_S)
+    assert out.strip(), f"preflight printed no report (status {child.returncode}): {err[-2000:]}"
+    return child.returncode, json.loads(out)
+
+
+def check(report: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [c for c in report["checks"] if c["name"] == name]
+    return found
+
+
+@pytest.mark.integration
+def test_preflight_on_dsl_says_the_contribution_cannot_make_the_deadline(tmp_path: Path) -> None:
+    _box()
+    started = time.monotonic()
+    with (
+        Wan.for_swarm("mix", 3) as wan,
+        LocalSwarm(tmp_path / "run", peers=3, windows=1000, store="s3", overrides=DENSE, wan=wan) as swarm,
+    ):
+        dsl, cloud = "peer-2", "peer-0"
+        assert (wan.links[dsl].profile, wan.links[cloud].profile) == ("dsl", "cloud")
+        assert swarm.spec is not None and swarm.spec.codec.k == 4096
+        swarm.start_validator(0)  # no peer to wait for: genesis at once, its grant server up
+        swarm.wait_validator_ready(timeout_s=TIMEOUT_S)
+        before = wan.counters(dsl)
+        children = {name: preflight_in(wan, name, swarm) for name in (dsl, cloud)}
+        (dsl_rc, dsl_report), (cloud_rc, cloud_report) = (finished(children[n]) for n in (dsl, cloud))
+        crossed = wan.counters(dsl) - before
+    seconds = time.monotonic() - started
+
+    # dsl: the run and its grants are fine, the link is not.
+    assert dsl_rc == 1 and not dsl_report["ok"], dsl_report
+    # The window check counts the same upload in one window's time: it fails too, after the link.
+    assert dsl_report["reasons"] in (["uplink_too_slow"], ["uplink_too_slow", "too_slow"]), dsl_report["reasons"]
+    for name in ("run", "reads", "grant", "write"):
+        assert check(dsl_report, name)["status"] == "ok", check(dsl_report, name)
+    link, write, compute = (check(dsl_report, n) for n in ("link", "write", "compute"))
+    assert (link["status"], link["reason"]) == ("failed", "uplink_too_slow"), link
+    size, up, deadline = link["contribution_bytes"], link["up_bits_per_s"], link["upload_deadline_s"]
+    assert link["contribution_source"] == "measured" and size == compute["contribution_bytes"]
+    assert 1_000_000 < size < 3_000_000, size  # dense: 2-bit values and ~1 bit of index per parameter
+    assert deadline == DENSE["windows"]["upload_deadline_s"]
+    assert DSL_UP_BITS / 4 < up < DSL_UP_BITS * 1.1, up  # the shaped uplink; a busy machine only slows it
+    assert write["up_bytes_per_s"] * 8 == pytest.approx(up, abs=8)
+    assert write["probe_bytes"] == 1 << 20  # the 4 MiB probe would cost a 2 Mbit/s link too much
+    assert crossed.up_payload >= write["probe_bytes"]  # the probe crossed the shaped link
+    assert link["upload_s"] == pytest.approx(8 * size / up, rel=0.01) and link["upload_s"] > deadline
+    assert link["needed_up_bits_per_s"] == round(8 * size / deadline) > DSL_UP_BITS
+    detail = link["detail"]
+    assert megabits(up / 8) in detail and megabytes(size) in detail, detail
+    assert f"needs {link['upload_s']:.0f} s, the upload window is {deadline:.0f} s" in detail, detail
+    assert f"needs ≥ {link['needed_up_bits_per_s'] / 1e6:.1f} Mbit/s" in detail, detail
+
+    # cloud: the same run, the same contribution, a link that carries it in time.
+    cloud_link = check(cloud_report, "link")
+    assert cloud_link["status"] in ("ok", "warning"), cloud_link
+    assert "uplink_too_slow" not in cloud_report["reasons"], cloud_report["reasons"]
+    assert cloud_link["contribution_bytes"] == pytest.approx(size, rel=0.01)
+    assert cloud_link["up_bits_per_s"] > 10 * DSL_UP_BITS and cloud_link["upload_s"] < deadline, cloud_link
+    print(
+        json.dumps(
+            {"seconds": round(seconds, 1), "dsl": link, "cloud": cloud_link, "cloud_reasons": cloud_report["reasons"]}
+        )
+    )
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
