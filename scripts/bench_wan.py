@@ -9,9 +9,11 @@ Per profile (home, dsl, cloud, mix; the store and the validator always on cloud)
 
 * ``windows_completed``, ``fingerprints_equal``: the demo's summary (the validator's log, every
   peer's θ after every window).
-* ``window_s``: the median time between consecutive published windows.
-* ``compute_fraction``: per trained window the peer's training time (``inner_s`` less the wait for
-  the forecast) over ``window_s``, averaged over the original peers' windows.
+* ``window_s``: the mean time between consecutive published windows (first to last, an outage's
+  delay included); ``window_s_median`` the median.
+* ``compute_fraction``: a peer's training time (``inner_s`` less the wait for the forecast) in the
+  windows after the first published one, over the time from the first published window to the
+  last; the mean over the original peers.
 * ``up_bytes_per_peer_per_window`` / ``down_bytes_per_peer_per_window``: what the original peers'
   links carried (whole frames, at the interface), per peer and window; ``…_payload_est`` the TCP
   payload estimated from them (:func:`client.demo.wan.payload_estimate`).
@@ -153,7 +155,15 @@ def box_links(profile: str, peers: int) -> dict[str, Link]:
 
 
 def bench_profile(
-    profile: str, *, peers: int, windows: int, late_after: int, size: str, timeout_s: float, outage_s: float
+    profile: str,
+    *,
+    peers: int,
+    windows: int,
+    late_after: int,
+    size: str,
+    timeout_s: float,
+    outage_s: float,
+    run_dir: Path | None = None,
 ) -> dict[str, Any]:
     late = f"peer-{peers}"
     ledgers: list[Ledger] = []
@@ -172,6 +182,7 @@ def bench_profile(
     with (
         Wan(links) as wan,
         LocalSwarm(
+            None if run_dir is None else run_dir / profile,
             peers=peers,
             windows=windows,
             store="s3",
@@ -226,13 +237,20 @@ def measure(
     swarm: LocalSwarm, originals: list[str], moved: list[Counters], windows: int, late: str, late_started: float
 ) -> dict[str, Any]:
     published = sorted(e.published_at for e in swarm.published.values())
-    window_s = statistics.median(b - a for a, b in zip(published, published[1:])) if len(published) > 1 else None
-    trained = [e for name in originals for e in swarm.peers[name].events if isinstance(e, PeerWindow) and e.tokens > 0]
-    compute = (
-        statistics.mean(max(0.0, e.inner_s - e.forecast_wait_s) / window_s for e in trained)
-        if trained and window_s
-        else None
-    )
+    span = published[-1] - published[0] if len(published) > 1 else 0.0
+    window_s = span / (len(published) - 1) if span > 0 else None
+    median_s = statistics.median(b - a for a, b in zip(published, published[1:])) if span > 0 else None
+    first_window = min(swarm.published) if swarm.published else 0
+
+    def training_s(name: str) -> float:
+        """The peer's training time in the windows after the first published one (those ``span`` holds)."""
+        return sum(
+            max(0.0, e.inner_s - e.forecast_wait_s)
+            for e in swarm.peers[name].events
+            if isinstance(e, PeerWindow) and e.tokens > 0 and e.window > first_window
+        )
+
+    compute = statistics.mean(training_s(name) / span for name in originals) if span > 0 else None
     first = next((e for e in swarm.peers[late].events if isinstance(e, PeerWindow) and e.tokens > 0), None)
     per = len(originals) * windows
 
@@ -241,6 +259,7 @@ def measure(
 
     return {
         "window_s": None if window_s is None else round(window_s, 3),
+        "window_s_median": None if median_s is None else round(median_s, 3),
         "compute_fraction": None if compute is None else round(compute, 4),
         "up_bytes_per_peer_per_window": avg([c.up_bytes for c in moved]),
         "down_bytes_per_peer_per_window": avg([c.down_bytes for c in moved]),
@@ -284,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--outage-s", type=float, default=30.0, help="mix: its dsl peer's link is down this long mid-upload (0: none)"
     )
+    parser.add_argument("--run-dir", type=Path, help="keep each profile's run (logs, states) under this directory")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     profiles = [p for p in args.profiles.split(",") if p]
@@ -308,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                     size=args.size,
                     timeout_s=args.timeout,
                     outage_s=args.outage_s,
+                    run_dir=args.run_dir,
                 )
             )
     except KeyboardInterrupt:
