@@ -373,7 +373,8 @@ def _window_trainer(
     from protocol.data.run_data import open_run_dataset
 
     def dataset() -> TokenDataset:
-        return open_run_dataset(spec, store, local.data)
+        # A link that drops for less than a window costs the window nothing: reads wait for it.
+        return open_run_dataset(spec, store, local.data, patience_s=spec.windows.upload_deadline_s)
 
     if ranks is not None:
         from client.ddp.replica import DataParallelReplica

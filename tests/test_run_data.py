@@ -25,7 +25,7 @@ from protocol.data.assignment import assigned_batches, assigned_spans, assigned_
 from protocol.data.cache import BLOCKS, BlockCache
 from protocol.data.run_data import MAX_MANIFEST_BYTES, StoreBlocks, open_run_dataset, read_dataset_manifest
 from protocol.data.tokens import TokenDataset
-from protocol.errors import DataUnavailable, DigestMismatch, MalformedPayload, UnknownSigner
+from protocol.errors import DataUnavailable, DigestMismatch, MalformedPayload, StoreUnavailable, UnknownSigner
 from protocol.feedback import FeedbackState
 from protocol.identity import Identity
 from protocol.model import build_model, parameters_of
@@ -275,6 +275,26 @@ def test_a_damaged_block_is_fetched_again_never_used_and_the_peer_recovers(run: 
     shard = next(s for s in m.shards if s.sha256 == sha)
     names = {p.name for p in (cache / BLOCKS).iterdir()}
     assert {shard.block(b).hex() for s, b in window_blocks(probe, spec, "peer-b", window) if s == sha} <= names
+
+
+def test_a_store_that_is_down_for_a_while_delays_the_data_but_costs_no_window(run: Run, tmp_path: Path) -> None:
+    """A peer's link or the store down for a few reads: with patience the reads wait and the
+    window's batches come; without it the read fails at once (the window would be skipped)."""
+    spec, args, pages = run.spec, window_args(run.spec), run.spec.data.pages
+    window = 1
+    shards = layout.data_prefix(run.result.run_id) + "shard/"
+
+    store = run.store()
+    ds = open_run_dataset(spec, store, DataSettings(cache_dir=str(tmp_path / "patient")), patience_s=30.0)
+    down = store.faults.fail(shards, ops=("get",), times=3, error=StoreUnavailable)
+    assert assigned_batches(ds, spec.seed, "peer-b", window, *args, pages=pages)
+    assert down.fired == 3  # three reads failed, and were tried again
+
+    store = run.store()
+    ds = open_run_dataset(spec, store, DataSettings(cache_dir=str(tmp_path / "impatient")))
+    store.faults.fail(shards, ops=("get",), times=3, error=StoreUnavailable)
+    with pytest.raises(DataUnavailable, match="injected get failure"):
+        assigned_batches(ds, spec.seed, "peer-b", window, *args, pages=pages)
 
 
 def test_the_next_windows_blocks_are_prefetched_while_training(run: Run, tmp_path: Path) -> None:

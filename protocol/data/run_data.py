@@ -21,7 +21,9 @@ Opening checks that the manifest is signed by a validator key of the run, that i
 the RunSpec's ``data.dataset`` and names the RunSpec's tokenizer, and that its vocabulary fits the
 model. A block is trusted only when its bytes hash to the sha256 the manifest gives: a damaged one
 is fetched again (``FETCH_ATTEMPTS`` times in all), and if it is still damaged the read raises
-:class:`~protocol.errors.DataUnavailable`. Nothing is ever trained or scored on unverified bytes,
+:class:`~protocol.errors.DataUnavailable`. A read that fails without an answer (a link or store
+that is down) is tried again with backoff for ``patience_s`` (a peer: its upload deadline, so that an
+outage shorter than a window does not cost the window its data) before it counts as failed. Nothing is ever trained or scored on unverified bytes,
 and since a damaged block is never cached, the next read fetches it again: a repaired store is
 picked up by itself. Verified blocks go to this machine's cache (:mod:`protocol.data.cache`) and
 stay in memory up to ``MAX_HELD_BYTES``.
@@ -29,6 +31,7 @@ stay in memory up to ``MAX_HELD_BYTES``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import queue
 import threading
@@ -49,6 +52,7 @@ from protocol.errors import ConfigError, DataUnavailable, DigestMismatch, Object
 from protocol.files import atomic_write
 from protocol.settings import DataSettings
 from protocol.store.base import ObjectStore
+from protocol.store.fetch import BACKOFF_S, Retry
 from protocol.wire import DatasetManifest, decode_dataset
 from protocol.wire.dataset import SPLITS, DatasetShard
 
@@ -100,15 +104,22 @@ def read_dataset_manifest(store: ObjectStore, spec: RunSpec, run: str | None = N
 
 
 def open_run_dataset(
-    spec: RunSpec, store: ObjectStore, local: DataSettings | None = None, *, run: str | None = None
+    spec: RunSpec,
+    store: ObjectStore,
+    local: DataSettings | None = None,
+    *,
+    run: str | None = None,
+    patience_s: float = 0.0,
 ) -> TokenDataset:
     """The run's dataset from ``store``: its manifest now, its shards as reads need them, cached
-    in ``local``'s cache directory under its size cap. ``run``: the key prefix (default: the run id)."""
+    in ``local``'s cache directory under its size cap. ``run``: the key prefix (default: the run id).
+    ``patience_s``: how long a block's read that fails without a refusal (a link or store that is
+    down) is tried again, with backoff, before the read fails (0: once)."""
     local = local or DataSettings()
     run = run or layout.run_id(spec.hash())
     manifest = read_dataset_manifest(store, spec, run)
     cache = BlockCache(cache_dir(local) / BLOCKS, local.cache_max_bytes)
-    access = StoreBlocks(store, run, manifest, cache)
+    access = StoreBlocks(store, run, manifest, cache, patience_s=patience_s)
     train, val = access.splits["train"], access.splits["val"]
     return TokenDataset(cache.root, train, val, manifest.vocab_size, manifest.tokenizer, spec.data.dataset, access)
 
@@ -134,8 +145,11 @@ class StoreBlocks:
     """A :class:`~protocol.data.tokens.TokenAccess` over the store: ranged reads of verified blocks,
     cached, prefetched, counted. ``splits`` are the dataset's two :class:`TokenSplit` over it."""
 
-    def __init__(self, store: ObjectStore, run: str, manifest: DatasetManifest, cache: BlockCache) -> None:
+    def __init__(
+        self, store: ObjectStore, run: str, manifest: DatasetManifest, cache: BlockCache, *, patience_s: float = 0.0
+    ) -> None:
         self.store, self.run, self.manifest, self.cache = store, run, manifest, cache
+        self._retry = Retry(None, BACKOFF_S, patience_s) if patience_s > 0 else None
         self._shards = {name: manifest.split(name) for name in SPLITS}
         self.splits = {
             name: TokenSplit([s.tokens for s in shards], self._reader(name)) for name, shards in self._shards.items()
@@ -263,7 +277,8 @@ class StoreBlocks:
             if not todo:
                 break
             try:
-                out.update(self._fetch_range(s, todo))
+                read = functools.partial(self._fetch_range, s, todo)
+                out.update(read() if self._retry is None else self._retry.run(read))
             except ObjectNotFound as exc:
                 raise DataUnavailable(f"{where} is not in the store: {exc}") from exc
             except (StoreError, ProtocolError) as exc:  # a failing store, or a short or oversized answer

@@ -58,6 +58,7 @@ __all__ = [
     "PART_BYTES",
     "PATIENCE_S",
     "Progress",
+    "Retry",
     "SizeMismatch",
     "Watch",
     "fetch",
@@ -122,7 +123,7 @@ def fetch(
         if sha256 is not None:
             _check_digest(key, hashlib.sha256(data).hexdigest(), sha256)
         return data
-    retry = _Retry(give_up_at, backoff_s, patience_s)
+    retry = Retry(give_up_at, backoff_s, patience_s)
     data, digest = _ranged(store, key, size, part, max(1, parallel), progress, retry)
     if sha256 is not None:
         _check_digest(key, digest, sha256)
@@ -157,7 +158,7 @@ def fetch_capped(
     part = max(1, min(part_bytes, MAX_RANGE_BYTES))
     if size < part:  # it shrank since the refused get
         return _whole(store, key, size)
-    retry = _Retry(give_up_at, BACKOFF_S, PATIENCE_S)
+    retry = Retry(give_up_at, BACKOFF_S, PATIENCE_S)
     return _ranged(store, key, size, part, max(1, parallel), progress, retry, size_known=True)[0]
 
 
@@ -177,9 +178,11 @@ def _whole(store: ObjectStore, key: str, size: int) -> bytes:
     return data
 
 
-class _Retry:
+class Retry:
     """When a failed read is tried again: backoff doubling from ``backoff_s``, until ``give_up_at``
-    (or ``patience_s`` after the read first failed); the waits end at once when ``stop`` is set."""
+    (or ``patience_s`` after the read first failed); the waits end at once when ``stop`` is set.
+    Only what may pass is retried (module docstring); ``run(read)`` returns ``read()``'s value
+    or raises its last error."""
 
     def __init__(self, give_up_at: float | None, backoff_s: float, patience_s: float) -> None:
         self.give_up_at, self.backoff_s, self.patience_s = give_up_at, backoff_s, patience_s
@@ -224,7 +227,7 @@ def _ranged(
     part: int,
     parallel: int,
     progress: Progress | None,
-    retry: _Retry,
+    retry: Retry,
     *,
     size_known: bool = False,
 ) -> tuple[bytes, str]:
