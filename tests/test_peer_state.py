@@ -695,6 +695,47 @@ class UnreachableStore(FlakyStore):
         self.inner.put(key, data, if_absent=if_absent)
 
 
+class ReadsDownStore(FlakyStore):
+    """Reads of aggregates fail ``outages`` times, as if the link were down, once ``armed``."""
+
+    def __init__(self, inner: ObjectStore, outages: int) -> None:
+        super().__init__(inner, window=-1)
+        self.outages, self.armed, self.failed = outages, False, 0
+
+    def _down(self, key: str) -> None:
+        if self.armed and "/aggregate/" in key and self.failed < self.outages:
+            self.failed += 1
+            raise StoreUnavailable(f"nothing answers for {key}")
+
+    def get(self, key: str, *, max_bytes: int = 1 << 26) -> bytes:
+        self._down(key)
+        return self.inner.get(key, max_bytes=max_bytes)
+
+    def size(self, key: str) -> int:
+        self._down(key)
+        return self.inner.size(key)
+
+
+def test_a_link_down_while_catching_up_costs_no_window(swarm) -> None:
+    """The store does not answer while the peer reads the next aggregate: it waits and reads
+    again; the window it then trains is uploaded, none is recorded as failed."""
+    spec, store, val, root = swarm
+    flaky = ReadsDownStore(store, outages=3)
+    peer, rec = make_peer(spec, flaky, root, "patient")
+    t = threading.Thread(target=peer.run, kwargs={"until_window": 3}, daemon=True)
+    t.start()
+    rec.wait_for(lambda: bool(rec.of(Joined)))
+    flaky.armed = True  # from now on: the link goes down at the next aggregate's read
+    while val.window < 3:
+        val.close_window(1)
+    t.join(timeout=60)
+    assert not t.is_alive()
+    assert flaky.failed == 3
+    windows = rec.of(PeerWindow)
+    assert [e.outcome for e in windows] == ["uploaded"] * 3, [(e.window, e.outcome, e.detail) for e in windows]
+    assert fingerprint(peer.params) == val.fingerprints[-1]
+
+
 def test_a_peer_waits_to_announce_until_the_store_answers(swarm) -> None:
     spec, store, val, root = swarm
     peer, rec = make_peer(spec, UnreachableStore(store, outages=4), root, "early")  # 3 per announce attempt

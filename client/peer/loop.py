@@ -10,6 +10,7 @@ e and the uploads (:class:`~client.peer.uploads.Uploads`), and the peer's member
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from torch import Tensor
@@ -22,6 +23,7 @@ from client.peer.position import CatchUp, Theta
 from client.peer.uploads import Staged, Uploads
 from client.progress import PeerDisplay
 from client.state import LocalState
+from client.uplink import Backoff, transient
 from client.window import Skipped, Trained, WindowTrainer
 from protocol import layout
 from protocol.config import RunSpec
@@ -35,6 +37,8 @@ from protocol.store.base import ObjectStore
 from protocol.wire import Contribution, encode_contribution
 
 __all__ = ["Peer"]
+
+log = logging.getLogger(__name__)
 
 
 class Peer:
@@ -65,6 +69,8 @@ class Peer:
         self.inner_s = 0.0
         self.windows_trained = 0
         self._last_trained = -1  # the last window trained, skipped or failed here: the next one follows it
+        self._unreachable: float | None = None  # since when the store has not answered a catch-up (monotonic)
+        self._unreachable_wait = Backoff()
 
     def stop(self) -> None:
         """Ask the loop to stop at the next phase boundary (Ctrl-C raises instead, also safely)."""
@@ -80,7 +86,8 @@ class Peer:
                 while not self._done(until_window, max_windows):
                     window, need = self._plan(until_window, max_windows)
                     try:
-                        self.catch_up(need)  # apply what is published; wait while θ is too far behind
+                        if not self._caught_up(need):  # apply what is published; wait while θ is too far behind
+                            continue
                         window, need = self._plan(until_window, max_windows)
                         if window is None or self.pos.window < need or self.theta.diverged or self.ctx.stopping():
                             continue
@@ -195,6 +202,27 @@ class Peer:
         self.display.emit(
             PeerWindow(window=window, outcome="skipped", reason=skipped.reason, inner_s=round(skipped.inner_s, 3))
         )
+
+    def _caught_up(self, need: int) -> bool:
+        """:meth:`catch_up`; False when the store or the grant server did not answer (the link or
+        the store is down): no window is lost to that, the loop waits with backoff and looks
+        again, saying so once when it starts and once when it ends (a refusal or a bad object is
+        the window's failure, as before)."""
+        try:
+            self.catch_up(need)
+        except StoreError as exc:
+            if not transient(exc):
+                raise
+            if self._unreachable is None:
+                self._unreachable, self._unreachable_wait = time.monotonic(), Backoff(first_s=0.5, cap_s=8.0)
+                log.warning("the store does not answer (%s): waiting, no window is given up for it", exc)
+                self.display.update(phase="store unreachable")
+            self.ctx.stop.wait(self._unreachable_wait.next())
+            return False
+        if self._unreachable is not None:
+            log.warning("the store answers again after %.0f s", time.monotonic() - self._unreachable)
+            self._unreachable = None
+        return True
 
     def _failed(self, window: int, exc: ProtocolError | StoreError) -> None:
         """A window that broke on a store or protocol error: record it (nothing was adopted) and

@@ -30,6 +30,7 @@ from torch import Tensor
 from client.peer.context import PeerContext
 from client.peer.sync import Advanced, Reloaded, Step, Sync
 from client.peer.uploads import Uploads
+from client.uplink import transient
 from protocol.aggregate import SparseDict
 from protocol.chain import delta_of
 from protocol.config import RunSpec
@@ -104,9 +105,14 @@ class Theta:
     def window_open(self, window: int) -> bool:
         """Whether a contribution for ``window`` may still count: its aggregate is not published,
         and, for the window θ opens, its deadline has not passed (a window that has not opened yet,
-        the next one while the last aggregate is in flight, has no deadline yet)."""
-        if self.sync.aggregate_published(window, self.base_of(window)):
-            return False
+        the next one while the last aggregate is in flight, has no deadline yet). A store that does
+        not answer (a link down) tells nothing: the window counts as open until it is known closed."""
+        try:
+            if self.sync.aggregate_published(window, self.base_of(window)):
+                return False
+        except StoreError as exc:
+            if not transient(exc):
+                raise
         if self.pos.opened_at is None or window != self.pos.window:
             return True
         return time.time() < upload_deadline(self.pos.opened_at, self.spec.windows)
