@@ -412,6 +412,8 @@ class Preflight:
         upload_s = size / up
         aggregate_s = self._aggregate_bytes / down
         checkpoint_s = self._checkpoint_bytes / down
+        forecast = self._forecast_bytes(size)
+        forecast_s = forecast / down
         needed = required_bits_per_s(size, deadline)
         figures = {
             "contribution_bytes": size,
@@ -421,6 +423,8 @@ class Preflight:
             "aggregate_download_s": round(aggregate_s, 2),
             "checkpoint_bytes": self._checkpoint_bytes,
             "checkpoint_download_s": round(checkpoint_s, 2),
+            "forecast_bytes": forecast,
+            "forecast_download_s": round(forecast_s, 2),
             "upload_deadline_s": deadline,
             "up_bits_per_s": round(8 * up),
             "down_bits_per_s": round(8 * down),
@@ -433,6 +437,11 @@ class Preflight:
         downlink = (
             f"downlink {megabits(down)}: the aggregate ({megabytes(self._aggregate_bytes)}) takes {aggregate_s:.0f} s, "
             f"the checkpoint at join ({megabytes(self._checkpoint_bytes)}) {checkpoint_s:.0f} s"
+            + (
+                f", the others' contributions for the forecast ({megabytes(forecast)}) {forecast_s:.0f} s"
+                if forecast
+                else ""
+            )
         )
         if upload_s > deadline:
             return _failed("link", "uplink_too_slow", f"{uplink}; needs ≥ {needed / 1e6:.1f} Mbit/s", **figures)
@@ -444,7 +453,27 @@ class Preflight:
                 f"{MARGINAL:.0%} of it, a slower moment misses windows; {downlink}",
                 **figures,
             )
+        if forecast_s > MARGINAL * deadline:
+            return _warning(
+                "link",
+                "marginal",
+                f"{downlink}: the forecast's reads (outer.eager) take over {MARGINAL:.0%} of the upload "
+                f"window; the peer trains from an older θ while they last; {uplink}",
+                **figures,
+            )
         return _ok("link", f"{uplink}; {downlink}", **figures)
+
+    def _forecast_bytes(self, contribution: int) -> int:
+        """What the eager forecast reads a window (``outer.eager`` with ``delay`` 1): the contributions of the other
+        peers of an aggregate, at most ``validator.max_contributors``, counted from the run's
+        announcements (one listing); 0 without the forecast or when the listing fails."""
+        if not (self.spec.outer.eager and self.spec.outer.delay):
+            return 0
+        try:
+            announced = len(self.store.list(layout.peers_prefix(self.run_id)))
+        except (ProtocolError, StoreError):
+            return 0
+        return max(0, min(announced + 1, self.spec.validator.max_contributors) - 1) * contribution
 
     def _window(self) -> Check:
         if self._step_s is None or self._contribution_bytes is None:

@@ -507,6 +507,29 @@ def test_preflight_warns_when_the_link_is_marginal_and_passes_when_it_is_not() -
     assert fine.status == "ok" and fine.figures["upload_deadline_s"] == 600.0
 
 
+def test_preflight_counts_the_forecasts_reads_and_warns_when_they_fill_the_window() -> None:
+    """With ``outer.eager`` a peer reads the contributions of the other peers of an aggregate each
+    window (at most ``max_contributors``): 9 announced peers cost 9 contributions of downlink."""
+    from protocol import layout
+    from protocol.identity import Identity
+
+    store = Throttled(f"eager-{time.time_ns()}", up=64e6, down=2e6)
+    checks = preflight_over(store, 60.0, contribution=1_000_000, probe_sizes=(256 << 10,))
+    tight_checks = preflight_over(store, 6.0, contribution=1_000_000, probe_sizes=(256 << 10,))
+    for run_id in (checks.run_id, tight_checks.run_id):  # the deadline is in the RunSpec: two runs
+        for i in range(9):
+            store.put(layout.peer_key(run_id, Identity.from_seed(bytes([i]) * 32).peer_id), b"announced")
+    checks._write()
+    link = checks._link()
+    assert checks.spec.outer.eager and checks.spec.outer.delay == 1  # the defaults
+    assert link.figures["forecast_bytes"] == 9_000_000
+    assert 3.0 < link.figures["forecast_download_s"] < 9.0  # 9 MB at ~2 MB/s
+    assert link.status == "ok" and "forecast" in link.detail  # well within a 60 s window
+    tight_checks._write()
+    tight = tight_checks._link()  # over half of a 6 s window
+    assert (tight.status, tight.reason) == ("warning", "marginal") and "outer.eager" in tight.detail
+
+
 def test_preflight_estimates_the_contribution_from_the_codec_without_compute() -> None:
     from protocol.caps import contribution_bound
     from protocol.model import param_schema
