@@ -192,12 +192,12 @@ def put_by_deadline(
             return ended("failed", f"the upload deadline passed after {attempts} attempts (last: {last_error})")
         need = rate.seconds_for(len(data))
         if need is not None and need > left:
-            rate.skipped()
-            return ended(
-                "skipped",
+            why = (
                 f"the link needs ~{need:.0f} s for {megabytes(len(data))} at {megabits(rate.bytes_per_s or 0)}, "
-                f"{left:.0f} s left",
+                f"{left:.0f} s left"
             )
+            rate.skipped()  # (may forget the rate: the reason is worded first)
+            return ended("skipped", why)
         attempts += 1
         t0 = clock()
         try:

@@ -249,8 +249,9 @@ def test_a_rate_that_only_skips_is_forgotten_and_measured_again() -> None:
     link = Link(clock, bytes_per_s=1e6)
     rate = LinkRate(forget_after=3)
     rate.observe(1_000_000, 100.0)  # 80 kbit/s, once
-    outcomes = [send(link, clock, b"c" * 1_000_000, left_s=60, rate=rate).outcome for _ in range(4)]
-    assert outcomes == ["skipped", "skipped", "skipped", "uploaded"]
+    sent = [send(link, clock, b"c" * 1_000_000, left_s=60, rate=rate) for _ in range(4)]
+    assert [s.outcome for s in sent] == ["skipped", "skipped", "skipped", "uploaded"]
+    assert all("at 0.1 Mbit/s" in s.reason for s in sent[:3]), [s.reason for s in sent]  # the third forgot it after
     assert rate.bytes_per_s == pytest.approx(1e6)
 
 
