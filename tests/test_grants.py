@@ -599,7 +599,7 @@ def test_the_granted_store_reports_refusals_with_the_servers_reason(
     stranger = GrantedStore(server.url, ALICE, RunSpec().hash())
     with pytest.raises(GrantNotGiven) as info:
         stranger.get(layout.aggregate_key(RUN, 1))
-    assert info.value.refusal == "wrong_run"
+    assert info.value.refusal == info.value.reason == "wrong_run"  # reported as what it is
     windows.observe(WindowOpened(window=3, base="genesis", opened_at=time.time() - 61))
     with pytest.raises(GrantNotGiven, match="deadline passed"):
         alice.put(layout.contrib_key(RUN, 3, ALICE.peer_id), b"too late", if_absent=True)

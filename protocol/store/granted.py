@@ -84,6 +84,7 @@ from protocol.store.grants import (
     GRANT_PATH,
     INFO_PATH,
     MAX_GRANT_BYTES,
+    STATUS,
     GrantRefused,
     GrantRequest,
     decode_grant,
@@ -133,6 +134,10 @@ class GrantNotGiven(AccessDenied):
     def __init__(self, message: str, refusal: str) -> None:
         super().__init__(message)
         self.refusal = refusal
+        # Reported as the grant server's reason (``wrong_run``, not ``access_denied``), when it is
+        # one the protocol names (the text comes from the server, which may be anyone's);
+        # ``forbidden`` is what access denied means.
+        self.reason = refusal if refusal in STATUS and refusal != "forbidden" else AccessDenied.reason
 
 
 class _Retry(Exception):
