@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sqlite3
 import urllib.error
 import urllib.request
@@ -204,9 +205,22 @@ def test_logs_plot_writes_a_png(built: Built, tmp_path: Path) -> None:
     assert result.exit_code != 0 and "only --window" in result.output
 
 
+def test_a_dashboard_started_before_the_validator_waits_for_its_log(built: Built, tmp_path: Path) -> None:
+    db = tmp_path / "validator" / "log.sqlite"
+    db.parent.mkdir()
+    with Dashboard(db, port=0) as dash:
+        with pytest.raises(urllib.error.HTTPError) as early:
+            urllib.request.urlopen(dash.url, timeout=10)
+        assert early.value.code == 503 and "yet" in early.value.read().decode()
+        assert not db.exists()  # looking did not create an empty database
+        shutil.copyfile(built.path, db)  # the validator started
+        with urllib.request.urlopen(dash.url, timeout=10) as resp:
+            assert resp.status == 200
+
+
 def test_dashboard_command_refuses_what_is_not_a_log(tmp_path: Path) -> None:
     runner = CliRunner()
-    result = runner.invoke(cli, ["dashboard", "--db", str(tmp_path / "missing.sqlite"), "--port", "0"])
+    result = runner.invoke(cli, ["dashboard", "--db", str(tmp_path / "no-such-dir" / "log.sqlite"), "--port", "0"])
     assert result.exit_code != 0 and "no contribution log" in result.output
     junk = tmp_path / "junk.sqlite"
     junk.write_bytes(b"not a database at all" * 100)

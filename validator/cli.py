@@ -587,7 +587,8 @@ def dashboard(db: str, host: str, port: int) -> None:
       /api/overview  /api/leaderboard?page=N&per_page=M  /api/peers/<id>?page=N
       /api/windows?from=A&to=B&points=N  /api/rejections?from=A&to=B  /api/current
     The log is opened read-only on every request, so it can run beside a running
-    validator. Prints "dashboard at URL" once it listens; Ctrl-C or SIGTERM stops it.
+    validator; started before the validator (its directory exists, the log not yet), it answers
+    503 until the log appears. Prints "dashboard at URL" once it listens; Ctrl-C or SIGTERM stops it.
     """
     from validator.dashboard import Dashboard
 
@@ -599,7 +600,8 @@ def dashboard(db: str, host: str, port: int) -> None:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-    click.echo(f"dashboard at {server.start()}  (log {db}, read-only; Ctrl-C stops)")
+    waiting = "" if Path(db).is_file() else "; no log there yet: it shows the validator's once it starts"
+    click.echo(f"dashboard at {server.start()}  (log {db}, read-only{waiting}; Ctrl-C stops)")
     sys.stdout.flush()  # whoever started it reads the URL from a pipe
     try:
         stop.wait()

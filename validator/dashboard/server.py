@@ -67,9 +67,13 @@ class _NotFound(Exception):
     """No page or peer at this path (answered 404)."""
 
 
-def check_log(db: str | Path) -> None:
-    """Raise ConfigError unless ``db`` is a contribution log this process can read."""
+def check_log(db: str | Path, *, not_yet: bool = False) -> None:
+    """Raise ConfigError unless ``db`` is a contribution log this process can read; with
+    ``not_yet`` a log that does not exist yet in a directory that does is fine (the validator
+    creates it when it starts: the dashboard may be started first)."""
     if not Path(db).is_file():
+        if not_yet and Path(db).parent.is_dir() and not Path(db).exists():
+            return
         raise ConfigError(f"no contribution log at {db}")
     try:
         with LogView.open(db) as log:
@@ -83,7 +87,7 @@ class Dashboard:
     """The dashboard served on ``host:port`` (port 0: a free one) from a thread until :meth:`stop`."""
 
     def __init__(self, db: str | Path, *, host: str = "127.0.0.1", port: int = 8080) -> None:
-        check_log(db)
+        check_log(db, not_yet=True)
         self.server = _Server((host, port), Path(db))
         self._thread = threading.Thread(target=self.server.serve_forever, name="dashboard", daemon=True)
 
@@ -129,6 +133,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         assert isinstance(self.server, _Server)
         url = urlsplit(self.path)
+        if not self.server.db.is_file():  # opening it would create an empty database
+            message = f"no contribution log at {self.server.db} yet: the validator creates it when it starts"
+            return self._error(503, message, url.path)
         try:
             query = _Query(url.query)
             with LogView.open(self.server.db) as log:
