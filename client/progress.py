@@ -61,7 +61,7 @@ class PeerDisplay:
         sinks: Sequence[Callable[[Event], None]] = (),
     ) -> None:
         self.json_lines = json_lines
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, soft_wrap=True)  # a log file gets whole lines
         self.fields: dict[str, Any] = {}
         self.sinks = list(sinks)
         self._json_log = JsonLogLines(sys.stderr, role="peer") if log_format == "json" else None

@@ -820,3 +820,34 @@ def test_open_peer_store_takes_several_grant_servers() -> None:
     assert isinstance(granted, GrantedStore)
     assert granted.grant_urls == ("https://v1.example:8710", "https://v2.example:8710")
     assert "v1.example" in settings.location() and "v2.example" in settings.location()
+
+
+def test_the_validators_human_log_sums_grants_up_per_window_and_prints_refusals() -> None:
+    """Every request of every peer is a grant: the human log counts them and says how many
+    before each publication, one line, while a refusal is printed when it happens."""
+    import io
+
+    from rich.console import Console
+
+    from protocol.events import GrantDenied, Granted, WindowPublished
+    from validator.serve import HumanLines
+
+    out = io.StringIO()
+    lines = HumanLines(Console(file=out, width=200, highlight=False, soft_wrap=True))
+    peers = [ALICE.peer_id, BOB.peer_id]
+    for i in range(30):
+        op = "put" if i % 10 == 0 else "get"
+        lines(Granted(peer_id=peers[i % 2], address="10.0.0.2", op=op, key=f"k{i}", size=8, expires_at=1.0))
+    lines(GrantDenied(peer_id=BOB.peer_id, address="10.0.0.3", op="put", key="k", reason="window_closed", status=409))
+    lines(
+        WindowPublished(window=3, accepted=2, rejected=0, val_loss=1.0, digest="d", fingerprint="f", published_at=1.0)
+    )
+    text = out.getvalue().splitlines()
+    assert len(text) == 3, text
+    assert "grant denied" in text[0] and "window_closed" in text[0]
+    assert "grants since the last window: 30 to 2 peer(s) (get 27, put 3)" in text[1]
+    assert "window 3" in text[2]
+    lines(
+        WindowPublished(window=4, accepted=2, rejected=0, val_loss=1.0, digest="d", fingerprint="f", published_at=2.0)
+    )
+    assert len(out.getvalue().splitlines()) == 4  # no grants since: no summary line

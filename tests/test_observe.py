@@ -395,3 +395,15 @@ def test_agreement_metrics_appear_with_several_validators() -> None:
     metrics(published(6, leader="v3", view=0, signers=["v1", "v3"]))
     got = samples(generate_latest(metrics.registry).decode())
     assert got[("sparseloco_certified_view", ())] == 0 and got[("sparseloco_certified_signers", ())] == 2
+
+
+def test_a_peers_human_lines_are_not_wrapped_when_written_to_a_file(capsys: pytest.CaptureFixture[str]) -> None:
+    """Off a terminal (a log file, a pipe) every event is one line, however long."""
+    from client.progress import PeerDisplay
+    from protocol.events import PeerWindow
+
+    display = PeerDisplay()  # stderr is captured: not a terminal, no panel
+    detail = "x" * 300
+    display.emit(PeerWindow(window=7, outcome="failed", reason="unavailable", detail=detail))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "window 7" in err[0], err

@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import signal
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -27,7 +29,17 @@ from rich.console import Console
 
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, StoreError
-from protocol.events import Event, EventWriter, Failed, GrantsServed, Stopped, ValidatorStarted, describe
+from protocol.events import (
+    Event,
+    EventWriter,
+    Failed,
+    Granted,
+    GrantsServed,
+    Stopped,
+    ValidatorStarted,
+    WindowPublished,
+    describe,
+)
 from protocol.identity import Identity
 from protocol.logformat import JsonLogLines
 from protocol.settings import LocalSettings
@@ -248,14 +260,42 @@ def _window(validator: Validator) -> int | None:
 
 
 class HumanLines:
-    """Events as human lines on ``console``: local time, then :func:`protocol.events.describe`."""
+    """Events as human lines on ``console``: local time, then :func:`protocol.events.describe`.
+
+    Grants are many (every request of every peer) and routine: they are counted, not printed,
+    and summed up in one line before the next window's publication (``grants since the last
+    window: 96 to 3 peers (get 88, list 5, put 3)``); refusals are printed as they come. The JSON
+    forms (``--log-format json``, ``--status-json``) keep every ``granted`` event."""
 
     def __init__(self, console: Console) -> None:
         self.console = console
+        self._lock = threading.Lock()  # the grant server's threads emit too
+        self._grants: Counter[str] = Counter()
+        self._granted_peers: set[str] = set()
 
     def __call__(self, event: Event) -> None:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.time))
-        self.console.print(f"{stamp} {describe(event)}")
+        with self._lock:
+            if isinstance(event, Granted):
+                self._grants[event.op] += 1
+                self._granted_peers.add(event.peer_id)
+                return
+            if isinstance(event, WindowPublished) and self._grants:
+                self._print(event.time, self._grant_summary())
+            self._print(event.time, describe(event))
+
+    def _grant_summary(self) -> str:
+        ops = ", ".join(f"{op} {n:,}" for op, n in sorted(self._grants.items()))
+        line = (
+            f"grants since the last window: {sum(self._grants.values()):,} to "
+            f"{len(self._granted_peers)} peer(s) ({ops})"
+        )
+        self._grants.clear()
+        self._granted_peers.clear()
+        return line
+
+    def _print(self, at: float, line: str) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+        self.console.print(f"{stamp} {line}")
         sys.stdout.flush()  # a pipe (a log collector) sees each line when it happens
 
 
