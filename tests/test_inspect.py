@@ -189,3 +189,21 @@ def test_codec_errors_are_protocol_errors_and_sizes_are_capped(tmp_path: Path) -
         f.truncate(DEFAULT_MAX_BYTES + 1)  # sparse: refused from its size, never read
     assert inspect_file(big).reason == "too_large"
     assert inspect_file(big, max_bytes=DEFAULT_MAX_BYTES + 1).reason == "unsupported_version"
+
+
+def test_a_runs_preflight_probes_are_named_not_called_invalid() -> None:
+    """``<run>/probe/<peer>`` holds random bytes by design (preflight's write probe): inspecting a
+    whole run says what they are instead of failing on them."""
+
+    from wire_samples import RUN_ID
+
+    from client.inspect import inspect_store
+    from protocol.identity import Identity
+    from protocol.layout import probe_key
+    from protocol.store.memory import MemoryStore
+
+    store = MemoryStore(f"inspect-probe-{os.getpid()}")
+    store.put(probe_key(RUN_ID, Identity.from_seed(b"p" * 32).peer_id), os.urandom(4096))
+    results = list(inspect_store(store, f"{RUN_ID}/", label="memory://"))
+    assert len(results) == 1 and results[0].ok, results
+    assert results[0].line.startswith("OK probe bytes=4096")
