@@ -233,19 +233,23 @@ def eval_cmd(
     Held-out data: the validation split of the run's dataset (the validator's), another
     dataset's validation split (builtin:stdlib, a shard directory) or all of any text.
     Zero-shot tasks run through lm-eval's Python API on the exported model when lm-eval is
-    installed and the tasks' data is in the local Hugging Face cache; otherwise they are
-    listed as skipped, with the reason.
+    installed and the tasks' data is in the local Hugging Face cache (the default tasks only
+    where lm-eval is installed); a task asked for with --tasks that cannot run is listed as
+    skipped, with the reason.
     --json fields: checkpoint {window, fingerprint, signed_by, store}, data, sequences,
     tokens, bytes, loss (nats/token), perplexity, bits_per_byte, tasks [{task, metrics,
     skipped}], seconds.
     """
     from client.checkpoints import model_of, open_location
     from client.evaluate import heldout_data
-    from client.zero_shot import DEFAULT_TASKS
+    from client.zero_shot import DEFAULT_TASKS, lm_eval_available
     from protocol.evaluation import score_lm
 
     started = time.perf_counter()
-    task_list = list(DEFAULT_TASKS) if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
+    # The default tasks run where lm-eval is installed; without it only tasks asked for are listed
+    # (as skipped, with why): a default nobody asked for is not news.
+    default = list(DEFAULT_TASKS) if lm_eval_available() else []
+    task_list = default if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
     with _user_errors():
         dev = _device(overrides)  # a device that does not exist fails before any download
         spec, loc, ckpt = _load(run_path, checkpoint, overrides, window)
