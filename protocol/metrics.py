@@ -9,7 +9,8 @@ join`` and ``sparseloco-validator run``)::
     metrics(PeerWindow(window=3, outcome="uploaded", loss=2.7, tokens=65536, inner_s=12.0, ...))
     server.close()
 
-Every metric is prefixed ``sparseloco_``; each process exposes those its events feed:
+Every metric is prefixed ``sparseloco_``; each process exposes those its events feed (one marked
+(peer) or (validator) only on that role's endpoint):
 
 =====================================  ======  =====================================================
 ``window``                             gauge   the window this process works on
@@ -109,29 +110,33 @@ class Metrics:
         self.role = role
         self.registry = CollectorRegistry()
         r = self.registry
+        # What only one role's events feed is exported by that role only (unregistered, it still
+        # counts, and nobody reads it): a validator shows no peer's loss at 0, and the reverse.
+        peer = r if role == "peer" else None
+        validator = r if role == "validator" else None
         self.window = Gauge(PREFIX + "window", "The window this process works on.", registry=r)
         self.phase = Gauge(PREFIX + "phase", "1 for the current phase of this process.", ["phase"], registry=r)
-        self.inner_loss = Gauge(PREFIX + "inner_loss", "Final inner loss of the last trained window.", registry=r)
-        self.tokens_per_s = Gauge(PREFIX + "tokens_per_second", "Training tokens/s of the last window.", registry=r)
-        self.upload_bytes = Counter(PREFIX + "upload_bytes", "Contribution bytes put in the store.", registry=r)
-        self.download_bytes = Counter(PREFIX + "download_bytes", "Contribution bytes read.", registry=r)
-        self.data_bytes = Counter(PREFIX + "data_bytes", "Dataset bytes fetched.", registry=r)
+        self.inner_loss = Gauge(PREFIX + "inner_loss", "Final inner loss of the last trained window.", registry=peer)
+        self.tokens_per_s = Gauge(PREFIX + "tokens_per_second", "Training tokens/s of the last window.", registry=peer)
+        self.upload_bytes = Counter(PREFIX + "upload_bytes", "Contribution bytes put in the store.", registry=peer)
+        self.download_bytes = Counter(PREFIX + "download_bytes", "Contribution bytes read.", registry=validator)
+        self.data_bytes = Counter(PREFIX + "data_bytes", "Dataset bytes fetched.", registry=peer)
         self.wire_bytes = Counter(
-            PREFIX + "wire_bytes", "Bytes on the store's sockets, by direction.", ["direction"], registry=r
+            PREFIX + "wire_bytes", "Bytes on the store's sockets, by direction.", ["direction"], registry=peer
         )
-        self.score = Gauge(PREFIX + "score", "The validator's score of this peer's last contribution.", registry=r)
-        self.reputation = Gauge(PREFIX + "reputation", "This peer's reputation after its last window.", registry=r)
+        self.score = Gauge(PREFIX + "score", "The validator's score of this peer's last contribution.", registry=peer)
+        self.reputation = Gauge(PREFIX + "reputation", "This peer's reputation after its last window.", registry=peer)
         self.contributions = Counter(
             PREFIX + "contributions", "Contributions decided, by outcome.", ["outcome"], registry=r
         )
         self.check_failures = Counter(PREFIX + "check_failures", "Rejections by reason.", ["reason"], registry=r)
-        self.windows = Counter(PREFIX + "windows", "A peer's windows, by outcome.", ["outcome"], registry=r)
+        self.windows = Counter(PREFIX + "windows", "A peer's windows, by outcome.", ["outcome"], registry=peer)
         self.phase_seconds = Gauge(
             PREFIX + "phase_seconds", "Seconds of the last window per phase.", ["phase"], registry=r
         )
-        self.peers_expected = Gauge(PREFIX + "peers_expected", "Peers the validator waits for.", registry=r)
-        self.peers_uploaded = Gauge(PREFIX + "peers_uploaded", "Peers whose upload was read.", registry=r)
-        self.val_loss = Gauge(PREFIX + "val_loss", "Held-out loss of θ after the last window.", registry=r)
+        self.peers_expected = Gauge(PREFIX + "peers_expected", "Peers the validator waits for.", registry=validator)
+        self.peers_uploaded = Gauge(PREFIX + "peers_uploaded", "Peers whose upload was read.", registry=validator)
+        self.val_loss = Gauge(PREFIX + "val_loss", "Held-out loss of θ after the last window.", registry=validator)
         self._agreement: _AgreementMetrics | None = None  # registered on the first agreement event
         self._phase: str | None = None
         self._set_phase("starting")

@@ -118,6 +118,11 @@ def test_validator_metrics() -> None:
     assert got[("sparseloco_phase_seconds", (("phase", "gather"),))] == 1.5
     assert got[("sparseloco_download_bytes_total", ())] == 300
     assert got[("sparseloco_val_loss", ())] == 3.5
+    names = {name for name, _ in got}
+    peer_only = {"sparseloco_inner_loss", "sparseloco_tokens_per_second", "sparseloco_score", "sparseloco_reputation"}
+    assert not names & (peer_only | {"sparseloco_upload_bytes_total", "sparseloco_wire_bytes_total"})  # not at 0
+    peer_names = {name for name, _ in samples(generate_latest(Metrics(role="peer").registry).decode())}
+    assert peer_only <= peer_names and not peer_names & {"sparseloco_val_loss", "sparseloco_peers_expected"}
 
 
 def test_json_log_lines_have_the_fixed_fields() -> None:
