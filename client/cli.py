@@ -104,7 +104,12 @@ def main() -> None:
     default=None,
     help="Serve Prometheus metrics at http://HOST:PORT/metrics (window, phase, loss, tokens/s, bytes, score …).",
 )
-@click.option("--metrics-host", default="0.0.0.0", show_default=True, help="Address the metrics endpoint binds.")
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the metrics endpoint binds (0.0.0.0: every network this machine is on).",
+)
 @click.option(
     "--pipeline",
     "pipeline_group",
@@ -241,7 +246,7 @@ class Output:
 
     log_format: str = "human"
     metrics_port: int | None = None
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"
 
 
 def _load_spec(run_path: str) -> RunSpec:

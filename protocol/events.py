@@ -375,9 +375,11 @@ class ModelEvaluated(Event):
 @dataclass(frozen=True, kw_only=True)
 class GrantsServed(Event):
     """The validator's grant server listens at ``url`` (``--grant-port``): peers whose
-    ``store.grant_url`` names it need no store credential."""
+    ``store.grant_url`` names it need no store credential. ``warnings``: what its operator should
+    know about how it listens (beyond this machine, plain HTTP)."""
 
     url: str
+    warnings: list[str] = field(default_factory=list)
 
 
 @_event("granted")
@@ -546,6 +548,8 @@ def describe(event: Event) -> str:
             f"waiting for genesis of run {event.run_id} in {_plain(event.store)}: {event.waited_s:.0f} s"
             f" of {event.timeout_s:.0f} s (hash {event.run_hash})"
         )
+    if isinstance(event, GrantsServed):
+        return f"grants served at {event.url}" + "".join(f"\n  [bold]warning:[/bold] {w}" for w in event.warnings)
     if isinstance(event, Granted):
         return f"granted {event.op} {event.key} to {event.peer_id[:12]} at {event.address}" + (
             f" ({event.size:,} B)" if event.op == "put" else ""

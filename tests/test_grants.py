@@ -851,3 +851,16 @@ def test_the_validators_human_log_sums_grants_up_per_window_and_prints_refusals(
         WindowPublished(window=4, accepted=2, rejected=0, val_loss=1.0, digest="d", fingerprint="f", published_at=2.0)
     )
     assert len(out.getvalue().splitlines()) == 4  # no grants since: no summary line
+
+
+def test_an_operator_is_warned_when_grants_listen_beyond_the_machine_or_go_in_the_clear() -> None:
+    from protocol.events import GrantsServed, describe
+    from validator.serve import listening_warnings
+
+    assert listening_warnings("127.0.0.1", tls=False) == listening_warnings("::1", tls=False) == []
+    assert listening_warnings("localhost", tls=False) == []
+    public = listening_warnings("0.0.0.0", tls=False)
+    assert len(public) == 2 and "0.0.0.0" in public[0] and "plain HTTP" in public[1]
+    assert len(listening_warnings("10.1.2.3", tls=True)) == 1  # TLS: only that it is reachable
+    line = describe(GrantsServed(url="http://0.0.0.0:8710", warnings=public))
+    assert line.startswith("grants served at http://0.0.0.0:8710") and line.count("warning:") == 2

@@ -279,7 +279,12 @@ class _InitProgress:
     help="Serve Prometheus metrics at http://HOST:PORT/metrics (window, phase, accepted/rejected, "
     "check failures by reason, phase durations, peers expected/uploaded, bytes read …).",
 )
-@click.option("--metrics-host", default="0.0.0.0", show_default=True, help="Address the metrics endpoint binds.")
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the metrics endpoint binds (0.0.0.0: every network this machine is on).",
+)
 @click.option(
     "--fault",
     type=click.Choice(["liar"]),

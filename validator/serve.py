@@ -14,6 +14,7 @@ when a validator is opened, not at import.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import signal
 import sys
 import threading
@@ -201,8 +202,34 @@ def grant_server(validator: Validator, local: LocalSettings, windows_open: OpenW
     server = GrantServer(
         desk, settings.grant_host, settings.grant_port, tls_cert=settings.tls_cert, tls_key=settings.tls_key
     ).start()
-    emit(GrantsServed(url=server.url))
+    emit(GrantsServed(url=server.url, warnings=listening_warnings(settings.grant_host, tls=bool(settings.tls_cert))))
     return server
+
+
+def listening_warnings(host: str, *, tls: bool) -> list[str]:
+    """What an operator should hear about a grant server on ``host``: reachable beyond this
+    machine (fine for a public run, a surprise for a local one), and grants over plain HTTP (the
+    presigned URLs, which anyone holding one may use until it expires, cross the network in the
+    clear)."""
+    warnings = []
+    if not _loopback(host):
+        warnings.append(
+            f"it listens on {host}: every network this machine is on can ask it for grants "
+            "(--grant-host 127.0.0.1 keeps a local run local)"
+        )
+        if not tls:
+            warnings.append(
+                "grants go over plain HTTP: anyone on the path can read and use the presigned URLs "
+                "until they expire (--tls-cert/--tls-key, or TLS in front of it)"
+            )
+    return warnings
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class ValidatorRoster:
