@@ -387,6 +387,7 @@ def test_the_init_command_prints_the_run_and_refuses_to_overwrite(tmp_path: Path
         str(tmp_path / "v.pem"),
     ]
     args += ["--spec", str(base), "--out", str(tmp_path / "run.toml"), "--shard-tokens", "8192", "--json"]
+    args += ["--grant-url", "https://validator.example:8710"]  # what volunteers need besides the store
     out = CliRunner().invoke(cli, args)
     assert out.exit_code == 0, out.output
     printed = json.loads(out.output.strip().splitlines()[-1])
@@ -394,7 +395,7 @@ def test_the_init_command_prints_the_run_and_refuses_to_overwrite(tmp_path: Path
     assert printed["run_hash"] == spec.hash() and printed["dataset"] == spec.data.dataset
     assert local_table(tmp_path / "run.toml") == {
         "poll_interval_s": 0.5,
-        "store": {"url": f"file://{tmp_path / 'store'}"},
+        "store": {"url": f"file://{tmp_path / 'store'}", "grant_url": "https://validator.example:8710"},
     }
     again = CliRunner().invoke(cli, args)
     assert again.exit_code == 2 and "exists" in again.output

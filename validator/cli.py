@@ -62,6 +62,9 @@ from validator.log import LOG_FILE, ContributionLog
 from validator.logview import LogView
 from validator.serve import EXIT_CONFIG, EXIT_STORE, ROLE, Node, Reporting, event_lines, validate
 
+# What `init` writes into run.toml's [local.store] besides the store: where volunteers reach it.
+INIT_STORE_FLAGS = ("store.s3_endpoint", "store.s3_region", "store.grant_url")
+
 if TYPE_CHECKING:
     from validator.audit import AuditReport
     from validator.init import InitResult
@@ -115,7 +118,7 @@ def keygen(key_path: str, as_json: bool) -> None:
     required=True,
     help="builtin:stdlib, a text file or directory, a .jsonl file, or a shard directory (repeatable).",
 )
-@setting_options(*STORE_FLAGS, settings_file=False, required=("store.url",))
+@setting_options(*STORE_FLAGS, *INIT_STORE_FLAGS, settings_file=False, required=("store.url",))
 @click.option(
     "--key", "key_path", default=DEFAULT_KEY, show_default=True, help="Validator Ed25519 key (created if missing)."
 )
@@ -156,8 +159,9 @@ def init(
     The RunSpec is the base (--preset or --spec) with data.dataset (the manifest's digest),
     data.tokenizer ('bytes' or 'hf:<sha256>'), this key in validator.public_keys and
     model.vocab_size at least the tokenizer's; run.toml's [local] table names the store (and
-    keeps the base's [local] table; --store and --dht-peer are written to it). Peers fetch only
-    the shards their batches need.
+    keeps the base's [local] table; --store, --dht-peer, --s3-endpoint, --s3-region and
+    --grant-url are written to it: with --grant-url the volunteers' run.toml needs nothing added).
+    Peers fetch only the shards their batches need.
     Prints the run id and run hash. Exit status: 0 done, 1 the store failed, 2 configuration.
     """
     from validator.dataset import DEFAULT_SHARD_TOKENS
@@ -166,7 +170,9 @@ def init(
     err = Console(stderr=True, highlight=False)
     try:
         base, table = base_spec(preset, spec_path)
-        given = {name.split(".")[1]: overrides.get(name) for name in STORE_FLAGS if overrides.get(name)}
+        given = {
+            name.split(".")[1]: overrides.get(name) for name in (*STORE_FLAGS, *INIT_STORE_FLAGS) if overrides.get(name)
+        }
         table = {**table, "store": {**table.get("store", {}), **given}}
         settings = resolve_settings(run_local=table, env=os.environ, flags=overrides.flags)
         identity = Identity.load_or_create(Path(key_path).expanduser())
