@@ -171,6 +171,7 @@ class Preflight:
         self.probe_sizes, self.probe_budget_s = probe_sizes, probe_budget_s
         self._aggregate_bytes = 0
         self._checkpoint_bytes = 0
+        self._waiting = False  # the validator waits for peers before genesis (the run check found)
         self._up_bps: float | None = None
         self._down_bps: float | None = None
 
@@ -290,6 +291,19 @@ class Preflight:
         try:
             genesis = self.chain.launch().value
         except ObjectNotFound:
+            waiting = self._waiting_for_peers()
+            if waiting is not None:
+                self._waiting = True
+                wanted, announced = waiting
+                return _warning(
+                    "run",
+                    "waiting_for_peers",
+                    f"the validator is up and waits for {wanted} peer(s) to announce before it starts run "
+                    f"{self.run_id}; {announced} announced: `sparseloco-peer join` announces this one and waits "
+                    "for genesis",
+                    waiting_for_peers=wanted,
+                    announced=announced,
+                )
             return _failed(
                 "run",
                 "run_not_found",
@@ -301,7 +315,23 @@ class Preflight:
             return _failed("run", _reason(exc), f"cannot read the run's genesis: {exc}")
         return _ok("run", f"run {self.run_id} started at {time.ctime(genesis.published_at)}")
 
+    def _waiting_for_peers(self) -> tuple[int, int] | None:
+        """(peers the validator waits for, announced so far) when this run's grant server says
+        it waits for peers before genesis; None otherwise (no grant server, another run, no answer)."""
+        if not isinstance(self.store, GrantedStore):
+            return None
+        try:
+            info = self.store.info()
+        except (ProtocolError, StoreError):
+            return None
+        wanted, announced = info.get("waiting_for_peers"), info.get("announced")
+        if info.get("run_hash") != self.run_hash or not isinstance(wanted, int) or not isinstance(announced, int):
+            return None
+        return wanted, announced
+
     def _reads(self) -> Check:
+        if self._waiting:
+            return _skipped("reads", "waiting_for_peers", "nothing to read before genesis")
         try:
             windows = self._checkpoint_windows()
             if not windows:

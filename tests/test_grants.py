@@ -864,3 +864,25 @@ def test_an_operator_is_warned_when_grants_listen_beyond_the_machine_or_go_in_th
     assert len(listening_warnings("10.1.2.3", tls=True)) == 1  # TLS: only that it is reachable
     line = describe(GrantsServed(url="http://0.0.0.0:8710", warnings=public))
     assert line.startswith("grants served at http://0.0.0.0:8710") and line.count("warning:") == 2
+
+
+def test_run_info_says_when_the_validator_waits_for_peers_before_genesis() -> None:
+    """``--wait-for-peers``: before genesis the grant server says how many peers it waits for and
+    how many announced; a server that omits it (older) still decodes; hostile values do not."""
+    import json as _json
+
+    from protocol.store.grants import decode_info
+
+    base = {"run_id": "r", "run_hash": "h", "window": None, "upload_deadline": None}
+    assert decode_info(_json.dumps(base).encode())["waiting_for_peers"] is None
+    waiting = decode_info(_json.dumps(base | {"waiting_for_peers": 3, "announced": 1}).encode())
+    assert (waiting["waiting_for_peers"], waiting["announced"]) == (3, 1)
+    for bad in ({"waiting_for_peers": -1}, {"announced": "many"}, {"waiting_for_peers": True}, {"extra": 1}):
+        with pytest.raises(GrantRefused):
+            decode_info(_json.dumps(base | bad).encode())
+
+    state: list[tuple[int, int] | None] = [(3, 1)]
+    desk = GrantDesk(SPEC, FakePresigner(), lambda: None, waiting=lambda: state[0])
+    assert (desk.info("10.0.0.1")["waiting_for_peers"], desk.info("10.0.0.1")["announced"]) == (3, 1)
+    state[0] = None  # genesis is out
+    assert desk.info("10.0.0.1")["waiting_for_peers"] is None

@@ -574,3 +574,38 @@ def test_preflight_sizes_the_contribution_with_the_largest_k_of_the_run() -> Non
         )
         sizes.append(compute.figures["contribution_bytes"])
     assert sizes[1] > 1.5 * sizes[0], sizes  # twice the values kept
+
+
+def test_preflight_before_genesis_says_the_validator_waits_for_peers() -> None:
+    """Before genesis, with ``--wait-for-peers``, the run is not missing: the grant server says it
+    waits, and preflight passes on that with a warning instead of failing ``run_not_found``."""
+    from client.preflight import Preflight
+    from protocol.errors import ObjectNotFound
+    from protocol.identity import Identity
+    from protocol.settings import LocalSettings
+    from protocol.store.granted import GrantedStore
+
+    spec = tiny_spec(Identity.from_seed(bytes(range(32))))
+    me = Identity.from_seed(b"w" * 32)
+    store = GrantedStore("http://127.0.0.1:9", me, spec.hash())
+    info = {"run_hash": spec.hash(), "window": None, "waiting_for_peers": 3, "announced": 1}
+    store.info = lambda: info  # type: ignore[method-assign]
+    checks = Preflight(spec, LocalSettings(), me, store, device="cpu")
+
+    def no_genesis() -> None:
+        raise ObjectNotFound("no genesis yet")
+
+    checks.chain.launch = no_genesis  # type: ignore[method-assign]
+    run = checks._run()
+    assert (run.status, run.reason) == ("warning", "waiting_for_peers"), run
+    assert "waits for 3 peer(s)" in run.detail and "1 announced" in run.detail
+    assert checks._reads().status == "skipped"
+    info["run_hash"] = "another run"
+    assert (
+        preflight_run_reason(Preflight(spec, LocalSettings(), me, store, device="cpu"), no_genesis) == "run_not_found"
+    )
+
+
+def preflight_run_reason(checks, launch) -> str:  # type: ignore[no-untyped-def]
+    checks.chain.launch = launch
+    return str(checks._run().reason)

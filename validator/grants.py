@@ -265,11 +265,15 @@ class GrantDesk:
         emit: Callable[[Event], None] | None = None,
         clock: Callable[[], float] = time.time,
         roster: Roster | None = None,
+        waiting: Callable[[], tuple[int, int] | None] | None = None,
     ) -> None:
         """``roster`` None: every identity counts as announced and in good standing (a desk
-        without a validator behind it, as in tests and demos)."""
+        without a validator behind it, as in tests and demos). ``waiting``: while the validator
+        waits for peers before genesis (``--wait-for-peers``), how many it waits for and how many
+        have announced (None otherwise); ``/v1/info`` says so."""
         self.spec, self.presigner, self.open_window = spec, presigner, open_window
         self.roster = roster
+        self.waiting = waiting
         self.policy = policy or GrantPolicy()
         self.run_hash = spec.hash()
         self.run_id = layout.run_id(self.run_hash)
@@ -327,11 +331,14 @@ class GrantDesk:
             self._report_refusal(refusal, None, address)
             raise
         open_now = self.open_window()
+        waiting = self.waiting() if self.waiting is not None else None
         return {
             "run_id": self.run_id,
             "run_hash": self.run_hash,
             "window": open_now.window if open_now else None,
             "upload_deadline": upload_deadline(open_now.opened_at, self.spec.windows) if open_now else None,
+            "waiting_for_peers": waiting[0] if waiting else None,
+            "announced": waiting[1] if waiting else None,
         }
 
     def refused(self, refusal: GrantRefused, address: str) -> None:

@@ -109,6 +109,7 @@ def validate(run_path: str, local: LocalSettings, node: Node, out: Reporting) ->
     from validator.state import STATE_FILE
 
     windows_open = OpenWindows()  # the grant desk's view of the window clock, from our own events
+    waiting = PeerWait()  # and of the wait for peers before genesis
     sinks: list[Emit] = [windows_open.observe]
 
     def emit_all(event: Event) -> None:
@@ -127,7 +128,7 @@ def validate(run_path: str, local: LocalSettings, node: Node, out: Reporting) ->
             validator = open_validator(run_path, local, node.key_path, node.state_dir, emit_all, fault=node.fault)
             stack.callback(validator.close)
             if local.validator.grant_port:
-                stack.enter_context(grant_server(validator, local, windows_open, emit_all))
+                stack.enter_context(grant_server(validator, local, windows_open, emit_all, waiting))
         except ConfigError as exc:
             out.emit(Failed(role=ROLE, reason="config_error", detail=str(exc)))
             return EXIT_CONFIG
@@ -136,7 +137,7 @@ def validate(run_path: str, local: LocalSettings, node: Node, out: Reporting) ->
             return EXIT_STORE
         install_stop(validator)
         if node.wait_for_peers and not (Path(node.state_dir) / STATE_FILE).exists():
-            wait_for_peers(validator, node.wait_for_peers)
+            wait_for_peers(validator, node.wait_for_peers, waiting)
         return serve(validator, node.windows, emit_all)
 
 
@@ -180,7 +181,13 @@ def open_validator(
     return validator
 
 
-def grant_server(validator: Validator, local: LocalSettings, windows_open: OpenWindows, emit: Emit) -> GrantServer:
+def grant_server(
+    validator: Validator,
+    local: LocalSettings,
+    windows_open: OpenWindows,
+    emit: Emit,
+    waiting: PeerWait | None = None,
+) -> GrantServer:
     """The started grant server of ``validator`` (its store signs the grants); GrantsServed says where."""
     from validator.grant_server import GrantServer
     from validator.grants import GrantDesk, GrantPolicy
@@ -198,6 +205,7 @@ def grant_server(validator: Validator, local: LocalSettings, windows_open: OpenW
         policy=policy,
         emit=emit,
         roster=ValidatorRoster(validator),
+        waiting=waiting,
     )
     server = GrantServer(
         desk, settings.grant_host, settings.grant_port, tls_cert=settings.tls_cert, tls_key=settings.tls_key
@@ -252,13 +260,34 @@ class ValidatorRoster:
         return standing is not None and is_excluded(standing, window)
 
 
-def wait_for_peers(validator: Validator, count: int) -> None:
-    """Until ``count`` peers have announced (and not withdrawn), or the validator is stopped."""
-    while not validator.stop.is_set():
-        registry = validator.registry
-        if len(registry.refresh() - registry.withdrawn) >= count:
-            return
-        validator.stop.wait(validator.local.poll_interval_s)
+class PeerWait:
+    """Before genesis with ``--wait-for-peers``: how many peers the validator waits for and how
+    many have announced (what the grant server's ``/v1/info`` tells a peer's preflight)."""
+
+    def __init__(self) -> None:
+        self._state: tuple[int, int] | None = None
+
+    def __call__(self) -> tuple[int, int] | None:
+        return self._state
+
+    def set(self, state: tuple[int, int] | None) -> None:
+        self._state = state
+
+
+def wait_for_peers(validator: Validator, count: int, waiting: PeerWait | None = None) -> None:
+    """Until ``count`` peers have announced (and not withdrawn), or the validator is stopped;
+    ``waiting`` hears the count meanwhile."""
+    waiting = waiting or PeerWait()
+    try:
+        while not validator.stop.is_set():
+            registry = validator.registry
+            announced = len(registry.refresh() - registry.withdrawn)
+            if announced >= count:
+                return
+            waiting.set((count, announced))
+            validator.stop.wait(validator.local.poll_interval_s)
+    finally:
+        waiting.set(None)
 
 
 def serve(validator: Validator, windows: int | None, emit: Emit) -> int:

@@ -285,12 +285,20 @@ _INFO_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+# Before genesis, a validator started with --wait-for-peers says so: how many peers it waits
+# for and how many have announced (absent, or null, otherwise; older servers omit them).
+_INFO_WAITING: dict[str, tuple[type, ...]] = {"waiting_for_peers": (int, type(None)), "announced": (int, type(None))}
+
+
 def decode_info(body: bytes) -> dict[str, Any]:
     """A grant server's ``/v1/info`` answer; :class:`GrantRefused` ``malformed`` when it is not one."""
-    raw = _json_object(body, MAX_GRANT_BYTES, set(_INFO_TYPES), "the grant server's info", "run info")
-    for name, types in _INFO_TYPES.items():
-        value = raw[name]
-        if isinstance(value, bool) or not isinstance(value, types):
+    raw = _bounded_json(body, MAX_GRANT_BYTES, "the grant server's info")
+    if not isinstance(raw, dict) or not set(_INFO_TYPES) <= set(raw) <= set(_INFO_TYPES) | set(_INFO_WAITING):
+        keys = ", ".join(sorted(_INFO_TYPES))
+        raise GrantRefused("malformed", f"a run info is a JSON object with {keys} (and optionally the waiting state)")
+    for name, types in (_INFO_TYPES | _INFO_WAITING).items():
+        value = raw.setdefault(name, None)
+        if isinstance(value, bool) or not isinstance(value, types) or (isinstance(value, int) and value < 0):
             raise GrantRefused("malformed", f"the grant server's info has a {name} of the wrong type")
     if isinstance(raw["upload_deadline"], float) and not math.isfinite(raw["upload_deadline"]):
         raise GrantRefused("malformed", "the grant server's info has an upload_deadline that is not finite")
