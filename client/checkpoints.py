@@ -19,7 +19,6 @@ path, a ``file://`` or an ``s3://`` URL) names both the store (``<root>``) and t
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,11 +31,10 @@ from protocol import layout
 from protocol.chain import read_weights
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, ObjectNotFound, ProtocolError, Uncertified
-from protocol.identity import peer_id_of
+from protocol.identity import Identity, peer_id_of
 from protocol.model import Transformer
 from protocol.replay import Chain
 from protocol.settings import StoreSettings
-from protocol.store import open_from_settings
 from protocol.store.base import ObjectStore
 from protocol.wire import CheckpointManifest, Verified
 
@@ -159,12 +157,20 @@ def _split_checkpoint_url(url: str) -> tuple[str, str | None, int | None]:
     return url, None, None
 
 
-def open_location(loc: Location, settings: StoreSettings | None = None) -> ObjectStore:
+def open_location(
+    loc: Location,
+    settings: StoreSettings | None = None,
+    *,
+    identity: Identity | None = None,
+    spec: RunSpec | None = None,
+) -> ObjectStore:
     """The store of ``loc``, opened with the local store ``settings`` (S3 endpoint, region, DHT
-    bootstrap …); an endpoint or region in the location's URL wins."""
-    base = settings or StoreSettings()
-    bootstrap = loc.dht_peers or base.dht_bootstrap
-    return open_from_settings(dataclasses.replace(base, url=loc.store_url, dht_bootstrap=tuple(bootstrap)))
+    bootstrap …); an endpoint or region in the location's URL wins. With ``identity`` and ``spec``,
+    the run's own store (``settings.url``) opens as a peer opens it: through ``store.grant_url``
+    when set (:func:`client.store_access.open_run_store`)."""
+    from client.store_access import open_run_store
+
+    return open_run_store(settings or StoreSettings(), identity, spec, loc.store_url, loc.dht_peers)
 
 
 def checkpoint_windows(spec: RunSpec, store: ObjectStore) -> list[int]:
@@ -202,12 +208,15 @@ def list_checkpoints(spec: RunSpec, store: ObjectStore) -> list[CheckpointInfo]:
     return out
 
 
-def load_checkpoint(spec: RunSpec, loc: Location, settings: StoreSettings | None = None) -> Checkpoint:
+def load_checkpoint(
+    spec: RunSpec, loc: Location, settings: StoreSettings | None = None, *, identity: Identity | None = None
+) -> Checkpoint:
     """θ of the checkpoint ``loc`` names, verified: the manifest's signer is one of the RunSpec's
     validator keys, every file has the signed size and sha256, θ has the signed fingerprint and
     exactly the RunSpec's parameter shapes. Raises ConfigError when there is no such checkpoint
-    and a :class:`ProtocolError` when it does not verify. ``settings``: see :func:`open_location`."""
-    store = open_location(loc, settings)
+    and a :class:`ProtocolError` when it does not verify. ``settings``, ``identity``: see
+    :func:`open_location`."""
+    store = open_location(loc, settings, identity=identity, spec=spec)
     try:
         chain = Chain(spec, store)
         if loc.window is None:

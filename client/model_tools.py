@@ -31,14 +31,15 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from client.store_access import ReadAccess, key_option
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, ProtocolError, StoreError
-from protocol.settings import load_settings
 from protocol.settings_cli import COMPUTE_FLAGS, STORE_FLAGS, Overrides, setting_options
 
 if TYPE_CHECKING:
     from client.checkpoints import Checkpoint, Location
     from protocol.data.tokenizer import ByteTokenizer, HFTokenizer
+    from protocol.store.base import ObjectStore
 
 EXIT_ERROR = 1
 EXIT_INVALID = 2
@@ -47,9 +48,10 @@ DEFAULT_SEQUENCES = 256
 _run_option = click.option(
     "--run", "run_path", required=True, type=click.Path(dir_okay=False), help="The run's RunSpec TOML."
 )
-# --store (default: store.url of the local settings) and --dht-peer; --device and --threads
-_store_options = setting_options(*STORE_FLAGS, settings_file=False)
-_store_compute_options = setting_options(*STORE_FLAGS, *COMPUTE_FLAGS, settings_file=False)
+# --store (default: store.url of the local settings), --dht-peer and --settings; --device and --threads.
+# The run's store opens as join opens it (store.grant_url: grants signed with --key, client.store_access).
+_store_options = setting_options(*STORE_FLAGS)
+_store_compute_options = setting_options(*STORE_FLAGS, *COMPUTE_FLAGS)
 _window_option = click.option(
     "--window", default=None, help="Checkpoint window, or 'latest' (the default: the newest checkpoint)."
 )
@@ -69,25 +71,27 @@ def _user_errors() -> Iterator[None]:
 
 
 def _load(
-    run_path: str, checkpoint: str | None, overrides: Overrides, window: str | None
-) -> tuple[RunSpec, Location, Checkpoint]:
+    access: ReadAccess, checkpoint: str | None, overrides: Overrides, window: str | None
+) -> tuple[Location, Checkpoint]:
     from client.checkpoints import load_checkpoint, locate
 
-    spec = RunSpec.load(run_path)
-    store = load_settings(run_path).store
+    spec, store = access.spec, access.local.store
     store_url, dht_peers = overrides.get("store.url"), tuple(overrides.get("store.dht_bootstrap") or ())
     loc = locate(spec, checkpoint, store_url=store_url, window=window, dht_peers=dht_peers, settings=store)
-    return spec, loc, load_checkpoint(spec, loc, store)
+    return loc, load_checkpoint(spec, loc, store, identity=access.identity)
 
 
-def _run_tokenizer(run_path: str, spec: RunSpec, loc: Location) -> ByteTokenizer | HFTokenizer:
+def _open(access: ReadAccess, loc: Location) -> ObjectStore:
+    """The store of ``loc``: the run's own store as join opens it (grants), another with its credentials."""
+    return access.open(loc.store_url, loc.dht_peers)
+
+
+def _run_tokenizer(access: ReadAccess, loc: Location) -> ByteTokenizer | HFTokenizer:
     """The run's tokenizer (a Hugging Face one fetched from the checkpoint's store and verified)."""
-    from client.checkpoints import open_location
     from protocol.data.run_data import run_tokenizer
 
-    local = load_settings(run_path)
-    with open_location(loc, local.store) as store:
-        return run_tokenizer(spec, store, local.data)
+    with _open(access, loc) as store:
+        return run_tokenizer(access.spec, store, access.local.data)
 
 
 def _device(overrides: Overrides) -> str:
@@ -116,8 +120,9 @@ def _console() -> Console:
 @click.command("checkpoints")
 @_run_option
 @_store_options
+@key_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of checkpoints.")
-def checkpoints_cmd(run_path: str, overrides: Overrides, as_json: bool) -> None:
+def checkpoints_cmd(run_path: str, overrides: Overrides, key_path: str | None, as_json: bool) -> None:
     """List the run's checkpoints: window, size, signer, θ fingerprint, time.
 
     \b
@@ -128,13 +133,12 @@ def checkpoints_cmd(run_path: str, overrides: Overrides, as_json: bool) -> None:
     """
     from dataclasses import asdict
 
-    from client.checkpoints import Location, list_checkpoints, open_location
+    from client.checkpoints import list_checkpoints
 
     with _user_errors():
-        spec = RunSpec.load(run_path)
-        settings = load_settings(run_path).store
-        store_url, dht_peers = overrides.get("store.url"), tuple(overrides.get("store.dht_bootstrap") or ())
-        store = open_location(Location(store_url or settings.url, None, dht_peers), settings)
+        access = ReadAccess.load(run_path, overrides, key_path)
+        spec = access.spec
+        store = access.open()
         try:
             infos = list_checkpoints(spec, store)
         finally:
@@ -160,12 +164,14 @@ def checkpoints_cmd(run_path: str, overrides: Overrides, as_json: bool) -> None:
 @click.argument("paths", nargs=-1, required=True, metavar="[CHECKPOINT] OUT_DIR")
 @_run_option
 @_store_options
+@key_option
 @_window_option
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="fp32", show_default=True, help="Weight dtype.")
 def export_cmd(
     paths: tuple[str, ...],
     run_path: str,
     overrides: Overrides,
+    key_path: str | None,
     window: str | None,
     dtype: str,
 ) -> None:
@@ -183,8 +189,10 @@ def export_cmd(
 
     started = time.perf_counter()
     with _user_errors():
-        spec, loc, ckpt = _load(run_path, checkpoint, overrides, window)
-        files = export_hf(ckpt, spec, out_dir, dtype=dtype, tokenizer=_run_tokenizer(run_path, spec, loc))
+        access = ReadAccess.load(run_path, overrides, key_path)
+        spec = access.spec
+        loc, ckpt = _load(access, checkpoint, overrides, window)
+        files = export_hf(ckpt, spec, out_dir, dtype=dtype, tokenizer=_run_tokenizer(access, loc))
     n_params = sum(t.numel() for t in ckpt.params.values())
     for f in files:
         click.echo(f"wrote {f}")
@@ -200,6 +208,7 @@ def export_cmd(
 @click.argument("checkpoint", required=False)
 @_run_option
 @_store_compute_options
+@key_option
 @_window_option
 @click.option(
     "--data",
@@ -220,6 +229,7 @@ def eval_cmd(
     checkpoint: str | None,
     run_path: str,
     overrides: Overrides,
+    key_path: str | None,
     window: str | None,
     data: str | None,
     sequences: int,
@@ -240,7 +250,7 @@ def eval_cmd(
     tokens, bytes, loss (nats/token), perplexity, bits_per_byte, tasks [{task, metrics,
     skipped}], seconds.
     """
-    from client.checkpoints import model_of, open_location
+    from client.checkpoints import model_of
     from client.evaluate import heldout_data
     from client.zero_shot import DEFAULT_TASKS, lm_eval_available
     from protocol.evaluation import score_lm
@@ -252,12 +262,13 @@ def eval_cmd(
     task_list = default if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
     with _user_errors():
         dev = _device(overrides)  # a device that does not exist fails before any download
-        spec, loc, ckpt = _load(run_path, checkpoint, overrides, window)
-        local = load_settings(run_path)
-        with open_location(loc, local.store) as store:  # the run's dataset and tokenizer lie there
+        access = ReadAccess.load(run_path, overrides, key_path)
+        spec, local = access.spec, access.local
+        loc, ckpt = _load(access, checkpoint, overrides, window)
+        with _open(access, loc) as store:  # the run's dataset and tokenizer lie there
             held = heldout_data(spec, data, sequences=sequences, local=local.data, store=store)
         score = score_lm(model_of(spec, ckpt, dev), held.batches, held.tokenizer, dev)
-        task_results = _zero_shot(spec, ckpt, task_list, dev, task_limit, lambda: _run_tokenizer(run_path, spec, loc))
+        task_results = _zero_shot(spec, ckpt, task_list, dev, task_limit, lambda: _run_tokenizer(access, loc))
     report: dict[str, Any] = {
         "checkpoint": {
             "window": ckpt.window,
@@ -330,6 +341,7 @@ def _print_eval(r: dict[str, Any]) -> None:
 @click.argument("checkpoint", required=False)
 @_run_option
 @_store_compute_options
+@key_option
 @_window_option
 @click.option("--prompt", required=True, help="Text to continue.")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=200, show_default=True)
@@ -340,6 +352,7 @@ def sample_cmd(
     checkpoint: str | None,
     run_path: str,
     overrides: Overrides,
+    key_path: str | None,
     window: str | None,
     prompt: str,
     max_new_tokens: int,
@@ -357,8 +370,10 @@ def sample_cmd(
 
     with _user_errors():
         dev = _device(overrides)  # a device that does not exist fails before any download
-        spec, loc, ckpt = _load(run_path, checkpoint, overrides, window)
-        tok = _run_tokenizer(run_path, spec, loc)
+        access = ReadAccess.load(run_path, overrides, key_path)
+        spec = access.spec
+        loc, ckpt = _load(access, checkpoint, overrides, window)
+        tok = _run_tokenizer(access, loc)
         model = model_of(spec, ckpt, dev)
     ids = ([tok.eos_id] if tok.eos_id is not None else []) + tok.encode(prompt)  # documents follow a separator
     if not ids:

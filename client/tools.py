@@ -21,6 +21,7 @@ import click
 
 from client.demo.cli import demo as demo_cmd
 from client.model_tools import COMMANDS as MODEL_COMMANDS
+from client.store_access import ReadAccess, default_state_dir, key_option, open_run_store
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, StoreError
 from protocol.identity import public_key_from_hex
@@ -65,7 +66,8 @@ def main() -> None:
 @click.option(
     "--validator-key", "validator_keys", multiple=True, help="Hex public key allowed to sign aggregates (repeatable)."
 )
-@setting_options("store.dht_bootstrap", settings_file=False)
+@setting_options("store.dht_bootstrap")
+@key_option
 def inspect_cmd(
     paths: tuple[str, ...],
     max_bytes: int,
@@ -74,6 +76,7 @@ def inspect_cmd(
     run_hash: str | None,
     validator_keys: tuple[str, ...],
     overrides: Overrides,
+    key_path: str | None,
 ) -> None:
     """Validate signed objects (signature, structure, payloads) and print one line per object.
 
@@ -84,7 +87,9 @@ def inspect_cmd(
       sparseloco inspect --run run.toml file:///srv/store        (the run's objects)
       sparseloco inspect dht://<run id>/checkpoint/ --dht-peer /ip4/…
     S3 credentials and endpoints come from the AWS_* variables, the URL's query
-    (?endpoint=…&region=…) or --run's [local] store settings.
+    (?endpoint=…&region=…) or --run's [local] store settings; with --run, the run's own
+    store (its store.url) opens as sparseloco-peer join opens it: through store.grant_url
+    when set, no credential needed.
 
     Without --run or --validator-key, OK means well-formed and signed by the key it names, not
     that this run's validator signed it (stderr says so). Exit status 0 when every object is
@@ -108,7 +113,7 @@ def inspect_cmd(
     all_ok = True
     for path in paths:
         if "://" in path:
-            results = _inspect_url(path, run_path, spec, tuple(overrides.get("store.dht_bootstrap") or ()), check)
+            results = _inspect_url(path, run_path, overrides, key_path, spec, check)
         else:
             results = inspect_paths(
                 [path], max_bytes=max_bytes, run_hash=run_hash, allowed_signers=allowed, max_memory=max_memory
@@ -121,18 +126,18 @@ def inspect_cmd(
 
 
 def _inspect_url(
-    url: str, run_path: str | None, spec: RunSpec | None, dht_peers: tuple[str, ...], check: Checks
+    url: str, run_path: str | None, overrides: Overrides, key_path: str | None, spec: RunSpec | None, check: Checks
 ) -> Iterator[InspectResult]:
-    """The objects a store URL names (see ``inspect --help``); an unusable URL is one INVALID line."""
+    """The objects a store URL names (see ``inspect --help``); an unusable URL is one INVALID line.
+    With --run, the run's own store opens as join opens it (:mod:`client.store_access`)."""
     from client.inspect import inspect_store, split_store_url
-    from protocol.settings import StoreSettings, load_settings
-    from protocol.store import open_from_settings
 
     root, prefix = split_store_url(url, run_id(spec.hash()) if spec is not None else None)
     try:
-        base = load_settings(run_path).store if run_path else StoreSettings()
-        bootstrap = tuple(dht_peers) or base.dht_bootstrap
-        store = open_from_settings(dataclasses.replace(base, url=root, dht_bootstrap=bootstrap))
+        if run_path is not None and spec is not None:
+            store = ReadAccess.load(run_path, overrides, key_path).open(root)
+        else:
+            store = open_run_store(overrides.load(None).store, None, None, root)
     except (ConfigError, StoreError) as exc:
         from client.inspect import InspectResult, printable
 
@@ -208,9 +213,10 @@ def run_id_cmd(run_path: str, as_json: bool) -> None:
     type=click.Path(file_okay=False),
     help="The local peer's state directory [default: ~/.sparseloco/<run id>].",
 )
-@setting_options(*STORE_FLAGS, settings_file=False)
+@setting_options(*STORE_FLAGS)
+@key_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def status_cmd(run_path: str, state_dir: str | None, overrides: Overrides, as_json: bool) -> None:
+def status_cmd(run_path: str, state_dir: str | None, overrides: Overrides, key_path: str | None, as_json: bool) -> None:
     """Where the run stands and whether this peer agrees with it.
 
     \b
@@ -232,22 +238,18 @@ def status_cmd(run_path: str, state_dir: str | None, overrides: Overrides, as_js
     Exit status: 0 (1 when the local peer's θ differs from the chain), 2 configuration error.
     """
     from client.status import run_status
-    from protocol.identity import Identity
-    from protocol.store import open_peer_store
 
     try:
-        spec = RunSpec.load(run_path)
-        settings = overrides.load(run_path).store
-        state = Path(state_dir) if state_dir else Path("~/.sparseloco").expanduser() / run_id(spec.hash())
-        key = state / "key.pem"
-        identity = Identity.load(key) if key.exists() else Identity.generate()  # reads need no standing
-        with open_peer_store(settings, identity, spec.hash(), validator_keys=spec.validator.public_keys) as store:
+        access = ReadAccess.load(run_path, overrides, key_path, state_dir)
+        spec, settings = access.spec, access.local.store
+        state = Path(state_dir) if state_dir else default_state_dir(spec)
+        with access.open() as store:  # as join opens it: grants signed with the key (reads need no standing)
             status = run_status(
                 spec,
                 store,
                 store_url=settings.location(),
                 state_dir=state if state.exists() else None,
-                peer_id=identity.peer_id if key.exists() else None,
+                peer_id=access.identity.peer_id if access.own_key else None,
             )
     except (ConfigError, StoreError) as exc:
         click.echo(f"sparseloco status: {exc}", err=True)

@@ -275,3 +275,56 @@ def test_the_per_peer_grant_paths_in_the_docs_are_the_tested_ones() -> None:
     for action in actions:
         documented = action.replace(run, "<run>").replace(peer, "<peer id>")
         assert f'"{documented}"' in text, documented
+
+
+@pytest.fixture
+def volunteer(operator: Operator, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A volunteer's machine: only run.toml, no store credential, no peer state (a throwaway key)."""
+    for name in [k for k in os.environ if k.startswith(("AWS_", "SPARSELOCO_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws, no ~/.sparseloco/<run id>/key.pem
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_bytes(operator.run_toml.read_bytes())
+    return run_toml
+
+
+def _sparseloco(*args: str) -> Any:
+    from click.testing import CliRunner
+
+    from client.tools import main
+
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_the_read_only_commands_reach_the_store_with_only_run_toml(operator: Operator, volunteer: Path) -> None:
+    """checkpoints, export, sample, inspect and status read through the grant server, as join does."""
+    run = ["--run", str(volunteer)]
+    listed = _sparseloco("checkpoints", *run, "--json")
+    assert listed.exit_code == 0, listed.output
+    infos = json.loads(listed.output)
+    assert infos and infos[0]["window"] == 0 and infos[0]["error"] is None
+    assert infos[0]["signed_by"] == operator.spec.validator.public_keys[0]
+    out = volunteer.parent / "hf"
+    exported = _sparseloco("export", str(out), *run, "--window", "0")
+    assert exported.exit_code == 0, exported.output
+    assert (out / "model.safetensors").stat().st_size > 0 and (out / "config.json").exists()
+    sampled = _sparseloco("sample", *run, "--prompt", "def ", "--max-new-tokens", "4", "--device", "cpu")
+    assert sampled.exit_code == 0, sampled.output
+    url = f"{local_table(volunteer)['store']['url']}/{run_id(operator.spec.hash())}/checkpoint/"
+    inspected = _sparseloco("inspect", *run, url)
+    assert inspected.exit_code == 0, inspected.output
+    assert inspected.output.count("OK ") >= 2  # the manifest and θ of window 0, signed by the validator
+    status = _sparseloco("status", *run, "--json")
+    assert status.exit_code == 0, status.output
+    report = json.loads(status.stdout)
+    assert report["checkpoint"]["window"] == 0 and report["local"] is None
+
+
+def test_without_a_grant_url_the_error_names_the_setting(operator: Operator, volunteer: Path) -> None:
+    settings = volunteer.parent / "no-grants.toml"
+    settings.write_text('[store]\ngrant_url = ""\n')
+    done = _sparseloco("checkpoints", "--run", str(volunteer), "--settings", str(settings))
+    assert done.exit_code == 1
+    assert "store.grant_url" in done.output and "[local.store]" in done.output
+    assert "access_key/secret_key" not in done.output and "anonymous=True" not in done.output

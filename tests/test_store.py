@@ -482,3 +482,20 @@ def test_local_readers_never_see_a_torn_object(tmp_path: Path) -> None:
     finally:
         stop.set()
         thread.join()
+
+
+def test_no_s3_credentials_names_the_settings_not_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A volunteer without a credential reads which setting gives access, in the user's words."""
+    from protocol.settings import env_name
+
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(ConfigError) as err:
+        open_store("s3://bucket/runs?endpoint=http://127.0.0.1:9&region=us-east-1")
+    text = str(err.value)
+    for wanted in ("store.grant_url", "[local.store]", env_name("store.grant_url"), "AWS_ACCESS_KEY_ID", "checkpoints"):
+        assert wanted in text, wanted
+    for internal in ("access_key/secret_key", "anonymous=True", "pass them"):
+        assert internal not in text, internal

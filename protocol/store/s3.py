@@ -157,7 +157,7 @@ def map_error(exc: Exception, key: str) -> Exception:
             return RangeNotSatisfiable(f"{key!r}: the range asked lies past the object's end: {message}")
         return StoreError(f"{key!r}: {code or status}: {message}")
     if isinstance(exc, bexc.NoCredentialsError):
-        return AccessDenied("no S3 credentials found (pass them or set AWS_ACCESS_KEY_ID)")
+        return AccessDenied(NO_CREDENTIALS)
     return StoreError(f"{key!r}: {type(exc).__name__}: {exc}")
 
 
@@ -184,6 +184,17 @@ def single_part_etag(data: bytes | memoryview) -> str:
     return '"' + hashlib.md5(data, usedforsecurity=False).hexdigest() + '"'  # S3's ETag, not a security check
 
 
+# What a user reads when the S3 store has no credential: the settings that give one, in the user's
+# words (run.toml's [local.store], the SPARSELOCO_* and AWS_* variables), never an argument name.
+NO_CREDENTIALS = (
+    "no S3 credentials for the store: a participant without a store credential sets store.grant_url "
+    "(the validator's grant server) in run.toml's [local.store] table, a --settings file or "
+    "SPARSELOCO_STORE_GRANT_URL, and sparseloco-peer join and the sparseloco commands (checkpoints, "
+    "export, eval, sample, inspect --run, status) read through its grants; with a credential of your "
+    "own, set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
+)
+
+
 def _session(
     access_key: str | None,
     secret_key: str | None,
@@ -206,10 +217,7 @@ def _session(
     except bexc.ProfileNotFound as exc:
         raise ConfigError(f"AWS profile not found: {exc}") from exc
     if not anonymous and session.get_credentials() is None:
-        raise ConfigError(
-            "no S3 credentials: pass access_key/secret_key, set AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or use anonymous=True for public reads"
-        )
+        raise ConfigError(NO_CREDENTIALS)
     return session
 
 
