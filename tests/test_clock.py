@@ -132,8 +132,10 @@ def test_a_clock_120_s_off_fails_with_the_offset_and_the_fix(server: DateServer,
     assert "enable NTP (timedatectl set-ntp true) and check again" in verdict.detail
 
 
-def test_an_offset_the_measurement_cannot_place_either_side_of_the_bound_warns() -> None:
+def test_an_offset_beyond_the_bound_only_within_its_uncertainty_warns() -> None:
     near = Offset("http://s", 5.5, 1.2)  # 4.3 .. 6.7 s against 5 s
+    inside = Offset("http://s", 4.5, 1.2)  # 3.3 .. 5.7 s: the best estimate is within
+    assert check_clock(SPEC, s3_store("http://s"), measure=lambda url: inside).status == "ok"
     verdict = check_clock(SPEC, s3_store("http://s"), measure=lambda url: near)
     assert (verdict.status, verdict.reason) == ("warning", "clock_marginal")
     far = Offset("http://s", 6.3, 1.2)
