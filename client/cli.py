@@ -16,7 +16,8 @@ One peer on every GPU of a host: ``torchrun --standalone --nproc-per-node N $(wh
 sparseloco-peer) join …`` (:mod:`client.ddp`): rank 0 is the peer, the other ranks train with it.
 
 Exit status: 0 done; 1 cannot join (no genesis of this run hash within ``peer.join_timeout_s``, the
-store unreachable, the announcement refused); 2 configuration or identity error; 3 the store
+store unreachable, the announcement refused, this machine's clock off the store's by more than the
+run allows: :mod:`client.clock`); 2 configuration or identity error; 3 the store
 refused ``peer.max_upload_failures`` contributions in a row; 4 a rank of a multi-GPU peer died or
 stalled (``compute.rank_timeout_s``); 130 stopped by Ctrl-C or SIGTERM after
 the local state is consistent (every save is atomic, so there is nothing to flush). Every stop after
@@ -173,6 +174,7 @@ def _join(
     out: Output | None = None,
 ) -> int:
     # Heavy imports after argument parsing: `--help` stays instant.
+    from client.clock import check_clock
     from client.ddp.launch import lead, open_ranks, serve
     from client.ddp.ranks import RankLost
     from client.peer import Peer, RunNotFound, UploadsRefused
@@ -185,6 +187,12 @@ def _join(
     device = _device(local)
     if pipeline is not None:
         _single_process()
+    clock = check_clock(spec, local.store)
+    if clock.status == "failed":
+        _log.error(f"sparseloco-peer: cannot join: {clock.detail}")
+        return EXIT_CANNOT_JOIN
+    if clock.status == "warning":
+        _log.warning(f"sparseloco-peer: {clock.detail}")
     ranks = open_ranks(local) if pipeline is None else None
     if ranks is not None and ranks.rank != 0:
         return serve(spec, local, ranks)  # trains on rank 0's commands; rank 0 is the peer
@@ -206,7 +214,7 @@ def _join(
         server = metrics.serve(out.metrics_port, out.metrics_host)
         _log.info(f"metrics at http://{out.metrics_host}:{server.port}/metrics")
     display = PeerDisplay(json_lines=status_json, log_format=out.log_format, sinks=sinks)
-    peer = Peer(spec, store, identity, state, trainer, local=local, display=display)
+    peer = Peer(spec, store, identity, state, trainer, local=local, display=display, clock_offset=clock.offset)
     try:
         with lead(ranks):
             try:
@@ -292,7 +300,8 @@ def preflight(run_path: str, overrides: Overrides, key_path: str | None, state_d
 
     \b
     Checks: memory (suggests compute.micro_batch_size), compute (inner steps
-    timed on this device, the contribution's size), run (its genesis for
+    timed on this device, the contribution's size), clock (this machine's
+    clock against the store's Date header), run (its genesis for
     this run hash), reads (the chain), grant (the grant server would grant
     this peer's upload), write (a probe object: up/down bandwidth), link
     (the contribution's upload at that bandwidth against

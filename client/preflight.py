@@ -15,6 +15,10 @@ or ``skipped``, with a stable ``reason`` and the figures it measured):
              0's when a Top-k warm-up starts above ``codec.k``, else ``codec.k``'s, from window
              ``outer.warmup_windows`` on: :func:`largest_window`), and the size of the signed
              contribution
+``clock``    this machine's clock against the store's (and the grant server's) ``Date`` header
+             (:mod:`client.clock`): fails when the offset is beyond
+             ``min(windows.upload_deadline_s / 10, windows.gather_grace_s)``; skipped for a store
+             without HTTP
 ``run``      the run's signed genesis checkpoint, for this run hash, in the store
 ``reads``    reading the chain: a listing of the checkpoints, the newest manifest, the size of its
              files and of the newest aggregate
@@ -44,6 +48,7 @@ from typing import Any
 
 import torch
 
+from client.clock import check_clock
 from client.footprint import USABLE, available_memory, footprint, suggest_micro_batch
 from client.trainer import InnerTrainer, pseudo_gradient, snapshot
 from client.uplink import megabits, megabytes, required_bits_per_s
@@ -180,6 +185,7 @@ class Preflight:
         for step in (
             self._memory,
             self._compute,
+            self._clock,
             self._run,
             self._reads,
             self._grant,
@@ -287,6 +293,10 @@ class Preflight:
         return figures
 
     # ------------------------------------------------------------------ the store
+    def _clock(self) -> Check:
+        verdict = check_clock(self.spec, self.local.store)
+        return Check("clock", verdict.status, verdict.reason, verdict.detail, verdict.figures())
+
     def _run(self) -> Check:
         try:
             genesis = self.chain.launch().value

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from client.clock import measure
 from protocol import layout
 from protocol.config import RunSpec
 from protocol.errors import AccessDenied, ConfigError, ObjectNotFound, PayloadTooLarge, StoreUnavailable
@@ -468,6 +469,14 @@ def test_the_http_endpoint_answers_grants_and_refusals_with_statuses() -> None:
     malformed, elsewhere = d.events[-2:]
     assert isinstance(malformed, GrantDenied) and malformed.peer_id == ""  # never verified
     assert isinstance(elsewhere, GrantDenied) and elsewhere.reason == "not_found"  # the server's own refusal
+
+
+def test_the_grant_servers_answers_carry_the_date_a_peer_measures_its_clock_by() -> None:
+    d = Desk()
+    d.now = time.time()
+    with GrantServer(d.desk, "127.0.0.1", 0) as server:
+        offset = measure(server.url)  # a HEAD on / : refused, and dated
+    assert offset is not None and abs(offset.offset_s) <= offset.uncertainty_s
 
 
 def test_grants_over_https(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

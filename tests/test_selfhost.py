@@ -225,6 +225,7 @@ def test_preflight_passes_for_a_volunteer_who_holds_only_run_toml(operator: Oper
     assert {n: c["status"] for n, c in checks.items()} == {
         "memory": "ok",
         "compute": "ok",
+        "clock": "ok",
         "run": "ok",
         "reads": "ok",
         "grant": "ok",
@@ -233,6 +234,7 @@ def test_preflight_passes_for_a_volunteer_who_holds_only_run_toml(operator: Oper
         "window": "ok",
     }
     assert report["run_hash"] == operator.spec.hash()
+    assert abs(checks["clock"]["offset_s"]) <= checks["clock"]["uncertainty_s"]  # SeaweedFS's Date, same clock
     assert checks["write"]["up_bytes_per_s"] > 0 and checks["write"]["down_bytes_per_s"] > 0
     assert checks["compute"]["contribution_bytes"] > 0 and checks["window"]["estimate_s"] < 120
     assert report["suggested"] == {"compute.micro_batch_size": 0}  # the whole batch fits

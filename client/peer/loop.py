@@ -15,6 +15,7 @@ import time
 
 from torch import Tensor
 
+from client.clock import Offset
 from client.metered import MeteredStore
 from client.peer.context import PeerContext
 from client.peer.inflight import InFlight, overlaps
@@ -40,6 +41,8 @@ __all__ = ["Peer"]
 
 log = logging.getLogger(__name__)
 
+CLOSED_HINT_AFTER = 3  # consecutive windows closed before training: the clock may be off
+
 
 class Peer:
     """One participant; see :mod:`client.peer` for the window loop."""
@@ -54,6 +57,7 @@ class Peer:
         *,
         local: LocalSettings | None = None,
         display: PeerDisplay | None = None,
+        clock_offset: Offset | None = None,
     ) -> None:
         self.spec, self.identity, self.state, self.trainer = spec, identity, state, trainer
         self.store = MeteredStore(store)  # what this peer downloads, reported per window
@@ -71,6 +75,8 @@ class Peer:
         self._last_trained = -1  # the last window trained, skipped or failed here: the next one follows it
         self._unreachable: float | None = None  # since when the store has not answered a catch-up (monotonic)
         self._unreachable_wait = Backoff()
+        self.clock_offset = clock_offset  # this machine's clock against the store's, measured at join
+        self._closed_in_a_row = 0  # windows found closed before training, consecutive
 
     def stop(self) -> None:
         """Ask the loop to stop at the next phase boundary (Ctrl-C raises instead, also safely)."""
@@ -154,7 +160,9 @@ class Peer:
         contribution (staged by :meth:`upload`). θ does not change in between."""
         early = self.inflight.take_early()
         if not self.theta.window_open(window):
-            return Skipped("window closed before training started")
+            self._closed_in_a_row += 1
+            return Skipped(self._closed_reason())
+        self._closed_in_a_row = 0
         if early is not None and window == 0 == self.pos.window:  # trained while genesis was not out yet
             self.inflight.begin_early()
             return self._fold(window, early, trained_from=0)
@@ -172,6 +180,19 @@ class Peer:
             work.stats, stale_steps=self.inflight.stale_steps, forecast_wait_s=self.inflight.waited_s
         )
         return self._fold(window, dataclasses.replace(work, stats=stats), trained_from)
+
+    def _closed_reason(self) -> str:
+        """Why a window was skipped before training: with the clock offset measured at join, or,
+        after :data:`CLOSED_HINT_AFTER` such skips in a row, a hint that the clock may be off."""
+        reason = "window closed before training started"
+        if self.clock_offset is not None:
+            return f"{reason} ({self.clock_offset.worded()}, ± {self.clock_offset.uncertainty_s:.1f} s)"
+        if self._closed_in_a_row >= CLOSED_HINT_AFTER:
+            return (
+                f"{reason} ({self._closed_in_a_row} windows in a row: check this machine's clock, "
+                "`sparseloco-peer preflight` measures it)"
+            )
+        return reason
 
     def _fold(self, window: int, work: Trained, trained_from: int) -> Staged:
         """e ← compress(e, Δ) in place and the signed contribution; the lane drains first (its
