@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tls import self_signed
 
 from client.clock import measure
 from protocol import layout
@@ -480,7 +481,7 @@ def test_the_grant_servers_answers_carry_the_date_a_peer_measures_its_clock_by()
 
 
 def test_grants_over_https(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     d = Desk()
     d.now = time.time()
     with GrantServer(d.desk, "127.0.0.1", 0, tls_cert=str(cert), tls_key=str(key)) as server:
@@ -491,37 +492,6 @@ def test_grants_over_https(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
             store.info()
         monkeypatch.setenv("SSL_CERT_FILE", str(cert))
         assert store.info()["run_id"] == RUN
-
-
-def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(1)
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return cert_path, key_path
 
 
 # ---------------------------------------------------------------------- the granted store over moto

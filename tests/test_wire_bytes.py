@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 from servers import SeaweedS3, weed_available
+from tls import self_signed
 
 from client.metered import MeteredStore
 from protocol import layout
@@ -247,39 +248,6 @@ def test_a_store_without_sockets_reports_zero_wire_bytes() -> None:
 
 
 # ---------------------------------------------------------------------- TLS: the plaintext is counted
-def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and its key, as PEM files."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return cert_path, key_path
-
-
 class _ObjectHandler(_Handler):
     """GET /<bucket>/<n>: n bytes, as an S3 object (boto3 parses nothing more of a GET)."""
 
@@ -291,7 +259,7 @@ class _ObjectHandler(_Handler):
 @pytest.fixture
 def tls(tmp_path: Path) -> Iterator[tuple[Relay, Path]]:
     """An HTTPS server on 127.0.0.1 behind a relay, and its certificate."""
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ObjectHandler)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
