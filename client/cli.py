@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from client.store_access import KEY_FILE, default_state_dir
 from protocol.config import RunSpec
 from protocol.errors import ConfigError, ProtocolError, StoreError
 from protocol.identity import Identity
@@ -59,7 +60,6 @@ EXIT_CONFIG = 2
 EXIT_UPLOADS_REFUSED = 3
 EXIT_RANK_LOST = 4  # client.ddp.launch.EXIT_RANK_LOST
 EXIT_INTERRUPTED = 130
-KEY_FILE = "key.pem"  # in the state directory, as LocalState.key_path names it
 # What join says outside the event stream (a configuration error, where the metrics are): through
 # logging, so that it carries a timestamp, or is a JSON line with --log-format json.
 _log = logging.getLogger("sparseloco.peer")
@@ -358,7 +358,7 @@ def _run_hint(spec: RunSpec, local: LocalSettings) -> str:
 
 def _state_dir(state_dir: str | None, spec: RunSpec) -> Path:
     """``--state``, or ``~/.sparseloco/<run id>``."""
-    return Path(state_dir) if state_dir else Path("~/.sparseloco").expanduser() / run_id(spec.hash())
+    return Path(state_dir) if state_dir else default_state_dir(spec)
 
 
 def _key_path(key_path: str | None, state_dir: str | None, spec: RunSpec | None) -> Path:

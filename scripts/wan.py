@@ -24,18 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from client.demo.processes import install_signal_handlers
+from client.demo.swarm import SMALL_RUN as SMALL
 from client.demo.swarm import LocalSwarm, default_threads
 from client.demo.wan import PROFILES, Wan
 from protocol.events import Event, WindowPublished
 
-# The integration tests' small run: ~0.1 M parameters, H = 8 steps of 4 × 64 tokens.
-SMALL: dict[str, dict[str, Any]] = {
-    "model": {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 64},
-    "data": {"seq_len": 64, "batch_size": 4},
-    "inner": {"steps": 8, "lr": 3e-3, "warmup_steps": 4, "total_steps": 200},
-    "windows": {"upload_deadline_s": 60.0, "gather_grace_s": 1.0, "checkpoint_every": 2},
-    "validator": {"eval_sequences": 8, "eval_peers_per_window": 8},
-}
 SIZES: dict[str, dict[str, dict[str, Any]]] = {"small": SMALL, "demo": {}}
 
 

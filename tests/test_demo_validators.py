@@ -27,6 +27,7 @@ import pytest
 from client.demo.backends import Backend
 from client.demo.seaweed import weed_available
 from client.demo.swarm import KILL_WINDOW, PRESET, KillLeader, LocalSwarm
+from client.demo.swarm import SMALL_RUN as SMALL
 from protocol import layout
 from protocol.caps import published_bytes
 from protocol.config import RunSpec
@@ -40,14 +41,6 @@ from validator.log import ContributionLog
 from validator.signed import SIGNED_FILE
 
 # ~0.1 M parameters, H = 8 steps of 4 × 64 tokens: the time goes to process start-up and the
-# protocol. The handover timeout leaves a leader on two busy cores time to decide and propose.
-SMALL: dict[str, dict[str, Any]] = {
-    "model": {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 64},
-    "data": {"seq_len": 64, "batch_size": 4},
-    "inner": {"steps": 8, "lr": 3e-3, "warmup_steps": 4, "total_steps": 200},
-    "windows": {"upload_deadline_s": 60.0, "gather_grace_s": 1.0, "checkpoint_every": 2},
-    "validator": {"eval_sequences": 8, "eval_peers_per_window": 8},
-}
 HANDOVER_S = 5.0
 TIMEOUT_S = 240.0
 

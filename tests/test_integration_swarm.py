@@ -25,6 +25,7 @@ import pytest
 
 from client.demo.processes import python_console
 from client.demo.seaweed import weed_available
+from client.demo.swarm import SMALL_RUN as SMALL
 from client.demo.swarm import VALIDATOR, LocalSwarm
 from protocol.config import RunSpec
 from protocol.events import (
@@ -49,14 +50,6 @@ from protocol.wire import decode_announcement
 pytestmark = pytest.mark.integration
 
 # ~0.1 M parameters, H = 8 steps of 4 × 64 tokens: a window is well under a second of compute, so
-# a test's time goes to process start-up and the protocol, not to training.
-SMALL: dict[str, dict[str, Any]] = {
-    "model": {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 64},
-    "data": {"seq_len": 64, "batch_size": 4},
-    "inner": {"steps": 8, "lr": 3e-3, "warmup_steps": 4, "total_steps": 200},
-    "windows": {"upload_deadline_s": 60.0, "gather_grace_s": 1.0, "checkpoint_every": 2},
-    "validator": {"eval_sequences": 8, "eval_peers_per_window": 8},
-}
 TIMEOUT_S = 150.0
 
 

@@ -31,6 +31,7 @@ import pytest
 
 from client.demo.processes import python_console
 from client.demo.seaweed import weed_available
+from client.demo.swarm import SMALL_RUN as SMALL
 from client.demo.swarm import LocalSwarm
 from client.demo.wan import (
     FRAME_OVERHEAD,
@@ -55,13 +56,6 @@ from client.uplink import megabits, megabytes
 from protocol import layout
 from protocol.events import Event, Granted, PeerWindow
 
-SMALL: dict[str, dict[str, Any]] = {
-    "model": {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 64},
-    "data": {"seq_len": 64, "batch_size": 4},
-    "inner": {"steps": 8, "lr": 3e-3, "warmup_steps": 4, "total_steps": 200},
-    "windows": {"upload_deadline_s": 60.0, "gather_grace_s": 1.0, "checkpoint_every": 2},
-    "validator": {"eval_sequences": 8, "eval_peers_per_window": 8},
-}
 TIMEOUT_S = 150.0
 OUTAGE_S = 10.0
 OUTAGE_WINDOW = 1

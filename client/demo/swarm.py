@@ -91,6 +91,15 @@ INIT_TIMEOUT_S = 600.0
 # own aggregate, which splits the honest signatures of the window.
 HANDOVER_S = 30.0
 FAULTS = ("liar", "kill-leader")
+#: The small run of the integration tests and the WAN box (RunSpec overrides): ~0.1 M parameters,
+#: H = 8 steps of 4 × 64 tokens, a 60 s upload deadline, a checkpoint every 2 windows.
+SMALL_RUN: dict[str, dict[str, Any]] = {
+    "model": {"preset": "tiny", "dim": 64, "n_layers": 2, "n_heads": 2, "ffn_dim": 128, "max_seq_len": 64},
+    "data": {"seq_len": 64, "batch_size": 4},
+    "inner": {"steps": 8, "lr": 3e-3, "warmup_steps": 4, "total_steps": 200},
+    "windows": {"upload_deadline_s": 60.0, "gather_grace_s": 1.0, "checkpoint_every": 2},
+    "validator": {"eval_sequences": 8, "eval_peers_per_window": 8},
+}
 KILL_WINDOW = 2  # kill-leader: the window whose view-0 leader is killed
 
 
