@@ -33,7 +33,9 @@ RAW_PER_KIND = 3000
 RESIGNED_PER_KIND = 600
 PEAK_LIMIT = 32 << 20  # bytes traced by tracemalloc (numpy and Python allocations)
 RSS_GROWTH_LIMIT = 256 << 20
-SLOWEST_LIMIT_S = 0.5
+# CPU seconds of the slowest decode: a bound on runaway work (a loop driven by a crafted
+# length), not a speed figure; CPU time so that a busy machine does not trip it.
+SLOWEST_CPU_LIMIT_S = 5.0
 SIGNERS = {
     Kind.CONTRIBUTION: PEER,
     Kind.AGGREGATE: VALIDATOR,
@@ -124,13 +126,13 @@ def _run(cases: list[bytes], allow_valid: bool) -> dict[str, int]:
     tracemalloc.start()
     try:
         for data in cases:
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             try:
                 _decode(data)
                 outcome = "valid"
             except ProtocolError as exc:
                 outcome = exc.reason
-            slowest = max(slowest, time.perf_counter() - t0)
+            slowest = max(slowest, time.process_time() - t0)
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -138,7 +140,7 @@ def _run(cases: list[bytes], allow_valid: bool) -> dict[str, int]:
     assert peak < PEAK_LIMIT, f"peak traced allocation {peak / 2**20:.1f} MiB"
     rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
     assert rss_growth < RSS_GROWTH_LIMIT, f"peak RSS grew by {rss_growth / 2**20:.0f} MiB"
-    assert slowest < SLOWEST_LIMIT_S, f"slowest decode took {slowest:.3f} s"
+    assert slowest < SLOWEST_CPU_LIMIT_S, f"slowest decode took {slowest:.3f} CPU s"
     if not allow_valid:
         assert "valid" not in outcomes, outcomes
     return outcomes
