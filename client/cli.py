@@ -180,7 +180,7 @@ def _join(
     from client.peer import Peer, RunNotFound, UploadsRefused
     from client.progress import PeerDisplay
     from client.state import LocalState
-    from protocol.events import Failed, Stopped
+    from protocol.events import Failed
     from protocol.store import open_peer_store
 
     spec = _load_spec(run_path)
@@ -230,7 +230,7 @@ def _join(
         _log.error(f"sparseloco-peer: stopped: {exc}")
         return EXIT_RANK_LOST
     except KeyboardInterrupt:
-        display.emit(Stopped(reason="interrupted", window=peer.pos.window, withdrawn=peer.withdrawn))
+        display.emit(peer.stopped("interrupted"))
         return EXIT_INTERRUPTED
     except UploadsRefused as exc:
         display.emit(Failed(reason=exc.reason, detail=str(exc)))

@@ -26,11 +26,13 @@ the deadline. The clock check fails only when the offset is beyond the bound eve
 measurement's most favourable reading (``|offset| - uncertainty > bound``), and warns when the
 offset is beyond it but within the uncertainty (``|offset| > bound``). (The uncertainty is at
 least 1 s: a run whose bound is below that still passes a clock in step.) A store without HTTP (a directory, memory, a DHT) has no
-``Date`` to read: the check is skipped and says so.
+``Date`` to read: the check is skipped and says so. The verdict names whose clock it measured:
+the store's, or, when the store's endpoint did not answer, a grant server's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import urllib.error
 import urllib.request
@@ -50,17 +52,24 @@ DEADLINE_FRACTION = 0.1  # of upload_deadline_s
 NTP_HINT = "enable NTP (timedatectl set-ntp true) and check again"
 
 
+STORE = "store"
+GRANT_SERVER = "grant server"
+
+
 @dataclass(frozen=True)
 class Offset:
-    """This machine's clock minus ``source``'s (positive: ahead), ± ``uncertainty_s``."""
+    """This machine's clock minus ``source``'s (positive: ahead), ± ``uncertainty_s``; ``role``
+    says whose clock ``source`` is: the store's (:data:`STORE`) or a grant server's
+    (:data:`GRANT_SERVER`)."""
 
     source: str
     offset_s: float
     uncertainty_s: float
+    role: str = STORE
 
     def worded(self) -> str:
         side = "ahead of" if self.offset_s >= 0 else "behind"
-        return f"this machine's clock is {abs(self.offset_s):.0f} s {side} the store's ({self.source})"
+        return f"this machine's clock is {abs(self.offset_s):.0f} s {side} the {self.role}'s ({self.source})"
 
 
 @dataclass(frozen=True)
@@ -93,12 +102,17 @@ def bound_s(windows: WindowConfig) -> float:
 def sources(store: StoreSettings) -> list[str]:
     """The HTTP servers this peer talks to, store first: its S3 endpoint (AWS's when none is
     given), then each grant server. Empty for a store without HTTP."""
-    out: list[str] = []
+    return [url for url, _ in _roles(store)]
+
+
+def _roles(store: StoreSettings) -> list[tuple[str, str]]:
+    """:func:`sources`, each with whose clock it is (:data:`STORE` or :data:`GRANT_SERVER`)."""
+    out: list[tuple[str, str]] = []
     if store.url.lower().startswith("s3://"):
         region = store.s3_region
         aws = "https://s3.amazonaws.com" if region in ("", "auto") else f"https://s3.{region}.amazonaws.com"
-        out.append(store.s3_endpoint or aws)
-    out += [url.strip() for url in store.grant_url.split(",") if url.strip()]
+        out.append((store.s3_endpoint or aws, STORE))
+    out += [(url.strip(), GRANT_SERVER) for url in store.grant_url.split(",") if url.strip()]
     return out
 
 
@@ -131,12 +145,13 @@ def check_clock(
     """The clock check of ``preflight`` and ``join``: the first server of :func:`sources` that
     answers with a ``Date``, against :func:`bound_s`."""
     bound = bound_s(spec.windows)
-    urls = sources(store)
+    roles = _roles(store)
+    urls = [url for url, _ in roles]
     if not urls:
         return ClockCheck(
             "skipped", "no_http", f"{store.url} is not an HTTP store: no Date header to read", None, bound
         )
-    offset = _first(measure(url) for url in urls)
+    offset = _first(_as(role, measure(url)) for url, role in roles)
     if offset is None:
         return ClockCheck("skipped", "no_date", f"no answer with a Date header from {', '.join(urls)}", None, bound)
     off, unc = abs(offset.offset_s), offset.uncertainty_s
@@ -150,3 +165,8 @@ def check_clock(
 
 def _first(offsets: Iterable[Offset | None]) -> Offset | None:
     return next((o for o in offsets if o is not None), None)
+
+
+def _as(role: str, offset: Offset | None) -> Offset | None:
+    """``offset``, said to be ``role``'s clock (the server it was read from)."""
+    return None if offset is None else dataclasses.replace(offset, role=role)

@@ -484,7 +484,11 @@ def describe(event: Event) -> str:
                 if event.wire_up_bytes or event.wire_down_bytes
                 else ""
             )
-            + (f"  ({event.reason})" if event.reason else "")
+            + (
+                f"  ({_plain(event.reason)}" + (f": {_plain(event.detail)})" if event.detail else ")")
+                if event.reason
+                else ""
+            )
         )
     if isinstance(event, WindowPublished):
         reasons = " ".join(f"{k}={v}" for k, v in sorted(event.reasons.items()))

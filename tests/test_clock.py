@@ -147,6 +147,8 @@ def test_the_grant_server_answers_when_the_store_does_not(server: DateServer) ->
     store = StoreSettings(url="s3://b/p", s3_endpoint="http://127.0.0.1:1", grant_url=server.url)
     verdict = check_clock(SPEC, store, measure=lambda url: measure(url, timeout_s=1.0))
     assert verdict.status == "failed" and verdict.offset is not None and verdict.offset.source == server.url
+    assert "this machine's clock is 1" in verdict.detail
+    assert f"behind the grant server's ({server.url})" in verdict.detail and "store's" not in verdict.detail
 
 
 def test_a_store_without_http_or_without_date_is_skipped_with_the_reason(server: DateServer) -> None:

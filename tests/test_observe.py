@@ -137,6 +137,17 @@ def test_json_log_lines_have_the_fixed_fields() -> None:
     assert lines[1] == {**lines[1], "level": "warning", "event": "log", "message": "slow store"}
 
 
+def test_a_failed_window_line_says_why_not_only_the_reason() -> None:
+    """The human line of a failed window carries the error's text, escaped for the panel."""
+    from protocol.events import describe
+
+    failed = PeerWindow(window=37, outcome="failed", reason="unavailable", detail="get 'r/[x]': connection refused")
+    line = describe(failed)
+    assert line.endswith("(unavailable: get 'r/\\[x]': connection refused)"), line
+    skipped = PeerWindow(window=3, outcome="skipped", reason="window closed before training started")
+    assert describe(skipped).endswith("(window closed before training started)")
+
+
 def test_outcomes_are_bound_to_their_digest() -> None:
     peer = Identity.generate().peer_id
     blob = encode_outcomes("ab" * 32, 7, [PeerOutcome(peer, False, "copied", 0.5, -0.2)])

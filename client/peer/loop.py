@@ -24,7 +24,7 @@ from client.peer.position import CatchUp, Theta
 from client.peer.uploads import Staged, Uploads
 from client.progress import PeerDisplay
 from client.state import LocalState
-from client.uplink import Backoff, transient
+from client.uplink import transient
 from client.window import Skipped, Trained, WindowTrainer
 from protocol import layout
 from protocol.config import RunSpec
@@ -73,8 +73,6 @@ class Peer:
         self.inner_s = 0.0
         self.windows_trained = 0
         self._last_trained = -1  # the last window trained, skipped or failed here: the next one follows it
-        self._unreachable: float | None = None  # since when the store has not answered a catch-up (monotonic)
-        self._unreachable_wait = Backoff()
         self.clock_offset = clock_offset  # this machine's clock against the store's, measured at join
         self._closed_in_a_row = 0  # windows found closed before training, consecutive
 
@@ -103,21 +101,26 @@ class Peer:
                         else:
                             self._skip(window, work)
                     except (ProtocolError, StoreError) as exc:
-                        self._failed(self.pos.window if window is None else window, exc)
+                        if not self._retried(window, exc):
+                            self._failed(self.pos.window if window is None else window, exc)
             finally:
                 self.uploads.finish()  # the lane's last commit and put, and the moments, before leaving
         finally:
             if self.announced:  # also on Ctrl-C and on the errors that stop the peer
                 self.lifecycle.withdraw()
-        self.display.emit(
-            Stopped(
-                reason="stopped" if self.ctx.stopping() else "done",
-                window=self.pos.window,
-                windows_trained=self.windows_trained,
-                inner_s=round(self.inner_s, 3),
-                fingerprint=self.pos.fingerprint,
-                withdrawn=self.withdrawn,
-            )
+        self.display.emit(self.stopped("stopped" if self.ctx.stopping() else "done"))
+
+    def stopped(self, reason: str) -> Stopped:
+        """The ``stopped`` event of this process: where θ stands, the windows it trained and
+        their inner time since it started, and whether the withdrawal is in the store. ``join``
+        emits it with ``interrupted`` after Ctrl-C or SIGTERM, with the same counts."""
+        return Stopped(
+            reason=reason,
+            window=self.pos.window,
+            windows_trained=self.windows_trained,
+            inner_s=round(self.inner_s, 3),
+            fingerprint=self.pos.fingerprint,
+            withdrawn=self.withdrawn,
         )
 
     def _done(self, until_window: int | None, max_windows: int | None) -> bool:
@@ -234,15 +237,21 @@ class Peer:
         except StoreError as exc:
             if not transient(exc):
                 raise
-            if self._unreachable is None:
-                self._unreachable, self._unreachable_wait = time.monotonic(), Backoff(first_s=0.5, cap_s=8.0)
-                log.warning("the store does not answer (%s): waiting, no window is given up for it", exc)
-                self.display.update(phase="store unreachable")
-            self.ctx.stop.wait(self._unreachable_wait.next())
+            self.ctx.stop.wait(self.ctx.outage.down(exc))
             return False
-        if self._unreachable is not None:
-            log.warning("the store answers again after %.0f s", time.monotonic() - self._unreachable)
-            self._unreachable = None
+        self.ctx.outage.up()
+        return True
+
+    def _retried(self, window: int | None, exc: ProtocolError | StoreError) -> bool:
+        """Whether a window that broke because the store did not answer is tried again: while
+        nothing of it was adopted and it is still open, the loop waits (saying so once, as
+        :meth:`_caught_up` does) and trains it anew; once it has closed it is recorded as failed
+        with the store's error."""
+        if window is None or not isinstance(exc, StoreError) or not transient(exc):
+            return False
+        if self._last_trained >= window or not self.theta.window_open(window):
+            return False
+        self.ctx.stop.wait(self.ctx.outage.down(exc))
         return True
 
     def _failed(self, window: int, exc: ProtocolError | StoreError) -> None:

@@ -157,10 +157,13 @@ class CatchUp:
     def __init__(self, ctx: PeerContext, theta: Theta, uploads: Uploads) -> None:
         self.ctx, self.theta, self.uploads = ctx, theta, uploads
         self._signatures: Signatures | None = None  # the last one reported
+        self._quiet_until = 0.0  # monotonic: no mid-window look before (the store did not answer)
 
     def between_windows(self, need: int) -> None:
         """Apply every published aggregate (rebuilding θ first if it diverged); while θ opens a
-        window before ``need``, wait for the next one. A failure is reported, never raised."""
+        window before ``need``, wait for the next one. A failure is reported, not raised, except
+        a store that does not answer: the loop waits for it and says so once
+        (:class:`~client.peer.context.Outage`), rather than once per look."""
         theta = self.theta
         before = theta.pos.window
         try:
@@ -171,17 +174,23 @@ class CatchUp:
                 for step in theta.advance():
                     self._report(step)
         except (ProtocolError, StoreError) as exc:
-            self._sync_failed(exc)
             if not theta.diverged:
                 self.uploads.moved(before)  # what was applied before the store failed stands
+            if isinstance(exc, StoreError) and transient(exc):
+                raise
+            self._sync_failed(exc)
             time.sleep(max(theta.poll_s, 1.0))  # a persistent fault must not spin
             return
         self.uploads.moved(before)
 
     def in_window(self) -> list[SparseDict] | None:
         """Apply what is published to θ mid-window; the Δ̄ applied, or None when the working model
-        cannot follow (θ was rebuilt from a checkpoint, or the chain could not be read)."""
+        cannot follow (θ was rebuilt from a checkpoint, or the chain could not be read). A store
+        that does not answer only means nothing more arrived yet: the window trains on, and the next
+        look (at most every ``poll_interval_s``) tries again."""
         before = self.theta.pos.window
+        if time.monotonic() < self._quiet_until:
+            return []
         applied: list[SparseDict] = []
         rebuilt = False
         try:
@@ -192,8 +201,13 @@ class CatchUp:
                     rebuilt = True
                 self._report(step)
         except (ProtocolError, StoreError) as exc:
-            self._sync_failed(exc)
-            return None
+            if not (isinstance(exc, StoreError) and transient(exc)):
+                self._sync_failed(exc)
+                return None
+            self.ctx.outage.down(exc)  # what was applied before it stopped answering stands
+            self._quiet_until = time.monotonic() + max(self.theta.poll_s, 1.0)
+        else:
+            self.ctx.outage.up()
         self.uploads.moved(before)
         return None if rebuilt else applied
 
