@@ -6,7 +6,9 @@ corpus into the store and writes run.toml, the validator runs
 with that credential and ``--grant-port``, and a volunteer who holds only run.toml runs
 ``sparseloco-peer preflight``: it passes. Then the setups that must fail, with their reason: a
 run.toml that differs from the operator's in one hashed field, and a grant server that is not
-there. The per-peer grant paths the docs give are the ones the S3 tests use.
+there. The per-peer grant paths the docs give are the ones the S3 tests use. A volunteer whose
+clock is two minutes off (``faketime``, when installed; SeaweedFS and the validator keep the real
+clock) is refused by ``preflight`` and ``join`` with the offset and the fix.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -330,3 +334,50 @@ def test_without_a_grant_url_the_error_names_the_setting(operator: Operator, vol
     assert done.exit_code == 1
     assert "store.grant_url" in done.output and "[local.store]" in done.output
     assert "access_key/secret_key" not in done.output and "anonymous=True" not in done.output
+
+
+FAKETIME = shutil.which("faketime")
+
+
+def _faked(offset: str) -> list[str]:
+    """argv prefix that runs a command with its clock ``offset`` off (libfaketime's format:
+    ``+120s``); SeaweedFS and the validator, started without it, keep this machine's clock."""
+    assert FAKETIME is not None
+    return [FAKETIME, "-f", offset]
+
+
+def _faketime_moves_python(offset_s: float) -> bool:
+    """Whether faketime moves ``time.time()`` in a Python subprocess (a static or otherwise
+    unpreloadable interpreter would make the test below meaningless)."""
+    probe = [sys.executable, "-c", "import time; print(time.time())"]
+    done = subprocess.run(_faked(f"{offset_s:+.0f}s") + probe, capture_output=True, text=True, timeout=30)
+    return done.returncode == 0 and abs(float(done.stdout) - time.time() - offset_s) < 30
+
+
+@pytest.mark.skipif(FAKETIME is None, reason="faketime is not installed (apt-get install faketime)")
+@pytest.mark.parametrize("command, offset, side", [("preflight", "+120s", "ahead of"), ("join", "-120s", "behind")])
+def test_a_volunteer_whose_clock_is_two_minutes_off_is_refused_with_the_offset(
+    operator: Operator, volunteer: Path, command: str, offset: str, side: str
+) -> None:
+    """A real ``sparseloco-peer preflight`` / ``join`` under faketime against the real SeaweedFS
+    and grant server: exit status 1, the clock_offset failure naming the offset, whose clock it
+    was measured against and the fix; join refuses before it creates a key."""
+    if not _faketime_moves_python(float(offset[:-1])):
+        pytest.skip("faketime does not move time.time() of this Python")
+    state = volunteer.parent / "state"
+    argv = python_console("sparseloco-peer") + [command, "--run", str(volunteer), "--state", str(state)]
+    argv += ["--device", "cpu", "--threads", "1"]
+    env = {**os.environ, "FAKETIME_NO_CACHE": "1"}
+    started = time.monotonic()
+    done = subprocess.run(_faked(offset) + argv, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    endpoint = local_table(volunteer)["store"]["s3_endpoint"]
+    said = re.search(rf"this machine's clock is 1(19|20|21) s {side} the store's \({re.escape(endpoint)}\)", output)
+    assert said, output
+    assert "enable NTP (timedatectl set-ntp true) and check again" in output
+    if command == "preflight":
+        assert re.search(r"failed +clock", output) and "not ready: clock: clock_offset" in output
+    else:
+        assert "cannot join: this machine's clock" in output and not (state / "key.pem").exists()
+    assert time.monotonic() - started < 60
