@@ -116,11 +116,20 @@ class Backoff:
         return float(base * self._rng.uniform(1 - self.jitter, 1 + self.jitter))
 
 
+#: Refusals that pass by themselves: ``not_announced``, a contribution asked for before the
+#: validator has read this peer's announcement (a peer that just joined or rejoined after a
+#: withdrawal; the validator reads new announcements while it gathers, within seconds).
+PASSING_REFUSALS = frozenset({"not_announced"})
+
+
 def transient(exc: StoreError | ProtocolError) -> bool:
     """Whether a store error may pass if tried again: the store or grant server did not answer
-    (``StoreUnavailable``), or failed without naming a refusal (a plain ``StoreError``: a reset
-    connection, a 5xx). A named refusal or answer (access denied, too large, exists ...) is not."""
-    return isinstance(exc, StoreUnavailable) or type(exc) is StoreError
+    (``StoreUnavailable``), failed without naming a refusal (a plain ``StoreError``: a reset
+    connection, a 5xx), or refused for a reason that passes by itself (:data:`PASSING_REFUSALS`).
+    Any other named refusal or answer (access denied, too large, exists ...) is not."""
+    if isinstance(exc, StoreUnavailable) or type(exc) is StoreError:
+        return True
+    return isinstance(exc, StoreError) and exc.reason in PASSING_REFUSALS
 
 
 @dataclass(frozen=True)

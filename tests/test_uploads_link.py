@@ -193,6 +193,27 @@ def test_transient_errors_are_the_unanswered_ones() -> None:
     assert not any(transient(e) for e in (AccessDenied("x"), ObjectExists("x"), PayloadTooLarge("x")))
 
 
+def test_a_contribution_asked_for_before_the_announcement_was_read_is_retried() -> None:
+    """A peer that rejoined after a withdrawal asks for its contribution's grant before the
+    validator has read its new announcement (403 not_announced): that passes within seconds, so
+    the put is retried until the deadline instead of losing the window."""
+    clock = Clock()
+
+    class NotYetAnnounced(Link):
+        def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+            self.puts += 1
+            if self.puts <= 2:
+                raise GrantNotGiven(
+                    "not_announced: the validator has not read this peer's announcement", "not_announced"
+                )
+            super().put(key, data, if_absent=if_absent)
+
+    link = NotYetAnnounced(clock)
+    sent = send(link, clock, b"c" * 100, left_s=60)
+    assert (sent.outcome, sent.attempts, sent.refused) == ("uploaded", 3, False) and link.inner.get(KEY) == b"c" * 100
+    assert len(clock.slept) == 2 and transient(GrantNotGiven("x", "not_announced"))
+
+
 # ---------------------------------------------------------------------- never twice
 def test_a_put_that_landed_but_lost_its_answer_is_not_sent_twice() -> None:
     clock = Clock()
