@@ -140,6 +140,31 @@ def _skipped(name: str, reason: str, detail: str) -> Check:
     return Check(name, "skipped", reason, detail)
 
 
+READ = "read and list the run's objects"
+
+#: Where botocore found a credential (its ``method``), for people.
+_CREDENTIAL_SOURCES = {
+    "env": "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment",
+    "shared-credentials-file": "~/.aws/credentials",
+    "config-file": "~/.aws/config",
+}
+
+
+def own_credential() -> str:
+    """The store credential this machine uses without a grant server, for people: its access key
+    id (never the secret) and where it came from."""
+    try:
+        import boto3
+
+        credentials = boto3.session.Session().get_credentials()
+    except Exception:  # a profile that does not parse: say so without its details
+        return "this machine's store credential"
+    if credentials is None:
+        return "this machine's store credential (none found)"
+    source = _CREDENTIAL_SOURCES.get(credentials.method, credentials.method)
+    return f"this machine's store credential (access key {credentials.access_key}, from {source})"
+
+
 def _reason(exc: Exception) -> str:
     """The stable reason of a failure: the grant server's own when it refused."""
     if isinstance(exc, GrantNotGiven):
@@ -322,7 +347,7 @@ class Preflight:
                 "(compare `sparseloco run-id run.toml`)",
             )
         except (ProtocolError, StoreError) as exc:
-            return _failed("run", _reason(exc), f"cannot read the run's genesis: {exc}")
+            return _failed("run", _reason(exc), f"cannot read the run's genesis: {exc}{self._denied(exc, READ)}")
         return _ok("run", f"run {self.run_id} started at {time.ctime(genesis.published_at)}")
 
     def _waiting_for_peers(self) -> tuple[int, int] | None:
@@ -354,7 +379,7 @@ class Preflight:
             except ObjectNotFound:
                 self._aggregate_bytes = 0  # no window was published after it yet
         except (ProtocolError, StoreError) as exc:
-            return _failed("reads", _reason(exc), f"cannot read the chain: {exc}")
+            return _failed("reads", _reason(exc), f"cannot read the chain: {exc}{self._denied(exc, READ)}")
         return _ok(
             "reads",
             f"newest checkpoint: window {newest.window} ({sum(sizes):,} B)",
@@ -424,7 +449,8 @@ class Preflight:
                 back = self.store.get(key, max_bytes=len(payload))
                 t2 = self.clock()
             except (ProtocolError, StoreError) as exc:
-                return _failed("write", _reason(exc), f"cannot write and read back {key}: {exc}")
+                denied = self._denied(exc, self._writes())
+                return _failed("write", _reason(exc), f"cannot write and read back {key}: {exc}{denied}")
             if back != payload:
                 return _failed("write", "corrupted", f"{key} read back different bytes")
             size, up_s, down_s = len(payload), t1 - t0, t2 - t1
@@ -436,6 +462,22 @@ class Preflight:
             up_bytes_per_s=round(self._up_bps),
             down_bytes_per_s=round(self._down_bps),
         )
+
+    def _denied(self, exc: Exception, needs: str) -> str:
+        """For a store that refused this machine's own credential (no grant server): which
+        credential it was, and what it needs; empty otherwise."""
+        if isinstance(self.store, GrantedStore) or _reason(exc) != "access_denied":
+            return ""
+        return (
+            f"; {own_credential()} was refused: store.grant_url is empty, so this machine uses its own "
+            f"credential, which must be one the store knows and may {needs} (or set store.grant_url "
+            "to the validator's grant server, as run.toml's [local.store] names it)"
+        )
+
+    def _writes(self) -> str:
+        """What a peer's own credential must be allowed to write."""
+        run, me = self.run_id, self.identity.peer_id
+        return f"write {run}/peers/{me}, {run}/contrib/*/{me} and {run}/probe/{me}"
 
     def contribution_estimate(self) -> tuple[int, str]:
         """(bytes of one signed contribution, where the figure comes from): the one ``compute``

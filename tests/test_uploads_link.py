@@ -10,6 +10,7 @@ reads slowly); the peer's handling of a skipped or retried put with a real peer.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import re
 import socket
@@ -630,3 +631,29 @@ def test_preflight_before_genesis_says_the_validator_waits_for_peers() -> None:
 def preflight_run_reason(checks, launch) -> str:  # type: ignore[no-untyped-def]
     checks.chain.launch = launch
     return str(checks._run().reason)
+
+
+class ReadOnly(MemoryStore):
+    """A store that refuses every put: a credential that may read and list, not write."""
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        raise AccessDenied(f"{key!r}: AccessDenied: Access Denied.")
+
+
+def test_preflight_names_the_refused_own_credential_and_what_it_may_not_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a grant server a refused write names the credential (its access key id, never the
+    secret, and where it came from), the setting that made it be used and the keys it must be
+    allowed to write."""
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "READONLY0001")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-not-shown")
+    checks = preflight_over(ReadOnly(f"ro-{time.time_ns()}"), 60)
+    write = checks._write()
+    assert (write.status, write.reason) == ("failed", "access_denied")
+    assert "access key READONLY0001, from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment" in write.detail
+    assert "store.grant_url is empty" in write.detail and "s3cr3t" not in write.detail
+    me, run = checks.identity.peer_id, checks.run_id
+    assert f"may write {run}/peers/{me}, {run}/contrib/*/{me} and {run}/probe/{me}" in write.detail
+    refused = GrantNotGiven("window_closed: no", "window_closed")  # a grant server's refusal: no credential hint
+    assert checks._denied(refused, "write") == "" and checks._denied(AccessDenied("x"), "read") != ""
