@@ -439,3 +439,28 @@ def test_a_damaged_validation_shard_never_stalls_the_validator(
         v.close()
     finally:
         MemoryStore.forget(name)
+
+
+def test_init_without_the_buckets_credential_says_which_settings_give_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator who runs init before loading the bucket's credential reads the variables to
+    set, with run.toml's table named as written ([local.store], not eaten as markup)."""
+    from click.testing import CliRunner
+
+    from validator.cli import cli
+
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    corpus = write_corpus(tmp_path)
+    args = ["init", "--corpus", str(corpus), "--store", "s3://sparseloco/runs", "--key", str(tmp_path / "v.pem")]
+    args += ["--spec", str(tmp_path / "base.toml"), "--out", str(tmp_path / "run.toml")]
+    args += ["--s3-endpoint", "http://127.0.0.1:9", "--s3-region", "us-east-1"]
+    (tmp_path / "base.toml").write_text(BASE.to_toml())
+    out = CliRunner().invoke(cli, args, terminal_width=400)
+    assert out.exit_code == 2, out.output
+    text = " ".join(out.output.split())
+    assert "run.toml's [local.store] table" in text and "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in text
+    assert "validator.env" in text and not (tmp_path / "run.toml").exists()

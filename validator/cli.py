@@ -191,10 +191,10 @@ def init(
                 steps=steps,
             )
     except ConfigError as exc:
-        err.print(f"sparseloco-validator init: {exc}")
+        err.print(f"sparseloco-validator init: {escape(str(exc))}")
         sys.exit(EXIT_CONFIG)
     except (StoreError, ProtocolError) as exc:
-        err.print(f"sparseloco-validator init: the store failed: {exc}")
+        err.print(f"sparseloco-validator init: the store failed: {escape(str(exc))}")
         sys.exit(EXIT_STORE)
     _print_init(result, settings.store.location(), as_json)
 

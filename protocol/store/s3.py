@@ -191,7 +191,8 @@ NO_CREDENTIALS = (
     "(the validator's grant server) in run.toml's [local.store] table, a --settings file or "
     "SPARSELOCO_STORE_GRANT_URL, and sparseloco-peer join and the sparseloco commands (checkpoints, "
     "export, eval, sample, inspect --run, status) read through its grants; with a credential of your "
-    "own, set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
+    "own (the operator's for `sparseloco-validator init` and `run`: the bucket's write credential, e.g. "
+    "a self-hosted store's validator.env), set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
 )
 
 
