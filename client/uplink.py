@@ -140,7 +140,9 @@ class Sent:
     had passed) or ``failed`` (refused, or transient failures until the deadline); ``reason``: why not uploaded, or ``"already present"`` when an earlier
     attempt had landed; ``refused``: the store refused the write (not a transient failure);
     ``attempts``: puts tried; ``seconds``: from the first attempt to the end, waits included;
-    ``down_s``: of those, the time in failed attempts and the waits after them.
+    ``down_s``: of those, the time in failed attempts and the waits after them; ``held_s``: of
+    those, the time in attempts refused for a reason that passes (:data:`PASSING_REFUSALS`: the
+    link was up, the validator had not read this peer's announcement yet).
     """
 
     outcome: str
@@ -149,6 +151,7 @@ class Sent:
     attempts: int = 0
     seconds: float = 0.0
     down_s: float = 0.0
+    held_s: float = 0.0
 
     @property
     def uploaded(self) -> bool:
@@ -158,8 +161,10 @@ class Sent:
         """One line for the log: ``upload of window 7 took 3 attempts, 41 s; link was down 30 s``."""
         tries = f"{self.attempts} attempt{'s' if self.attempts != 1 else ''}"
         line = f"{what} took {tries}, {self.seconds:.0f} s"
-        if self.down_s >= 0.5:
-            line += f"; link was down {self.down_s:.0f} s"
+        if self.down_s - self.held_s >= 0.5:
+            line += f"; link was down {self.down_s - self.held_s:.0f} s"
+        if self.held_s >= 0.5:
+            line += f"; waited {self.held_s:.0f} s for the validator to read this peer's announcement"
         if not self.uploaded:
             line += f": {self.outcome} ({self.reason})"
         return line
@@ -184,11 +189,11 @@ def put_by_deadline(
     then (an event's ``wait``)."""
     backoff = backoff or Backoff()
     started = clock()
-    attempts, down = 0, 0.0
+    attempts, down, held = 0, 0.0, 0.0
     last_error: str | None = None
 
     def ended(outcome: str, reason: str | None = None, *, refused: bool = False) -> Sent:
-        return Sent(outcome, reason, refused, attempts, clock() - started, down)
+        return Sent(outcome, reason, refused, attempts, clock() - started, down, held)
 
     while True:
         if attempts and stopping():
@@ -221,6 +226,8 @@ def put_by_deadline(
             wait = min(backoff.next(), max(0.0, at - clock()))
             sleep(wait)
             down += clock() - t0
+            if exc.reason in PASSING_REFUSALS:
+                held += clock() - t0
             continue
         if created:
             rate.observe(len(data), clock() - t0)

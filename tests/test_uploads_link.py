@@ -213,6 +213,8 @@ def test_a_contribution_asked_for_before_the_announcement_was_read_is_retried() 
     sent = send(link, clock, b"c" * 100, left_s=60)
     assert (sent.outcome, sent.attempts, sent.refused) == ("uploaded", 3, False) and link.inner.get(KEY) == b"c" * 100
     assert len(clock.slept) == 2 and transient(GrantNotGiven("x", "not_announced"))
+    line = sent.summary("upload of window 7")
+    assert "for the validator to read this peer's announcement" in line and "link was down" not in line, line
 
 
 # ---------------------------------------------------------------------- never twice
