@@ -95,8 +95,10 @@ class WindowJob:
 class WindowStats:
     """What the window's training cost and achieved (losses are training-batch means).
     ``stale_steps``: inner steps taken before θ held the aggregate that opens the window.
-    ``forecast_wait_s``: of ``inner_s``, the wait for the forecast before the first step. ``data``:
-    what reaching the run's data cost since the last trained window (fetches, cache hits)."""
+    ``forecast_wait_s``: of ``inner_s``, the wait for the forecast before the first step;
+    ``aggregate_wait_s``: of ``inner_s``, the wait mid-window for the aggregate that opens it (a
+    validator that is slow or down). ``data``: what reaching the run's data cost since the last
+    trained window (fetches, cache hits)."""
 
     loss_first: float
     loss_last: float
@@ -105,6 +107,7 @@ class WindowStats:
     compress_s: float
     stale_steps: int = 0
     forecast_wait_s: float = 0.0
+    aggregate_wait_s: float = 0.0
     data: DataUsage = DataUsage()
 
 

@@ -203,6 +203,7 @@ class PeerWindow(Event):
     trained_from: int | None = None  # the window θ opened when training started (window − 1: overlapped)
     stale_steps: int = 0  # inner steps trained before θ held the aggregate that opens the window
     forecast_wait_s: float = 0.0  # of inner_s, the wait for the others' contributions before the first step
+    aggregate_wait_s: float = 0.0  # of inner_s, the wait mid-window for the aggregate that opens the window
     download_bytes: int = 0  # read from the store since the previous window report: aggregates, checkpoints, data_bytes
     data_bytes: int = 0  # fetched from the store since the last trained window (blocks, prefetch)
     data_hits: int = 0  # blocks the window read that were already local (cached or prefetched)
@@ -478,6 +479,11 @@ def describe(event: Event) -> str:
             f"  loss {_num(event.loss, '{:.4f}')}"
             f"  upload {_num(event.upload_bytes or None, '{:,}')} B"
             f"  inner {event.inner_s:.1f} s"
+            + (
+                f" (of which {event.aggregate_wait_s:.1f} s waiting for aggregate {event.window - 1})"
+                if event.aggregate_wait_s >= 0.5
+                else ""
+            )
             + (f"  data {event.data_bytes:,} B" if event.data_bytes else "")
             + (
                 f"  wire ↑{event.wire_up_bytes:,} ↓{event.wire_down_bytes:,} B"

@@ -975,6 +975,37 @@ def test_an_aggregate_that_arrives_mid_window_moves_the_working_model(tmp_path: 
     assert rec.of(PeerWindow)[-1].stale_steps == 1 and [e.window for e in rec.of(Applied)] == [0]
 
 
+def test_a_wait_mid_window_for_a_late_aggregate_is_reported_apart_from_training(tmp_path: Path) -> None:
+    """Aggregate 0 comes a second after window 1's trainer has reached the point where it must wait
+    for it (a slow or restarting validator): the window's report says how much of its inner time
+    was that wait, and its human line says so, rather than a second more of training."""
+    from protocol.events import describe
+
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident).replace(outer={"eager": False})
+    store = open_store(f"memory://late-aggregate-{time.time_ns()}")
+    val = MiniValidator(spec, store, vident)
+    peer, rec = make_peer(spec, store, tmp_path, "a")
+    peer.join()
+    send(peer, 0)
+    late: list[threading.Timer] = []
+
+    def publish_a_second_after_the_wait_began(**fields: object) -> None:
+        if fields.get("phase") == "waiting for aggregate" and not late:
+            late.append(threading.Timer(1.0, val.close_window, args=(1,)))
+            late[0].start()
+
+    peer.display.update = publish_a_second_after_the_wait_began  # type: ignore[method-assign]
+    staged = peer.train(1)
+    assert isinstance(staged, Staged) and late and peer.pos.window == 1
+    assert 0.9 <= staged.stats.aggregate_wait_s <= staged.stats.inner_s
+    peer.upload(staged)
+    peer.flush()
+    report = rec.of(PeerWindow)[-1]
+    assert report.window == 1 and report.aggregate_wait_s == round(staged.stats.aggregate_wait_s, 3)
+    assert f"(of which {report.aggregate_wait_s:.1f} s waiting for aggregate 0)" in describe(report)
+
+
 def test_the_eager_forecast_is_the_aggregate_when_the_validator_takes_the_same_contributions(swarm) -> None:
     """Two peers; peer a trains window 1 from θ_0 less the forecast of aggregate 0 from both
     window-0 contributions in the store, and aggregate 0 arrives after its first inner step. The

@@ -68,6 +68,7 @@ class InFlight:
         self._step_s = 0.0  # this peer's inner step time (moving mean; 0 until one was measured)
         self._returned: float | None = None  # monotonic time between_steps last returned
         self.waited_s = 0.0  # the window's wait for the forecast before its first step
+        self.aggregate_wait_s = 0.0  # the window's wait mid-window for the aggregate that opens it
 
     # ------------------------------------------------------------------ window 0 before genesis
     def hold_early(self, work: Trained | None) -> None:
@@ -90,7 +91,7 @@ class InFlight:
         self.window = window
         self._arrived_at = 0 if theta.pos.window >= window else None
         self.abandoned = False
-        self._returned, self.waited_s = None, 0.0
+        self._returned, self.waited_s, self.aggregate_wait_s = None, 0.0, 0.0
         self._start_forecast(window)
         return WindowJob(
             window,
@@ -136,7 +137,11 @@ class InFlight:
         arrived = self._arrivals()
         cap = overlap_steps(spec)
         if not arrived and self.theta.pos.window < window and done >= cap < spec.inner.steps:  # 1.0: never waits
-            self.catch_up.wait()
+            started = time.monotonic()
+            try:
+                self.catch_up.wait()
+            finally:
+                self.aggregate_wait_s += time.monotonic() - started
             arrived = self._arrivals()
         if arrived:
             return self._arrive(arrived, done, alpha)

@@ -180,7 +180,10 @@ class Peer:
         if not self.theta.window_open(window):  # nothing of it reaches e
             return Skipped("deadline passed during training", work.stats.inner_s)
         stats = dataclasses.replace(
-            work.stats, stale_steps=self.inflight.stale_steps, forecast_wait_s=self.inflight.waited_s
+            work.stats,
+            stale_steps=self.inflight.stale_steps,
+            forecast_wait_s=self.inflight.waited_s,
+            aggregate_wait_s=self.inflight.aggregate_wait_s,
         )
         return self._fold(window, dataclasses.replace(work, stats=stats), trained_from)
 

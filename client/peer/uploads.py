@@ -267,6 +267,7 @@ class Uploads:
             trained_from=staged.trained_from,
             stale_steps=st.stale_steps,
             forecast_wait_s=round(st.forecast_wait_s, 3),
+            aggregate_wait_s=round(st.aggregate_wait_s, 3),
             download_bytes=read + st.data.fetched_bytes,  # the data feed reads on its own
             data_bytes=st.data.fetched_bytes,
             data_hits=st.data.hits,
