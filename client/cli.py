@@ -239,7 +239,8 @@ def _join(
     except (RunNotFound, ProtocolError, StoreError) as exc:
         # Only reached when joining itself fails (no genesis, no usable checkpoint, store unreachable).
         display.emit(Failed(reason=exc.reason, detail=str(exc)))
-        hint = "" if isinstance(exc, RunNotFound) else _run_hint(spec, local)
+        # RunNotFound names the run and store already; a grant server's wrong_run both run hashes.
+        hint = "" if isinstance(exc, RunNotFound) or exc.reason == "wrong_run" else _run_hint(spec, local)
         _log.error(f"sparseloco-peer: cannot join: {exc}{hint}")
         return EXIT_CANNOT_JOIN
     finally:

@@ -541,6 +541,16 @@ def describe(event: Event) -> str:
         )
     if isinstance(event, WindowOpened):
         return f"window {event.window} open (base {event.base[:16]})"
+    if isinstance(event, Stopped):
+        at = "" if event.window is None else f" at window {event.window}"
+        if event.role != "peer":
+            return f"{event.role} stopped ({event.reason}){at}"
+        return (
+            f"peer stopped ({event.reason}){at}: {event.windows_trained} window(s) trained since it started,"
+            f" {event.inner_s:.0f} s of inner steps"
+            + (f", θ {event.fingerprint[:16]}" if event.fingerprint else "")
+            + ("; withdrawn: the validator no longer waits for it" if event.withdrawn else "")
+        )
     if isinstance(event, ModelEvaluated):
         return (
             f"window {event.window} evaluated: loss={event.loss:.4f} perplexity={event.perplexity:.3f} "

@@ -148,6 +148,17 @@ def test_a_failed_window_line_says_why_not_only_the_reason() -> None:
     assert describe(skipped).endswith("(window closed before training started)")
 
 
+def test_a_stopped_line_says_what_the_peer_did() -> None:
+    from protocol.events import Stopped, describe
+
+    line = describe(Stopped(reason="interrupted", window=244, windows_trained=243, inner_s=589.4, withdrawn=True))
+    assert line == (
+        "peer stopped (interrupted) at window 244: 243 window(s) trained since it started, 589 s of inner steps;"
+        " withdrawn: the validator no longer waits for it"
+    )
+    assert describe(Stopped(role="validator", reason="done", window=5)) == "validator stopped (done) at window 5"
+
+
 def test_outcomes_are_bound_to_their_digest() -> None:
     peer = Identity.generate().peer_id
     blob = encode_outcomes("ab" * 32, 7, [PeerOutcome(peer, False, "copied", 0.5, -0.2)])

@@ -255,6 +255,24 @@ def test_preflight_fails_for_another_runs_toml_naming_why(operator: Operator) ->
     assert operator.spec.hash() in checks["grant"]["detail"]  # the hash the operator's server serves
 
 
+def test_join_with_another_runs_toml_exits_at_once_naming_both_run_hashes(operator: Operator) -> None:
+    """A real ``sparseloco-peer join`` whose run.toml is another run's: the grant server refuses
+    its announcement, and it exits 1 at once naming the hash the server serves and its own (once)."""
+    other = operator.spec.replace(codec={"k": 32})
+    toml = operator.work / "other-join.toml"
+    toml.write_text(other.to_toml() + local_table_toml(local_table(operator.run_toml)))
+    argv = python_console("sparseloco-peer") + ["join", "--run", str(toml), "--state", str(operator.work / "joiner")]
+    argv += ["--device", "cpu", "--threads", "1", "--join-timeout", "60"]
+    no_credential = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    started = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True, env=no_credential, timeout=TIMEOUT_S)
+    assert done.returncode == 1, done.stderr
+    assert time.monotonic() - started < 30  # refused, not waited out for the join timeout
+    (message,) = [line for line in done.stderr.splitlines() if "cannot join:" in line]
+    assert "wrong_run" in message and operator.spec.hash() in message and other.hash() in message
+    assert message.count("sparseloco run-id run.toml") == 1, message  # the hint once, not twice
+
+
 def test_preflight_fails_when_the_grant_server_is_not_there(operator: Operator) -> None:
     (closed,) = free_ports(1)
     code, report = _preflight(
