@@ -33,6 +33,7 @@ from protocol.events import (
     Failed,
     Granted,
     PeerStarted,
+    PeerWindow,
     ResumedUpload,
     Stopped,
     WaitingForGenesis,
@@ -268,6 +269,8 @@ def test_a_peer_that_stops_cleanly_holds_no_window_open(run_dir: Path) -> None:
         summary = finish(swarm)
     stopped = [e for e in leaver.events if isinstance(e, Stopped)]
     assert stopped[-1].reason == "interrupted" and stopped[-1].withdrawn
+    uploaded = {e.window for e in leaver.events if isinstance(e, PeerWindow) and e.outcome == "uploaded"}
+    assert uploaded and stopped[-1].windows_trained >= len(uploaded)  # it said 0 after SIGTERM
     assert summary["windows_completed"] == windows and summary["fingerprints_equal"]
     for w in range(2, windows):  # the window open when it left, and every one after it
         assert swarm.published[w].published_at - opened[w] < deadline / 4, (w, opened, swarm.published[w])
