@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import shutil
 import threading
 import time
@@ -1004,6 +1005,32 @@ def test_a_wait_mid_window_for_a_late_aggregate_is_reported_apart_from_training(
     report = rec.of(PeerWindow)[-1]
     assert report.window == 1 and report.aggregate_wait_s == round(staged.stats.aggregate_wait_s, 3)
     assert f"(of which {report.aggregate_wait_s:.1f} s waiting for aggregate 0)" in describe(report)
+
+
+def test_an_aggregate_late_by_a_whole_window_is_said_to_be_late_once_and_when_it_came(tmp_path: Path, caplog) -> None:
+    """The validator is down: aggregate 0 is not published a whole upload deadline after window 0
+    closed. The waiting peer says so once (not silence), and how late it was when it arrives."""
+    from client.peer.position import overdue_at
+
+    vident = Identity.from_seed(bytes(range(32)))
+    spec = tiny_spec(vident, upload_deadline_s=3.0, gather_grace_s=0.5)
+    store = open_store(f"memory://late-validator-{time.time_ns()}")
+    val = MiniValidator(spec, store, vident)
+    peer, _ = make_peer(spec, store, tmp_path, "a")
+    peer.join()
+    closes = peer.theta.deadline(0)
+    assert closes and overdue_at(closes, spec) == closes + 3.5
+    late = max(0.0, overdue_at(closes, spec) + 1.0 - time.time())
+    comes_back = threading.Timer(late, val.close_window, kwargs={"expect": 0, "timeout": 0})
+    comes_back.start()
+    with caplog.at_level(logging.WARNING, logger="client.peer.position"):
+        peer.catchup.wait()
+    comes_back.join()
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "aggregate 0 is not published" in m and "slow or down" in m]) == 1, said
+    assert any(re.fullmatch(r"aggregate 0 was published \d+ s after its window's upload deadline", m) for m in said)
+    peer.catchup.between_windows(1)
+    assert peer.pos.window == 1
 
 
 def test_the_eager_forecast_is_the_aggregate_when_the_validator_takes_the_same_contributions(swarm) -> None:

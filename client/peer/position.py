@@ -22,6 +22,7 @@ one (:mod:`client.peer.inflight`), and replays the chain when the peer joins.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -48,6 +49,13 @@ __all__ = ["CatchUp", "Theta"]
 
 _log = logging.getLogger(__name__)
 DUE_SHARE = 0.8  # the next aggregate is expected no sooner than this share of the last window's length
+
+
+def overdue_at(deadline: float, spec: RunSpec) -> float:
+    """When an aggregate whose window's upload deadline is ``deadline`` counts as late: the
+    validator closes the window ``gather_grace_s`` after it, then a whole ``upload_deadline_s``
+    more for checking, scoring and publishing."""
+    return deadline + spec.windows.gather_grace_s + spec.windows.upload_deadline_s
 
 
 class Theta:
@@ -218,10 +226,37 @@ class CatchUp:
 
     def wait(self) -> None:
         """Until the aggregate that follows θ is published; our last upload is reported first (it
-        may be what that window waits for)."""
+        may be what that window waits for). An aggregate still missing a whole upload deadline
+        after the validator closes its window (:func:`overdue_at`) is said to be late, once, and
+        when it arrives how late it was: a validator that is down or stuck is not silence."""
         self.uploads.flush()
         self.ctx.display.update(phase="waiting for aggregate")
-        self.theta.wait_for_next(self.ctx.stopping, self._awaiting)
+        window, closes = self.theta.pos.window, self.theta.deadline(self.theta.pos.window)
+        late = threading.Event()
+        timer = None
+        if closes:
+            delay = max(0.0, overdue_at(closes, self.ctx.spec) - time.time())
+            timer = threading.Timer(delay, self._overdue, args=(window, closes, late))
+            timer.daemon = True
+            timer.start()
+        try:
+            self.theta.wait_for_next(self.ctx.stopping, self._awaiting)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if late.is_set() and self.theta.pos.window == window and closes:
+            _log.warning(
+                "aggregate %d was published %.0f s after its window's upload deadline", window, time.time() - closes
+            )
+
+    def _overdue(self, window: int, closes: float, late: threading.Event) -> None:
+        late.set()
+        _log.warning(
+            "aggregate %d is not published %.0f s after its window's upload deadline: the validator is slow or "
+            "down; waiting for it",
+            window,
+            time.time() - closes,
+        )
 
     def _awaiting(self, found: Signatures) -> None:
         """Several validators: the next aggregate waits for their signatures. Shown every time it is
