@@ -292,13 +292,12 @@ def _print_status(status: RunStatus) -> None:
         click.echo(f"local      {mark}  {status.local.detail}")
     if h is not None:
         table = Table(title=f"peers of window {h.window} (outcomes: {status.outcomes})")
-        for col in ("peer", "", "accepted", "reason", "score", "rep"):
+        for col in ("peer", "accepted", "reason", "score", "rep"):
             table.add_column(col, no_wrap=True)
         me = status.local.peer_id if status.local else None
         for r in status.peers:
             table.add_row(
-                r.peer,
-                "you" if r.peer == me else "",
+                f"{r.peer} (you)" if r.peer == me else r.peer,
                 "yes" if r.accepted else "no",
                 r.reason or "",
                 _opt(r.score, "{:+.4g}"),

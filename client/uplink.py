@@ -51,7 +51,12 @@ __all__ = [
 
 
 def megabytes(n: float) -> str:
-    """``23.4 MB`` (decimal megabytes, as link speeds are quoted)."""
+    """``23.4 MB`` (decimal units, as link speeds are quoted); ``12.0 kB`` below 0.1 MB and
+    ``1.20 GB`` from 1 GB on, so no size reads as ``0.0 MB``."""
+    if n < 1e5:
+        return f"{n / 1e3:.1f} kB"
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} GB"
     return f"{n / 1e6:.1f} MB"
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from client.peer import Staged
-from client.uplink import Backoff, LinkRate, put_by_deadline, transient
+from client.uplink import Backoff, LinkRate, megabytes, put_by_deadline, transient
 from protocol import layout
 from protocol.errors import (
     AccessDenied,
@@ -659,3 +659,13 @@ def test_preflight_names_the_refused_own_credential_and_what_it_may_not_do(monke
     assert f"may write {run}/peers/{me}, {run}/contrib/*/{me} and {run}/probe/{me}" in write.detail
     refused = GrantNotGiven("window_closed: no", "window_closed")  # a grant server's refusal: no credential hint
     assert checks._denied(refused, "write") == "" and checks._denied(AccessDenied("x"), "read") != ""
+
+
+def test_sizes_in_messages_never_read_as_zero() -> None:
+    assert [megabytes(n) for n in (12_000, 99_999, 100_000, 23_400_000, 3_400_000_000)] == [
+        "12.0 kB",
+        "100.0 kB",
+        "0.1 MB",
+        "23.4 MB",
+        "3.40 GB",
+    ]
