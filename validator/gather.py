@@ -19,12 +19,28 @@ bytes that change later at the same key are noticed (the log keeps the first dig
 
 It stops at :func:`protocol.windows.should_close`: past the deadline plus grace, or as soon as every
 expected peer has uploaded. The validator expects the peers that are actually contributing
-(:func:`expected_peers`): announced, not withdrawn, not excluded, and either uploaded in the
-previous window or announced since it opened. A peer that missed one window is no longer waited
-for, but its upload is accepted whenever it arrives while the window is open. Reads listed before
-the close still finish, for at most ``fetch_timeout_s``. Store failures are values:
-a failed read is retried on the next poll and, if the window closes first, recorded with its
-reason — never held against the peer.
+(:func:`expected_peers`): announced, not withdrawn, not excluded, and either uploaded in one of the
+last G windows (``validator.expect_windows``, a local setting, default
+:data:`~protocol.settings.DEFAULT_EXPECT_WINDOWS` = 3) or announced since the previous window
+opened. Its upload is accepted whenever it arrives while the window is open.
+
+**Why G windows, not one.** The window closes as soon as every expected peer is in, often long
+before the deadline. A peer that missed one window (a link drop, a store outage, a slow catch-up)
+trains the next one late; were only the previous window's uploaders expected, the next window would
+close before it uploads, so it would miss that one too and never be expected again. With G = 3 a
+peer that missed one or two windows is waited for while it catches up. The price is a departed
+peer that did not withdraw (killed, lost its machine): it holds the G windows after its last
+upload open until their deadline plus grace, at most G × (``upload_deadline_s`` +
+``gather_grace_s``) of waiting in all, once (G = 1 is the former rule: one window). A peer that
+stops cleanly withdraws and is not waited for at all. The rule reads the contribution log's rows of
+the last G windows (:meth:`validator.intake.Intake.gather`): O(G × uploads) per window, whatever
+the run's length, and it survives a restart because the log lies in the state directory.
+
+Reads listed before the close still finish, for at most ``fetch_timeout_s``. Store failures are
+values: a failed read is retried on the next poll and, after the close, with backoff while the
+reads may still finish; what is still failing then is recorded with its reason — never held against
+the peer. Failed store requests are counted by kind (:class:`validator.outage.StoreTrouble`), not
+logged one by one: the window's summary says how many failed, when, and whether the store came back.
 """
 
 from __future__ import annotations
@@ -34,7 +50,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -59,10 +75,12 @@ __all__ = [
     "Gathered",
     "PeerRegistry",
     "Received",
+    "active_peers",
     "expected_peers",
     "fetch",
     "gather",
     "list_contributions",
+    "recent_windows",
 ]
 
 log = logging.getLogger(__name__)
@@ -169,18 +187,31 @@ def fetch(
 def expected_peers(
     first_seen: Mapping[str, float],
     withdrawn: Collection[str],
-    uploaded_last: Collection[str],
+    active: Collection[str],
     since: float | None,
 ) -> frozenset[str]:
-    """The announced peers a window waits for: not withdrawn, and either uploaded in the previous
-    window (``uploaded_last``) or announced (first seen) at or after ``since``, when the previous
-    window opened. ``since`` None (window 0, or an unknown opening time): every announced peer
-    that has not withdrawn. Pure."""
+    """The announced peers a window waits for: not withdrawn, and either uploaded in one of the
+    last G windows (``active``, :func:`active_peers`) or announced (first seen) at or after
+    ``since``, when the previous window opened. ``since`` None (window 0, or an unknown opening
+    time): every announced peer that has not withdrawn. Pure."""
     return frozenset(
-        p
-        for p, seen in first_seen.items()
-        if p not in withdrawn and (since is None or p in uploaded_last or seen >= since)
+        p for p, seen in first_seen.items() if p not in withdrawn and (since is None or p in active or seen >= since)
     )
+
+
+def recent_windows(t: int, expect_windows: int) -> tuple[int, int] | None:
+    """The windows whose uploads make a peer expected in window ``t`` (inclusive; None in window 0):
+    the last ``expect_windows`` (G) before it."""
+    return None if t <= 0 else (max(0, t - expect_windows), t - 1)
+
+
+def active_peers(uploads: Iterable[tuple[int, str]], t: int, expect_windows: int) -> frozenset[str]:
+    """The peers of ``uploads`` ((window, peer) of uploads the peer itself made) that uploaded in
+    one of the ``expect_windows`` windows before ``t``. Pure."""
+    span = recent_windows(t, expect_windows)
+    if span is None:
+        return frozenset()
+    return frozenset(p for w, p in uploads if span[0] <= w <= span[1])
 
 
 class PeerRegistry:
@@ -218,9 +249,9 @@ class PeerRegistry:
         self._started = False
         self.ignored = 0  # announcements not read at the last refresh (budget or capacity)
 
-    def expected(self, uploaded_last: Collection[str], since: float | None) -> frozenset[str]:
+    def expected(self, active: Collection[str], since: float | None) -> frozenset[str]:
         """:func:`expected_peers` of every accepted announcement (no store access)."""
-        return expected_peers(self.first_seen, self.withdrawn, uploaded_last, since)
+        return expected_peers(self.first_seen, self.withdrawn, active, since)
 
     def refresh(self) -> frozenset[str]:
         try:
