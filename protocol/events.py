@@ -335,6 +335,24 @@ class WindowRetry(Event):
     wait_s: float = 0.0
 
 
+@_event("store_errors")
+@dataclass(frozen=True, kw_only=True)
+class StoreErrors(Event):
+    """The store requests of one window that failed, summed up once when the window's gather ends
+    instead of a line per request (:mod:`validator.outage`): how many failed by kind (what was
+    asked: ``list_contributions``, ``list_announcements``, ``read_announcement``,
+    ``read_contribution``) and by reason, the first and last failure (unix s), whether a request
+    succeeded after the last one (``recovered``), and the last error without URL query strings."""
+
+    window: int
+    failed: dict[str, int] = field(default_factory=dict)
+    reasons: dict[str, int] = field(default_factory=dict)
+    first_at: float = 0.0
+    last_at: float = 0.0
+    recovered: bool = False
+    detail: str = ""
+
+
 @_event("checkpoint_skipped")
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSkipped(Event):
@@ -531,6 +549,15 @@ def describe(event: Event) -> str:
         )
     if isinstance(event, WindowOpened):
         return f"window {event.window} open (base {event.base[:16]})"
+    if isinstance(event, StoreErrors):
+        kinds = ", ".join(f"{k} {n:,}" for k, n in sorted(event.failed.items()))
+        span = f"{time.strftime('%H:%M:%S', time.localtime(event.first_at))}–"
+        span += time.strftime("%H:%M:%S", time.localtime(event.last_at))
+        return (
+            f"window {event.window}: {sum(event.failed.values()):,} store request(s) failed {span} ({kinds}), "
+            + ("the store answered again" if event.recovered else "not answering when the gather ended")
+            + (f"; last: {_plain(event.detail)}" if event.detail else "")
+        )
     if isinstance(event, ModelEvaluated):
         return (
             f"window {event.window} evaluated: loss={event.loss:.4f} perplexity={event.perplexity:.3f} "

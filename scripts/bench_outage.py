@@ -38,10 +38,13 @@ WARNING = re.compile(r"^\S+ \S+ (WARNING|ERROR|CRITICAL) ")
 QUERY_URL = re.compile(r"https?://[^\s'\"]*\?")
 
 
-def run(peers: int, windows: int, at: int, outage_s: float, deadline_s: float, timeout_s: float) -> dict[str, Any]:
+def run(
+    peers: int, windows: int, at: int, outage_s: float, deadline_s: float, timeout_s: float, keep: str = ""
+) -> dict[str, Any]:
     overrides = {k: dict(v) for k, v in SMALL_RUN.items()}
     overrides["windows"].update(upload_deadline_s=deadline_s, gather_grace_s=2.0)
-    with tempfile.TemporaryDirectory(prefix="bench-outage-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-outage-") as scratch:
+        tmp = keep or scratch
         with LocalSwarm(Path(tmp), peers=peers, windows=windows, store="s3", overrides=overrides) as swarm:
             assert swarm.backend is not None and swarm.backend._server is not None
             server = swarm.backend._server
@@ -69,6 +72,7 @@ def run(peers: int, windows: int, at: int, outage_s: float, deadline_s: float, t
         "windows_completed": summary["windows_completed"],
         "windows_lost": sum(1 for n in accepted if n < peers) + (windows - summary["windows_completed"]),
         "accepted_per_window": accepted,
+        "rejected_per_window": summary["rejected_per_window"],
         "seconds": summary["seconds"],
         "first_warnings": [line[:300] for line in warnings[:3]],
     }
@@ -82,9 +86,10 @@ def main() -> None:
     ap.add_argument("--outage-s", type=float, default=15.0)
     ap.add_argument("--deadline-s", type=float, default=40.0)
     ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument("--keep", default="", help="run in this directory and keep it (logs, contribution log)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    result = run(args.peers, args.windows, args.at, args.outage_s, args.deadline_s, args.timeout_s)
+    result = run(args.peers, args.windows, args.at, args.outage_s, args.deadline_s, args.timeout_s, args.keep)
     if args.json:
         print(json.dumps(result))
         return

@@ -37,10 +37,12 @@ the last G windows (:meth:`validator.intake.Intake.gather`): O(G × uploads) per
 the run's length, and it survives a restart because the log lies in the state directory.
 
 Reads listed before the close still finish, for at most ``fetch_timeout_s``. Store failures are
-values: a failed read is retried on the next poll and, after the close, with backoff while the
-reads may still finish; what is still failing then is recorded with its reason — never held against
-the peer. Failed store requests are counted by kind (:class:`validator.outage.StoreTrouble`), not
-logged one by one: the window's summary says how many failed, when, and whether the store came back.
+values: a failed read is retried on the next poll and, after the close, with backoff (from
+:data:`RETRY_FIRST_S`, doubling to :data:`RETRY_MAX_S`) while reads may still finish, so a store
+that is back within ``fetch_timeout_s`` of the close costs no upload; what still fails then is
+recorded with its reason — never held against the peer. Failed store requests are not logged one
+by one: they are counted by kind (:class:`validator.outage.StoreTrouble`), and the window's one
+``store_errors`` event says how many failed, when, and whether the store answered again.
 """
 
 from __future__ import annotations
@@ -65,6 +67,13 @@ from protocol.windows import poll_delays, should_close
 from protocol.wire import Announcement, decode_announcement
 from validator.budgets import Budgets
 from validator.checks import Screened
+from validator.outage import (
+    LIST_ANNOUNCEMENTS,
+    LIST_CONTRIBUTIONS,
+    READ_ANNOUNCEMENT,
+    READ_CONTRIBUTION,
+    StoreTrouble,
+)
 from validator.randomness import keyed_order
 from validator.reasons import EXCLUDED, FETCH_TIMEOUT, OVER_BUDGET
 
@@ -85,6 +94,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 MAX_ANNOUNCEMENT_BYTES = 64 * 1024
+# After the close, a read that failed with a store error is tried again after this long, doubling
+# up to RETRY_MAX_S, while the reads listed before the close may still finish (fetch_timeout_s).
+RETRY_FIRST_S = 0.25
+RETRY_MAX_S = 4.0
 UNANNOUNCED = "unannounced"
 
 
@@ -165,8 +178,10 @@ def fetch(
     screen: Callable[[bytes], Screened],
     budget: _ByteBudget | None = None,
     clock: Callable[[], float] = time.time,
+    trouble: StoreTrouble | None = None,
 ) -> Fetched:
-    """Size-check, read and screen one object; the bytes do not outlive this call."""
+    """Size-check, read and screen one object; the bytes do not outlive this call. A store
+    failure is a value, and noted in ``trouble``."""
     try:
         n = store.size(key)
         if n > max_bytes:
@@ -179,7 +194,11 @@ def fetch(
     except ObjectNotFound as exc:
         return Fetched(reason="not_found", detail=str(exc), at=clock())
     except StoreError as exc:
+        if trouble is not None:
+            trouble.failed(READ_CONTRIBUTION, exc, key)
         return Fetched(reason="store_error", detail=str(exc), at=clock())
+    if trouble is not None:
+        trouble.answered()
     at = clock()
     return Fetched(nbytes=len(data), digest=hashlib.sha256(data).hexdigest(), screened=screen(data), at=at)
 
@@ -248,6 +267,7 @@ class PeerRegistry:
         self._checked: dict[str, float] = {}  # peer -> when its announcement was last read
         self._started = False
         self.ignored = 0  # announcements not read at the last refresh (budget or capacity)
+        self.trouble = StoreTrouble(clock)  # failed listings and reads (the intake sums them per window)
 
     def expected(self, active: Collection[str], since: float | None) -> frozenset[str]:
         """:func:`expected_peers` of every accepted announcement (no store access)."""
@@ -257,8 +277,9 @@ class PeerRegistry:
         try:
             keys = self.store.list(layout.peers_prefix(self.run))
         except StoreError as exc:
-            log.warning("cannot list announcements: %s", exc)
+            self.trouble.failed(LIST_ANNOUNCEMENTS, exc)
             return frozenset(self.announcements)
+        self.trouble.answered()
         first = not self._started
         self._started = True
         now = self.clock()
@@ -315,8 +336,9 @@ class PeerRegistry:
                     self._rejected.add(key)
             return
         except StoreError as exc:  # transient: try again on the next refresh
-            log.warning("announcement %s unreadable: %s", key, exc)
+            self.trouble.failed(READ_ANNOUNCEMENT, exc, key)
             return
+        self.trouble.answered()
         returned = peer in self.withdrawn and not ann.withdrawn
         if peer not in self.announcements or returned:
             self.first_seen[peer] = -math.inf if old else self.clock()
@@ -346,8 +368,10 @@ class _Fetcher:
         screen: Callable[[str, bytes], Screened],
         priority: Callable[[str], Any],
         clock: Callable[[], float],
+        trouble: StoreTrouble,
     ) -> None:
         self.store, self.budgets, self.max_bytes, self.screen = store, budgets, max_bytes, screen
+        self.trouble = trouble
         self.priority, self.clock, self.concurrency = priority, clock, max(1, concurrency)
         self.pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="gather")
         self.bytes = _ByteBudget(budgets.max_fetch_bytes)
@@ -388,6 +412,7 @@ class _Fetcher:
                 partial(self.screen, peer),
                 self.bytes,
                 self.clock,
+                self.trouble,
             )
 
     def collect(self, wait_s: float = 0.0) -> None:
@@ -412,13 +437,25 @@ class _Fetcher:
             del self.pending[peer]
 
     def drain(self, deadline: float, stop: threading.Event) -> None:
-        """Finish what was listed before the close, until ``deadline`` (monotonic)."""
-        while (self.pending or self.queue) and not stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
+        """Finish what was listed before the close, until ``deadline`` (monotonic); a read that
+        failed with a store error is tried again with backoff meanwhile (the store may be back)."""
+        waits: dict[str, float] = {}  # peer -> the wait before its next retry
+        retry_at: dict[str, float] = {}  # peer -> when (monotonic)
+        while not stop.is_set():
+            now = time.monotonic()
+            for peer, r in self.done.items():
+                if r.reason == "store_error" and peer not in retry_at:
+                    wait = waits.get(peer, RETRY_FIRST_S)
+                    waits[peer], retry_at[peer] = min(2 * wait, RETRY_MAX_S), now + wait
+            for peer in [p for p, at in retry_at.items() if at <= now]:
+                del retry_at[peer]
+                self.want(peer, self.keys[peer], self.clock())
+            left = deadline - now
+            if left <= 0 or not (self.pending or self.queue or retry_at):
                 break
             self.submit()
-            self.collect(wait_s=min(left, 0.5))
+            soonest = min(retry_at.values(), default=now + 0.5) - now
+            self.collect(wait_s=max(0.01, min(left, 0.5, soonest)))
         self.pool.shutdown(wait=False, cancel_futures=True)  # a read stuck in the store is abandoned
         now = self.clock()
         for peer in list(self.pending) + list(self.queue):
@@ -450,6 +487,7 @@ def gather(
     writers: Callable[[], Collection[str]] | None = None,
     stop: threading.Event | None = None,
     clock: Callable[[], float] = time.time,
+    trouble: StoreTrouble | None = None,
 ) -> Gathered:
     """Every admitted contribution of ``window`` that could be listed before the window closed.
 
@@ -458,10 +496,12 @@ def gather(
     withdrawing mid-window count). ``admit(peer)``: None
     to read the peer's upload, :data:`UNANNOUNCED` or :data:`EXCLUDED` not to. ``on_listed``:
     called once per admitted peer when its upload is first listed. ``writers()``: the peers
-    worth listing at each poll (the announced ones; :func:`list_contributions`)."""
+    worth listing at each poll (the announced ones; :func:`list_contributions`). ``trouble``: where
+    failed listings and reads are counted (:mod:`validator.outage`)."""
     stop = stop or threading.Event()
     budgets = budgets or Budgets()
-    f = _Fetcher(store, budgets, max_bytes, concurrency, screen, priority, clock)
+    trouble = trouble or StoreTrouble(clock)
+    f = _Fetcher(store, budgets, max_bytes, concurrency, screen, priority, clock, trouble)
     uploaded: set[str] = set()
     unannounced: set[str] = set()
     delays = poll_delays(poll_interval_s, windows)
@@ -471,9 +511,11 @@ def gather(
             f.collect()
             try:
                 listed = list_contributions(store, run, window, None if writers is None else writers())
-            except StoreError as exc:
-                log.warning("listing window %d failed: %s", window, exc)
+            except StoreError as exc:  # tried again at the next poll; summed up in the window's store_errors
+                trouble.failed(LIST_CONTRIBUTIONS, exc, layout.contrib_prefix(run, window))
                 listed = {}
+            else:
+                trouble.answered()
             now = clock()
             for peer, key in listed.items():
                 verdict = admit(peer)

@@ -3,7 +3,8 @@
 :meth:`Intake.context` fixes what every upload of window t is checked against (registered keys,
 exclusions, the accepted bases, the keyed sample); :meth:`Intake.gather` reads the uploads of
 announced, non-excluded peers within the window's budgets (:func:`validator.gather.gather`) until
-the deadline or until every expected peer has uploaded, emitting WindowWaiting while it waits;
+the deadline or until every expected peer has uploaded, emitting WindowWaiting while it waits and
+one StoreErrors at its end when store requests failed (:mod:`validator.outage`);
 :meth:`Intake.uploads` turns what was read into :class:`Uploads`, the input of the window's
 decision (:mod:`validator.decide`): one verdict per upload, when its bytes were first read (kept
 in the contribution log across restarts) and its key listed, and the ``immutable`` check.
@@ -142,6 +143,7 @@ class Intake:
         aggregate back. A peer slower than that misses the window (``late``, neutral) and is
         waited for in the next ``validator.expect_windows`` ones (:mod:`validator.gather`)."""
         t, registry, deadline = w.t, self.registry, self.spec.windows.upload_deadline_s
+        registry.trouble.reset()  # this window's failed store requests, summed up once at its end
         expect = self.local.validator.expect_windows
         span = recent_windows(t, expect)
         recent = self.log.rows(windows=span) if span is not None else []  # O(G × uploads), not O(history)
@@ -183,7 +185,7 @@ class Intake:
             # admitted peers are announced; checking against this one avoids sharing the registry across threads
             return checks.screen(peer, data, replace(ctx, registered=frozenset({peer})))
 
-        return gather(
+        gathered = gather(
             self.store,
             self.run_id,
             t,
@@ -200,7 +202,12 @@ class Intake:
             writers=lambda: frozenset(registry.announcements),  # a DHT decodes no entry of anyone else
             stop=self.stop,
             clock=self.clock,
+            trouble=registry.trouble,
         )
+        summary = registry.trouble.summary(t)
+        if summary is not None:
+            self.emit(summary)
+        return gathered
 
     def uploads(self, t: int, gathered: Gathered, ctx: checks.Context) -> Uploads:
         """The per-contribution verdicts, when each peer's bytes were first read (kept in the log
