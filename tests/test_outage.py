@@ -128,3 +128,44 @@ def test_reads_that_fail_at_the_close_are_retried_while_reads_may_finish(
     (summary,) = [e for e in events if isinstance(e, StoreErrors)]
     assert summary.failed == {READ_CONTRIBUTION: 9} and summary.recovered
     v.close()
+
+
+class _Theta:
+    """A peer's θ whose store stops answering (or serves a bad object) while it reads the chain."""
+
+    def __init__(self, exc: Exception) -> None:
+        from protocol.replay import Position
+
+        self.pos, self.exc, self.diverged = Position(4, "b" * 64, "f" * 64), exc, False
+
+    def advance(self) -> Iterator[object]:
+        raise self.exc
+        yield  # a generator, like Theta.advance
+
+    def failed(self, exc: Exception) -> None:
+        from client.peer.position import Theta
+
+        Theta.failed(self, exc)  # type: ignore[arg-type]
+
+
+def test_a_store_outage_mid_window_does_not_abandon_the_peers_window() -> None:
+    """A peer training a window looks for the aggregate that opens it between inner steps; the
+    store not answering then leaves θ where it was (nothing applied, look again later), where it
+    used to abandon the window. A bad object still does: θ must be rebuilt."""
+    from types import SimpleNamespace
+
+    from client.peer.position import CatchUp
+    from protocol.errors import MalformedPayload
+    from protocol.events import SyncFailed
+
+    emitted: list[Event] = []
+    moved: list[int] = []
+    ctx = SimpleNamespace(display=SimpleNamespace(emit=emitted.append))
+    uploads = SimpleNamespace(moved=moved.append)
+    out = CatchUp(ctx, _Theta(StoreUnavailable("http://h/b?X-Amz-Signature=s refused")), uploads)  # type: ignore[arg-type]
+    assert out.in_window() == []
+    assert moved == [4]
+    (failed,) = emitted
+    assert isinstance(failed, SyncFailed) and failed.reason == "unavailable" and "Signature" not in failed.detail
+    bad = CatchUp(ctx, _Theta(MalformedPayload("junk")), uploads)  # type: ignore[arg-type]
+    assert bad.in_window() is None

@@ -180,7 +180,10 @@ class CatchUp:
 
     def in_window(self) -> list[SparseDict] | None:
         """Apply what is published to θ mid-window; the Δ̄ applied, or None when the working model
-        cannot follow (θ was rebuilt from a checkpoint, or the chain could not be read)."""
+        cannot follow (θ was rebuilt from a checkpoint, or a bad object leaves θ to be rebuilt). A
+        store that does not answer (an outage, a link drop) is reported and leaves θ where it was:
+        what was applied before it failed is returned, and the next call looks again, so a short
+        outage does not cost the window being trained."""
         before = self.theta.pos.window
         applied: list[SparseDict] = []
         rebuilt = False
@@ -193,7 +196,8 @@ class CatchUp:
                 self._report(step)
         except (ProtocolError, StoreError) as exc:
             self._sync_failed(exc)
-            return None
+            if rebuilt or self.theta.diverged:
+                return None
         self.uploads.moved(before)
         return None if rebuilt else applied
 
