@@ -335,6 +335,18 @@ class WindowRetry(Event):
     wait_s: float = 0.0
 
 
+@_event("window_held")
+@dataclass(frozen=True, kw_only=True)
+class WindowHeld(Event):
+    """A restarted validator gathered nothing for ``window`` and holds it, unpublished, until a
+    peer is heard from (it announces, joins again or asks for a grant), at most ``hold_s`` seconds
+    (:mod:`validator.hold`); ``announced``: the announcements it tracks, withdrawn ones aside."""
+
+    window: int
+    announced: int = 0
+    hold_s: float = 0.0
+
+
 @_event("store_errors")
 @dataclass(frozen=True, kw_only=True)
 class StoreErrors(Event):
@@ -549,6 +561,12 @@ def describe(event: Event) -> str:
         )
     if isinstance(event, WindowOpened):
         return f"window {event.window} open (base {event.base[:16]})"
+    if isinstance(event, WindowHeld):
+        return (
+            f"window {event.window}: nothing was uploaded since the restart; held until a peer is heard from "
+            f"(an announcement, a rejoin or a grant; {event.announced} announced earlier), at most "
+            f"{_duration(event.hold_s)}"
+        )
     if isinstance(event, StoreErrors):
         kinds = ", ".join(f"{k} {n:,}" for k, n in sorted(event.failed.items()))
         span = f"{time.strftime('%H:%M:%S', time.localtime(event.first_at))}–"

@@ -240,7 +240,8 @@ class PeerRegistry:
     :meth:`refresh` reads at most ``max_per_poll`` announcements not seen before per call, in an
     order derived from ``secret``, and tracks at most ``max_tracked`` identities (idle ones make
     room, :meth:`make_room`); a rejected announcement is logged once. :meth:`recheck` re-reads the
-    announcements of given peers, which is how a withdrawal (or a return after one) is noticed.
+    announcements of given peers, which is how a withdrawal (or a return after one, or a peer that
+    joined again: its announcement changed) is noticed.
     ``first_seen``: when this validator first saw each peer's current announcement (its own
     clock); announcements already in the store when the validator starts count as old (``-inf``):
     the contribution log says whether those peers uploaded lately.
@@ -340,7 +341,9 @@ class PeerRegistry:
             return
         self.trouble.answered()
         returned = peer in self.withdrawn and not ann.withdrawn
-        if peer not in self.announcements or returned:
+        # A peer announces again each time it joins (with when): a changed announcement is a rejoin.
+        renewed = peer in self.announcements and not ann.withdrawn and ann != self.announcements[peer]
+        if peer not in self.announcements or returned or renewed:
             self.first_seen[peer] = -math.inf if old else self.clock()
         self.announcements[peer] = ann
         if ann.withdrawn:
