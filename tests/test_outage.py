@@ -169,3 +169,26 @@ def test_a_store_outage_mid_window_does_not_abandon_the_peers_window() -> None:
     assert isinstance(failed, SyncFailed) and failed.reason == "unavailable" and "Signature" not in failed.detail
     bad = CatchUp(ctx, _Theta(MalformedPayload("junk")), uploads)  # type: ignore[arg-type]
     assert bad.in_window() is None
+
+
+def test_a_peer_waiting_for_an_aggregate_looks_again_when_the_store_does_not_answer(vkey: Identity) -> None:
+    """A peer waiting for the aggregate (mid-window, at the overlap point) keeps looking through an
+    outage instead of failing the window it trains."""
+    from client.peer.sync import Sync
+    from protocol.store.memory import MemoryStore
+
+    sync = Sync(tiny_spec(vkey), MemoryStore("outage-wait"), poll_interval_s=0.001)
+    answers = iter([StoreUnavailable("down"), StoreUnavailable("down"), False, True])
+    looks: list[int] = []
+
+    def published(window: int, base: str | None = None) -> bool:
+        looks.append(window)
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    sync.aggregate_published = published  # type: ignore[method-assign]
+    assert sync.wait_until_published(3) is True
+    assert looks == [3, 3, 3, 3]
+    MemoryStore.forget("outage-wait")
