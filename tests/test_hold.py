@@ -152,3 +152,26 @@ def test_only_a_restart_holds_and_only_a_window_nobody_uploaded_to(swarm: Swarm,
     assert report is not None and report.window == 3
     assert not [e for e in events if isinstance(e, WindowHeld)]
     v.close()
+
+
+def test_the_grant_server_says_the_validator_waits_for_peers_while_a_window_is_held() -> None:
+    """What ``validate`` wires between the events and the grant server: a grant is a sign of life
+    for the hold, and ``/v1/info``'s ``waiting_for_peers`` is 1 from ``window_held`` until the
+    window is published."""
+    from types import SimpleNamespace
+
+    from protocol.events import Granted
+    from validator.serve import PeerWait, hold_sink
+
+    heard: list[str] = []
+    validator = SimpleNamespace(heard_from=heard.append)
+    waiting = PeerWait()
+    hold_sink(validator, waiting, Granted(peer_id="p1", address="127.0.0.1", op="get", key="k", expires_at=1.0))  # type: ignore[arg-type]
+    assert heard == ["p1"] and waiting() is None
+    hold_sink(validator, waiting, WindowHeld(window=7, announced=3, hold_s=60.0))  # type: ignore[arg-type]
+    assert waiting() == (1, 0)
+    published = WindowPublished(
+        window=7, accepted=0, rejected=0, val_loss=1.0, digest="d" * 64, fingerprint="f" * 64, published_at=2.0
+    )
+    hold_sink(validator, waiting, published)  # type: ignore[arg-type]
+    assert waiting() is None
