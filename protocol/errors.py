@@ -10,6 +10,17 @@ Configuration and local identity problems are :class:`ConfigError`; they stop th
 
 from __future__ import annotations
 
+import re
+
+# A URL's query string: from the "?" after a scheme and host to the next space, quote or bracket.
+_QUERY = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s?'\"<>]*)\?[^\s'\"<>]*")
+
+
+def strip_queries(text: str) -> str:
+    """``text`` with the query string of every URL in it replaced by ``?…`` (what a presigned
+    request's signature and a listing's parameters travel in); the scheme, host and path stay."""
+    return _QUERY.sub(r"\1?…", text)
+
 
 class SparseLocoError(Exception):
     """Base of every exception this project raises on purpose."""
@@ -124,9 +135,15 @@ class Uncertified(ProtocolError):
 
 
 class StoreError(SparseLocoError):
-    """A storage backend failed (network, permissions, server). Retryable unless stated."""
+    """A storage backend failed (network, permissions, server). Retryable unless stated.
+
+    Its message never carries a URL's query string (:func:`strip_queries`): a presigned request's
+    signature, or a listing's parameters, stay out of every log line that quotes the error."""
 
     reason: str = "store_error"
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(strip_queries(a) if isinstance(a, str) else a for a in args))
 
 
 class ObjectNotFound(StoreError):

@@ -336,6 +336,36 @@ class WindowRetry(Event):
     wait_s: float = 0.0
 
 
+@_event("window_held")
+@dataclass(frozen=True, kw_only=True)
+class WindowHeld(Event):
+    """A restarted validator gathered nothing for ``window`` and holds it, unpublished, until a
+    peer is heard from (it announces, joins again or asks for a grant), at most ``hold_s`` seconds
+    (:mod:`validator.hold`); ``announced``: the announcements it tracks, withdrawn ones aside."""
+
+    window: int
+    announced: int = 0
+    hold_s: float = 0.0
+
+
+@_event("store_errors")
+@dataclass(frozen=True, kw_only=True)
+class StoreErrors(Event):
+    """The store requests of one window that failed, summed up once when the window's gather ends
+    instead of a line per request (:mod:`validator.outage`): how many failed by kind (what was
+    asked: ``list_contributions``, ``list_announcements``, ``read_announcement``,
+    ``read_contribution``) and by reason, the first and last failure (unix s), whether a request
+    succeeded after the last one (``recovered``), and the last error without URL query strings."""
+
+    window: int
+    failed: dict[str, int] = field(default_factory=dict)
+    reasons: dict[str, int] = field(default_factory=dict)
+    first_at: float = 0.0
+    last_at: float = 0.0
+    recovered: bool = False
+    detail: str = ""
+
+
 @_event("checkpoint_skipped")
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSkipped(Event):
@@ -550,6 +580,21 @@ def describe(event: Event) -> str:
             f" {event.inner_s:.0f} s of inner steps"
             + (f", θ {event.fingerprint[:16]}" if event.fingerprint else "")
             + ("; withdrawn: the validator no longer waits for it" if event.withdrawn else "")
+        )
+    if isinstance(event, WindowHeld):
+        return (
+            f"window {event.window}: nothing was uploaded since the restart; held until a peer is heard from "
+            f"(an announcement, a rejoin or a grant; {event.announced} announced earlier), at most "
+            f"{_duration(event.hold_s)}"
+        )
+    if isinstance(event, StoreErrors):
+        kinds = ", ".join(f"{k} {n:,}" for k, n in sorted(event.failed.items()))
+        span = f"{time.strftime('%H:%M:%S', time.localtime(event.first_at))}–"
+        span += time.strftime("%H:%M:%S", time.localtime(event.last_at))
+        return (
+            f"window {event.window}: {sum(event.failed.values()):,} store request(s) failed {span} ({kinds}), "
+            + ("the store answered again" if event.recovered else "not answering when the gather ended")
+            + (f"; last: {_plain(event.detail)}" if event.detail else "")
         )
     if isinstance(event, ModelEvaluated):
         return (

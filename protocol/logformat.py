@@ -31,6 +31,7 @@ from protocol.events import (
     Failed,
     GrantDenied,
     Resynced,
+    StoreErrors,
     StoreObjectRejected,
     SyncFailed,
     WindowRetry,
@@ -41,7 +42,16 @@ __all__ = ["FORMATS", "JsonFormatter", "JsonLogLines", "event_record", "plain_te
 
 FORMATS = ("human", "json")
 HUMAN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-_WARNINGS = (Failed, GrantDenied, Resynced, SyncFailed, WindowRetry, CheckpointSkipped, StoreObjectRejected)
+_WARNINGS = (
+    Failed,
+    GrantDenied,
+    Resynced,
+    SyncFailed,
+    WindowRetry,
+    CheckpointSkipped,
+    StoreObjectRejected,
+    StoreErrors,
+)
 
 
 def iso_time(unix_s: float) -> str:

@@ -44,6 +44,7 @@ commands that take it (:func:`protocol.settings_cli.setting_options`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from collections.abc import Iterator, Mapping
@@ -56,6 +57,8 @@ from protocol.config import LOCAL_TABLE, from_table, parse_toml, toml_value
 from protocol.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_EXPECT_WINDOWS",
+    "DEFAULT_RESTART_HOLD_S",
     "ENV_PREFIX",
     "BudgetSettings",
     "ComputeSettings",
@@ -75,6 +78,11 @@ __all__ = [
 ]
 
 ENV_PREFIX = "SPARSELOCO_"
+# ``validator.expect_windows``: a peer with an upload in one of the last 3 windows is waited for
+# (validator/gather.py says why 3).
+DEFAULT_EXPECT_WINDOWS = 3
+# ``validator.restart_hold_s``: how long a restarted validator holds an empty first window (validator/hold.py).
+DEFAULT_RESTART_HOLD_S = 3600.0
 # SPARSELOCO_* variables that are not settings: the data cache's default location.
 _OTHER_ENV = frozenset({"SPARSELOCO_CACHE"})
 # Settings that no longer exist, and what replaced them (named in the error an old file gets).
@@ -234,6 +242,16 @@ class ValidatorSettings:
     retain_checkpoint_every: int = setting(
         0, "With retain_windows: also keep every M-th checkpoint (0: only those catch-up needs)."
     )
+    expect_windows: int = setting(
+        DEFAULT_EXPECT_WINDOWS,
+        "A peer that uploaded in one of the last G windows is waited for (until the deadline) in the next; "
+        "a peer gone without withdrawing costs at most G windows their full deadline.",
+    )
+    restart_hold_s: float = setting(
+        DEFAULT_RESTART_HOLD_S,
+        "After a restart, a first window nobody uploaded to is held, unpublished, until a peer is heard from "
+        "(announces, rejoins, asks for a grant), at most this long (0: publish it empty at once).",
+    )
     window_retries: int = setting(
         10,
         "Consecutive store failures of one window before the validator gives up on it (exit status 1); "
@@ -255,6 +273,10 @@ class ValidatorSettings:
         )
         _require(self.retain_checkpoint_every >= 0, "validator.retain_checkpoint_every must be >= 0")
         _require(self.window_retries >= 1, "validator.window_retries must be >= 1")
+        _require(1 <= self.expect_windows <= 64, "validator.expect_windows must be in 1..64")
+        _require(
+            math.isfinite(self.restart_hold_s) and self.restart_hold_s >= 0, "validator.restart_hold_s must be >= 0"
+        )
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ Pure functions of the RunSpec's :class:`~protocol.config.WindowConfig` and the v
 Window ``t`` opens when the signed aggregate of window ``t − 1`` is published (``t = 0``: the
 genesis checkpoint). Its uploads are due ``upload_deadline_s`` later. The validator keeps listing for
 ``gather_grace_s`` more (slow listings, clock skew) and closes early once every expected peer
-(announced, not withdrawn, not excluded, and uploaded in the previous window or announced since it
-opened) has uploaded, so a run does not wait for the deadline for peers that are not contributing.
+(announced, not withdrawn, not excluded, and uploaded in one of the last ``validator.expect_windows``
+windows or announced since the previous one opened: :mod:`validator.gather`) has uploaded, so a run does not wait for the deadline for peers that are not contributing.
 
 **Polling.** Every look for an object that is not there yet is a request the bucket bills, times
 every peer. A reader waiting for one (the next aggregate, genesis, the others' contributions)

@@ -7,6 +7,7 @@ validator killed at the worst moments and restarted resumes without losing or do
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 
@@ -410,30 +411,101 @@ def test_peers_announcing_mid_window_are_waited_for_and_registered(vkey: Identit
     v.close()
 
 
-def test_expected_peers_uploaded_last_window_or_announced_since_it_opened() -> None:
-    from validator.gather import expected_peers
+def test_expected_peers_uploaded_in_the_last_g_windows_or_announced_since_the_last_opened() -> None:
+    from validator.gather import active_peers, expected_peers, recent_windows
 
     first_seen = {"old": float("-inf"), "new": 95.0, "uploader": 0.0, "left": 96.0}
     # window 0 (no previous window): every announced peer that has not withdrawn
     assert expected_peers(first_seen, {"left"}, set(), since=None) == {"old", "new", "uploader"}
-    # later: uploaded in the previous window, or announced since it opened (at 90)
+    # later: uploaded in one of the last G windows, or announced since the previous one opened (at 90)
     assert expected_peers(first_seen, {"left"}, {"uploader", "unannounced"}, since=90.0) == {"new", "uploader"}
     assert expected_peers(first_seen, set(), set(), since=100.0) == frozenset()
+    # the last G windows before t, never before window 0
+    assert recent_windows(0, 3) is None
+    assert recent_windows(1, 3) == (0, 0)
+    assert recent_windows(10, 3) == (7, 9)
+    assert recent_windows(10, 1) == (9, 9)  # G = 1: the former rule, the previous window only
+    uploads = [(5, "gone"), (7, "missed_two"), (8, "missed_one"), (9, "steady"), (10, "future")]
+    assert active_peers(uploads, 10, 3) == {"missed_two", "missed_one", "steady"}
+    assert active_peers(uploads, 10, 1) == {"steady"}
+    assert active_peers(uploads, 0, 3) == frozenset()
+
+
+def _validator_expecting(sw: Swarm, vkey: Identity, state_dir: os.PathLike[str] | str, g: int, events: list[Event]):
+    local = dataclasses.replace(LOCAL, validator=dataclasses.replace(LOCAL.validator, expect_windows=g))
+    v = Validator(sw.spec, sw.handle(), vkey, state_dir, local=local, emit=events.append)
+    v.resume()
+    return v
+
+
+@pytest.mark.parametrize("g", [1, 3])
+def test_a_peer_that_missed_a_window_is_waited_for_again(vkey: Identity, tmp_path, g: int) -> None:
+    """``back`` uploads in window 0, misses window 1 (a link drop) and uploads window 2 late, after
+    the others. With G = 1 (the former rule) window 2 closes as soon as the others are in and its
+    upload misses it; with G = 3 it is still expected, so window 2 waits for it and counts it."""
+    import threading
+
+    deadline = 10.0
+    sw = Swarm(tiny_spec(vkey, windows={"upload_deadline_s": deadline}), 3)
+    a, b, back = sw.peers
+    sw.announce_all()
+    plan = [(a, b, back), (a, b), (a, b)]
+    encoded = {(w, p.peer_id): sw.encode(sw.delta(p, theta0(sw), w), w) for w in range(3) for p in sw.peers}
+    events: list[Event] = []
+    v = _validator_expecting(sw, vkey, tmp_path, g, events)
+    for w, uploaders in enumerate(plan):
+        st = v.state
+        assert st is not None
+        for p in uploaders:
+            sw.upload(p.peer_id, w, sw.blob(p, w, st.base, encoded[(w, p.peer_id)]))
+        if w < 2:
+            assert v.run_window() is not None
+    st = v.state
+    assert st is not None
+    late_blob = sw.blob(back, 2, st.base, encoded[(2, back.peer_id)])
+    waited = threading.Event()
+
+    def upload_once_waited_for() -> None:
+        waited.wait(timeout=10 * deadline)  # set by a WindowWaiting, or once the window is published
+        sw.upload(back.peer_id, 2, late_blob)
+
+    def note(event: Event) -> None:
+        events.append(event)
+        if isinstance(event, WindowWaiting):
+            waited.set()
+
+    v.intake.emit = note
+    uploader = threading.Thread(target=upload_once_waited_for)
+    uploader.start()
+    report = v.run_window()
+    waited.set()
+    uploader.join()
+    assert report is not None
+    counted = {r.peer for r in v.log.rows(windows=(2, 2))}
+    if g == 1:
+        assert back.peer_id not in counted  # closed once a and b were in: never expected again
+    else:
+        assert back.peer_id in counted
+        waiting = [e for e in events if isinstance(e, WindowWaiting) and e.window == 2]
+        assert waiting and waiting[0].waiting_for == [back.peer_id]
+    sw.close()
+    v.close()
 
 
 def test_peers_that_left_stop_holding_windows_open(vkey: Identity, tmp_path) -> None:
-    """A peer that withdraws is not waited for at all; one that vanished costs one window (it
-    uploaded in the previous one), then it is not waited for either, yet its late return counts."""
+    """A peer that withdraws is not waited for at all; one that vanished costs G windows (here
+    G = 2: it uploaded in one of the last two), then it is not waited for either, yet its late
+    return counts."""
     deadline = 6.0
     sw = Swarm(tiny_spec(vkey, windows={"upload_deadline_s": deadline}), 4)
     a, b, quitter, crashed = sw.peers
     sw.announce_all()
-    plan = [(a, b, quitter, crashed), (a, b, crashed), (a, b), (a, b), (a, b, crashed)]
+    plan = [(a, b, quitter, crashed), (a, b, crashed), (a, b), (a, b), (a, b), (a, b, crashed)]
     # Trained before the clock starts (from θ₀: small steps that still help at θ₁, θ₂), so that
     # each window's gather begins right after it opens and its length shows what it waited for.
     encoded = {(w, p.peer_id): sw.encode(sw.delta(p, theta0(sw), w), w) for w, ps in enumerate(plan) for p in ps}
     events: list[Event] = []
-    v = make_validator(sw, vkey, tmp_path, events)
+    v = _validator_expecting(sw, vkey, tmp_path, 2, events)
     gathered = []
     for w, uploaders in enumerate(plan):
         st = v.state
@@ -449,17 +521,18 @@ def test_peers_that_left_stop_holding_windows_open(vkey: Identity, tmp_path) -> 
         assert report is not None and {r.peer for r in rows} == {p.peer_id for p in uploaders}, rows
         assert all(r.reason in (None, "ineffective", "harmful", "harmful_general") for r in rows), rows
         gathered.append(report.seconds["gather"])
-    # w0: everyone uploads; w1: ``quitter`` withdrew, so it is not waited for; w2: ``crashed``
-    # uploaded in w1, so it is waited for until the deadline, and the validator says so; w3: it
-    # missed w2, so the window closes once a and b are in; w4: it is back, and accepted. w2's
-    # gather starts late by however long w1's scoring and publishing took (seconds on a busy
-    # machine), so it is compared with the other windows rather than with the deadline itself.
+    # w0: everyone uploads; w1: ``quitter`` withdrew, so it is not waited for; w2 and w3:
+    # ``crashed`` uploaded in w1, one of the last G = 2 windows, so each is held until the deadline,
+    # and the validator says so; w4: its last upload is G + 1 windows back, so the window closes
+    # once a and b are in; w5: it is back, and accepted. A slow window's gather starts late by
+    # however long the previous window's scoring and publishing took (seconds on a busy machine),
+    # so it is compared with the other windows rather than with the deadline itself.
     half = deadline / 2
-    fast = [gathered[w] for w in (0, 1, 3, 4)]
+    fast = [gathered[w] for w in (0, 1, 4, 5)]
     assert max(fast) < half, gathered
-    assert gathered[2] > max(fast) + 1.0, gathered
+    assert min(gathered[2], gathered[3]) > max(fast) + 1.0, gathered
     waiting = [e for e in events if isinstance(e, WindowWaiting)]
-    assert waiting and {e.window for e in waiting} == {2}
+    assert waiting and {e.window for e in waiting} == {2, 3}
     assert all(e.waiting_for == [crashed.peer_id] and e.uploaded == 2 for e in waiting)
     assert v.registry.withdrawn == {quitter.peer_id}
     sw.close()

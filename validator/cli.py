@@ -332,6 +332,11 @@ def run(
       window_retry       window, reason, detail, attempt, limit, wait_s
                          (a store error; retried after wait_s, at most
                          validator.window_retries times in a row)
+      window_held        window, announced, hold_s    (restarted, nobody uploaded: held
+                         until a peer is back, validator.restart_hold_s at most)
+      store_errors       window, failed {kind: n}, reasons {reason: n}, first_at,
+                         last_at, recovered, detail   (store requests that failed
+                         while gathering the window: one summary per window)
       checkpoint_skipped window, reason, detail       (the store refused it; the run goes on)
       store_object_rejected  key, reason, detail      (a checkpoint retention cannot verify)
       model_evaluated    window, fingerprint, sequences, loss, perplexity,

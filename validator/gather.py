@@ -19,12 +19,30 @@ bytes that change later at the same key are noticed (the log keeps the first dig
 
 It stops at :func:`protocol.windows.should_close`: past the deadline plus grace, or as soon as every
 expected peer has uploaded. The validator expects the peers that are actually contributing
-(:func:`expected_peers`): announced, not withdrawn, not excluded, and either uploaded in the
-previous window or announced since it opened. A peer that missed one window is no longer waited
-for, but its upload is accepted whenever it arrives while the window is open. Reads listed before
-the close still finish, for at most ``fetch_timeout_s``. Store failures are values:
-a failed read is retried on the next poll and, if the window closes first, recorded with its
-reason — never held against the peer.
+(:func:`expected_peers`): announced, not withdrawn, not excluded, and either uploaded in one of the
+last G windows (``validator.expect_windows``, a local setting, default
+:data:`~protocol.settings.DEFAULT_EXPECT_WINDOWS` = 3) or announced since the previous window
+opened. Its upload is accepted whenever it arrives while the window is open.
+
+**Why G windows, not one.** The window closes as soon as every expected peer is in, often long
+before the deadline. A peer that missed one window (a link drop, a store outage, a slow catch-up)
+trains the next one late; were only the previous window's uploaders expected, the next window would
+close before it uploads, so it would miss that one too and never be expected again. With G = 3 a
+peer that missed one or two windows is waited for while it catches up. The price is a departed
+peer that did not withdraw (killed, lost its machine): it holds the G windows after its last
+upload open until their deadline plus grace, at most G × (``upload_deadline_s`` +
+``gather_grace_s``) of waiting in all, once (G = 1 is the former rule: one window). A peer that
+stops cleanly withdraws and is not waited for at all. The rule reads the contribution log's rows of
+the last G windows (:meth:`validator.intake.Intake.gather`): O(G × uploads) per window, whatever
+the run's length, and it survives a restart because the log lies in the state directory.
+
+Reads listed before the close still finish, for at most ``fetch_timeout_s``. Store failures are
+values: a failed read is retried on the next poll and, after the close, with backoff (from
+:data:`RETRY_FIRST_S`, doubling to :data:`RETRY_MAX_S`) while reads may still finish, so a store
+that is back within ``fetch_timeout_s`` of the close costs no upload; what still fails then is
+recorded with its reason — never held against the peer. Failed store requests are not logged one
+by one: they are counted by kind (:class:`validator.outage.StoreTrouble`), and the window's one
+``store_errors`` event says how many failed, when, and whether the store answered again.
 """
 
 from __future__ import annotations
@@ -34,7 +52,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -49,6 +67,13 @@ from protocol.windows import poll_delays, should_close
 from protocol.wire import Announcement, decode_announcement
 from validator.budgets import Budgets
 from validator.checks import Screened
+from validator.outage import (
+    LIST_ANNOUNCEMENTS,
+    LIST_CONTRIBUTIONS,
+    READ_ANNOUNCEMENT,
+    READ_CONTRIBUTION,
+    StoreTrouble,
+)
 from validator.randomness import keyed_order
 from validator.reasons import EXCLUDED, FETCH_TIMEOUT, OVER_BUDGET
 
@@ -59,14 +84,20 @@ __all__ = [
     "Gathered",
     "PeerRegistry",
     "Received",
+    "active_peers",
     "expected_peers",
     "fetch",
     "gather",
     "list_contributions",
+    "recent_windows",
 ]
 
 log = logging.getLogger(__name__)
 MAX_ANNOUNCEMENT_BYTES = 64 * 1024
+# After the close, a read that failed with a store error is tried again after this long, doubling
+# up to RETRY_MAX_S, while the reads listed before the close may still finish (fetch_timeout_s).
+RETRY_FIRST_S = 0.25
+RETRY_MAX_S = 4.0
 UNANNOUNCED = "unannounced"
 
 
@@ -147,8 +178,10 @@ def fetch(
     screen: Callable[[bytes], Screened],
     budget: _ByteBudget | None = None,
     clock: Callable[[], float] = time.time,
+    trouble: StoreTrouble | None = None,
 ) -> Fetched:
-    """Size-check, read and screen one object; the bytes do not outlive this call."""
+    """Size-check, read and screen one object; the bytes do not outlive this call. A store
+    failure is a value, and noted in ``trouble``."""
     try:
         n = store.size(key)
         if n > max_bytes:
@@ -161,7 +194,11 @@ def fetch(
     except ObjectNotFound as exc:
         return Fetched(reason="not_found", detail=str(exc), at=clock())
     except StoreError as exc:
+        if trouble is not None:
+            trouble.failed(READ_CONTRIBUTION, exc, key)
         return Fetched(reason="store_error", detail=str(exc), at=clock())
+    if trouble is not None:
+        trouble.answered()
     at = clock()
     return Fetched(nbytes=len(data), digest=hashlib.sha256(data).hexdigest(), screened=screen(data), at=at)
 
@@ -169,18 +206,31 @@ def fetch(
 def expected_peers(
     first_seen: Mapping[str, float],
     withdrawn: Collection[str],
-    uploaded_last: Collection[str],
+    active: Collection[str],
     since: float | None,
 ) -> frozenset[str]:
-    """The announced peers a window waits for: not withdrawn, and either uploaded in the previous
-    window (``uploaded_last``) or announced (first seen) at or after ``since``, when the previous
-    window opened. ``since`` None (window 0, or an unknown opening time): every announced peer
-    that has not withdrawn. Pure."""
+    """The announced peers a window waits for: not withdrawn, and either uploaded in one of the
+    last G windows (``active``, :func:`active_peers`) or announced (first seen) at or after
+    ``since``, when the previous window opened. ``since`` None (window 0, or an unknown opening
+    time): every announced peer that has not withdrawn. Pure."""
     return frozenset(
-        p
-        for p, seen in first_seen.items()
-        if p not in withdrawn and (since is None or p in uploaded_last or seen >= since)
+        p for p, seen in first_seen.items() if p not in withdrawn and (since is None or p in active or seen >= since)
     )
+
+
+def recent_windows(t: int, expect_windows: int) -> tuple[int, int] | None:
+    """The windows whose uploads make a peer expected in window ``t`` (inclusive; None in window 0):
+    the last ``expect_windows`` (G) before it."""
+    return None if t <= 0 else (max(0, t - expect_windows), t - 1)
+
+
+def active_peers(uploads: Iterable[tuple[int, str]], t: int, expect_windows: int) -> frozenset[str]:
+    """The peers of ``uploads`` ((window, peer) of uploads the peer itself made) that uploaded in
+    one of the ``expect_windows`` windows before ``t``. Pure."""
+    span = recent_windows(t, expect_windows)
+    if span is None:
+        return frozenset()
+    return frozenset(p for w, p in uploads if span[0] <= w <= span[1])
 
 
 class PeerRegistry:
@@ -190,7 +240,8 @@ class PeerRegistry:
     :meth:`refresh` reads at most ``max_per_poll`` announcements not seen before per call, in an
     order derived from ``secret``, and tracks at most ``max_tracked`` identities (idle ones make
     room, :meth:`make_room`); a rejected announcement is logged once. :meth:`recheck` re-reads the
-    announcements of given peers, which is how a withdrawal (or a return after one) is noticed.
+    announcements of given peers, which is how a withdrawal (or a return after one, or a peer that
+    joined again: its announcement changed) is noticed.
     ``first_seen``: when this validator first saw each peer's current announcement (its own
     clock); announcements already in the store when the validator starts count as old (``-inf``):
     the contribution log says whether those peers uploaded lately.
@@ -217,17 +268,19 @@ class PeerRegistry:
         self._checked: dict[str, float] = {}  # peer -> when its announcement was last read
         self._started = False
         self.ignored = 0  # announcements not read at the last refresh (budget or capacity)
+        self.trouble = StoreTrouble(clock)  # failed listings and reads (the intake sums them per window)
 
-    def expected(self, uploaded_last: Collection[str], since: float | None) -> frozenset[str]:
+    def expected(self, active: Collection[str], since: float | None) -> frozenset[str]:
         """:func:`expected_peers` of every accepted announcement (no store access)."""
-        return expected_peers(self.first_seen, self.withdrawn, uploaded_last, since)
+        return expected_peers(self.first_seen, self.withdrawn, active, since)
 
     def refresh(self) -> frozenset[str]:
         try:
             keys = self.store.list(layout.peers_prefix(self.run))
         except StoreError as exc:
-            log.warning("cannot list announcements: %s", exc)
+            self.trouble.failed(LIST_ANNOUNCEMENTS, exc)
             return frozenset(self.announcements)
+        self.trouble.answered()
         first = not self._started
         self._started = True
         now = self.clock()
@@ -284,10 +337,13 @@ class PeerRegistry:
                     self._rejected.add(key)
             return
         except StoreError as exc:  # transient: try again on the next refresh
-            log.warning("announcement %s unreadable: %s", key, exc)
+            self.trouble.failed(READ_ANNOUNCEMENT, exc, key)
             return
+        self.trouble.answered()
         returned = peer in self.withdrawn and not ann.withdrawn
-        if peer not in self.announcements or returned:
+        # A peer announces again each time it joins (with when): a changed announcement is a rejoin.
+        renewed = peer in self.announcements and not ann.withdrawn and ann != self.announcements[peer]
+        if peer not in self.announcements or returned or renewed:
             self.first_seen[peer] = -math.inf if old else self.clock()
         self.announcements[peer] = ann
         if ann.withdrawn:
@@ -315,8 +371,10 @@ class _Fetcher:
         screen: Callable[[str, bytes], Screened],
         priority: Callable[[str], Any],
         clock: Callable[[], float],
+        trouble: StoreTrouble,
     ) -> None:
         self.store, self.budgets, self.max_bytes, self.screen = store, budgets, max_bytes, screen
+        self.trouble = trouble
         self.priority, self.clock, self.concurrency = priority, clock, max(1, concurrency)
         self.pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="gather")
         self.bytes = _ByteBudget(budgets.max_fetch_bytes)
@@ -357,6 +415,7 @@ class _Fetcher:
                 partial(self.screen, peer),
                 self.bytes,
                 self.clock,
+                self.trouble,
             )
 
     def collect(self, wait_s: float = 0.0) -> None:
@@ -381,13 +440,25 @@ class _Fetcher:
             del self.pending[peer]
 
     def drain(self, deadline: float, stop: threading.Event) -> None:
-        """Finish what was listed before the close, until ``deadline`` (monotonic)."""
-        while (self.pending or self.queue) and not stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
+        """Finish what was listed before the close, until ``deadline`` (monotonic); a read that
+        failed with a store error is tried again with backoff meanwhile (the store may be back)."""
+        waits: dict[str, float] = {}  # peer -> the wait before its next retry
+        retry_at: dict[str, float] = {}  # peer -> when (monotonic)
+        while not stop.is_set():
+            now = time.monotonic()
+            for peer, r in self.done.items():
+                if r.reason == "store_error" and peer not in retry_at:
+                    wait = waits.get(peer, RETRY_FIRST_S)
+                    waits[peer], retry_at[peer] = min(2 * wait, RETRY_MAX_S), now + wait
+            for peer in [p for p, at in retry_at.items() if at <= now]:
+                del retry_at[peer]
+                self.want(peer, self.keys[peer], self.clock())
+            left = deadline - now
+            if left <= 0 or not (self.pending or self.queue or retry_at):
                 break
             self.submit()
-            self.collect(wait_s=min(left, 0.5))
+            soonest = min(retry_at.values(), default=now + 0.5) - now
+            self.collect(wait_s=max(0.01, min(left, 0.5, soonest)))
         self.pool.shutdown(wait=False, cancel_futures=True)  # a read stuck in the store is abandoned
         now = self.clock()
         for peer in list(self.pending) + list(self.queue):
@@ -419,6 +490,7 @@ def gather(
     writers: Callable[[], Collection[str]] | None = None,
     stop: threading.Event | None = None,
     clock: Callable[[], float] = time.time,
+    trouble: StoreTrouble | None = None,
 ) -> Gathered:
     """Every admitted contribution of ``window`` that could be listed before the window closed.
 
@@ -427,10 +499,12 @@ def gather(
     withdrawing mid-window count). ``admit(peer)``: None
     to read the peer's upload, :data:`UNANNOUNCED` or :data:`EXCLUDED` not to. ``on_listed``:
     called once per admitted peer when its upload is first listed. ``writers()``: the peers
-    worth listing at each poll (the announced ones; :func:`list_contributions`)."""
+    worth listing at each poll (the announced ones; :func:`list_contributions`). ``trouble``: where
+    failed listings and reads are counted (:mod:`validator.outage`)."""
     stop = stop or threading.Event()
     budgets = budgets or Budgets()
-    f = _Fetcher(store, budgets, max_bytes, concurrency, screen, priority, clock)
+    trouble = trouble or StoreTrouble(clock)
+    f = _Fetcher(store, budgets, max_bytes, concurrency, screen, priority, clock, trouble)
     uploaded: set[str] = set()
     unannounced: set[str] = set()
     delays = poll_delays(poll_interval_s, windows)
@@ -440,9 +514,11 @@ def gather(
             f.collect()
             try:
                 listed = list_contributions(store, run, window, None if writers is None else writers())
-            except StoreError as exc:
-                log.warning("listing window %d failed: %s", window, exc)
+            except StoreError as exc:  # tried again at the next poll; summed up in the window's store_errors
+                trouble.failed(LIST_CONTRIBUTIONS, exc, layout.contrib_prefix(run, window))
                 listed = {}
+            else:
+                trouble.answered()
             now = clock()
             for peer, key in listed.items():
                 verdict = admit(peer)

@@ -3,7 +3,8 @@
 :meth:`Intake.context` fixes what every upload of window t is checked against (registered keys,
 exclusions, the accepted bases, the keyed sample); :meth:`Intake.gather` reads the uploads of
 announced, non-excluded peers within the window's budgets (:func:`validator.gather.gather`) until
-the deadline or until every expected peer has uploaded, emitting WindowWaiting while it waits;
+the deadline or until every expected peer has uploaded, emitting WindowWaiting while it waits and
+one StoreErrors at its end when store requests failed (:mod:`validator.outage`);
 :meth:`Intake.uploads` turns what was read into :class:`Uploads`, the input of the window's
 decision (:mod:`validator.decide`): one verdict per upload, when its bytes were first read (kept
 in the contribution log across restarts) and its key listed, and the ``immutable`` check.
@@ -28,7 +29,16 @@ from protocol.windows import gather_close
 from protocol.wire import PipelineRole
 from validator import checks, randomness, window_checks
 from validator.budgets import Budgets
-from validator.gather import EXCLUDED, UNANNOUNCED, Gathered, PeerRegistry, Received, gather
+from validator.gather import (
+    EXCLUDED,
+    UNANNOUNCED,
+    Gathered,
+    PeerRegistry,
+    Received,
+    active_peers,
+    gather,
+    recent_windows,
+)
 from validator.log import ContributionLog
 from validator.reputation import is_excluded
 from validator.rows import shows_activity
@@ -131,13 +141,17 @@ class Intake:
         share of the deadline counts from the first contribution that came in: peers that start
         late together are all waited for, while one free announcement cannot hold the first
         aggregate back. A peer slower than that misses the window (``late``, neutral) and is
-        waited for in the next."""
+        waited for in the next ``validator.expect_windows`` ones (:mod:`validator.gather`)."""
         t, registry, deadline = w.t, self.registry, self.spec.windows.upload_deadline_s
-        prev = self.log.rows(windows=(t - 1, t - 1)) if t > 0 else []
-        uploaded_last = {r.peer for r in prev if shows_activity(r)}  # forged or foreign uploads prove nothing
+        registry.trouble.reset()  # this window's failed store requests, summed up once at its end
+        expect = self.local.validator.expect_windows
+        span = recent_windows(t, expect)
+        recent = self.log.rows(windows=span) if span is not None else []  # O(G × uploads), not O(history)
+        # forged or foreign uploads prove nothing
+        active = active_peers(((r.window, r.peer) for r in recent if shows_activity(r)), t, expect)
         opened_last = self.log.window(t - 1) if t > 0 else None
         since = opened_last.opened_at if opened_last is not None else None
-        registry.make_room(uploaded_last | w.established, IDLE_WINDOWS * deadline)
+        registry.make_room(active | w.established, IDLE_WINDOWS * deadline)
         wait = self.budgets.newcomer_wait * deadline
         newcomers_until = opened_at + wait if t > 0 else math.inf  # window 0: from its first upload
         waiting = _WaitingReport(t, gather_close(opened_at, self.spec.windows), self.clock, self.emit)
@@ -149,11 +163,11 @@ class Intake:
             registry.refresh()
             # Re-read the announcements of the peers still awaited (a withdrawal ends the wait) and
             # of the withdrawn ones (a peer that comes back is expected again).
-            awaited = registry.expected(uploaded_last, since) - uploaded
+            awaited = registry.expected(active, since) - uploaded
             registry.recheck(awaited | registry.withdrawn, RECHECK_S)
-            want = registry.expected(uploaded_last, since) - ctx.excluded
+            want = registry.expected(active, since) - ctx.excluded
             if (since is not None or t == 0) and self.clock() >= newcomers_until:
-                want = frozenset(p for p in want if p in uploaded_last or p in uploaded)
+                want = frozenset(p for p in want if p in active or p in uploaded)
             waiting.report(want - uploaded, len(uploaded))
             return want
 
@@ -171,7 +185,7 @@ class Intake:
             # admitted peers are announced; checking against this one avoids sharing the registry across threads
             return checks.screen(peer, data, replace(ctx, registered=frozenset({peer})))
 
-        return gather(
+        gathered = gather(
             self.store,
             self.run_id,
             t,
@@ -188,7 +202,12 @@ class Intake:
             writers=lambda: frozenset(registry.announcements),  # a DHT decodes no entry of anyone else
             stop=self.stop,
             clock=self.clock,
+            trouble=registry.trouble,
         )
+        summary = registry.trouble.summary(t)
+        if summary is not None:
+            self.emit(summary)
+        return gathered
 
     def uploads(self, t: int, gathered: Gathered, ctx: checks.Context) -> Uploads:
         """The per-contribution verdicts, when each peer's bytes were first read (kept in the log

@@ -6,7 +6,9 @@
 
 It reports through ``emit`` (:mod:`protocol.events`): WindowOpened when it starts gathering a
 window, WindowWaiting while expected peers have not uploaded (every few seconds, naming them),
-WindowPublished (also ``run_window``'s return value), WindowRetry after a store error (at most
+WindowHeld when a restarted validator holds a window nobody uploaded to until a peer is back
+(:mod:`validator.hold`), StoreErrors once per window when store requests failed while gathering
+(:mod:`validator.outage`), WindowPublished (also ``run_window``'s return value), WindowRetry after a store error (at most
 ``validator.window_retries`` in a row, then :class:`~validator.retry.WindowFailed`:
 :mod:`validator.retry`), CheckpointSkipped and, with
 ``validator.eval_every`` (a local setting), ModelEvaluated (:mod:`validator.evaluation`).
@@ -77,6 +79,7 @@ from validator.decide import Decider, WindowDecision
 from validator.evaluation import PeriodicEval
 from validator.follow import Follower
 from validator.gather import PeerRegistry
+from validator.hold import RestartHold
 from validator.intake import Intake
 from validator.launch import Launcher, LaunchStopped
 from validator.log import LOG_FILE, ContributionLog
@@ -169,6 +172,14 @@ class Validator:
             max_late=budgets.max_fetches,
         )
         self.clock = clock
+        self.hold = RestartHold(
+            self.intake.registry,
+            limit_s=local.validator.restart_hold_s,
+            poll_s=local.poll_interval_s,
+            emit=self.emit,
+            stop=self.stop,
+            clock=clock,
+        )
         self.agreement: Agreement | None = None  # several validators: each window agreed on first
         if Quorum.of(spec).several:
             self.agreement = Agreement(
@@ -277,6 +288,9 @@ class Validator:
         gathered = self.intake.gather(w, st.opened_at, ctx)  # announced peers only, within budgets
         if self.stop.is_set():
             return None
+        held = self.agreement is None and self.hold.needed(w.t, gathered)  # restarted, nobody back yet
+        if held and not self.hold.wait(w.t):
+            return None
         clock.lap("gather")
         uploads = self.intake.uploads(w.t, gathered, ctx)  # read, checked and summarised while gathering
 
@@ -288,8 +302,17 @@ class Validator:
         self.committer.record_late(w.t - 1, self.registry.announcements)  # uploads that missed the previous window
         if self.agreement is not None:  # several validators: proposed, endorsed, certified
             read = {s.peer: s.held.data for s in uploads.screened if s.held is not None and s.held.data}
-            return self.agreement.run(st, self.clock(), decide, uploads.unannounced, read)
-        return self.committer.publish(st, decide(), uploads.unannounced, clock)
+            report = self.agreement.run(st, self.clock(), decide, uploads.unannounced, read)
+        else:
+            report = self.committer.publish(st, decide(), uploads.unannounced, clock)
+        if report is not None:
+            self.hold.published()
+        return report
+
+    def heard_from(self, peer: str) -> None:
+        """``peer`` asked the grant server for something: it is alive (ends a restart's hold,
+        :mod:`validator.hold`)."""
+        self.hold.heard_from(peer)
 
     def _evaluate(self, report: WindowPublished) -> None:
         """The periodic evaluation of θ after the aggregate just published, when due."""

@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -38,6 +39,7 @@ from protocol.events import (
     GrantsServed,
     Stopped,
     ValidatorStarted,
+    WindowHeld,
     WindowPublished,
     describe,
 )
@@ -135,10 +137,22 @@ def validate(run_path: str, local: LocalSettings, node: Node, out: Reporting) ->
         except StoreError as exc:  # the run's dataset manifest could not be read
             out.emit(Failed(role=ROLE, reason=exc.reason, detail=str(exc)))
             return EXIT_STORE
+        sinks.append(partial(hold_sink, validator, waiting))
         install_stop(validator)
         if node.wait_for_peers and not (Path(node.state_dir) / STATE_FILE).exists():
             wait_for_peers(validator, node.wait_for_peers, waiting)
         return serve(validator, node.windows, emit_all)
+
+
+def hold_sink(validator: Validator, waiting: PeerWait, event: Event) -> None:
+    """A grant to a peer is a sign of life (it ends a restart's hold, :mod:`validator.hold`); while
+    a window is held, ``/v1/info`` says the validator waits for a peer."""
+    if isinstance(event, Granted):
+        validator.heard_from(event.peer_id)
+    elif isinstance(event, WindowHeld):
+        waiting.set((1, 0))
+    elif isinstance(event, WindowPublished) and waiting() is not None:
+        waiting.set(None)
 
 
 def open_validator(

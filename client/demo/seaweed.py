@@ -240,7 +240,15 @@ class SeaweedS3:
 
     def restart(self) -> None:
         """Stop the server and start it again on the same ports and data (an outage in a test)."""
+        self.down()
+        self.up()
+
+    def down(self) -> None:
+        """Stop the server, keeping its ports and data for :meth:`up` (the start of an outage)."""
         self._kill()
+
+    def up(self) -> None:
+        """Start the server stopped by :meth:`down` again on the same ports and data."""
         self._launch(new_ports=False)
         if not self._wait_ready():
             log = self._log_tail()

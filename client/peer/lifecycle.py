@@ -26,9 +26,10 @@ from protocol.replay import initial_params
 from protocol.windows import poll_delays
 from protocol.wire import Announcement, encode_announcement
 
-__all__ = ["CLIENT_VERSION", "GENESIS_REPORT_S", "Entry", "Lifecycle", "RunNotFound"]
+__all__ = ["CLIENT_VERSION", "GENESIS_REPORT_S", "JOINED_AT", "Entry", "Lifecycle", "RunNotFound"]
 
 CLIENT_VERSION = "sparseloco-peer/0.1"
+JOINED_AT = "joined_at"  # the announcement's metadata: when this peer joined (unix s)
 GENESIS_REPORT_S = 10.0  # how often a peer waiting for genesis says so
 
 
@@ -98,9 +99,18 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ announcements
     def announce(self) -> None:
-        """Sign and put this peer's announcement (hardware and pipeline role from its trainer)."""
+        """Sign and put this peer's announcement (hardware and pipeline role from its trainer, and
+        when it joined: each join's announcement differs, so a validator holding a window after its
+        restart, validator/hold.py, sees a peer that joined again even if it never withdrew)."""
         ctx = self.ctx
-        ann = Announcement(ctx.spec.hash(), 0, CLIENT_VERSION, ctx.trainer.hardware, role=ctx.trainer.role)
+        ann = Announcement(
+            ctx.spec.hash(),
+            0,
+            CLIENT_VERSION,
+            ctx.trainer.hardware,
+            role=ctx.trainer.role,
+            metadata={JOINED_AT: round(time.time(), 3)},
+        )
         put_with_retry(
             ctx.store, layout.peer_key(ctx.run_id, ctx.identity.peer_id), encode_announcement(ann, ctx.identity)
         )

@@ -193,9 +193,10 @@ class CatchUp:
 
     def in_window(self) -> list[SparseDict] | None:
         """Apply what is published to θ mid-window; the Δ̄ applied, or None when the working model
-        cannot follow (θ was rebuilt from a checkpoint, or the chain could not be read). A store
-        that does not answer only means nothing more arrived yet: the window trains on, and the next
-        look (at most every ``poll_interval_s``) tries again."""
+        cannot follow (θ was rebuilt from a checkpoint, or a bad object leaves θ to be rebuilt). A
+        store that does not answer (an outage, a link drop) only means nothing more arrived yet: what
+        was applied before it stopped answering stands, the window trains on, and the next look (at
+        most every ``poll_interval_s``) tries again, so a short outage does not cost the window."""
         before = self.theta.pos.window
         if time.monotonic() < self._quiet_until:
             return []
@@ -211,9 +212,11 @@ class CatchUp:
         except (ProtocolError, StoreError) as exc:
             if not (isinstance(exc, StoreError) and transient(exc)):
                 self._sync_failed(exc)
-                return None
-            self.ctx.outage.down(exc)  # what was applied before it stopped answering stands
-            self._quiet_until = time.monotonic() + max(self.theta.poll_s, 1.0)
+                if rebuilt or self.theta.diverged:
+                    return None
+            else:
+                self.ctx.outage.down(exc)  # what was applied before it stopped answering stands
+                self._quiet_until = time.monotonic() + max(self.theta.poll_s, 1.0)
         else:
             self.ctx.outage.up()
         self.uploads.moved(before)

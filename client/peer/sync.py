@@ -147,12 +147,17 @@ class Sync:
         a reader that waits idles, and a GET costs far less than its idle time. In a run with several validators,
         ``on_waiting`` is told what the aggregate still waits for (:meth:`Chain.signatures`) once
         ``signatures_every_s`` have passed without it, and again every ``signatures_every_s``; a
-        store error while reading the endorsements only skips that report."""
+        store error while reading the endorsements only skips that report, and one while looking
+        for the aggregate is one more look that did not find it (a store outage shorter than the
+        window in training does not fail the window)."""
         due = time.monotonic() + signatures_every_s
         delays = poll_delays(self.poll_s, self.spec.windows)  # before due_at: each look is a billed request
         while not should_stop():
-            if self.aggregate_published(window, base):
-                return True
+            try:
+                if self.aggregate_published(window, base):
+                    return True
+            except StoreError:  # the store does not answer now (an outage): look again, as for an absent one
+                pass
             if stop_at is not None and time.time() >= stop_at:
                 return False
             if on_waiting is not None and self.chain.validators is not None and time.monotonic() >= due:
