@@ -136,7 +136,7 @@ class _Theta:
     def __init__(self, exc: Exception) -> None:
         from protocol.replay import Position
 
-        self.pos, self.exc, self.diverged = Position(4, "b" * 64, "f" * 64), exc, False
+        self.pos, self.exc, self.diverged, self.poll_s = Position(4, "b" * 64, "f" * 64), exc, False, 1.0
 
     def advance(self) -> Iterator[object]:
         raise self.exc
@@ -150,25 +150,29 @@ class _Theta:
 
 def test_a_store_outage_mid_window_does_not_abandon_the_peers_window() -> None:
     """A peer training a window looks for the aggregate that opens it between inner steps; the
-    store not answering then leaves θ where it was (nothing applied, look again later), where it
-    used to abandon the window. A bad object still does: θ must be rebuilt."""
+    store not answering then leaves θ where it was (nothing applied, look again later) and is one
+    outage, said once, where it used to abandon the window. A bad object still does: θ must be
+    rebuilt."""
     from types import SimpleNamespace
 
+    from client.peer.context import Outage
     from client.peer.position import CatchUp
     from protocol.errors import MalformedPayload
     from protocol.events import SyncFailed
 
     emitted: list[Event] = []
     moved: list[int] = []
-    ctx = SimpleNamespace(display=SimpleNamespace(emit=emitted.append))
+    display = SimpleNamespace(emit=emitted.append, update=lambda **_: None)
+    ctx = SimpleNamespace(display=display, outage=Outage(display))  # type: ignore[arg-type]
     uploads = SimpleNamespace(moved=moved.append)
     out = CatchUp(ctx, _Theta(StoreUnavailable("http://h/b?X-Amz-Signature=s refused")), uploads)  # type: ignore[arg-type]
     assert out.in_window() == []
-    assert moved == [4]
-    (failed,) = emitted
-    assert isinstance(failed, SyncFailed) and failed.reason == "unavailable" and "Signature" not in failed.detail
+    assert moved == [4] and ctx.outage.since is not None and emitted == []
+    assert out.in_window() == []  # within poll_interval_s: no second look, no second line
     bad = CatchUp(ctx, _Theta(MalformedPayload("junk")), uploads)  # type: ignore[arg-type]
     assert bad.in_window() is None
+    (failed,) = emitted
+    assert isinstance(failed, SyncFailed) and failed.reason == "malformed"
 
 
 def test_a_peer_waiting_for_an_aggregate_looks_again_when_the_store_does_not_answer(vkey: Identity) -> None:
