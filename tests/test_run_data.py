@@ -5,6 +5,7 @@ to its cap."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import uuid
@@ -464,3 +465,21 @@ def test_init_without_the_buckets_credential_says_which_settings_give_it(
     text = " ".join(out.output.split())
     assert "run.toml's [local.store] table" in text and "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in text
     assert "validator.env" in text and not (tmp_path / "run.toml").exists()
+
+
+def test_a_validator_started_while_the_store_does_not_answer_waits_for_the_dataset(
+    run: Run, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The validator's start reads the run's dataset manifest: a store that is down for a few
+    reads is waited for (said once), where the start used to fail with a store error."""
+    from protocol.settings import LocalSettings
+    from validator.node import _open_dataset
+
+    store = run.store()
+    down = store.faults.fail(
+        layout.dataset_manifest_key(run.result.run_id), ops=("get",), times=2, error=StoreUnavailable
+    )
+    with caplog.at_level(logging.WARNING, logger="validator.node"):
+        ds = _open_dataset(run.spec, store, LocalSettings(poll_interval_s=0.01))
+    assert down.fired == 2 and ds.vocab_size > 0
+    assert sum("does not answer" in r.getMessage() for r in caplog.records) == 1

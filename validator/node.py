@@ -72,6 +72,7 @@ from protocol.quorum import Quorum
 from protocol.replay import Chain
 from protocol.settings import LocalSettings
 from protocol.store.base import ObjectStore
+from protocol.store.fetch import FINAL, Retry
 from validator.agreement import Agreement
 from validator.budgets import Budgets
 from validator.commit import Committer
@@ -84,7 +85,7 @@ from validator.intake import Intake
 from validator.launch import Launcher, LaunchStopped
 from validator.log import LOG_FILE, ContributionLog
 from validator.reputation import Standing
-from validator.retry import Retries
+from validator.retry import Retries, bound_s
 from validator.rows import folded
 from validator.state import ValidatorState
 from validator.trial import Aggregator
@@ -382,9 +383,23 @@ class Validator:
 
 def _open_dataset(spec: RunSpec, store: ObjectStore, local: LocalSettings) -> TokenDataset:
     """The run's dataset (its manifest verified now; shards are fetched when scoring needs them).
-    A run without a usable dataset manifest cannot be validated: ConfigError."""
+    A run without a usable dataset manifest cannot be validated: ConfigError. A store that does
+    not answer yet (the validator restarted beside it, a link drop) is waited for, said once, as
+    long as a window would retry (:func:`validator.retry.bound_s`) before the error ends the start."""
+    said: list[bool] = []
+
+    def read() -> TokenDataset:
+        try:
+            return dataset_of(spec, store, local.data)
+        except StoreError as exc:
+            if not said and not isinstance(exc, FINAL):
+                said.append(True)
+                log.warning("the store does not answer (%s): waiting up to %.0f s for the run's dataset", exc, patience)
+            raise
+
+    patience = bound_s(local.validator.window_retries, max(local.poll_interval_s, 1.0))
     try:
-        return dataset_of(spec, store, local.data)
+        return Retry(None, backoff_s=1.0, patience_s=patience).run(read)
     except ObjectNotFound as exc:
         raise ConfigError(
             f"the store holds no dataset manifest for run {layout.run_id(spec.hash())} ({exc}): create the run "

@@ -53,6 +53,7 @@ from protocol.store.base import MAX_RANGE_BYTES, ObjectStore
 
 __all__ = [
     "BACKOFF_S",
+    "FINAL",
     "MAX_BACKOFF_S",
     "PARALLEL",
     "PART_BYTES",
@@ -85,7 +86,7 @@ Watch = Callable[[str], Progress]
 (``watch("checkpoint 120")``); it is called only for objects fetched in ranges."""
 
 # Failures that say the object cannot be had this way, however often it is asked for.
-_FINAL: tuple[type[StoreError], ...] = (ObjectNotFound, AccessDenied, InvalidKey, InvalidRange)
+FINAL: tuple[type[StoreError], ...] = (ObjectNotFound, AccessDenied, InvalidKey, InvalidRange)
 
 
 class SizeMismatch(DigestMismatch):
@@ -196,7 +197,7 @@ class Retry:
                 raise _Stopped
             try:
                 return read()
-            except _FINAL:
+            except FINAL:
                 raise
             except (StoreError, OSError):
                 now = time.time()
