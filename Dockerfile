@@ -36,15 +36,17 @@ ENV PATH=/opt/venv/bin:$PATH
 # otherwise; pyproject.toml keeps the source list non-empty). Its own layer: a source change
 # does not copy or reinstall it.
 COPY pyproject.toml build/wheelhous[e] /wheels/
-RUN if [ -n "${TORCH_SPEC}" ]; then pip install "${TORCH_SPEC}"; fi
-WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY protocol ./protocol
-COPY client ./client
-COPY validator ./validator
-# The project itself, from the build context (DL3013 asks for a version pin: this is the source).
+# TORCH_SPEC is the pin (torch==<version>); hadolint cannot see through the argument.
 # hadolint ignore=DL3013
-RUN pip install ".[hf]" \
+RUN if [ -n "${TORCH_SPEC}" ]; then pip install "${TORCH_SPEC}"; fi
+# The dependencies, from pyproject.toml alone (README.md, which it names, an empty stand-in): with
+# no sources copied yet the project is an empty distribution, so this layer (the large one) stays
+# cached while only the sources change. setuptools and wheel stay too: the second stage builds the
+# project without an index.
+WORKDIR /app
+COPY pyproject.toml ./
+# hadolint ignore=DL3013
+RUN touch README.md && pip install ".[hf]" setuptools wheel \
     && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 FROM ${BASE_IMAGE}
@@ -62,7 +64,17 @@ RUN useradd --create-home --uid 10001 --user-group --shell /bin/bash sparseloco 
     && chown -R 10001:10001 /state /shared
 COPY --from=build /opt/venv /opt/venv
 WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY protocol ./protocol
+COPY client ./client
+COPY validator ./validator
 COPY scripts ./scripts
+# The project itself, from the build context, over the empty one (its dependencies are in /opt/venv;
+# DL3013 asks for a version pin: this is the source); python -I imports what was installed, not /app.
+# hadolint ignore=DL3013
+RUN pip install --no-deps --no-build-isolation . \
+    && rm -rf build ./*.egg-info \
+    && python -I -c "import protocol, client, validator" && sparseloco-peer --help >/dev/null
 USER 10001:10001
 VOLUME ["/state"]
 ENTRYPOINT []

@@ -20,6 +20,7 @@ import os
 import secrets
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from client.demo.swarm import SMALL_RUN
 from protocol.config import RunSpec
@@ -44,7 +46,8 @@ WINDOWS = 2
 BUILD_TIMEOUT_S = 1800.0  # a cold build: base, wheelhouse and two images (~10 min on 2 cores)
 RUN_TIMEOUT_S = 300.0  # the stack, from SeaweedFS's start to the peers' exit
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# the build fixture counts against the test timeout: a cold build and the run, with room to spare
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(BUILD_TIMEOUT_S + RUN_TIMEOUT_S + 300)]
 
 
 def _docker(*args: str, timeout: float = 120.0, check: bool = True, stdin: str | None = None) -> str:
@@ -71,6 +74,31 @@ def _image_exists(tag: str) -> bool:
     return subprocess.run(["docker", "image", "inspect", tag], capture_output=True, timeout=60).returncode == 0
 
 
+def _build(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """scripts/build_images.sh in a session of its own: if the test stops early (a timeout, Ctrl-C),
+    the script and what it started (docker build, pip, mmdebstrap) get SIGINT, the script's own
+    clean-up path, and no build goes on behind the test."""
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 @pytest.fixture(scope="module")
 def images() -> dict[str, float]:
     """The offline path of scripts/build_images.sh: its seconds, cold or warm."""
@@ -81,7 +109,7 @@ def images() -> dict[str, float]:
         pytest.skip(f"the base image {BASE} is missing and mmdebstrap is not installed to build it")
     env = {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)}
     start = time.monotonic()
-    done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    done = _build(env)
     if done.returncode == 3:  # a missing prerequisite, said on stderr
         pytest.skip(f"the images cannot be built here: {done.stderr.strip().splitlines()[-1]}")
     assert done.returncode == 0, f"build_images.sh failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -176,14 +204,12 @@ def _events(lines: list[str]) -> list[Any]:
     return out
 
 
-SEAWEED = """
-mkdir -p /state/data
-printf '%s' "{\\"identities\\": [{\\"name\\": \\"validator\\",
-  \\"credentials\\": [{\\"accessKey\\": \\"$AWS_ACCESS_KEY_ID\\", \\"secretKey\\": \\"$AWS_SECRET_ACCESS_KEY\\"}],
-  \\"actions\\": [\\"Read:sparseloco\\", \\"List:sparseloco\\", \\"Write:sparseloco\\"]}]}" >/state/identities.json
-exec weed mini -dir=/state/data -ip=seaweedfs -ip.bind=0.0.0.0 -bucket=sparseloco -s3.port=8333 \
-  -s3.config=/state/identities.json -webdav=false -admin.ui=false -master.telemetry=false
-"""
+def _seaweed_command() -> list[str]:
+    """compose.yaml's SeaweedFS command (it writes the identities file with the one credential,
+    then runs weed), with Compose's ``$$`` escapes undone."""
+    service = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["seaweedfs"]
+    return [str(word).replace("$$", "$") for word in service["command"]]
+
 
 # Until an object goes into the bucket and comes back: SeaweedFS answers S3 with the credential.
 S3_READY = """
@@ -221,7 +247,7 @@ def test_the_containerised_stack_trains_and_the_peers_agree(images: dict[str, fl
 
     # SeaweedFS from the validator image (the s3-demo extra), as compose.yaml runs it
     seaweed = stack.run(
-        "seaweedfs", VALIDATOR, "sh", "-c", SEAWEED, alias="seaweedfs", env=credential,
+        "seaweedfs", VALIDATOR, *_seaweed_command(), alias="seaweedfs", env=credential,
         mounts={stack.volume("seaweed"): "/state"},
     )  # fmt: skip
     probe = [a for k, v in credential.items() for a in ("-e", f"{k}={v}")]
