@@ -290,7 +290,7 @@ def test_the_containerised_stack_trains_and_the_peers_agree(images: dict[str, fl
             "1",
             "--status-json",
             env=threads,
-            mounts={stack.volume(f"peer-{i}"): "/state", run_volume: "/shared"},
+            mounts={stack.volume(f"peer-{i}"): "/state", run_volume: "/shared:ro"},
         )  # fmt: skip
         for i in range(2)
     ]
