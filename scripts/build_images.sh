@@ -15,7 +15,8 @@
 #      pyproject.toml or TORCH_VERSION changed (build/wheelhouse/.stamp).
 #   3. both images FROM the base, with `pip install --no-index --find-links /wheels` (the Dockerfiles'
 #      PIP_NO_INDEX / PIP_FIND_LINKS build arguments); the engine's layer cache makes a second
-#      build with no change take seconds.
+#      build with no change take seconds (`docker image prune` drops the untagged first stages,
+#      and with them that cache).
 #
 # Needs: a running Docker engine (`docker info`), mmdebstrap (apt-get install mmdebstrap) and root
 # (or a user that mmdebstrap can run as) for step 1, a Python 3.11 with pip for step 2. Every step
