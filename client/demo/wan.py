@@ -15,6 +15,13 @@ address (``.2`` upwards, in the order given), its ``lo`` is up and its default r
 bridge. Participants reach each other through the bridge, so traffic between two of them crosses
 both their links.
 
+**Forwarding.** Where the bridge netfilter hook is on (``net.bridge.bridge-nf-call-iptables``
+= 1) frames between two ports of a bridge cross the root namespace's iptables ``FORWARD`` chain,
+which a running Docker engine sets to ``DROP``: the store would answer the process that built the
+box and no participant. So the box inserts one rule first in that chain,
+``-i <bridge> -o <bridge> -j ACCEPT`` with the comment ``sparseloco-wan <tag>``, and deletes it
+with the bridge; a box that cannot insert it there says why. Nothing else of the firewall changes.
+
 **Shaping** is the kernel's token bucket filter (``tc qdisc … tbf``), one per direction: the host
 end's egress is what reaches the participant (its downlink), the namespace end's egress what it
 sends (its uplink). The kernel here has no netem, so links have a rate and a queue but no added
@@ -45,7 +52,7 @@ boxes of processes no longer alive left behind (a SIGKILLed test). Everything it
 :meth:`Wan.close` — on exit from the ``with``, on an exception, on the KeyboardInterrupt that
 :func:`client.demo.processes.install_signal_handlers` makes of SIGINT/SIGTERM, and through
 ``atexit`` as the last resort: the processes left in its namespaces are killed, then the
-namespaces (with their veth ends) and the bridge are deleted.
+namespaces (with their veth ends), the bridge and its forwarding rule are deleted.
 """
 
 from __future__ import annotations
@@ -87,6 +94,8 @@ SUBNET_BASE = "10.213"
 MAX_IFNAME = 15
 NS_PREFIX = "slw-"
 SYS_NET = Path("/sys/class/net")
+BRIDGE_NF = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
+RULE_COMMENT = "sparseloco-wan"
 
 
 class WanError(RuntimeError):
@@ -299,7 +308,34 @@ def remove_leftovers() -> list[str]:
         if pid is not None and not _pid_alive(pid):
             _run("ip", "link", "delete", dev, check=False)
             removed.append(dev)
+    for bridge in forward_rules():
+        pid = owner_pid(bridge)
+        if pid is not None and not _pid_alive(pid):
+            _run("iptables", "-D", *forward_rule(bridge), check=False)
+            removed.append(f"FORWARD {bridge}")
     return removed
+
+
+def forward_rule(bridge: str) -> list[str]:
+    """The chain and match of the rule that lets frames between ports of ``bridge`` through."""
+    comment = f"{RULE_COMMENT} {bridge}"
+    return ["FORWARD", "-i", bridge, "-o", bridge, "-m", "comment", "--comment", comment, "-j", "ACCEPT"]
+
+
+def bridge_netfilter_on() -> bool:
+    """Whether bridged frames cross iptables here (the bridge netfilter hook is on)."""
+    try:
+        return BRIDGE_NF.read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def forward_rules() -> list[str]:
+    """The bridges that rules of boxes (:func:`forward_rule`) name in the FORWARD chain."""
+    if shutil.which("iptables") is None:
+        return []
+    out = _run("iptables", "-S", "FORWARD", check=False).stdout
+    return re.findall(rf'--comment "?{RULE_COMMENT} (\S+?)"? ', out)
 
 
 def _kill_ns_processes(ns: str) -> None:
@@ -339,7 +375,7 @@ class Wan:
         self._index = {name: i for i, name in enumerate(self.links)}
         for name in self.links:
             ns_name(self.tag, name), host_ifname(self.tag, self._index[name])  # validate now
-        self._made: list[tuple[str, str]] = []  # ("ns" | "link", name), in creation order
+        self._made: list[tuple[str, str]] = []  # ("ns" | "link" | "rule", name), in creation order
         self._closed = False
 
     @classmethod
@@ -389,8 +425,21 @@ class Wan:
         self._made.append(("link", self.bridge))
         _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
+        if bridge_netfilter_on():
+            self._let_bridge_forward()
         for name, link in self.links.items():
             self._add_participant(name, link)
+
+    def _let_bridge_forward(self) -> None:
+        """The box's one firewall rule (module docstring, *Forwarding*)."""
+        if shutil.which("iptables") is None:
+            raise WanError(
+                "bridged frames cross iptables here (net.bridge.bridge-nf-call-iptables = 1) and "
+                "there is no `iptables` command to let the box's bridge forward them"
+            )
+        rule = forward_rule(self.bridge)
+        _run("iptables", "-I", rule[0], "1", *rule[1:])
+        self._made.append(("rule", self.bridge))
 
     def _add_participant(self, name: str, link: Link) -> None:
         i = self._index[name]
@@ -408,7 +457,8 @@ class Wan:
         _run("tc", "-n", ns, "qdisc", "add", "dev", inner, "root", *_tbf(link.up_mbit))
 
     def close(self) -> None:
-        """Kill what runs in the box's namespaces, delete them and the bridge. Idempotent."""
+        """Kill what runs in the box's namespaces, delete them, the bridge and its forwarding
+        rule. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -417,6 +467,8 @@ class Wan:
             if kind == "ns":
                 _kill_ns_processes(name)
                 _run("ip", "netns", "delete", name, check=False)
+            elif kind == "rule":
+                _run("iptables", "-D", *forward_rule(name), check=False)
             elif (SYS_NET / name).exists():
                 _run("ip", "link", "delete", name, check=False)
         self._made.clear()
