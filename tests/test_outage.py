@@ -40,6 +40,16 @@ def _theta0(v: Validator) -> dict:
     return {n: p.detach().clone() for n, p in v.model.named_parameters()}
 
 
+def _validator_with_uploads(sw: Swarm, vkey: Identity, state_dir: object, events: list[Event]) -> Validator:
+    """A validator at window 0 with an honest upload of every peer in the store."""
+    v = _validator(sw, vkey, state_dir, events)
+    assert v.state is not None
+    params = _theta0(v)
+    for p in sw.peers:
+        sw.upload(p.peer_id, 0, sw.honest(p, params, 0, v.state.base))
+    return v
+
+
 def test_strip_queries_keeps_scheme_host_and_path_only() -> None:
     presigned = "https://bucket.s3.example.com/run/contrib/7/peer?X-Amz-Signature=deadbeef&X-Amz-Credential=AK"
     assert strip_queries(f'cannot PUT "{presigned}": timed out') == (
@@ -88,11 +98,7 @@ def test_an_outage_within_a_window_costs_no_upload_and_logs_one_summary(
     window still counts all three uploads, and the validator says so once (one ``store_errors``
     event, recovered), with no warning line per failed request."""
     events: list[Event] = []
-    v = _validator(swarm, vkey, tmp_path, events)
-    assert v.state is not None
-    params = _theta0(v)
-    for p in swarm.peers:
-        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, v.state.base))
+    v = _validator_with_uploads(swarm, vkey, tmp_path, events)
     faults = v.store.faults  # type: ignore[attr-defined]
     faults.fail(swarm.run, ops=("list", "get", "size"), times=60, error=StoreUnavailable)
     with caplog.at_level(logging.INFO):
@@ -116,11 +122,7 @@ def test_reads_that_fail_at_the_close_are_retried_while_reads_may_finish(
     reads of their bytes a few times: the reads are tried again after the close with backoff (they
     were lost as ``store_error`` before) and every upload counts."""
     events: list[Event] = []
-    v = _validator(swarm, vkey, tmp_path, events)
-    assert v.state is not None
-    params = _theta0(v)
-    for p in swarm.peers:
-        swarm.upload(p.peer_id, 0, swarm.honest(p, params, 0, v.state.base))
+    v = _validator_with_uploads(swarm, vkey, tmp_path, events)
     faults = v.store.faults  # type: ignore[attr-defined]
     faults.fail(layout.contrib_prefix(swarm.run, 0), ops=("size", "get"), times=9)
     report = v.run_window()
