@@ -798,6 +798,33 @@ def test_a_store_down_mid_window_costs_no_window_and_is_said_once(swarm, caplog)
     assert fingerprint(peer.params) == val.fingerprints[-1]
 
 
+def test_a_store_down_while_a_late_peer_replays_is_waited_out(swarm, caplog) -> None:
+    """A peer joins two windows late while the store does not answer its reads of the aggregates:
+    the replay waits, says so once, goes on from the last aggregate it applied, and the peer joins
+    on the chain's θ and trains (the join failed with the store's error before)."""
+    spec, store, val, root = swarm
+    first, _ = make_peer(spec, store, root, "first")
+    run_peers(val, [first], windows=2)
+    down = ReadsDownStore(store, outages=3)
+    down.armed = True
+    late, rec = make_peer(spec, down, root, "late")
+    t = threading.Thread(target=late.run, kwargs={"until_window": 3}, daemon=True)
+    with caplog.at_level(logging.WARNING, logger="client.peer"):
+        t.start()
+        rec.wait_for(lambda: bool(rec.of(Joined)))
+        while val.window < 3:
+            val.close_window(1)
+        t.join(timeout=60)
+    assert not t.is_alive() and down.failed == 3
+    (joined,) = rec.of(Joined)
+    assert joined.window == 2
+    assert [(e.window, e.outcome) for e in rec.of(PeerWindow)] == [(2, "uploaded")]
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("the store does not answer" in m for m in said) == 1, said
+    assert sum("the store answers again" in m for m in said) == 1, said
+    assert fingerprint(late.params) == val.fingerprints[-1]
+
+
 def test_a_window_broken_by_a_store_that_does_not_answer_is_trained_again_while_open(swarm) -> None:
     """Training window 1 breaks twice on a store that does not answer (its deadline far ahead):
     the window is trained again and uploaded, not recorded as failed (nor is any other)."""

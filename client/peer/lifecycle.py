@@ -5,7 +5,9 @@ grant server whose validator is starting, within ``peer.join_timeout_s``), resto
 optimizer and a staged contribution from the state directory, loads the newest checkpoint (waiting
 for genesis within the same bound, and training window 0 from θ₀ meanwhile on the overlapped
 schedule), replays the aggregates after it and re-puts a staged contribution whose window is still
-open. :meth:`Lifecycle.withdraw` replaces the announcement by a signed withdrawal, so that the
+open. A store that stops answering while the checkpoint or the aggregates are read is waited out,
+said once, for as long as ``peer.join_timeout_s`` from the outage's start; the replay goes on from
+the last aggregate it applied. :meth:`Lifecycle.withdraw` replaces the announcement by a signed withdrawal, so that the
 validator stops waiting for this peer at once.
 """
 
@@ -18,6 +20,7 @@ from client.peer.context import PeerContext
 from client.peer.inflight import InFlight, overlaps
 from client.peer.position import CatchUp, Theta
 from client.peer.uploads import Uploads, put_with_retry
+from client.uplink import transient
 from client.window import Trained, WindowJob
 from protocol import layout
 from protocol.errors import ProtocolError, ReasonedError, StoreError, StoreUnavailable
@@ -171,6 +174,10 @@ class Lifecycle:
             try:
                 checkpoint = self.theta.load()
                 break
+            except StoreError as exc:
+                if not self._outlasts(exc):
+                    raise
+                continue
             except ProtocolError as exc:
                 if exc.reason != "not_ready" or ctx.stopping():
                     raise
@@ -186,8 +193,30 @@ class Lifecycle:
                 continue
             ctx.display.update(phase="waiting for genesis")
             time.sleep(next(delays))
-        self.catch_up.replay()
+        while True:  # each try goes on from the last aggregate applied
+            try:
+                self.catch_up.replay()
+                break
+            except StoreError as exc:
+                if not self._outlasts(exc):
+                    raise
+        ctx.outage.up()
         return checkpoint, inner_s
+
+    def _outlasts(self, exc: StoreError) -> bool:
+        """The store stopped answering (``exc``) while this peer joins: True after waiting, said
+        once (:class:`~client.peer.context.Outage`), to be tried again; False (the join fails with
+        ``exc``) for an error that is no outage, once the outage has lasted ``peer.join_timeout_s``
+        or when the peer is stopping."""
+        ctx = self.ctx
+        if not transient(exc) or ctx.stopping():
+            return False
+        wait = ctx.outage.down(exc)
+        since = ctx.outage.since if ctx.outage.since is not None else time.monotonic()
+        if time.monotonic() - since >= ctx.local.peer.join_timeout_s:
+            return False
+        ctx.stop.wait(wait)
+        return not ctx.stopping()
 
     def _train_before_genesis(self, *, deadline: float) -> float:
         """Window 0 from θ₀ while the validator has not published genesis yet: θ₀ is a pure function
