@@ -38,6 +38,11 @@ Every metric is prefixed ``sparseloco_``; each process exposes those its events 
                                                uploaded included (0 until it has to wait for one)
 ``peers_uploaded``                     gauge   the last published window: peers whose upload it read
 ``val_loss``                           gauge   the validator's held-out loss of θ after the last window
+``store_errors_total{kind}``           counter the validator's store requests that failed while it
+                                               gathered, by what was asked (list_contributions,
+                                               list_announcements, read_announcement,
+                                               read_contribution), from each window's one
+                                               ``store_errors`` event (validator)
 ``agreement_steps_total{step}``        counter several validators: the agreement steps this
                                                validator saw (proposed, endorsed, objected,
                                                handover, certified), its own and the others'
@@ -69,6 +74,7 @@ from protocol.events import (
     PeerStarted,
     PeerWindow,
     Stopped,
+    StoreErrors,
     ValidatorStarted,
     WaitingForGenesis,
     WindowOpened,
@@ -137,6 +143,12 @@ class Metrics:
         self.peers_expected = Gauge(PREFIX + "peers_expected", "Peers the validator waits for.", registry=validator)
         self.peers_uploaded = Gauge(PREFIX + "peers_uploaded", "Peers whose upload was read.", registry=validator)
         self.val_loss = Gauge(PREFIX + "val_loss", "Held-out loss of θ after the last window.", registry=validator)
+        self.store_errors = Counter(
+            PREFIX + "store_errors",
+            "Store requests that failed while gathering, by kind.",
+            ["kind"],
+            registry=validator,
+        )
         self._agreement: _AgreementMetrics | None = None  # registered on the first agreement event
         self._phase: str | None = None
         self._set_phase("starting")
@@ -150,6 +162,7 @@ class Metrics:
             WindowOpened: self._opened,
             WindowWaiting: self._waiting,
             WindowPublished: self._published,
+            StoreErrors: self._store_errors,
             AgreementStep: self._agreement_step,
             Stopped: lambda e: self._set_phase("stopped"),
             Failed: lambda e: self._set_phase("failed"),
@@ -229,6 +242,11 @@ class Metrics:
         if e.signers:
             self._agreed().certified(e.view, len(e.signers))
         self._set_phase("published")
+
+    def _store_errors(self, e: Event) -> None:
+        assert isinstance(e, StoreErrors)
+        for kind, n in e.failed.items():
+            self.store_errors.labels(kind=kind).inc(max(0, n))
 
     def _agreement_step(self, e: Event) -> None:
         assert isinstance(e, AgreementStep)

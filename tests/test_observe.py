@@ -20,7 +20,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.errors import DigestMismatch, MalformedPayload
-from protocol.events import AgreementStep, Applied, PeerWindow, WindowOpened, WindowPublished, WindowWaiting
+from protocol.events import (
+    AgreementStep,
+    Applied,
+    PeerWindow,
+    StoreErrors,
+    WindowOpened,
+    WindowPublished,
+    WindowWaiting,
+)
 from protocol.identity import Identity
 from protocol.logformat import JsonFormatter, JsonLogLines
 from protocol.metrics import Metrics
@@ -116,6 +124,11 @@ def test_validator_metrics() -> None:
     assert got[("sparseloco_contributions_total", (("outcome", "accepted"),))] == 2
     assert got[("sparseloco_check_failures_total", (("reason", "stale_base"),))] == 1
     assert got[("sparseloco_phase_seconds", (("phase", "gather"),))] == 1.5
+    metrics(StoreErrors(window=5, failed={"list_contributions": 4, "read_contribution": 2}, reasons={"unavailable": 6}))
+    metrics(StoreErrors(window=6, failed={"list_contributions": 1}))
+    got = samples(generate_latest(metrics.registry).decode())
+    assert got[("sparseloco_store_errors_total", (("kind", "list_contributions"),))] == 5
+    assert got[("sparseloco_store_errors_total", (("kind", "read_contribution"),))] == 2
     assert got[("sparseloco_download_bytes_total", ())] == 300
     assert got[("sparseloco_val_loss", ())] == 3.5
     names = {name for name, _ in got}
