@@ -78,19 +78,25 @@ class _Held:
         return self.report
 
 
+def _restarted_and_holding(sw: Swarm, vkey: Identity, state_dir: object) -> tuple[Validator, _Held]:
+    """Windows 0 and 1 with both peers, a restart, and window 2 gathered with nobody back: held."""
+    _two_windows(sw, vkey, state_dir)
+    events: list[Event] = []
+    v = _validator(sw, vkey, state_dir, events, 3600.0)
+    assert v.state is not None and v.state.window == 2
+    run = _Held(v, events)
+    assert run.held.wait(timeout=60)
+    return v, run
+
+
 def test_a_restarted_validator_holds_an_empty_window_until_a_peer_joins_again(
     swarm: Swarm, vkey: Identity, tmp_path
 ) -> None:
     """Restarted after its peers left, the validator gathers window 2 (nobody uploads), holds it,
     unpublished, and publishes it once a peer announces again (a new join: its announcement
     changed), so window 3 opens then, with its whole deadline."""
-    _two_windows(swarm, vkey, tmp_path)
-    events: list[Event] = []
-    v = _validator(swarm, vkey, tmp_path, events, 3600.0)
-    assert v.state is not None and v.state.window == 2
-    run = _Held(v, events)
-    assert run.held.wait(timeout=60)
-    (held,) = [e for e in events if isinstance(e, WindowHeld)]
+    v, run = _restarted_and_holding(swarm, vkey, tmp_path)
+    (held,) = [e for e in run.events if isinstance(e, WindowHeld)]
     assert (held.window, held.announced, held.hold_s) == (2, 2, 3600.0)
     assert "held until a peer is heard from" in describe(held)
     assert not swarm.store.exists(layout.aggregate_key(swarm.run, 2))  # not published while nobody is back
@@ -106,11 +112,7 @@ def test_a_restarted_validator_holds_an_empty_window_until_a_peer_joins_again(
 
 
 def test_a_grant_to_a_peer_ends_the_hold(swarm: Swarm, vkey: Identity, tmp_path) -> None:
-    _two_windows(swarm, vkey, tmp_path)
-    events: list[Event] = []
-    v = _validator(swarm, vkey, tmp_path, events, 3600.0)
-    run = _Held(v, events)
-    assert run.held.wait(timeout=60)
+    v, run = _restarted_and_holding(swarm, vkey, tmp_path)
     v.heard_from("not-a-peer-of-this-run")  # an identity nobody announced proves nothing
     v.heard_from(swarm.peers[1].peer_id)
     report = run.join()
@@ -119,16 +121,12 @@ def test_a_grant_to_a_peer_ends_the_hold(swarm: Swarm, vkey: Identity, tmp_path)
 
 
 def test_the_hold_is_bounded_and_stopping_publishes_nothing(swarm: Swarm, vkey: Identity, tmp_path) -> None:
-    _two_windows(swarm, vkey, tmp_path)
-    events: list[Event] = []
-    v = _validator(swarm, vkey, tmp_path, events, 3600.0)
-    run = _Held(v, events)
-    assert run.held.wait(timeout=60)
+    v, run = _restarted_and_holding(swarm, vkey, tmp_path)
     v.stop.set()
     assert run.join() is None
     assert not swarm.store.exists(layout.aggregate_key(swarm.run, 2))
     v.close()
-    events = []
+    events: list[Event] = []
     v = _validator(swarm, vkey, tmp_path, events, 0.5)  # restarted again, with a short bound
     report = v.run_window()
     assert report is not None and report.window == 2 and report.accepted == 0
