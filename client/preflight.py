@@ -73,6 +73,7 @@ TIMED_STEPS = 2
 PROBE_SIZES = (1 << 20, 4 << 20)  # smaller probes measure latency, not bandwidth; larger cost a slow link
 PROBE_BUDGET_S = 20.0  # a larger probe is put only when the last one suggests it fits this
 MARGINAL = 0.5  # of the upload deadline: a link that needs more is warned about
+GRANT_TRIES = 3  # asks for the open window's upload grant, when a window closes in between
 
 
 @dataclass(frozen=True)
@@ -403,9 +404,19 @@ class Preflight:
         return self.chain.checkpoint_windows()
 
     def _grant(self) -> Check:
+        """An upload grant for this peer's contribution to the open window. A window that closes
+        between ``/v1/info`` and the request (a window boundary) is no fault of this machine: the
+        open window is asked for again, up to :data:`GRANT_TRIES` times in all."""
         store = self.store
         if not isinstance(store, GrantedStore):
             return _skipped("grant", "no_grant_server", "no store.grant_url: writes use this machine's credential")
+        for _ in range(GRANT_TRIES - 1):
+            check = self._grant_open_window(store)
+            if check.reason != "window_closed":
+                return check
+        return self._grant_open_window(store)
+
+    def _grant_open_window(self, store: GrantedStore) -> Check:
         try:
             info = store.info()
         except (ProtocolError, StoreError) as exc:

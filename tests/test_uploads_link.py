@@ -630,6 +630,42 @@ def test_preflight_before_genesis_says_the_validator_waits_for_peers() -> None:
     )
 
 
+def test_preflight_asks_again_when_the_window_closes_before_its_grant() -> None:
+    """``/v1/info`` names window 7, which closes before the grant request reaches the server (a
+    window boundary): the check asks for the open window again instead of failing a healthy
+    machine; a window that closes every time fails ``window_closed`` after GRANT_TRIES asks."""
+    from client.preflight import GRANT_TRIES, Preflight
+    from protocol.identity import Identity
+    from protocol.settings import LocalSettings
+    from protocol.store.granted import GrantedStore, GrantNotGiven
+
+    spec = tiny_spec(Identity.from_seed(bytes(range(32))))
+    me = Identity.from_seed(b"g" * 32)
+    store = GrantedStore("http://127.0.0.1:9", me, spec.hash())
+    windows = iter(range(7, 100))
+    store.info = lambda: {"run_hash": spec.hash(), "window": next(windows)}  # type: ignore[method-assign]
+    asked: list[str] = []
+    closes = {"keys": 1}
+
+    def ask(request):  # type: ignore[no-untyped-def]
+        asked.append(request.key)
+        if len(asked) <= closes["keys"]:
+            raise GrantNotGiven("window 7 is not open; window 8 is", "window_closed")
+        return None
+
+    store.ask = ask  # type: ignore[method-assign]
+    checks = Preflight(spec, LocalSettings(), me, store, device="cpu")
+    check = checks._grant()
+    assert (check.status, check.figures["window"]) == ("ok", 8), check
+    run = layout.run_id(spec.hash())
+    assert asked == [layout.contrib_key(run, w, me.peer_id) for w in (7, 8)]
+    asked.clear()
+    closes["keys"] = GRANT_TRIES
+    check = checks._grant()
+    assert (check.status, check.reason) == ("failed", "window_closed"), check
+    assert len(asked) == GRANT_TRIES
+
+
 def preflight_run_reason(checks, launch) -> str:  # type: ignore[no-untyped-def]
     checks.chain.launch = launch
     return str(checks._run().reason)
